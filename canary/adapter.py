@@ -1,0 +1,176 @@
+"""Turn any array the caller hands us into a typed, zero-copy view, and check it (SPEC 3.3).
+
+Host arrays (NumPy, anything with ``__array_interface__``, CPU DLPack exporters such as torch CPU tensors)
+are viewed through NumPy itself; device arrays (DLPack or CUDA Array Interface: torch, CuPy, JAX, Numba)
+through ``cuda.core``'s ``StridedMemoryView``. Neither path copies: a view's ``ptr`` is the caller's memory,
+and ``owner`` keeps the exporter alive for as long as the view lives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import BackendUnavailableError, fail
+
+HOST = -1  # device_id of host memory
+
+_DLPACK_CPU = 1
+_DLPACK_CUDA = 2
+_DLPACK_CUDA_MANAGED = 13
+
+
+@dataclass(frozen=True)
+class ArrayView:
+    """A typed view of a caller's array.
+
+    ``strides`` are in elements, not bytes. ``host`` is a NumPy array aliasing the caller's memory for host
+    arrays (``None`` for device arrays). ``device_id`` is -1 for host memory, else the CUDA device ordinal.
+    """
+
+    name: str
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype
+    device_id: int
+    readonly: bool
+    owner: Any
+    host: np.ndarray | None = None
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_id != HOST
+
+    @property
+    def where(self) -> str:
+        return "host memory" if self.device_id == HOST else f"cuda:{self.device_id}"
+
+
+def _dlpack_device(obj: Any) -> tuple[int, int] | None:
+    get = getattr(obj, "__dlpack_device__", None)
+    if get is None:
+        return None
+    dev_type, dev_id = get()
+    return int(dev_type), int(dev_id)
+
+
+def _is_jax(obj: Any) -> bool:
+    return type(obj).__module__.split(".")[0] in ("jax", "jaxlib")
+
+
+def _host_view(name: str, obj: Any, arr: np.ndarray) -> ArrayView:
+    itemsize = arr.dtype.itemsize
+    if any(s % itemsize for s in arr.strides):
+        raise fail(ValueError, f"{name}: expected strides that are whole elements, got byte strides {arr.strides}")
+    return ArrayView(
+        name=name,
+        ptr=int(arr.ctypes.data),
+        shape=tuple(int(n) for n in arr.shape),
+        strides=tuple(int(s) // itemsize for s in arr.strides),
+        dtype=arr.dtype,
+        device_id=HOST,
+        readonly=(not arr.flags.writeable) or _is_jax(obj),
+        owner=obj,
+        host=arr,
+    )
+
+
+def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
+    try:
+        from cuda.core.utils import StridedMemoryView
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise BackendUnavailableError(
+            f"kv-canary: {name} is a CUDA array, and viewing it needs cuda-core: "
+            "pip install 'kv-canary[cuda13]' (or [cuda12], or [numba])"
+        ) from exc
+    try:
+        smv = StridedMemoryView.from_any_interface(obj, stream_ptr=stream_ptr)
+    except BufferError as exc:
+        raise fail(ValueError, f"{name}: could not be viewed through DLPack or the CUDA Array Interface: {exc}") from exc
+    shape = tuple(int(n) for n in smv.shape)
+    if smv.strides is None:
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.append(acc)
+            acc *= max(n, 1)
+        strides = tuple(reversed(strides))
+    else:
+        strides = tuple(int(s) for s in smv.strides)
+    return ArrayView(
+        name=name,
+        ptr=int(smv.ptr),
+        shape=shape,
+        strides=strides,
+        dtype=np.dtype(smv.dtype),
+        device_id=int(smv.device_id),
+        readonly=bool(smv.readonly) or _is_jax(obj),
+        owner=obj,
+    )
+
+
+def as_view(obj: Any, name: str, *, stream_ptr: int = -1) -> ArrayView:
+    """View ``obj`` without copying it.
+
+    ``stream_ptr`` is the consumer stream handed to ``__dlpack__`` for device arrays (-1: no ordering; the
+    planner passes its launch stream). Raises ``ValueError`` (naming ``name``) for objects that are not
+    arrays, and :class:`BackendUnavailableError` for device arrays when cuda-core is not installed.
+    """
+    if isinstance(obj, ArrayView):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return _host_view(name, obj, obj)
+    dev = _dlpack_device(obj)
+    if dev is not None and dev[0] == _DLPACK_CPU:
+        return _host_view(name, obj, np.from_dlpack(obj))
+    if dev is not None or hasattr(obj, "__cuda_array_interface__"):
+        if dev is not None and dev[0] not in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
+            raise fail(ValueError, f"{name}: expected host or CUDA memory, got DLPack device type {dev[0]}")
+        return _device_view(name, obj, stream_ptr)
+    if hasattr(obj, "__array_interface__"):
+        return _host_view(name, obj, np.asarray(obj))
+    raise fail(
+        ValueError,
+        f"{name}: expected an array (NumPy, DLPack or CUDA Array Interface), got {type(obj).__name__}",
+    )
+
+
+def check_view(
+    view: ArrayView,
+    *,
+    dtype: np.dtype | type,
+    ndim: int,
+    length: int | None = None,
+    writable: bool = False,
+) -> ArrayView:
+    """Enforce dtype (no silent casts), rank, leading length, unit inner stride and writability."""
+    want = np.dtype(dtype)
+    if view.dtype != want:
+        raise fail(TypeError, f"{view.name}: expected dtype {want.name}, got {view.dtype.name}")
+    if len(view.shape) != ndim:
+        raise fail(ValueError, f"{view.name}: expected a {ndim}-D array, got shape {view.shape}")
+    if length is not None and view.shape[0] != length:
+        raise fail(ValueError, f"{view.name}: expected length {length}, got {view.shape[0]}")
+    if ndim >= 1 and view.shape[-1] > 1 and view.strides[-1] != 1:
+        raise fail(ValueError, f"{view.name}: expected a unit inner stride, got stride {view.strides[-1]} elements")
+    if ndim == 2 and view.shape[0] > 1 and view.strides[0] < view.shape[1]:
+        raise fail(
+            ValueError,
+            f"{view.name}: expected a row stride >= the row length {view.shape[1]}, got {view.strides[0]} elements",
+        )
+    if writable and view.readonly:
+        raise fail(ValueError, f"{view.name}: expected a writable output array, got a read-only one")
+    return view
+
+
+def check_same_device(views: list[ArrayView]) -> int:
+    """All views on one device; returns its id (-1 for host)."""
+    first = views[0]
+    for v in views[1:]:
+        if v.device_id != first.device_id:
+            raise fail(
+                ValueError,
+                f"{v.name}: expected the same device as {first.name} ({first.where}), got {v.where}",
+            )
+    return first.device_id

@@ -1,0 +1,118 @@
+"""The backend seam: what a backend receives, and how a backend is chosen and imported.
+
+A backend is a module with ``NAME``, ``ON_DEVICE`` (bool) and ``bind(static: StaticArgs) -> Bound``; a
+``Bound`` has ``launch(step: StepArgs, stream: int) -> None`` and ``warmup() -> None``. ``bind`` does
+everything that does not change between calls (compilation, scratch allocation, argument packing); ``launch``
+must not allocate, compile, load modules or sync on the GPU backends.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..adapter import ArrayView
+from ..errors import BackendUnavailableError, fail
+
+BACKENDS = ("reference", "cupy", "numba")
+
+
+@dataclass(frozen=True)
+class StaticArgs:
+    """Everything a planner binds once. Views are already checked (SPEC 3.3)."""
+
+    req_to_token: ArrayView  # [max_reqs, max_seq_len] int32, row stride >= max_seq_len
+    full_to_swa_index_mapping: ArrayView | None  # [lut_len] int64
+    req_to_verify_expected_tokens: ArrayView | None  # [pool_rows, pool_cols] int32
+    swa_window_size: int
+    kv_token_id_vs_position_offset: int
+    verify_slot_indices: ArrayView  # [C] int64
+    verify_expected_tokens: ArrayView
+    verify_expected_positions: ArrayView
+    verify_prev_slot_indices: ArrayView
+    verify_num_valid: ArrayView  # [1] int32
+    enable: ArrayView
+    status: ArrayView
+    write_offsets: ArrayView  # [R+1] int64
+    write_seed_slot_indices: ArrayView  # [R] int64
+    write_num_valid_reqs: ArrayView  # [1] int32
+    verify_capacity: int
+    write_req_capacity: int
+    max_batch_size: int
+    device_id: int  # -1 for host
+
+    @property
+    def max_reqs(self) -> int:
+        return self.req_to_token.shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.req_to_token.shape[1]
+
+    @property
+    def req_pool_index_bound(self) -> int:
+        """Exclusive upper bound of a valid ``req_pool_indices`` value (SPEC 3.4 bit 2)."""
+        pool = self.req_to_verify_expected_tokens
+        return self.max_reqs if pool is None else min(self.max_reqs, pool.shape[0])
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    """The per-step inputs, ``[bs]`` int64 each (``valid_lens`` present iff an expected-token pool is bound)."""
+
+    req_pool_indices: ArrayView
+    prefix_lens: ArrayView
+    extend_seq_lens: ArrayView
+    valid_lens: ArrayView | None
+    bs: int
+
+
+_INSTALL = {
+    "cupy": "pip install 'kv-canary[cuda13]' (CUDA 13 driver) or 'kv-canary[cuda12]' (CUDA 12)",
+    "numba": "pip install 'kv-canary[numba]' (numba-cuda with numpy<2.5)",
+}
+
+
+def import_cupy():
+    """Import CuPy or raise :class:`BackendUnavailableError` with the install command."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailableError(f"kv-canary: backend 'cupy' needs CuPy: {_INSTALL['cupy']}") from exc
+    return cupy
+
+
+def load(name: str):
+    """Import backend module ``name``; raises ``ValueError`` for unknown names."""
+    if name not in BACKENDS:
+        raise fail(ValueError, f"backend: expected one of {', '.join(('auto',) + BACKENDS)}, got {name!r}")
+    return importlib.import_module(f"{__name__}.{name}_backend" if name != "reference" else f"{__name__}.reference")
+
+
+def resolve(name: str, device_id: int):
+    """Pick the backend module for ``name`` ("auto" included) and arrays living on ``device_id``."""
+    if name == "auto":
+        if device_id < 0:
+            return load("reference")
+        try:
+            import_cupy()
+            return load("cupy")
+        except BackendUnavailableError:
+            try:
+                return load("numba")
+            except BackendUnavailableError as exc:
+                raise BackendUnavailableError(
+                    f"kv-canary: backend 'auto' found CUDA arrays but neither CuPy nor numba-cuda: "
+                    f"{_INSTALL['cupy']}, or {_INSTALL['numba']}"
+                ) from exc
+    module = load(name)
+    if module.ON_DEVICE and device_id < 0:
+        raise fail(ValueError, f"backend: {name!r} runs on a CUDA device, but the plan arrays are in host memory")
+    if not module.ON_DEVICE and device_id >= 0:
+        raise fail(ValueError, f"backend: {name!r} runs on the host, but the plan arrays are on cuda:{device_id}")
+    return module
+
+
+INT64 = np.dtype(np.int64)
+INT32 = np.dtype(np.int32)

@@ -1,0 +1,46 @@
+"""Exceptions and the device-side status bitmask (SPEC 3.3, 3.4)."""
+from __future__ import annotations
+
+import enum
+
+
+class PlanStatus(enum.IntFlag):
+    """Bits of the int32 ``status`` output, set on the device by each plan launch (SPEC 3.4).
+
+    ``OVERFLOW`` is a sizing signal (``total > verify_capacity``); every other bit is an input fault and
+    forces ``enable = 0``.
+    """
+
+    OK = 0
+    OVERFLOW = 1
+    BAD_REQ_POOL_INDEX = 2
+    BAD_PREFIX_LEN = 4
+    BAD_SLOT = 8
+    BAD_VALID_LEN = 16
+
+
+INPUT_ERROR_BITS = (
+    PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | PlanStatus.BAD_SLOT | PlanStatus.BAD_VALID_LEN
+)
+
+
+class CanaryInputError(RuntimeError):
+    """A plan's device-side checks found bad input (raised by ``check()``, which syncs).
+
+    Attributes: ``status`` (:class:`PlanStatus`) and ``first_bad_row`` (batch row index, or ``None`` when it
+    could not be located).
+    """
+
+    def __init__(self, message: str, status: PlanStatus, first_bad_row: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.first_bad_row = first_bad_row
+
+
+class BackendUnavailableError(ImportError):
+    """The requested backend's library is missing or unusable; the message says what to install."""
+
+
+def fail(exc_type: type[Exception], message: str) -> Exception:
+    """Build an exception whose message carries the library prefix every user-facing error has."""
+    return exc_type(f"kv-canary: {message}")

@@ -1,0 +1,32 @@
+"""Copy a (small) caller array to host memory, with the array's own library. Used by ``check()`` only."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def to_host(obj: Any) -> np.ndarray:
+    """Return a NumPy copy of ``obj``: a sync for device arrays, so never call this on the hot path."""
+    if isinstance(obj, np.ndarray):
+        return obj
+    module = type(obj).__module__.split(".")[0]
+    if module == "torch":
+        return obj.detach().cpu().numpy()
+    if module == "cupy":
+        return obj.get()
+    if hasattr(obj, "copy_to_host"):  # numba device arrays
+        return obj.copy_to_host()
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is not None and int(dev()[0]) == 1:
+        return np.from_dlpack(obj)
+    if module in ("jax", "jaxlib"):
+        return np.asarray(obj)
+    try:
+        import cupy
+
+        return cupy.asnumpy(cupy.asarray(obj))
+    except ImportError:
+        from numba import cuda
+
+        return cuda.as_cuda_array(obj).copy_to_host()
