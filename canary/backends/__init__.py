@@ -116,3 +116,41 @@ def resolve(name: str, device_id: int):
 
 INT64 = np.dtype(np.int64)
 INT32 = np.dtype(np.int32)
+
+
+def _kernels_dir():
+    """``kernels/``: the package ``canary.kernels`` once installed, or the folder beside ``canary/`` in a checkout
+    whose ``canary`` shadows the installed one (``python -m canary`` from the repository root)."""
+    from importlib import resources
+    from pathlib import Path
+
+    try:
+        return resources.files("canary.kernels")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "kernels"
+
+
+def cupy_backend_source() -> str:
+    """The CUDA C source of the plan kernels (``kernels/plan.cu``)."""
+    return _kernels_dir().joinpath("plan.cu").read_text()
+
+
+def import_kernel_module(name: str):
+    """Import ``kernels/<name>.py`` (the Numba kernels) as ``canary.kernels.<name>``."""
+    import importlib.util
+    import sys
+
+    full = f"canary.kernels.{name}"
+    try:
+        return importlib.import_module(full)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (full, "canary.kernels"):
+            raise  # a library the kernels need is missing, not the kernels
+        if full in sys.modules:
+            return sys.modules[full]
+        path = _kernels_dir().joinpath(f"{name}.py")
+        spec = importlib.util.spec_from_file_location(full, str(path))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+        return module
