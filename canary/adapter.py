@@ -85,6 +85,10 @@ def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
             f"kv-canary: {name} is a CUDA array, and viewing it needs cuda-core: "
             "pip install 'kv-canary[cuda13]' (or [cuda12], or [numba])"
         ) from exc
+    if stream_ptr == -1 and _is_jax(obj):
+        # JAX hands -1 to the driver as a stream handle (CUDA_ERROR_INVALID_HANDLE): order on the legacy
+        # default stream instead, which waits for JAX's pending writes without a host sync.
+        stream_ptr = 1
     try:
         smv = StridedMemoryView.from_any_interface(obj, stream_ptr=stream_ptr)
     except BufferError as exc:
