@@ -106,6 +106,9 @@ def resolve(name: str, device_id: int):
                     f"kv-canary: backend 'auto' found CUDA arrays but neither CuPy nor numba-cuda: "
                     f"{_INSTALL['cupy']}, or {_INSTALL['numba']}"
                 ) from exc
+    if name in ("cupy", "numba") and device_id < 0:
+        # A caller error whatever is installed: say so before importing the backend's library.
+        raise fail(ValueError, f"backend: {name!r} runs on a CUDA device, but the plan arrays are in host memory")
     module = load(name)
     if module.ON_DEVICE and device_id < 0:
         raise fail(ValueError, f"backend: {name!r} runs on a CUDA device, but the plan arrays are in host memory")

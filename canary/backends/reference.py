@@ -113,7 +113,8 @@ def plan_arrays(
         else:
             col = pos + int(token_offset)
             ok = (col >= 0) & (col < np.asarray(valid_lens, dtype=np.int64)[row])
-            expected = np.where(ok, pool[rp, np.where(ok, col, 0)].astype(np.int64), -1)
+            expected = np.full(total, -1, dtype=np.int64)
+            expected[ok] = pool[rp[ok], col[ok]]  # gather only in-range columns (pool_cols may be 0)
         out["verify_slot_indices"][:total] = slot
         out["verify_expected_tokens"][:total] = expected
         out["verify_expected_positions"][:total] = pos

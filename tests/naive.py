@@ -1,0 +1,115 @@
+"""A deliberately naive oracle for SPEC 3.2 / 3.4: one batch row at a time, one token at a time, plain Python.
+
+Written from the text of SPEC.md (not from ``canary/backends/reference.py``), plus the choices the project
+made where the SPEC leaves room (see ``naive_plan``'s docstring). Slow on purpose; use it on small cases.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN = 1, 2, 4, 8, 16
+
+
+def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Return copies of ``outputs`` (the 10 poisoned buffers, keyed by field name) after one plan of ``case``.
+
+    Choices beyond the SPEC text, as decided for the project:
+
+    - a row flagged BAD_REQ_POOL_INDEX or BAD_PREFIX_LEN contributes no verify entries (``total`` excludes it);
+    - the four entry arrays are written only when ``total <= C`` and none of bits 2, 4, 16 is set;
+    - BAD_SLOT is raised only by values actually read: slots and predecessors of written entries, and seeds;
+    - ``verify_num_valid = min(total, C)`` whatever the status.
+    """
+    out = {k: np.array(v, copy=True) for k, v in outputs.items()}
+    r2t = case.req_to_token
+    max_reqs, max_seq_len = int(r2t.shape[0]), int(r2t.shape[1])
+    lut = case.lut
+    pool = case.pool
+    W = int(case.swa_window_size)
+    off = int(case.token_offset)
+    C = int(out["verify_slot_indices"].shape[0])
+    R = int(out["write_seed_slot_indices"].shape[0])
+    bs = len(case.req_pool_indices)
+    status = 0
+
+    def read_slot(rp: int, p: int) -> int:
+        assert 0 <= rp < max_reqs and 0 <= p < max_seq_len, ("out-of-bounds read of req_to_token", rp, p)
+        return int(r2t[rp, p])
+
+    def T(x: int) -> int:
+        nonlocal status
+        if x < 0 or lut is None:
+            return x
+        if x >= len(lut):
+            status |= BAD_SLOT
+            return -1
+        return int(lut[x])
+
+    # Pass 1: per-row checks and the entry list (row, position). Inactive rows: only rp, P, E are looked at.
+    entries: list[tuple[int, int]] = []
+    row_ok: list[bool] = []
+    for r in range(bs):
+        rp = int(case.req_pool_indices[r])
+        P = int(case.prefix_lens[r])
+        if rp == 0:
+            row_ok.append(False)
+            continue
+        ok = True
+        if rp < 0 or rp >= max_reqs or (pool is not None and rp >= pool.shape[0]):
+            status |= BAD_REQ_POOL_INDEX
+            ok = False
+        if P < 0 or P > max_seq_len:
+            status |= BAD_PREFIX_LEN
+            ok = False
+        if pool is not None and int(case.valid_lens[r]) > pool.shape[1]:
+            status |= BAD_VALID_LEN
+        row_ok.append(ok)
+        if not ok:
+            continue
+        window_start = max(0, P - W) if W > 0 else 0
+        for p in range(window_start, P):
+            entries.append((r, p))
+
+    total = len(entries)
+    if total > C:
+        status |= OVERFLOW
+
+    # Pass 2: the entries, only when they are to be written.
+    if total <= C and not status & (BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_VALID_LEN):
+        for i, (r, p) in enumerate(entries):
+            rp = int(case.req_pool_indices[r])
+            slot = T(read_slot(rp, p))
+            prev = T(read_slot(rp, p - 1)) if p > 0 else -1
+            expected = -1
+            if pool is not None:
+                col = p + off
+                if 0 <= col < int(case.valid_lens[r]):
+                    assert col < pool.shape[1], "out-of-bounds read of the expected-token pool"
+                    expected = int(pool[rp, col])
+            out["verify_slot_indices"][i] = slot
+            out["verify_expected_tokens"][i] = expected
+            out["verify_expected_positions"][i] = p
+            out["verify_prev_slot_indices"][i] = prev
+
+    # Write side.
+    for i in range(R + 1):
+        out["write_offsets"][i] = 0
+    running = 0
+    for r in range(bs):
+        rp = int(case.req_pool_indices[r])
+        P = int(case.prefix_lens[r])
+        E = int(case.extend_seq_lens[r])
+        out["write_offsets"][r] = running
+        wlen = E if rp != 0 and E > 0 else 0
+        running += wlen
+        seed = -1
+        if rp != 0 and row_ok[r] and E > 0 and P > 0:
+            seed = T(read_slot(rp, P - 1))
+        out["write_seed_slot_indices"][r] = seed
+    out["write_offsets"][bs] = running
+    out["write_num_valid_reqs"][0] = bs
+
+    out["verify_num_valid"][0] = min(total, C)
+    out["enable"][0] = 1 if status == 0 else 0
+    out["status"][0] = status
+    return out
