@@ -190,12 +190,12 @@ class CanaryPlanner:
             vl = check_view(as_view(valid_lens, "req_to_verify_expected_tokens_valid_lens", stream_ptr=stream_ptr),
                             dtype=INT64, ndim=1, length=bs)
             views.append(vl)
-        if bs > s.max_batch_size:
-            raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {s.max_batch_size}, got bs = {bs}")
         if bs > s.write_req_capacity:
             raise fail(
                 ValueError, f"req_pool_indices: expected bs <= write_req_capacity = {s.write_req_capacity}, got bs = {bs}"
             )
+        if bs > s.max_batch_size:
+            raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {s.max_batch_size}, got bs = {bs}")
         for v in views:
             if v.device_id != s.device_id:
                 where = "host memory" if s.device_id < 0 else f"cuda:{s.device_id}"

@@ -1,207 +1,276 @@
-// kv-canary planning kernels (SPEC 3.2, 3.4), compiled by NVRTC through CuPy.
+// kv-canary planning kernels (SPEC 3.2, 3.4), compiled by NVRTC through CuPy. Numba twin: plan_numba.py.
 //
-// Two launches on the caller's stream, no host sync between them:
-//   canary_plan_rows_*     one block: per-row checks, the verify/write exclusive scans, seeds, status.
-//   canary_plan_entries_*  a fixed grid (sized from verify_capacity, so CUDA-graph replays stay valid):
-//                          one verify entry per thread, its row found in the row scan.
-// Specializations are compile-time only on what changes the code path: HAS_LUT and HAS_POOL.
-// Every index is 64-bit: pools over 2^31 slots exist.
+// Small batches (bs <= FUSED_MAX_BS) take ONE launch, canary_plan_fused_*: every block scans the rows itself
+// (a few KB from L2), keeps the row offsets in shared memory, then emits its share of the verify entries;
+// block 0 also writes the write side. Larger batches take two launches: canary_plan_rows_* (one block: the
+// scans, seeds, row flags into scratch) and canary_plan_entries_* (entries, rows found in the scratch scan).
+// In both, the last block to finish composes status / enable / verify_num_valid and re-arms the scratch
+// counters, so each launch leaves the scratch as it found it (CUDA-graph replays stay correct).
+// Grids are sized from verify_capacity, never from data: a captured graph is valid for any later input.
+// Specialized at compile time only on what changes the code path: HAS_LUT, HAS_POOL. 64-bit indices.
 
 #define CANARY_OVERFLOW 1
 #define CANARY_BAD_REQ_POOL_INDEX 2
 #define CANARY_BAD_PREFIX_LEN 4
 #define CANARY_BAD_SLOT 8
 #define CANARY_BAD_VALID_LEN 16
-// Bits that mean the per-row lengths cannot be trusted: no verify entry is written.
+// The per-row lengths cannot be trusted: no verify entry is written.
 #define CANARY_NO_ENTRIES (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN)
 
-#define ROWS_THREADS 1024
-#define WARPS (ROWS_THREADS / 32)
+#define ROWS_THREADS 1024   // canary_plan_rows_*: one block owns every row
+#define ENTRY_THREADS 256   // canary_plan_fused_* and canary_plan_entries_*
+#define FUSED_MAX_BS 1024   // row offsets of the fused kernel live in shared memory
+
+// Scratch words (int64, owned by the planner, zeroed once at bind, re-armed by every launch).
+#define SCRATCH_DONE 0        // blocks finished (the last one finalizes)
+#define SCRATCH_BAD_SLOT 1    // BAD_SLOT bits from entries and seeds
+#define SCRATCH_ROW_FLAGS 2   // two-pass only: row checks of the rows kernel
+#define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
+#define SCRATCH_OFFSETS 4     // two-pass only: row offsets [bs + 1]
 
 typedef long long i64;
+typedef unsigned long long u64;
+
+// One by-value kernel parameter; every field is 8 bytes, so the host packs it as an array of uint64 words in
+// this order (canary/backends/cupy_backend.py PARAM_FIELDS) and updates only the per-step words per call.
+struct PlanParams {
+    const i64* req_pool_indices;
+    const i64* prefix_lens;
+    const i64* extend_seq_lens;
+    const i64* valid_lens;
+    i64 bs;
+    const int* req_to_token;
+    i64 r2t_row_stride;
+    i64 rp_bound;          // min(max_reqs, pool_rows)
+    i64 max_seq_len;
+    const i64* lut;
+    i64 lut_len;
+    const int* pool;
+    i64 pool_row_stride;
+    i64 pool_cols;
+    i64 token_offset;
+    i64 window;
+    i64 verify_capacity;
+    i64 write_req_capacity;
+    i64* slots;
+    i64* expected;
+    i64* positions;
+    i64* prevs;
+    int* num_valid;
+    int* enable;
+    int* status;
+    i64* write_offsets;
+    i64* seeds;
+    int* write_num_valid_reqs;
+    i64* scratch;
+};
 
 // T of SPEC 3.2: negative ids pass through; ids past the LUT are reported and become -1.
 template <bool HAS_LUT>
-__device__ __forceinline__ i64 translate(i64 raw, const i64* __restrict__ lut, i64 lut_len, int* bad) {
+__device__ __forceinline__ i64 translate(i64 raw, const i64* __restrict__ lut, i64 lut_len, int& bad) {
     if (!HAS_LUT || raw < 0) return raw;
-    if (raw >= lut_len) { *bad = 1; return -1; }
-    return lut[raw];
+    if (raw >= lut_len) { bad = 1; return -1; }
+    return __ldg(lut + raw);
 }
 
-struct RowFacts {
-    i64 vcount;  // verify entries of the row
-    i64 wlen;    // write entries of the row
-    int flags;   // status bits raised by the row
+struct Row {
+    i64 vcount;  // verify entries
+    i64 wlen;    // write entries
+    int flags;   // status bits the row raises
 };
 
 template <bool HAS_POOL>
-__device__ __forceinline__ RowFacts row_facts(i64 r, const i64* __restrict__ rpi, const i64* __restrict__ prefix,
-                                              const i64* __restrict__ ext, const i64* __restrict__ valid_lens,
-                                              i64 rp_bound, i64 max_seq_len, i64 pool_cols, i64 window) {
-    RowFacts f = {0, 0, 0};
-    const i64 rp = rpi[r];
-    if (rp == 0) return f;  // padding row: its lengths may be stale garbage
-    const i64 e = ext[r];
-    const i64 p = prefix[r];
+__device__ __forceinline__ Row row_facts(const PlanParams& p, i64 r) {
+    Row f = {0, 0, 0};
+    const i64 rp = p.req_pool_indices[r];
+    if (rp == 0) return f;  // padding row: its lengths may be stale garbage and are not read further
+    const i64 e = p.extend_seq_lens[r];
+    const i64 len = p.prefix_lens[r];
     f.wlen = e > 0 ? e : 0;
-    if (rp < 0 || rp >= rp_bound) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
-    if (p < 0 || p > max_seq_len) f.flags |= CANARY_BAD_PREFIX_LEN;
-    if (HAS_POOL && valid_lens[r] > pool_cols) f.flags |= CANARY_BAD_VALID_LEN;
-    if (!(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN))) {
-        f.vcount = (window > 0 && p > window) ? window : p;
-    }
+    if (rp < 0 || rp >= p.rp_bound) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
+    if (len < 0 || len > p.max_seq_len) f.flags |= CANARY_BAD_PREFIX_LEN;
+    if (HAS_POOL && p.valid_lens[r] > p.pool_cols) f.flags |= CANARY_BAD_VALID_LEN;
+    if (!(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)))
+        f.vcount = (p.window > 0 && len > p.window) ? p.window : len;
     return f;
 }
 
-// Inclusive block-wide scan of two values per thread; returns the exclusive prefixes and the totals.
-__device__ __forceinline__ void block_scan2(i64 a, i64 b, i64* excl_a, i64* excl_b, i64* tot_a, i64* tot_b) {
+// Exclusive block-wide scan of two int64 per thread (warp shuffles, then one warp over the warp totals).
+template <int THREADS>
+__device__ __forceinline__ void block_scan2(i64 a, i64 b, i64& excl_a, i64& excl_b, i64& tot_a, i64& tot_b) {
+    constexpr int WARPS = THREADS / 32;
     __shared__ i64 warp_a[WARPS], warp_b[WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     i64 ia = a, ib = b;
+#pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-        const i64 ua = __shfl_up_sync(0xffffffffu, ia, d);
-        const i64 ub = __shfl_up_sync(0xffffffffu, ib, d);
+        const i64 ua = __shfl_up_sync(0xffffffffu, ia, d), ub = __shfl_up_sync(0xffffffffu, ib, d);
         if (lane >= d) { ia += ua; ib += ub; }
     }
     if (lane == 31) { warp_a[warp] = ia; warp_b[warp] = ib; }
     __syncthreads();
     if (warp == 0) {
-        i64 wa = warp_a[lane], wb = warp_b[lane];
+        i64 wa = lane < WARPS ? warp_a[lane] : 0, wb = lane < WARPS ? warp_b[lane] : 0;
+#pragma unroll
         for (int d = 1; d < 32; d <<= 1) {
-            const i64 ua = __shfl_up_sync(0xffffffffu, wa, d);
-            const i64 ub = __shfl_up_sync(0xffffffffu, wb, d);
+            const i64 ua = __shfl_up_sync(0xffffffffu, wa, d), ub = __shfl_up_sync(0xffffffffu, wb, d);
             if (lane >= d) { wa += ua; wb += ub; }
         }
-        warp_a[lane] = wa; warp_b[lane] = wb;
+        if (lane < WARPS) { warp_a[lane] = wa; warp_b[lane] = wb; }
     }
     __syncthreads();
-    const i64 base_a = warp ? warp_a[warp - 1] : 0, base_b = warp ? warp_b[warp - 1] : 0;
-    *excl_a = base_a + ia - a;
-    *excl_b = base_b + ib - b;
-    *tot_a = warp_a[WARPS - 1];
-    *tot_b = warp_b[WARPS - 1];
+    excl_a = (warp ? warp_a[warp - 1] : 0) + ia - a;
+    excl_b = (warp ? warp_b[warp - 1] : 0) + ib - b;
+    tot_a = warp_a[WARPS - 1];
+    tot_b = warp_b[WARPS - 1];
+    __syncthreads();  // the totals are read before anyone reuses the arrays
 }
 
-// Launch: grid 1, block ROWS_THREADS. Thread t owns a contiguous chunk of rows, so any bs fits one block.
-template <bool HAS_LUT, bool HAS_POOL>
-__device__ __forceinline__ void plan_rows(
-        const i64* __restrict__ rpi, const i64* __restrict__ prefix, const i64* __restrict__ ext,
-        const i64* __restrict__ valid_lens, const int* __restrict__ r2t, i64 r2t_row_stride, i64 rp_bound,
-        i64 max_seq_len, const i64* __restrict__ lut, i64 lut_len, i64 pool_cols, i64 window, i64 bs,
-        i64 verify_capacity, i64 write_req_capacity, i64* __restrict__ row_offsets,
-        i64* __restrict__ write_offsets, i64* __restrict__ seeds, int* __restrict__ num_valid,
-        int* __restrict__ enable, int* __restrict__ status, int* __restrict__ write_num_valid_reqs) {
+// Scan all rows with THREADS threads, each owning a contiguous chunk of rows. Writes the verify row offsets
+// to voff_out[0..bs] (shared or global memory) and, when WRITE_SIDE, the write offsets, the zeroed tail and
+// the seeds. Returns the verify total; *row_flags gets the block's OR of row flags (all threads), *seed_bad
+// whether a seed fell outside the LUT.
+template <int THREADS, bool HAS_LUT, bool HAS_POOL, bool WRITE_SIDE>
+__device__ __forceinline__ i64 scan_rows(const PlanParams& p, i64* voff_out, int& row_flags, int& seed_bad) {
     __shared__ int s_flags;
     if (threadIdx.x == 0) s_flags = 0;
-    const i64 chunk = (bs + ROWS_THREADS - 1) / ROWS_THREADS;
+    const i64 bs = p.bs;
+    const i64 chunk = (bs + THREADS - 1) / THREADS;
     const i64 lo = min((i64)threadIdx.x * chunk, bs), hi = min(lo + chunk, bs);
-
     i64 vsum = 0, wsum = 0;
     int flags = 0;
     for (i64 r = lo; r < hi; ++r) {
-        const RowFacts f = row_facts<HAS_POOL>(r, rpi, prefix, ext, valid_lens, rp_bound, max_seq_len, pool_cols,
-                                                window);
+        const Row f = row_facts<HAS_POOL>(p, r);
         vsum += f.vcount; wsum += f.wlen; flags |= f.flags;
     }
     i64 voff, woff, vtotal, wtotal;
-    block_scan2(vsum, wsum, &voff, &woff, &vtotal, &wtotal);  // its barriers also publish s_flags = 0
-
-    int bad_seed = 0;
+    block_scan2<THREADS>(vsum, wsum, voff, woff, vtotal, wtotal);  // its barriers publish s_flags = 0
+    int bad = 0;
     for (i64 r = lo; r < hi; ++r) {
-        const RowFacts f = row_facts<HAS_POOL>(r, rpi, prefix, ext, valid_lens, rp_bound, max_seq_len, pool_cols,
-                                                window);
-        row_offsets[r] = voff;
-        write_offsets[r] = woff;
-        i64 seed = -1;
-        if (f.wlen > 0 && !(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN))) {
-            const i64 p = prefix[r];
-            if (p > 0) {
-                seed = translate<HAS_LUT>((i64)r2t[rpi[r] * r2t_row_stride + (p - 1)], lut, lut_len, &bad_seed);
-            }
+        const Row f = row_facts<HAS_POOL>(p, r);  // second read of a few bytes per row, from L1
+        voff_out[r] = voff;
+        if (WRITE_SIDE) {
+            p.write_offsets[r] = woff;
+            i64 seed = -1;
+            const i64 len = p.prefix_lens[r];
+            if (f.wlen > 0 && !(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) && len > 0)
+                seed = translate<HAS_LUT>(
+                    (i64)p.req_to_token[p.req_pool_indices[r] * p.r2t_row_stride + (len - 1)], p.lut, p.lut_len, bad);
+            p.seeds[r] = seed;
         }
-        seeds[r] = seed;
         voff += f.vcount; woff += f.wlen;
     }
-    if (bad_seed) flags |= CANARY_BAD_SLOT;
     if (flags) atomicOr(&s_flags, flags);
-    for (i64 r = bs + 1 + threadIdx.x; r <= write_req_capacity; r += ROWS_THREADS) write_offsets[r] = 0;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        row_offsets[bs] = vtotal;
-        write_offsets[bs] = wtotal;
-        int st = s_flags;
-        if (vtotal > verify_capacity) st |= CANARY_OVERFLOW;
-        *status = st;
-        *enable = st == 0 ? 1 : 0;
-        *num_valid = (int)(vtotal < verify_capacity ? vtotal : verify_capacity);
-        *write_num_valid_reqs = (int)bs;
+    if (threadIdx.x == 0) voff_out[bs] = vtotal;
+    if (WRITE_SIDE) {
+        for (i64 r = bs + 1 + threadIdx.x; r <= p.write_req_capacity; r += THREADS) p.write_offsets[r] = 0;
+        if (threadIdx.x == 0) { p.write_offsets[bs] = wtotal; *p.write_num_valid_reqs = (int)bs; }
     }
+    seed_bad = __syncthreads_or(bad);
+    row_flags = s_flags;
+    return vtotal;
 }
 
-// Last row r in [0, bs) with row_offsets[r] <= i: the row whose entries hold i (empty rows are skipped
-// because the search takes the last of equal offsets).
-__device__ __forceinline__ i64 owning_row(const i64* __restrict__ row_offsets, i64 bs, i64 i) {
-    i64 lo = 0, hi = bs;  // invariant: row_offsets[lo] <= i < row_offsets[hi]
+// Last r in [0, bs) with off[r] <= i: the row holding entry i (empty rows are skipped: the last of equal
+// offsets wins).
+__device__ __forceinline__ i64 owning_row(const i64* off, i64 bs, i64 i) {
+    i64 lo = 0, hi = bs;  // off[lo] <= i < off[hi]
     while (hi - lo > 1) {
         const i64 mid = (lo + hi) >> 1;
-        if (row_offsets[mid] <= i) lo = mid; else hi = mid;
+        if (off[mid] <= i) lo = mid; else hi = mid;
     }
     return lo;
 }
 
+// The verify entries of this block (grid-stride, so consecutive threads write consecutive entries).
+// Returns whether a translated slot fell outside the LUT.
 template <bool HAS_LUT, bool HAS_POOL>
-__device__ __forceinline__ void plan_entries(
-        const i64* __restrict__ rpi, const i64* __restrict__ prefix, const i64* __restrict__ valid_lens,
-        const int* __restrict__ r2t, i64 r2t_row_stride, const i64* __restrict__ lut, i64 lut_len,
-        const int* __restrict__ pool, i64 pool_row_stride, i64 token_offset, i64 window, i64 bs,
-        const i64* __restrict__ row_offsets, i64* __restrict__ slots, i64* __restrict__ expected,
-        i64* __restrict__ positions, i64* __restrict__ prevs, int* __restrict__ enable, int* __restrict__ status) {
-    if (*status & (CANARY_OVERFLOW | CANARY_NO_ENTRIES)) return;
-    const i64 total = row_offsets[bs];
+__device__ __forceinline__ int emit_entries(const PlanParams& p, const i64* off, i64 total) {
     int bad = 0;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-        const i64 r = owning_row(row_offsets, bs, i);
-        const i64 p_len = prefix[r];
-        const i64 start = (window > 0 && p_len > window) ? p_len - window : 0;
-        const i64 pos = start + (i - row_offsets[r]);
-        const i64 rp = rpi[r];
-        const int* row = r2t + rp * r2t_row_stride;
-        slots[i] = translate<HAS_LUT>((i64)row[pos], lut, lut_len, &bad);
-        prevs[i] = pos > 0 ? translate<HAS_LUT>((i64)row[pos - 1], lut, lut_len, &bad) : -1;
-        positions[i] = pos;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const i64 r = owning_row(off, p.bs, i);
+        const i64 len = p.prefix_lens[r];
+        const i64 pos = ((p.window > 0 && len > p.window) ? len - p.window : 0) + (i - off[r]);
+        const i64 rp = p.req_pool_indices[r];
+        const int* row = p.req_to_token + rp * p.r2t_row_stride;
+        p.slots[i] = translate<HAS_LUT>((i64)row[pos], p.lut, p.lut_len, bad);
+        // The window does not reset the chain: its first entry keeps its real predecessor.
+        p.prevs[i] = pos > 0 ? translate<HAS_LUT>((i64)row[pos - 1], p.lut, p.lut_len, bad) : -1;
+        p.positions[i] = pos;
         i64 tok = -1;
         if (HAS_POOL) {
-            const i64 col = pos + token_offset;
-            if (col >= 0 && col < valid_lens[r]) tok = (i64)pool[rp * pool_row_stride + col];
+            const i64 col = pos + p.token_offset;
+            if (col >= 0 && col < p.valid_lens[r]) tok = (i64)p.pool[rp * p.pool_row_stride + col];
         }
-        expected[i] = tok;
+        p.expected[i] = tok;
     }
-    if (bad) {
-        atomicOr(status, CANARY_BAD_SLOT);
-        *enable = 0;
+    return bad;
+}
+
+// Every block calls this once, last thing. The last block to arrive composes the status and re-arms scratch.
+__device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64 total, int bad_slot) {
+    const int any_bad = __syncthreads_or(bad_slot);  // also: every thread of the block has finished its stores
+    if (threadIdx.x == 0) {
+        u64* scratch = reinterpret_cast<u64*>(p.scratch);
+        if (any_bad) atomicOr(scratch + SCRATCH_BAD_SLOT, (u64)CANARY_BAD_SLOT);
+        __threadfence();
+        if (atomicAdd(scratch + SCRATCH_DONE, 1ull) == (u64)gridDim.x - 1) {
+            __threadfence();
+            int st = row_flags | (int)atomicExch(scratch + SCRATCH_BAD_SLOT, 0ull);
+            if (total > p.verify_capacity) st |= CANARY_OVERFLOW;
+            *p.status = st;
+            *p.enable = st == 0 ? 1 : 0;
+            *p.num_valid = (int)(total < p.verify_capacity ? total : p.verify_capacity);
+            scratch[SCRATCH_DONE] = 0;
+        }
     }
 }
 
-#define CANARY_SPECIALIZE(SUFFIX, HAS_LUT, HAS_POOL)                                                            \
-extern "C" __global__ void __launch_bounds__(ROWS_THREADS) canary_plan_rows_##SUFFIX(                           \
-        const i64* rpi, const i64* prefix, const i64* ext, const i64* valid_lens, const int* r2t,                \
-        i64 r2t_row_stride, i64 rp_bound, i64 max_seq_len, const i64* lut, i64 lut_len, i64 pool_cols,          \
-        i64 window, i64 bs, i64 verify_capacity, i64 write_req_capacity, i64* row_offsets, i64* write_offsets,   \
-        i64* seeds, int* num_valid, int* enable, int* status, int* write_num_valid_reqs) {                      \
-    plan_rows<HAS_LUT, HAS_POOL>(rpi, prefix, ext, valid_lens, r2t, r2t_row_stride, rp_bound, max_seq_len, lut, \
-                                 lut_len, pool_cols, window, bs, verify_capacity, write_req_capacity,           \
-                                 row_offsets, write_offsets, seeds, num_valid, enable, status,                  \
-                                 write_num_valid_reqs);                                                         \
-}                                                                                                               \
-extern "C" __global__ void canary_plan_entries_##SUFFIX(                                                        \
-        const i64* rpi, const i64* prefix, const i64* valid_lens, const int* r2t, i64 r2t_row_stride,           \
-        const i64* lut, i64 lut_len, const int* pool, i64 pool_row_stride, i64 token_offset, i64 window,        \
-        i64 bs, const i64* row_offsets, i64* slots, i64* expected, i64* positions, i64* prevs, int* enable,     \
-        int* status) {                                                                                          \
-    plan_entries<HAS_LUT, HAS_POOL>(rpi, prefix, valid_lens, r2t, r2t_row_stride, lut, lut_len, pool,           \
-                                    pool_row_stride, token_offset, window, bs, row_offsets, slots, expected,    \
-                                    positions, prevs, enable, status);                                          \
+template <bool HAS_LUT, bool HAS_POOL>
+__device__ __forceinline__ void plan_fused(const PlanParams& p) {
+    __shared__ i64 s_off[FUSED_MAX_BS + 1];
+    int row_flags, seed_bad;
+    const i64 total = blockIdx.x == 0
+        ? scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, true>(p, s_off, row_flags, seed_bad)
+        : scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, false>(p, s_off, row_flags, seed_bad);
+    int bad = seed_bad;
+    if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
+        bad |= emit_entries<HAS_LUT, HAS_POOL>(p, s_off, total);
+    finalize(p, row_flags, total, bad);
 }
+
+template <bool HAS_LUT, bool HAS_POOL>
+__device__ __forceinline__ void plan_rows(const PlanParams& p) {
+    int row_flags, seed_bad;
+    const i64 total = scan_rows<ROWS_THREADS, HAS_LUT, HAS_POOL, true>(p, p.scratch + SCRATCH_OFFSETS, row_flags,
+                                                                        seed_bad);
+    if (threadIdx.x == 0) {
+        p.scratch[SCRATCH_ROW_FLAGS] = row_flags | (seed_bad ? CANARY_BAD_SLOT : 0);
+        p.scratch[SCRATCH_TOTAL] = total;
+    }
+}
+
+template <bool HAS_LUT, bool HAS_POOL>
+__device__ __forceinline__ void plan_entries(const PlanParams& p) {
+    const int row_flags = (int)p.scratch[SCRATCH_ROW_FLAGS];
+    const i64 total = p.scratch[SCRATCH_TOTAL];
+    int bad = 0;
+    if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
+        bad = emit_entries<HAS_LUT, HAS_POOL>(p, p.scratch + SCRATCH_OFFSETS, total);
+    finalize(p, row_flags, total, bad);
+}
+
+#define CANARY_SPECIALIZE(SUFFIX, HAS_LUT, HAS_POOL)                                                           \
+    extern "C" __global__ void __launch_bounds__(ENTRY_THREADS) canary_plan_fused_##SUFFIX(const PlanParams p) { \
+        plan_fused<HAS_LUT, HAS_POOL>(p);                                                                      \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ROWS_THREADS) canary_plan_rows_##SUFFIX(const PlanParams p) {  \
+        plan_rows<HAS_LUT, HAS_POOL>(p);                                                                       \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ENTRY_THREADS) canary_plan_entries_##SUFFIX(const PlanParams p) { \
+        plan_entries<HAS_LUT, HAS_POOL>(p);                                                                    \
+    }
 
 CANARY_SPECIALIZE(lut0_pool0, false, false)
 CANARY_SPECIALIZE(lut1_pool0, true, false)

@@ -19,5 +19,5 @@ def test_plan_cu_compiles_every_specialization(arch):
     symbols = set(re.findall(rb"canary_plan_\w+", cubin))
     for lut, pool in SPECIALIZATIONS:
         sfx = f"lut{int(lut)}_pool{int(pool)}".encode()
-        assert b"canary_plan_rows_" + sfx in symbols
-        assert b"canary_plan_entries_" + sfx in symbols
+        for kernel in (b"fused", b"rows", b"entries"):
+            assert b"canary_plan_" + kernel + b"_" + sfx in symbols

@@ -1,13 +1,16 @@
-"""CuPy backend: the CUDA C kernels of ``kernels/plan.cu`` compiled by NVRTC through ``cupy.RawModule``.
+"""CuPy backend: the CUDA C kernels of ``kernels/plan.cu``, compiled by NVRTC through ``cupy.RawModule``.
 
-Compilation happens once per process and specialization (LUT present, expected-token pool present); the
-module is loaded once per device. ``bind`` packs every launch argument that does not change between calls
-and allocates the row-offset scratch, so a call only fills in the per-step pointers and ``bs``, then issues
-two launches on the caller's stream: no allocation, compilation, module load or host sync.
+One compile per process (all specializations in one module; CuPy also caches it on disk), one module load
+per device. ``bind`` packs every launch argument into one by-value ``PlanParams`` struct (a NumPy record of
+uint64 words, which CuPy passes as the kernel parameter's bytes), allocates the scratch and fixes the grid
+from ``verify_capacity``. A call then writes five words (the per-step pointers and ``bs``) and issues one
+launch (``bs <= FUSED_MAX_BS``) or two, on the caller's stream: no allocation, compilation, module load or
+host sync, so the call can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
 import functools
+
 import numpy as np
 
 from . import StaticArgs, StepArgs, cupy_backend_source, import_cupy
@@ -17,11 +20,24 @@ ON_DEVICE = True
 
 cupy = import_cupy()
 
-ROWS_THREADS = 1024  # must match ROWS_THREADS in plan.cu
+# Must match plan.cu.
+ROWS_THREADS = 1024
 ENTRY_THREADS = 256
-BLOCKS_PER_SM = 8  # entries grid: enough resident blocks to hide gather latency, fixed so graphs stay valid
+FUSED_MAX_BS = 1024
+SCRATCH_OFFSETS = 4
+BLOCKS_PER_SM = 8  # resident blocks per SM for the entries grid: enough loads in flight to hide gathers
 
-
+# PlanParams of plan.cu, word by word.
+PARAM_FIELDS = (
+    "req_pool_indices", "prefix_lens", "extend_seq_lens", "valid_lens", "bs",
+    "req_to_token", "r2t_row_stride", "rp_bound", "max_seq_len", "lut", "lut_len",
+    "pool", "pool_row_stride", "pool_cols", "token_offset", "window", "verify_capacity", "write_req_capacity",
+    "slots", "expected", "positions", "prevs", "num_valid", "enable", "status",
+    "write_offsets", "seeds", "write_num_valid_reqs", "scratch",
+)
+_PARAM_DTYPE = np.dtype([(name, np.uint64) for name in PARAM_FIELDS])
+_STEP_WORDS = tuple(PARAM_FIELDS.index(n) for n in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
+                                                     "valid_lens", "bs"))
 
 
 def suffix(has_lut: bool, has_pool: bool) -> str:
@@ -30,12 +46,11 @@ def suffix(has_lut: bool, has_pool: bool) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _module() -> "cupy.RawModule":
-    """All four specializations live in one module: one NVRTC compile per process (CuPy caches it on disk)."""
     return cupy.RawModule(code=cupy_backend_source(), options=("--std=c++17",))
 
 
 class _Stream:
-    """What ``cupy.cuda.function.Function`` reads of a stream: its raw handle."""
+    """All ``cupy.cuda.function.Function`` reads of a stream: its raw handle."""
 
     __slots__ = ("ptr",)
 
@@ -43,73 +58,75 @@ class _Stream:
         self.ptr = ptr
 
 
-def _ptr(view) -> np.uint64:
-    return np.uint64(0 if view is None else view.ptr)
+def _word(value: int) -> int:
+    return int(value) & 0xFFFFFFFFFFFFFFFF  # int64 fields travel as their two's-complement bit pattern
 
 
 class Bound:
     def __init__(self, static: StaticArgs):
-        self.static = s = static
+        s = static
         self.device_id = s.device_id
-        has_lut = s.full_to_swa_index_mapping is not None
-        has_pool = s.req_to_verify_expected_tokens is not None
-        self._has_pool = has_pool
-        module, sfx = _module(), suffix(has_lut, has_pool)
+        sfx = suffix(s.full_to_swa_index_mapping is not None, s.req_to_verify_expected_tokens is not None)
+        module = _module()
         with cupy.cuda.Device(self.device_id):
+            self._fused = module.get_function(f"canary_plan_fused_{sfx}")
             self._rows = module.get_function(f"canary_plan_rows_{sfx}")
             self._entries = module.get_function(f"canary_plan_entries_{sfx}")
-            self.row_offsets = cupy.zeros(s.max_batch_size + 1, dtype=cupy.int64)
+            # Head words re-armed by every launch, then the two-pass row offsets [max_batch_size + 1].
+            self.scratch = cupy.zeros(SCRATCH_OFFSETS + s.max_batch_size + 1, dtype=cupy.int64)
             sms = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
-        cap = s.verify_capacity
-        self._entry_grid = (max(1, min(-(-cap // ENTRY_THREADS), sms * BLOCKS_PER_SM)),)
+        self._grid = (max(1, min(-(-s.verify_capacity // ENTRY_THREADS), sms * BLOCKS_PER_SM)),)
         lut, pool, r2t = s.full_to_swa_index_mapping, s.req_to_verify_expected_tokens, s.req_to_token
-        i64 = np.int64
-        self._rows_static = (
-            _ptr(r2t), i64(r2t.strides[0]), i64(s.req_pool_index_bound), i64(s.max_seq_len),
-            _ptr(lut), i64(0 if lut is None else lut.shape[0]),
-            i64(0 if pool is None else pool.shape[1]), i64(s.swa_window_size),
+        values = dict(
+            req_to_token=r2t.ptr, r2t_row_stride=r2t.strides[0], rp_bound=s.req_pool_index_bound,
+            max_seq_len=s.max_seq_len, lut=0 if lut is None else lut.ptr, lut_len=0 if lut is None else lut.shape[0],
+            pool=0 if pool is None else pool.ptr, pool_row_stride=0 if pool is None else pool.strides[0],
+            pool_cols=0 if pool is None else pool.shape[1], token_offset=s.kv_token_id_vs_position_offset,
+            window=s.swa_window_size, verify_capacity=s.verify_capacity, write_req_capacity=s.write_req_capacity,
+            slots=s.verify_slot_indices.ptr, expected=s.verify_expected_tokens.ptr,
+            positions=s.verify_expected_positions.ptr, prevs=s.verify_prev_slot_indices.ptr,
+            num_valid=s.verify_num_valid.ptr, enable=s.enable.ptr, status=s.status.ptr,
+            write_offsets=s.write_offsets.ptr, seeds=s.write_seed_slot_indices.ptr,
+            write_num_valid_reqs=s.write_num_valid_reqs.ptr, scratch=self.scratch.data.ptr,
         )
-        self._rows_tail = (
-            i64(cap), i64(s.write_req_capacity), np.uint64(self.row_offsets.data.ptr), _ptr(s.write_offsets),
-            _ptr(s.write_seed_slot_indices), _ptr(s.verify_num_valid), _ptr(s.enable), _ptr(s.status),
-            _ptr(s.write_num_valid_reqs),
-        )
-        self._entries_static = (
-            _ptr(r2t), i64(r2t.strides[0]), _ptr(lut), i64(0 if lut is None else lut.shape[0]), _ptr(pool),
-            i64(0 if pool is None else pool.strides[0]), i64(s.kv_token_id_vs_position_offset),
-            i64(s.swa_window_size),
-        )
-        self._entries_tail = (
-            np.uint64(self.row_offsets.data.ptr), _ptr(s.verify_slot_indices), _ptr(s.verify_expected_tokens),
-            _ptr(s.verify_expected_positions), _ptr(s.verify_prev_slot_indices), _ptr(s.enable), _ptr(s.status),
-        )
+        self._params = np.zeros(1, dtype=_PARAM_DTYPE)  # passed by value: CuPy copies its bytes at each launch
+        self._words = self._params.view(np.uint64)
+        for name, value in values.items():
+            self._words[PARAM_FIELDS.index(name)] = _word(value)
+        self._args = (self._params,)
+        self._keep = static  # the caller's arrays stay alive while their pointers sit in the params
         self._streams: dict[int, _Stream] = {}
+        self._fns = None
+        self.fused_max_bs = FUSED_MAX_BS  # benchmarks set -1 to time the two-launch path on small batches too
 
     def warmup(self) -> None:
-        with cupy.cuda.Device(self.device_id):
-            self._rows.kernel  # noqa: B018 - compiles (once per process) and loads the module on this device
-            self._entries.kernel  # noqa: B018
+        """Compile (once per process) and load the module on this device; later launches only launch."""
+        if self._fns is None:
+            with cupy.cuda.Device(self.device_id):
+                self._fns = tuple(k.kernel for k in (self._fused, self._rows, self._entries))
 
     def launch(self, step: StepArgs, stream: int) -> None:
         st = self._streams.get(stream)
         if st is None:
             st = self._streams[stream] = _Stream(stream)
-        rpi, pre, ext = np.uint64(step.req_pool_indices.ptr), np.uint64(step.prefix_lens.ptr), np.uint64(
-            step.extend_seq_lens.ptr
-        )
-        vl = _ptr(step.valid_lens)
-        bs = np.int64(step.bs)
+        w, i = self._words, _STEP_WORDS
+        w[i[0]] = step.req_pool_indices.ptr
+        w[i[1]] = step.prefix_lens.ptr
+        w[i[2]] = step.extend_seq_lens.ptr
+        w[i[3]] = 0 if step.valid_lens is None else step.valid_lens.ptr
+        w[i[4]] = step.bs
+        if self._fns is None:
+            self.warmup()
+        fused, rows, entries = self._fns
         dev = cupy.cuda.runtime.getDevice()
         if dev != self.device_id:
             cupy.cuda.runtime.setDevice(self.device_id)
         try:
-            self._rows.kernel(
-                (1,), (ROWS_THREADS,), (rpi, pre, ext, vl) + self._rows_static + (bs,) + self._rows_tail, stream=st
-            )
-            self._entries.kernel(
-                self._entry_grid, (ENTRY_THREADS,), (rpi, pre, vl) + self._entries_static + (bs,) + self._entries_tail,
-                stream=st,
-            )
+            if step.bs <= self.fused_max_bs:
+                fused(self._grid, (ENTRY_THREADS,), self._args, stream=st)
+            else:
+                rows((1,), (ROWS_THREADS,), self._args, stream=st)
+                entries(self._grid, (ENTRY_THREADS,), self._args, stream=st)
         finally:
             if dev != self.device_id:
                 cupy.cuda.runtime.setDevice(dev)
