@@ -71,26 +71,43 @@ class Inputs:
         return self.entries * per_entry + self.bs * (24 + 16)
 
 
-def _r2t(rng, rows, cols, hi):
-    return rng.integers(1, hi, size=(rows, cols), dtype=np.int32)
+PAGE = 16  # tokens per KV page, as in the replay's scheduler
+
+
+def paged_table(rng, rows: int, cols: int) -> tuple[np.ndarray, int]:
+    """A req_to_token whose rows are pages of PAGE consecutive slots drawn from a shuffled pool, as a paged
+    allocator hands them out (page 0 reserved: slot 0 is the padding slot). Returns it and the slot count."""
+    pages_per_row = -(-cols // PAGE)
+    num_pages = rows * pages_per_row + 1
+    pages = rng.permutation(np.arange(1, num_pages, dtype=np.int64)).reshape(rows, pages_per_row)
+    j = np.arange(cols)
+    table = pages[:, j // PAGE] * PAGE + j % PAGE
+    return np.ascontiguousarray(table, dtype=np.int32), num_pages * PAGE  # fancy indexing gave F order
+
+
+def paged_lut(rng, num_slots: int) -> np.ndarray:
+    """full slot -> SWA slot, page for page (a sliding-window pool paged like the full one)."""
+    num_pages = num_slots // PAGE
+    swa_pages = np.concatenate([[0], rng.permutation(np.arange(1, num_pages, dtype=np.int64))])
+    s = np.arange(num_slots, dtype=np.int64)
+    return swa_pages[s // PAGE] * PAGE + s % PAGE
 
 
 def workloads(rng: np.random.Generator, quick: bool) -> list[Inputs]:
-    def batch(name, bs, p_lo, p_hi, e_lo, e_hi, C, W=0, lut_len=0):
-        cols = p_hi + e_hi
+    def batch(name, bs, p_lo, p_hi, e_lo, e_hi, C, W=0):
         P = rng.integers(p_lo, p_hi + 1, size=bs).astype(np.int64)
         E = rng.integers(e_lo, e_hi + 1, size=bs).astype(np.int64)
         rpi = rng.permutation(np.arange(1, bs + 1)).astype(np.int64)
-        hi = lut_len if lut_len else (1 << 31) - 1
-        lut = rng.integers(1, 1 << 30, size=lut_len).astype(np.int64) if lut_len else None
-        return Inputs(name, _r2t(rng, bs + 1, cols, hi), rpi, P, E, C, lut, W)
+        r2t, num_slots = paged_table(rng, bs + 1, p_hi + e_hi)
+        lut = paged_lut(rng, num_slots) if W else None
+        return Inputs(name, r2t, rpi, P, E, C, lut, W)
 
     out = [
         batch("bs1", 1, 64, 256, 1, 1, C=4096),
         batch("bs8_decode", 8, 512, 4096, 1, 1, C=8 * 4096),
         batch("bs256_decode", 256, 512, 4096, 1, 1, C=1 << 20),
         batch("bs32_prefill", 32, 0, 8192, 1, 2048, C=32 * 8192),
-        batch("swa_bs256", 256, 4096, 32768, 1, 1, C=256 * 4096, W=4096, lut_len=1 << 23),
+        batch("swa_bs256", 256, 4096, 32768, 1, 1, C=256 * 4096, W=4096),
         batch("bs4096", 4096, 256, 1024, 1, 1, C=4096 * 1024),
     ]
     if quick:
@@ -259,9 +276,9 @@ def host_breakdown(inp: Inputs) -> dict[str, float]:
     handle = cupy.cuda.get_current_stream().ptr
     t0 = time.perf_counter()
     for _ in range(n):
-        p._step(b.step["req_pool_indices"], b.step["prefix_lens"], b.step["extend_seq_lens"], None, handle or 1)
+        p._step(b.step["req_pool_indices"], b.step["prefix_lens"], b.step["extend_seq_lens"], None, handle)
     res["views_and_checks_us"] = (time.perf_counter() - t0) / n * 1e6
-    step = p._step(b.step["req_pool_indices"], b.step["prefix_lens"], b.step["extend_seq_lens"], None, handle or 1)
+    step = p._step(b.step["req_pool_indices"], b.step["prefix_lens"], b.step["extend_seq_lens"], None, handle)
     t0 = time.perf_counter()
     for _ in range(n):
         p._bound.launch(step, handle)
@@ -311,6 +328,7 @@ def main() -> int:
             row = dict(workload=name, impl=impl, bs=group[0].bs, entries=entries, floor_us=floor_us,
                        min_bytes=sum(w.min_bytes() for w in group) / len(group),
                        anchor_sglang_us=SGLANG_ANCHORS_US.get(name), target_us=TARGETS_US.get(name))
+            sets = None
             try:
                 sets = [[Bound(impl, w) for w in group] for _ in range(max(1, args.sets if len(group) == 1 else 1))]
                 for s in sets[:1]:
@@ -329,7 +347,7 @@ def main() -> int:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del sets
+            sets = None
             cupy.get_default_memory_pool().free_all_blocks()
     breakdown = host_breakdown(workloads(np.random.default_rng(1), True)[0])
     result = dict(commit=git_commit(), gpu=gpu_info(), date=time.strftime("%Y-%m-%d %H:%M:%S"),

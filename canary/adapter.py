@@ -7,8 +7,8 @@ and ``owner`` keeps the exporter alive for as long as the view lives.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import sys
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,8 +21,7 @@ _DLPACK_CUDA = 2
 _DLPACK_CUDA_MANAGED = 13
 
 
-@dataclass(frozen=True)
-class ArrayView:
+class ArrayView(NamedTuple):
     """A typed view of a caller's array.
 
     ``strides`` are in elements, not bytes. ``host`` is a NumPy array aliasing the caller's memory for host
@@ -66,7 +65,7 @@ def _host_view(name: str, obj: Any, arr: np.ndarray) -> ArrayView:
         raise fail(ValueError, f"{name}: expected strides that are whole elements, got byte strides {arr.strides}")
     return ArrayView(
         name=name,
-        ptr=int(arr.ctypes.data),
+        ptr=int(arr.__array_interface__["data"][0]),
         shape=tuple(int(n) for n in arr.shape),
         strides=tuple(int(s) // itemsize for s in arr.strides),
         dtype=arr.dtype,
@@ -114,15 +113,50 @@ def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
     )
 
 
-def as_view(obj: Any, name: str, *, stream_ptr: int = -1) -> ArrayView:
+_TORCH_DTYPES: dict = {}
+
+
+def _fast_device_view(obj: Any, name: str, launch_stream: int) -> ArrayView | None:
+    """CuPy arrays and torch tensors whose library's current stream is the launch stream, by attribute reads.
+
+    DLPack's stream handshake would add no ordering there (producer and consumer stream are the same), so
+    the result equals ``StridedMemoryView``'s at a fraction of the per-call cost. Anything else: ``None``.
+    """
+    module = type(obj).__module__
+    if module.startswith("cupy") and type(obj).__name__ == "ndarray":
+        dev = obj.device.id
+        if sys.modules["cupy"].cuda.get_current_stream(dev).ptr != launch_stream:
+            return None
+        itemsize = obj.itemsize
+        return ArrayView(name, obj.data.ptr, obj.shape, tuple(s // itemsize for s in obj.strides), obj.dtype, dev,
+                         False, obj)
+    if module == "torch" and type(obj).__name__ == "Tensor" and obj.is_cuda:
+        torch = sys.modules["torch"]
+        if not _TORCH_DTYPES:
+            _TORCH_DTYPES.update({torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32)})
+        dtype = _TORCH_DTYPES.get(obj.dtype)
+        dev = obj.device.index
+        if dtype is None or torch.cuda.current_stream(dev).cuda_stream != launch_stream:
+            return None
+        return ArrayView(name, obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), dtype, dev, False, obj)
+    return None
+
+
+def as_view(obj: Any, name: str, *, stream_ptr: int = -1, launch_stream: int | None = None) -> ArrayView:
     """View ``obj`` without copying it.
 
     ``stream_ptr`` is the consumer stream handed to ``__dlpack__`` for device arrays (-1: no ordering; the
-    planner passes its launch stream). Raises ``ValueError`` (naming ``name``) for objects that are not
-    arrays, and :class:`BackendUnavailableError` for device arrays when cuda-core is not installed.
+    planner passes its launch stream). ``launch_stream`` (the raw handle the kernels run on) enables the
+    attribute fast path for CuPy and torch arrays already ordered on it. Raises ``ValueError`` (naming
+    ``name``) for objects that are not arrays, and :class:`BackendUnavailableError` for device arrays when
+    cuda-core is not installed.
     """
     if isinstance(obj, ArrayView):
         return obj
+    if launch_stream is not None:
+        fast = _fast_device_view(obj, name, launch_stream)
+        if fast is not None:
+            return fast
     if isinstance(obj, np.ndarray):
         return _host_view(name, obj, obj)
     dev = _dlpack_device(obj)

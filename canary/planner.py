@@ -163,14 +163,19 @@ class CanaryPlanner:
         """Compile and load everything a call needs, so that later calls only launch (graph-capturable)."""
         self._bound.warmup()
 
-    def _step(self, rpi, prefix, ext, valid_lens, stream_ptr: int) -> StepArgs:
+    def _step(self, rpi, prefix, ext, valid_lens, launch_stream: int | None) -> StepArgs:
         s = self.static
-        first = check_view(as_view(rpi, "req_pool_indices", stream_ptr=stream_ptr), dtype=INT64, ndim=1)
+        stream_ptr = -1 if launch_stream is None else dlpack_stream(launch_stream)
+
+        def view(obj, name):
+            return as_view(obj, name, stream_ptr=stream_ptr, launch_stream=launch_stream)
+
+        first = check_view(view(rpi, "req_pool_indices"), dtype=INT64, ndim=1)
         bs = first.shape[0]
         views = [
             first,
-            check_view(as_view(prefix, "prefix_lens", stream_ptr=stream_ptr), dtype=INT64, ndim=1, length=bs),
-            check_view(as_view(ext, "extend_seq_lens", stream_ptr=stream_ptr), dtype=INT64, ndim=1, length=bs),
+            check_view(view(prefix, "prefix_lens"), dtype=INT64, ndim=1, length=bs),
+            check_view(view(ext, "extend_seq_lens"), dtype=INT64, ndim=1, length=bs),
         ]
         has_pool = s.req_to_verify_expected_tokens is not None
         if has_pool and valid_lens is None:
@@ -187,7 +192,7 @@ class CanaryPlanner:
             )
         vl = None
         if valid_lens is not None:
-            vl = check_view(as_view(valid_lens, "req_to_verify_expected_tokens_valid_lens", stream_ptr=stream_ptr),
+            vl = check_view(view(valid_lens, "req_to_verify_expected_tokens_valid_lens"),
                             dtype=INT64, ndim=1, length=bs)
             views.append(vl)
         if bs > s.write_req_capacity:
@@ -227,7 +232,7 @@ class CanaryPlanner:
                 else current_stream(self.static.verify_slot_indices.owner, self.static.device_id)
             )
         step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens,
-                          dlpack_stream(handle) if on_device else -1)
+                          handle if on_device else None)
         self._bound.launch(step, handle)
         if not check:
             return None

@@ -37,9 +37,7 @@ def current_stream(owner: Any, device_id: int) -> int:
     if module == "torch" and "torch" in sys.modules:
         return int(sys.modules["torch"].cuda.current_stream(device_id).cuda_stream)
     if module == "cupy" and "cupy" in sys.modules:
-        cupy = sys.modules["cupy"]
-        with cupy.cuda.Device(device_id):
-            return int(cupy.cuda.get_current_stream().ptr)
+        return int(sys.modules["cupy"].cuda.get_current_stream(device_id).ptr)
     return 0  # the legacy default stream, like a plain CUDA launch
 
 

@@ -19,14 +19,16 @@
 
 #define ROWS_THREADS 1024   // canary_plan_rows_*: one block owns every row
 #define ENTRY_THREADS 256   // canary_plan_fused_* and canary_plan_entries_*
-#define FUSED_MAX_BS 1024   // row offsets of the fused kernel live in shared memory
+#define FUSED_MAX_BS 512    // the fused kernel keeps its row table in shared memory
+#define ITEMS 4             // verify entries per thread per pass: independent loads in flight
+#define ENTRY_MIN_BLOCKS 4  // resident blocks per SM the register budget must allow (__launch_bounds__)
 
 // Scratch words (int64, owned by the planner, zeroed once at bind, re-armed by every launch).
 #define SCRATCH_DONE 0        // blocks finished (the last one finalizes)
 #define SCRATCH_BAD_SLOT 1    // BAD_SLOT bits from entries and seeds
 #define SCRATCH_ROW_FLAGS 2   // two-pass only: row checks of the rows kernel
 #define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
-#define SCRATCH_OFFSETS 4     // two-pass only: row offsets [bs + 1]
+#define SCRATCH_TABLE 4       // two-pass only: the row table, 5 arrays of max_batch_size + 1 (RowTable)
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -76,16 +78,20 @@ __device__ __forceinline__ i64 translate(i64 raw, const i64* __restrict__ lut, i
 struct Row {
     i64 vcount;  // verify entries
     i64 wlen;    // write entries
+    i64 len;     // prefix_lens[r] (0 for padding rows, which are not read further)
+    i64 rp;      // req_pool_indices[r]
     int flags;   // status bits the row raises
 };
 
 template <bool HAS_POOL>
 __device__ __forceinline__ Row row_facts(const PlanParams& p, i64 r) {
-    Row f = {0, 0, 0};
+    Row f = {0, 0, 0, 0, 0};
     const i64 rp = p.req_pool_indices[r];
     if (rp == 0) return f;  // padding row: its lengths may be stale garbage and are not read further
     const i64 e = p.extend_seq_lens[r];
     const i64 len = p.prefix_lens[r];
+    f.rp = rp;
+    f.len = len;
     f.wlen = e > 0 ? e : 0;
     if (rp < 0 || rp >= p.rp_bound) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
     if (len < 0 || len > p.max_seq_len) f.flags |= CANARY_BAD_PREFIX_LEN;
@@ -94,6 +100,17 @@ __device__ __forceinline__ Row row_facts(const PlanParams& p, i64 r) {
         f.vcount = (p.window > 0 && len > p.window) ? p.window : len;
     return f;
 }
+
+// What an entry needs of its row, found by one search over off[]. Entry i of row r (off[r] <= i < off[r+1]):
+// position = i + pdelta[r], req_to_token index = base[r] + i, expected-token index = pbase[r] + position,
+// valid while 0 <= position + token_offset and position < vlim[r].
+struct RowTable {
+    i64* off;     // [bs + 1] exclusive scan of the verify counts
+    i64* base;    // rp * r2t_row_stride + window_start - off[r]
+    i64* pdelta;  // window_start - off[r]
+    i64* pbase;   // rp * pool_row_stride + token_offset            (HAS_POOL)
+    i64* vlim;    // valid_lens[r] - token_offset                   (HAS_POOL)
+};
 
 // Exclusive block-wide scan of two int64 per thread (warp shuffles, then one warp over the warp totals).
 template <int THREADS>
@@ -126,55 +143,64 @@ __device__ __forceinline__ void block_scan2(i64 a, i64 b, i64& excl_a, i64& excl
     __syncthreads();  // the totals are read before anyone reuses the arrays
 }
 
-// Scan all rows with THREADS threads, each owning a contiguous chunk of rows. Writes the verify row offsets
-// to voff_out[0..bs] (shared or global memory) and, when WRITE_SIDE, the write offsets, the zeroed tail and
-// the seeds. Returns the verify total; *row_flags gets the block's OR of row flags (all threads), *seed_bad
-// whether a seed fell outside the LUT.
+// Scan all rows with THREADS threads, a tile of THREADS rows at a time (one row per thread: coalesced,
+// independent loads), carrying the running sums across tiles. Fills the row table (shared or global memory)
+// and, when WRITE_SIDE, the write offsets, the zeroed tail and the seeds. Returns the verify total;
+// row_flags gets the OR of all row flags (every thread), seed_bad whether a seed fell outside the LUT.
 template <int THREADS, bool HAS_LUT, bool HAS_POOL, bool WRITE_SIDE>
-__device__ __forceinline__ i64 scan_rows(const PlanParams& p, i64* voff_out, int& row_flags, int& seed_bad) {
-    __shared__ int s_flags;
-    if (threadIdx.x == 0) s_flags = 0;
+__device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& row_flags, int& seed_bad) {
     const i64 bs = p.bs;
-    const i64 chunk = (bs + THREADS - 1) / THREADS;
-    const i64 lo = min((i64)threadIdx.x * chunk, bs), hi = min(lo + chunk, bs);
-    i64 vsum = 0, wsum = 0;
-    int flags = 0;
-    for (i64 r = lo; r < hi; ++r) {
-        const Row f = row_facts<HAS_POOL>(p, r);
-        vsum += f.vcount; wsum += f.wlen; flags |= f.flags;
-    }
-    i64 voff, woff, vtotal, wtotal;
-    block_scan2<THREADS>(vsum, wsum, voff, woff, vtotal, wtotal);  // its barriers publish s_flags = 0
-    int bad = 0;
-    for (i64 r = lo; r < hi; ++r) {
-        const Row f = row_facts<HAS_POOL>(p, r);  // second read of a few bytes per row, from L1
-        voff_out[r] = voff;
-        if (WRITE_SIDE) {
-            p.write_offsets[r] = woff;
-            i64 seed = -1;
-            const i64 len = p.prefix_lens[r];
-            if (f.wlen > 0 && !(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) && len > 0)
-                seed = translate<HAS_LUT>(
-                    (i64)p.req_to_token[p.req_pool_indices[r] * p.r2t_row_stride + (len - 1)], p.lut, p.lut_len, bad);
-            p.seeds[r] = seed;
+    i64 vcarry = 0, wcarry = 0;
+    int flags = 0, bad = 0;
+    for (i64 tile = 0; tile < bs; tile += THREADS) {  // uniform across the block: the scan has barriers
+        const i64 r = tile + threadIdx.x;
+        Row f = {0, 0, 0, 0, 0};
+        if (r < bs) f = row_facts<HAS_POOL>(p, r);
+        i64 voff, woff, vtot, wtot;
+        block_scan2<THREADS>(f.vcount, f.wlen, voff, woff, vtot, wtot);
+        voff += vcarry;
+        woff += wcarry;
+        if (r < bs) {
+            t.off[r] = voff;
+            if (f.vcount > 0) {
+                const i64 start = f.len - f.vcount;
+                t.base[r] = f.rp * p.r2t_row_stride + start - voff;
+                t.pdelta[r] = start - voff;
+                if (HAS_POOL) {
+                    t.pbase[r] = f.rp * p.pool_row_stride + p.token_offset;
+                    t.vlim[r] = p.valid_lens[r] - p.token_offset;
+                }
+            }
+            if (WRITE_SIDE) {
+                p.write_offsets[r] = woff;
+                i64 seed = -1;
+                if (f.wlen > 0 && !(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) && f.len > 0)
+                    seed = translate<HAS_LUT>((i64)p.req_to_token[f.rp * p.r2t_row_stride + (f.len - 1)], p.lut,
+                                              p.lut_len, bad);
+                p.seeds[r] = seed;
+            }
+            flags |= f.flags;
         }
-        voff += f.vcount; woff += f.wlen;
+        vcarry += vtot;
+        wcarry += wtot;
     }
-    if (flags) atomicOr(&s_flags, flags);
-    if (threadIdx.x == 0) voff_out[bs] = vtotal;
+    if (threadIdx.x == 0) t.off[bs] = vcarry;
     if (WRITE_SIDE) {
         for (i64 r = bs + 1 + threadIdx.x; r <= p.write_req_capacity; r += THREADS) p.write_offsets[r] = 0;
-        if (threadIdx.x == 0) { p.write_offsets[bs] = wtotal; *p.write_num_valid_reqs = (int)bs; }
+        if (threadIdx.x == 0) { p.write_offsets[bs] = wcarry; *p.write_num_valid_reqs = (int)bs; }
     }
-    seed_bad = __syncthreads_or(bad);
+    __shared__ int s_flags;
+    if (threadIdx.x == 0) s_flags = 0;
+    seed_bad = __syncthreads_or(bad);  // also publishes s_flags = 0 and the row table
+    if (flags) atomicOr(&s_flags, flags);
+    __syncthreads();
     row_flags = s_flags;
-    return vtotal;
+    return vcarry;
 }
 
-// Last r in [0, bs) with off[r] <= i: the row holding entry i (empty rows are skipped: the last of equal
-// offsets wins).
-__device__ __forceinline__ i64 owning_row(const i64* off, i64 bs, i64 i) {
-    i64 lo = 0, hi = bs;  // off[lo] <= i < off[hi]
+// The row holding entry i, given off[lo] <= i < off[hi]: the last r with off[r] <= i (empty rows are
+// skipped: the last of equal offsets wins).
+__device__ __forceinline__ i64 owning_row(const i64* off, i64 lo, i64 hi, i64 i) {
     while (hi - lo > 1) {
         const i64 mid = (lo + hi) >> 1;
         if (off[mid] <= i) lo = mid; else hi = mid;
@@ -182,28 +208,62 @@ __device__ __forceinline__ i64 owning_row(const i64* off, i64 bs, i64 i) {
     return lo;
 }
 
-// The verify entries of this block (grid-stride, so consecutive threads write consecutive entries).
-// Returns whether a translated slot fell outside the LUT.
+// The verify entries of this block. Each pass of a warp covers ITEMS * 32 consecutive entries (lane-major
+// inside each of the ITEMS groups, so stores stay coalesced); all loads of a pass are issued before any
+// store. Lanes 0 and 1 find the rows of the pass's first and last entry; every lane then searches only
+// between them (no step at all when the pass lies in one row, as in decode). A predecessor in the same row is the slot the lane to the left just translated (warp shuffle), so
+// only row heads and lane 0 read req_to_token twice. Returns whether a translated slot fell outside the LUT.
 template <bool HAS_LUT, bool HAS_POOL>
-__device__ __forceinline__ int emit_entries(const PlanParams& p, const i64* off, i64 total) {
+__device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, i64 total) {
     int bad = 0;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const i64 r = owning_row(off, p.bs, i);
-        const i64 len = p.prefix_lens[r];
-        const i64 pos = ((p.window > 0 && len > p.window) ? len - p.window : 0) + (i - off[r]);
-        const i64 rp = p.req_pool_indices[r];
-        const int* row = p.req_to_token + rp * p.r2t_row_stride;
-        p.slots[i] = translate<HAS_LUT>((i64)row[pos], p.lut, p.lut_len, bad);
-        // The window does not reset the chain: its first entry keeps its real predecessor.
-        p.prevs[i] = pos > 0 ? translate<HAS_LUT>((i64)row[pos - 1], p.lut, p.lut_len, bad) : -1;
-        p.positions[i] = pos;
-        i64 tok = -1;
-        if (HAS_POOL) {
-            const i64 col = pos + p.token_offset;
-            if (col >= 0 && col < p.valid_lens[r]) tok = (i64)p.pool[rp * p.pool_row_stride + col];
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const i64 warp = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    for (i64 first = warp * (ITEMS * 32); first < total; first += warps * (ITEMS * 32)) {
+        const i64 last = min(first + ITEMS * 32, total) - 1;
+        i64 edge = 0;
+        if (lane < 2) edge = owning_row(t.off, 0, p.bs, lane == 0 ? first : last);
+        const i64 r_lo = __shfl_sync(0xffffffffu, edge, 0), r_hi = __shfl_sync(0xffffffffu, edge, 1);
+        i64 idx[ITEMS], pos[ITEMS], raw[ITEMS], r_of[ITEMS];
+#pragma unroll
+        for (int k = 0; k < ITEMS; ++k) {
+            const i64 i = first + k * 32 + lane;
+            const i64 r = i < total ? owning_row(t.off, r_lo, r_hi + 1, i) : r_lo;
+            r_of[k] = r;
+            idx[k] = t.base[r] + i;
+            pos[k] = i + t.pdelta[r];
         }
-        p.expected[i] = tok;
+#pragma unroll
+        for (int k = 0; k < ITEMS; ++k) raw[k] = first + k * 32 + lane < total ? (i64)p.req_to_token[idx[k]] : 0;
+        i64 tok[ITEMS];
+        if (HAS_POOL) {
+#pragma unroll
+            for (int k = 0; k < ITEMS; ++k) {
+                const i64 i = first + k * 32 + lane;
+                tok[k] = -1;
+                if (i < total && pos[k] + p.token_offset >= 0 && pos[k] < t.vlim[r_of[k]])
+                    tok[k] = (i64)p.pool[t.pbase[r_of[k]] + pos[k]];
+            }
+        }
+        i64 slot[ITEMS];
+#pragma unroll
+        for (int k = 0; k < ITEMS; ++k) slot[k] = first + k * 32 + lane < total ? translate<HAS_LUT>(raw[k], p.lut, p.lut_len, bad) : 0;
+#pragma unroll
+        for (int k = 0; k < ITEMS; ++k) {
+            const i64 i = first + k * 32 + lane;
+            const i64 left = __shfl_up_sync(0xffffffffu, slot[k], 1);
+            if (i >= total) continue;
+            // Same row as the lane to the left? (the window does not reset the chain: a window head keeps
+            // its real predecessor, read below)
+            const bool inside = lane > 0 && i > t.off[r_of[k]];
+            i64 prev = -1;
+            if (inside) prev = left;
+            else if (pos[k] > 0) prev = translate<HAS_LUT>((i64)p.req_to_token[idx[k] - 1], p.lut, p.lut_len, bad);
+            p.slots[i] = slot[k];
+            p.prevs[i] = prev;
+            p.positions[i] = pos[k];
+            p.expected[i] = HAS_POOL ? tok[k] : -1;
+        }
     }
     return bad;
 }
@@ -229,22 +289,30 @@ __device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64
 
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_fused(const PlanParams& p) {
-    __shared__ i64 s_off[FUSED_MAX_BS + 1];
+    __shared__ i64 s_off[FUSED_MAX_BS + 1], s_base[FUSED_MAX_BS], s_pdelta[FUSED_MAX_BS];
+    __shared__ i64 s_pbase[HAS_POOL ? FUSED_MAX_BS : 1], s_vlim[HAS_POOL ? FUSED_MAX_BS : 1];
+    const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim};
     int row_flags, seed_bad;
     const i64 total = blockIdx.x == 0
-        ? scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, true>(p, s_off, row_flags, seed_bad)
-        : scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, false>(p, s_off, row_flags, seed_bad);
+        ? scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad)
+        : scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, false>(p, t, row_flags, seed_bad);
     int bad = seed_bad;
     if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad |= emit_entries<HAS_LUT, HAS_POOL>(p, s_off, total);
+        bad |= emit_entries<HAS_LUT, HAS_POOL>(p, t, total);
     finalize(p, row_flags, total, bad);
+}
+
+// The two-pass row table lives in scratch after the head words: 5 arrays of stride max_batch_size + 1.
+__device__ __forceinline__ RowTable global_table(const PlanParams& p) {
+    i64* t = p.scratch + SCRATCH_TABLE;
+    const i64 n = p.write_req_capacity + 1;  // the host sizes scratch for max(max_batch_size, R) + 1 rows
+    return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n};
 }
 
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_rows(const PlanParams& p) {
     int row_flags, seed_bad;
-    const i64 total = scan_rows<ROWS_THREADS, HAS_LUT, HAS_POOL, true>(p, p.scratch + SCRATCH_OFFSETS, row_flags,
-                                                                        seed_bad);
+    const i64 total = scan_rows<ROWS_THREADS, HAS_LUT, HAS_POOL, true>(p, global_table(p), row_flags, seed_bad);
     if (threadIdx.x == 0) {
         p.scratch[SCRATCH_ROW_FLAGS] = row_flags | (seed_bad ? CANARY_BAD_SLOT : 0);
         p.scratch[SCRATCH_TOTAL] = total;
@@ -257,18 +325,18 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     const i64 total = p.scratch[SCRATCH_TOTAL];
     int bad = 0;
     if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad = emit_entries<HAS_LUT, HAS_POOL>(p, p.scratch + SCRATCH_OFFSETS, total);
+        bad = emit_entries<HAS_LUT, HAS_POOL>(p, global_table(p), total);
     finalize(p, row_flags, total, bad);
 }
 
 #define CANARY_SPECIALIZE(SUFFIX, HAS_LUT, HAS_POOL)                                                           \
-    extern "C" __global__ void __launch_bounds__(ENTRY_THREADS) canary_plan_fused_##SUFFIX(const PlanParams p) { \
+    extern "C" __global__ void __launch_bounds__(ENTRY_THREADS, ENTRY_MIN_BLOCKS) canary_plan_fused_##SUFFIX(const PlanParams p) { \
         plan_fused<HAS_LUT, HAS_POOL>(p);                                                                      \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ROWS_THREADS) canary_plan_rows_##SUFFIX(const PlanParams p) {  \
         plan_rows<HAS_LUT, HAS_POOL>(p);                                                                       \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ENTRY_THREADS) canary_plan_entries_##SUFFIX(const PlanParams p) { \
+    extern "C" __global__ void __launch_bounds__(ENTRY_THREADS, ENTRY_MIN_BLOCKS) canary_plan_entries_##SUFFIX(const PlanParams p) { \
         plan_entries<HAS_LUT, HAS_POOL>(p);                                                                    \
     }
 

@@ -21,3 +21,16 @@ def test_plan_cu_compiles_every_specialization(arch):
         sfx = f"lut{int(lut)}_pool{int(pool)}".encode()
         for kernel in (b"fused", b"rows", b"entries"):
             assert b"canary_plan_" + kernel + b"_" + sfx in symbols
+
+
+def test_plan_params_layout_matches_the_cuda_struct():
+    """The CuPy backend packs PlanParams word by word: its field list must be the struct's, in order."""
+    from canary.backends.plan_layout import CONSTANTS, PARAM_FIELDS
+
+    src = cupy_backend_source()
+    body = src[src.index("struct PlanParams {"):]
+    body = body[: body.index("};")]
+    fields = re.findall(r"\b(\w+);", body)
+    assert tuple(fields) == PARAM_FIELDS
+    for name, value in CONSTANTS.items():
+        assert re.search(rf"#define {name} {value}\b", src), name

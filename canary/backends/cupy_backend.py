@@ -1,8 +1,8 @@
 """CuPy backend: the CUDA C kernels of ``kernels/plan.cu``, compiled by NVRTC through ``cupy.RawModule``.
 
 One compile per process (all specializations in one module; CuPy also caches it on disk), one module load
-per device. ``bind`` packs every launch argument into one by-value ``PlanParams`` struct (a NumPy record of
-uint64 words, which CuPy passes as the kernel parameter's bytes), allocates the scratch and fixes the grid
+per device. ``bind`` packs every launch argument into one by-value ``PlanParams`` struct (uint64 words in a
+NumPy array whose address CuPy hands to ``cuLaunchKernel``), allocates the scratch and fixes the grid
 from ``verify_capacity``. A call then writes five words (the per-step pointers and ``bs``) and issues one
 launch (``bs <= FUSED_MAX_BS``) or two, on the caller's stream: no allocation, compilation, module load or
 host sync, so the call can be captured in a CUDA graph.
@@ -14,28 +14,16 @@ import functools
 import numpy as np
 
 from . import StaticArgs, StepArgs, cupy_backend_source, import_cupy
+from .plan_layout import (
+    ENTRY_THREADS, FUSED_MAX_BS, PARAM_FIELDS, ROWS_THREADS, entry_grid, scratch_words,
+)
 
 NAME = "cupy"
 ON_DEVICE = True
 
 cupy = import_cupy()
+from cupy.cuda.function import CPointer  # noqa: E402 - what CuPy launches with: the address of one argument
 
-# Must match plan.cu.
-ROWS_THREADS = 1024
-ENTRY_THREADS = 256
-FUSED_MAX_BS = 1024
-SCRATCH_OFFSETS = 4
-BLOCKS_PER_SM = 8  # resident blocks per SM for the entries grid: enough loads in flight to hide gathers
-
-# PlanParams of plan.cu, word by word.
-PARAM_FIELDS = (
-    "req_pool_indices", "prefix_lens", "extend_seq_lens", "valid_lens", "bs",
-    "req_to_token", "r2t_row_stride", "rp_bound", "max_seq_len", "lut", "lut_len",
-    "pool", "pool_row_stride", "pool_cols", "token_offset", "window", "verify_capacity", "write_req_capacity",
-    "slots", "expected", "positions", "prevs", "num_valid", "enable", "status",
-    "write_offsets", "seeds", "write_num_valid_reqs", "scratch",
-)
-_PARAM_DTYPE = np.dtype([(name, np.uint64) for name in PARAM_FIELDS])
 _STEP_WORDS = tuple(PARAM_FIELDS.index(n) for n in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
                                                      "valid_lens", "bs"))
 
@@ -72,10 +60,9 @@ class Bound:
             self._fused = module.get_function(f"canary_plan_fused_{sfx}")
             self._rows = module.get_function(f"canary_plan_rows_{sfx}")
             self._entries = module.get_function(f"canary_plan_entries_{sfx}")
-            # Head words re-armed by every launch, then the two-pass row offsets [max_batch_size + 1].
-            self.scratch = cupy.zeros(SCRATCH_OFFSETS + s.max_batch_size + 1, dtype=cupy.int64)
-            sms = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
-        self._grid = (max(1, min(-(-s.verify_capacity // ENTRY_THREADS), sms * BLOCKS_PER_SM)),)
+            # Head words re-armed by every launch, then the two-pass row table (bs <= R).
+            self.scratch = cupy.zeros(scratch_words(s.write_req_capacity), dtype=cupy.int64)
+            self._sms = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
         lut, pool, r2t = s.full_to_swa_index_mapping, s.req_to_verify_expected_tokens, s.req_to_token
         values = dict(
             req_to_token=r2t.ptr, r2t_row_stride=r2t.strides[0], rp_bound=s.req_pool_index_bound,
@@ -89,11 +76,12 @@ class Bound:
             write_offsets=s.write_offsets.ptr, seeds=s.write_seed_slot_indices.ptr,
             write_num_valid_reqs=s.write_num_valid_reqs.ptr, scratch=self.scratch.data.ptr,
         )
-        self._params = np.zeros(1, dtype=_PARAM_DTYPE)  # passed by value: CuPy copies its bytes at each launch
-        self._words = self._params.view(np.uint64)
+        self._words = np.zeros(len(PARAM_FIELDS), dtype=np.uint64)  # the struct's bytes, word by word
         for name, value in values.items():
             self._words[PARAM_FIELDS.index(name)] = _word(value)
-        self._args = (self._params,)
+        # The launch reads the parameter's bytes through this pointer (cuLaunchKernel copies them), so a call
+        # costs no argument conversion at all; the words stay alive with this object.
+        self._args = (CPointer(self._words.ctypes.data),)
         self._keep = static  # the caller's arrays stay alive while their pointers sit in the params
         self._streams: dict[int, _Stream] = {}
         self._fns = None
@@ -102,8 +90,15 @@ class Bound:
     def warmup(self) -> None:
         """Compile (once per process) and load the module on this device; later launches only launch."""
         if self._fns is None:
+            from cupy_backends.cuda.api.driver import occupancyMaxActiveBlocksPerMultiprocessor as occupancy
+
             with cupy.cuda.Device(self.device_id):
-                self._fns = tuple(k.kernel for k in (self._fused, self._rows, self._entries))
+                fns = tuple(k.kernel for k in (self._fused, self._rows, self._entries))
+                cap = self._keep.verify_capacity
+                self._grids = tuple(
+                    (entry_grid(cap, self._sms, occupancy(fn.ptr, ENTRY_THREADS, 0)),) for fn in (fns[0], fns[2])
+                )
+                self._fns = fns
 
     def launch(self, step: StepArgs, stream: int) -> None:
         st = self._streams.get(stream)
@@ -123,10 +118,10 @@ class Bound:
             cupy.cuda.runtime.setDevice(self.device_id)
         try:
             if step.bs <= self.fused_max_bs:
-                fused(self._grid, (ENTRY_THREADS,), self._args, stream=st)
+                fused(self._grids[0], (ENTRY_THREADS,), self._args, stream=st)
             else:
                 rows((1,), (ROWS_THREADS,), self._args, stream=st)
-                entries(self._grid, (ENTRY_THREADS,), self._args, stream=st)
+                entries(self._grids[1], (ENTRY_THREADS,), self._args, stream=st)
         finally:
             if dev != self.device_id:
                 cupy.cuda.runtime.setDevice(dev)

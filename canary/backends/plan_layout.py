@@ -1,0 +1,31 @@
+"""Constants and the launch-argument layout shared with ``kernels/plan.cu`` (checked against it in CI)."""
+
+# Block sizes and limits, as #defined in plan.cu.
+ROWS_THREADS = 1024
+ENTRY_THREADS = 256
+FUSED_MAX_BS = 512
+ITEMS = 4
+SCRATCH_TABLE = 4
+CONSTANTS = dict(ROWS_THREADS=ROWS_THREADS, ENTRY_THREADS=ENTRY_THREADS, FUSED_MAX_BS=FUSED_MAX_BS, ITEMS=ITEMS,
+                 SCRATCH_TABLE=SCRATCH_TABLE)
+
+# struct PlanParams of plan.cu, field by field (each 8 bytes).
+PARAM_FIELDS = (
+    "req_pool_indices", "prefix_lens", "extend_seq_lens", "valid_lens", "bs",
+    "req_to_token", "r2t_row_stride", "rp_bound", "max_seq_len", "lut", "lut_len",
+    "pool", "pool_row_stride", "pool_cols", "token_offset", "window", "verify_capacity", "write_req_capacity",
+    "slots", "expected", "positions", "prevs", "num_valid", "enable", "status",
+    "write_offsets", "seeds", "write_num_valid_reqs", "scratch",
+)
+
+
+def entry_grid(verify_capacity: int, sms: int, blocks_per_sm: int) -> int:
+    """Blocks of an entries grid: enough for a full plan, but no more than fit on the device at once (the
+    fused kernel scans the rows once per block, so a second wave would scan them again; grid-stride beyond).
+    Depends on the capacity only, never on data, so that a captured CUDA graph stays valid for any input."""
+    return max(1, min(-(-verify_capacity // (ENTRY_THREADS * ITEMS)), sms * max(1, blocks_per_sm)))
+
+
+def scratch_words(write_req_capacity: int) -> int:
+    """int64 words of planner scratch: the head words, then the two-pass row table (5 arrays of R + 1)."""
+    return SCRATCH_TABLE + 5 * (write_req_capacity + 1)
