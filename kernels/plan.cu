@@ -21,6 +21,8 @@
 #define ENTRY_THREADS 256   // canary_plan_fused_* and canary_plan_entries_*
 #define FUSED_MAX_BS 512    // the fused kernel keeps its row table in shared memory
 #define ITEMS 4             // verify entries per thread per pass: independent loads in flight
+#define ENTRY_CHUNK (ITEMS * 32)  // entries of one warp pass; the two-pass chunk index has one row per chunk
+#define ROW_BATCH 4         // row tiles whose loads a scan issues together
 #define ENTRY_MIN_BLOCKS 4  // resident blocks per SM the register budget must allow (__launch_bounds__)
 
 // Scratch words (int64, owned by the planner, zeroed once at bind, re-armed by every launch).
@@ -28,7 +30,8 @@
 #define SCRATCH_BAD_SLOT 1    // BAD_SLOT bits from entries and seeds
 #define SCRATCH_ROW_FLAGS 2   // two-pass only: row checks of the rows kernel
 #define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
-#define SCRATCH_TABLE 4       // two-pass only: the row table, 5 arrays of max_batch_size + 1 (RowTable)
+#define SCRATCH_TABLE 4       // two-pass only: the row table, 5 arrays of R + 1 (RowTable), then the chunk
+                              // index: the row of entry c * ENTRY_CHUNK, ceil(verify_capacity / ENTRY_CHUNK) + 1
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -83,19 +86,18 @@ struct Row {
     int flags;   // status bits the row raises
 };
 
+// rp, e and len are read for every row (padding rows' lengths may be stale garbage: they are read, never
+// trusted); valid_lens only for active rows, which is why it is loaded apart, after rp is known.
 template <bool HAS_POOL>
-__device__ __forceinline__ Row row_facts(const PlanParams& p, i64 r) {
+__device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64 len, i64 vl) {
     Row f = {0, 0, 0, 0, 0};
-    const i64 rp = p.req_pool_indices[r];
-    if (rp == 0) return f;  // padding row: its lengths may be stale garbage and are not read further
-    const i64 e = p.extend_seq_lens[r];
-    const i64 len = p.prefix_lens[r];
+    if (rp == 0) return f;  // padding row
     f.rp = rp;
     f.len = len;
     f.wlen = e > 0 ? e : 0;
     if (rp < 0 || rp >= p.rp_bound) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
     if (len < 0 || len > p.max_seq_len) f.flags |= CANARY_BAD_PREFIX_LEN;
-    if (HAS_POOL && p.valid_lens[r] > p.pool_cols) f.flags |= CANARY_BAD_VALID_LEN;
+    if (HAS_POOL && vl > p.pool_cols) f.flags |= CANARY_BAD_VALID_LEN;
     if (!(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)))
         f.vcount = (p.window > 0 && len > p.window) ? p.window : len;
     return f;
@@ -143,46 +145,66 @@ __device__ __forceinline__ void block_scan2(i64 a, i64 b, i64& excl_a, i64& excl
     __syncthreads();  // the totals are read before anyone reuses the arrays
 }
 
-// Scan all rows with THREADS threads, a tile of THREADS rows at a time (one row per thread: coalesced,
-// independent loads), carrying the running sums across tiles. Fills the row table (shared or global memory)
-// and, when WRITE_SIDE, the write offsets, the zeroed tail and the seeds. Returns the verify total;
-// row_flags gets the OR of all row flags (every thread), seed_bad whether a seed fell outside the LUT.
+// Scan all rows with THREADS threads, a tile of THREADS rows at a time (one row per thread), carrying the
+// running sums across tiles. The loads of ROW_BATCH tiles (and then their seeds) are issued together, so a
+// batch costs two memory round trips, not two per tile. Fills the row table (shared or global memory) and,
+// when WRITE_SIDE, the write offsets, the zeroed tail and the seeds. Returns the verify total; row_flags gets
+// the OR of all row flags (every thread), seed_bad whether a seed fell outside the LUT.
 template <int THREADS, bool HAS_LUT, bool HAS_POOL, bool WRITE_SIDE>
 __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& row_flags, int& seed_bad) {
     const i64 bs = p.bs;
     i64 vcarry = 0, wcarry = 0;
     int flags = 0, bad = 0;
-    for (i64 tile = 0; tile < bs; tile += THREADS) {  // uniform across the block: the scan has barriers
-        const i64 r = tile + threadIdx.x;
-        Row f = {0, 0, 0, 0, 0};
-        if (r < bs) f = row_facts<HAS_POOL>(p, r);
-        i64 voff, woff, vtot, wtot;
-        block_scan2<THREADS>(f.vcount, f.wlen, voff, woff, vtot, wtot);
-        voff += vcarry;
-        woff += wcarry;
-        if (r < bs) {
-            t.off[r] = voff;
-            if (f.vcount > 0) {
-                const i64 start = f.len - f.vcount;
-                t.base[r] = f.rp * p.r2t_row_stride + start - voff;
-                t.pdelta[r] = start - voff;
-                if (HAS_POOL) {
-                    t.pbase[r] = f.rp * p.pool_row_stride + p.token_offset;
-                    t.vlim[r] = p.valid_lens[r] - p.token_offset;
-                }
-            }
-            if (WRITE_SIDE) {
-                p.write_offsets[r] = woff;
-                i64 seed = -1;
-                if (f.wlen > 0 && !(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) && f.len > 0)
-                    seed = translate<HAS_LUT>((i64)p.req_to_token[f.rp * p.r2t_row_stride + (f.len - 1)], p.lut,
-                                              p.lut_len, bad);
-                p.seeds[r] = seed;
-            }
-            flags |= f.flags;
+    for (i64 group = 0; group < bs; group += (i64)THREADS * ROW_BATCH) {  // uniform: the scans have barriers
+        Row f[ROW_BATCH];
+        i64 rp[ROW_BATCH], e[ROW_BATCH], len[ROW_BATCH], vl[ROW_BATCH], seed[ROW_BATCH];
+#pragma unroll
+        for (int k = 0; k < ROW_BATCH; ++k) {
+            const i64 r = group + k * THREADS + threadIdx.x;
+            rp[k] = 0; e[k] = 0; len[k] = 0; vl[k] = 0;
+            if (r < bs) { rp[k] = p.req_pool_indices[r]; e[k] = p.extend_seq_lens[r]; len[k] = p.prefix_lens[r]; }
         }
-        vcarry += vtot;
-        wcarry += wtot;
+#pragma unroll
+        for (int k = 0; k < ROW_BATCH; ++k) {
+            const i64 r = group + k * THREADS + threadIdx.x;
+            if (HAS_POOL && r < bs && rp[k] != 0) vl[k] = p.valid_lens[r];
+        }
+#pragma unroll
+        for (int k = 0; k < ROW_BATCH; ++k) {
+            f[k] = row_facts<HAS_POOL>(p, rp[k], e[k], len[k], vl[k]);
+            seed[k] = -1;
+            if (WRITE_SIDE && f[k].wlen > 0 && f[k].len > 0 &&
+                !(f[k].flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)))
+                seed[k] = (i64)p.req_to_token[f[k].rp * p.r2t_row_stride + (f[k].len - 1)];
+        }
+#pragma unroll
+        for (int k = 0; k < ROW_BATCH; ++k) {
+            const i64 r = group + k * THREADS + threadIdx.x;
+            if (group + k * THREADS >= bs) break;  // uniform across the block
+            i64 voff, woff, vtot, wtot;
+            block_scan2<THREADS>(f[k].vcount, f[k].wlen, voff, woff, vtot, wtot);
+            voff += vcarry;
+            woff += wcarry;
+            if (r < bs) {
+                t.off[r] = voff;
+                if (f[k].vcount > 0) {
+                    const i64 start = f[k].len - f[k].vcount;
+                    t.base[r] = f[k].rp * p.r2t_row_stride + start - voff;
+                    t.pdelta[r] = start - voff;
+                    if (HAS_POOL) {
+                        t.pbase[r] = f[k].rp * p.pool_row_stride + p.token_offset;
+                        t.vlim[r] = vl[k] - p.token_offset;
+                    }
+                }
+                if (WRITE_SIDE) {
+                    p.write_offsets[r] = woff;
+                    p.seeds[r] = translate<HAS_LUT>(seed[k], p.lut, p.lut_len, bad);
+                }
+                flags |= f[k].flags;
+            }
+            vcarry += vtot;
+            wcarry += wtot;
+        }
     }
     if (threadIdx.x == 0) t.off[bs] = vcarry;
     if (WRITE_SIDE) {
@@ -214,16 +236,24 @@ __device__ __forceinline__ i64 owning_row(const i64* off, i64 lo, i64 hi, i64 i)
 // between them (no step at all when the pass lies in one row, as in decode). A predecessor in the same row is the slot the lane to the left just translated (warp shuffle), so
 // only row heads and lane 0 read req_to_token twice. Returns whether a translated slot fell outside the LUT.
 template <bool HAS_LUT, bool HAS_POOL>
-__device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, i64 total) {
+__device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, const i64* chunk_row, i64 total) {
     int bad = 0;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 warp = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    for (i64 first = warp * (ITEMS * 32); first < total; first += warps * (ITEMS * 32)) {
-        const i64 last = min(first + ITEMS * 32, total) - 1;
-        i64 edge = 0;
-        if (lane < 2) edge = owning_row(t.off, 0, p.bs, lane == 0 ? first : last);
-        const i64 r_lo = __shfl_sync(0xffffffffu, edge, 0), r_hi = __shfl_sync(0xffffffffu, edge, 1);
+    for (i64 first = warp * ENTRY_CHUNK; first < total; first += warps * ENTRY_CHUNK) {
+        i64 r_lo, r_hi;
+        if (chunk_row) {  // two-pass: the rows kernel recorded the row of every pass's first entry
+            const i64 c = first / ENTRY_CHUNK;
+            r_lo = chunk_row[c];
+            r_hi = first + ENTRY_CHUNK < total ? chunk_row[c + 1] : p.bs - 1;
+        } else {
+            const i64 last = min(first + ENTRY_CHUNK, total) - 1;
+            i64 edge = 0;
+            if (lane < 2) edge = owning_row(t.off, 0, p.bs, lane == 0 ? first : last);
+            r_lo = __shfl_sync(0xffffffffu, edge, 0);
+            r_hi = __shfl_sync(0xffffffffu, edge, 1);
+        }
         i64 idx[ITEMS], pos[ITEMS], raw[ITEMS], r_of[ITEMS];
 #pragma unroll
         for (int k = 0; k < ITEMS; ++k) {
@@ -268,7 +298,16 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, i64
     return bad;
 }
 
-// Every block calls this once, last thing. The last block to arrive composes the status and re-arms scratch.
+__device__ __forceinline__ void write_status(const PlanParams& p, int st, i64 total) {
+    if (total > p.verify_capacity) st |= CANARY_OVERFLOW;
+    *p.status = st;
+    *p.enable = st == 0 ? 1 : 0;
+    *p.num_valid = (int)(total < p.verify_capacity ? total : p.verify_capacity);
+}
+
+// With a LUT, any block may find a BAD_SLOT: every block calls this once, last thing, and the last block to
+// arrive composes the status and re-arms the scratch words. (Without a LUT the row scan alone decides the
+// status, and one block writes it: no atomics.)
 __device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64 total, int bad_slot) {
     const int any_bad = __syncthreads_or(bad_slot);  // also: every thread of the block has finished its stores
     if (threadIdx.x == 0) {
@@ -277,11 +316,7 @@ __device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64
         __threadfence();
         if (atomicAdd(scratch + SCRATCH_DONE, 1ull) == (u64)gridDim.x - 1) {
             __threadfence();
-            int st = row_flags | (int)atomicExch(scratch + SCRATCH_BAD_SLOT, 0ull);
-            if (total > p.verify_capacity) st |= CANARY_OVERFLOW;
-            *p.status = st;
-            *p.enable = st == 0 ? 1 : 0;
-            *p.num_valid = (int)(total < p.verify_capacity ? total : p.verify_capacity);
+            write_status(p, row_flags | (int)atomicExch(scratch + SCRATCH_BAD_SLOT, 0ull), total);
             scratch[SCRATCH_DONE] = 0;
         }
     }
@@ -296,26 +331,42 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     const i64 total = blockIdx.x == 0
         ? scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad)
         : scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, false>(p, t, row_flags, seed_bad);
+    if (!HAS_LUT && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
     int bad = seed_bad;
     if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad |= emit_entries<HAS_LUT, HAS_POOL>(p, t, total);
-    finalize(p, row_flags, total, bad);
+        bad |= emit_entries<HAS_LUT, HAS_POOL>(p, t, nullptr, total);
+    if (HAS_LUT) finalize(p, row_flags, total, bad);
 }
 
 // The two-pass row table lives in scratch after the head words: 5 arrays of stride max_batch_size + 1.
 __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
     i64* t = p.scratch + SCRATCH_TABLE;
-    const i64 n = p.write_req_capacity + 1;  // the host sizes scratch for max(max_batch_size, R) + 1 rows
+    const i64 n = p.write_req_capacity + 1;  // bs <= R is checked on the host
     return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n};
+}
+
+__device__ __forceinline__ i64* global_chunk_index(const PlanParams& p) {
+    return p.scratch + SCRATCH_TABLE + 5 * (p.write_req_capacity + 1);
 }
 
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_rows(const PlanParams& p) {
+    const RowTable t = global_table(p);
     int row_flags, seed_bad;
-    const i64 total = scan_rows<ROWS_THREADS, HAS_LUT, HAS_POOL, true>(p, global_table(p), row_flags, seed_bad);
+    const i64 total = scan_rows<ROWS_THREADS, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad);
+    row_flags |= seed_bad ? CANARY_BAD_SLOT : 0;
     if (threadIdx.x == 0) {
-        p.scratch[SCRATCH_ROW_FLAGS] = row_flags | (seed_bad ? CANARY_BAD_SLOT : 0);
+        p.scratch[SCRATCH_ROW_FLAGS] = row_flags;
         p.scratch[SCRATCH_TOTAL] = total;
+        if (!HAS_LUT) write_status(p, row_flags, total);
+    }
+    if (total > p.verify_capacity || (row_flags & CANARY_NO_ENTRIES)) return;
+    // The chunk index: each row records itself at every chunk start it holds (the scan's barriers made the
+    // row offsets this block wrote visible to all its threads).
+    i64* chunk_row = global_chunk_index(p);
+    for (i64 r = threadIdx.x; r < p.bs; r += ROWS_THREADS) {
+        const i64 hi = t.off[r + 1];
+        for (i64 c = (t.off[r] + ENTRY_CHUNK - 1) / ENTRY_CHUNK; c * ENTRY_CHUNK < hi; ++c) chunk_row[c] = r;
     }
 }
 
@@ -325,8 +376,8 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     const i64 total = p.scratch[SCRATCH_TOTAL];
     int bad = 0;
     if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad = emit_entries<HAS_LUT, HAS_POOL>(p, global_table(p), total);
-    finalize(p, row_flags, total, bad);
+        bad = emit_entries<HAS_LUT, HAS_POOL>(p, global_table(p), global_chunk_index(p), total);
+    if (HAS_LUT) finalize(p, row_flags, total, bad);
 }
 
 #define CANARY_SPECIALIZE(SUFFIX, HAS_LUT, HAS_POOL)                                                           \

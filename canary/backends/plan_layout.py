@@ -5,9 +5,11 @@ ROWS_THREADS = 1024
 ENTRY_THREADS = 256
 FUSED_MAX_BS = 512
 ITEMS = 4
+ENTRY_CHUNK = ITEMS * 32
+ROW_BATCH = 4
 SCRATCH_TABLE = 4
 CONSTANTS = dict(ROWS_THREADS=ROWS_THREADS, ENTRY_THREADS=ENTRY_THREADS, FUSED_MAX_BS=FUSED_MAX_BS, ITEMS=ITEMS,
-                 SCRATCH_TABLE=SCRATCH_TABLE)
+                 ROW_BATCH=ROW_BATCH, SCRATCH_TABLE=SCRATCH_TABLE)
 
 # struct PlanParams of plan.cu, field by field (each 8 bytes).
 PARAM_FIELDS = (
@@ -26,6 +28,7 @@ def entry_grid(verify_capacity: int, sms: int, blocks_per_sm: int) -> int:
     return max(1, min(-(-verify_capacity // (ENTRY_THREADS * ITEMS)), sms * max(1, blocks_per_sm)))
 
 
-def scratch_words(write_req_capacity: int) -> int:
-    """int64 words of planner scratch: the head words, then the two-pass row table (5 arrays of R + 1)."""
-    return SCRATCH_TABLE + 5 * (write_req_capacity + 1)
+def scratch_words(write_req_capacity: int, verify_capacity: int) -> int:
+    """int64 words of planner scratch: the head words, the two-pass row table (5 arrays of R + 1), then the
+    chunk index (the row of every ENTRY_CHUNK-th entry)."""
+    return SCRATCH_TABLE + 5 * (write_req_capacity + 1) + -(-verify_capacity // ENTRY_CHUNK) + 1
