@@ -21,7 +21,8 @@
 #define ENTRY_THREADS 256   // canary_plan_fused_* and canary_plan_entries_*
 #define FUSED_MAX_BS 512    // the fused kernel keeps its row table in shared memory
 #define ITEMS 4             // verify entries per thread per pass: independent loads in flight
-#define ENTRY_CHUNK (ITEMS * 32)  // entries of one warp pass; the two-pass chunk index has one row per chunk
+#define ENTRY_CHUNK (ITEMS * 32)  // entries of one warp pass
+#define ROW_SAMPLES 512     // two-pass: row offsets sampled into shared memory to shorten the row search
 #define ROW_BATCH 4         // row tiles whose loads a scan issues together
 #define ENTRY_MIN_BLOCKS 4  // resident blocks per SM the register budget must allow (__launch_bounds__)
 
@@ -30,8 +31,7 @@
 #define SCRATCH_BAD_SLOT 1    // BAD_SLOT bits from entries and seeds
 #define SCRATCH_ROW_FLAGS 2   // two-pass only: row checks of the rows kernel
 #define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
-#define SCRATCH_TABLE 4       // two-pass only: the row table, 5 arrays of R + 1 (RowTable), then the chunk
-                              // index: the row of entry c * ENTRY_CHUNK, ceil(verify_capacity / ENTRY_CHUNK) + 1
+#define SCRATCH_TABLE 4       // two-pass only: the row table, 5 arrays of R + 1 (RowTable)
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -235,25 +235,31 @@ __device__ __forceinline__ i64 owning_row(const i64* off, i64 lo, i64 hi, i64 i)
 // store. Lanes 0 and 1 find the rows of the pass's first and last entry; every lane then searches only
 // between them (no step at all when the pass lies in one row, as in decode). A predecessor in the same row is the slot the lane to the left just translated (warp shuffle), so
 // only row heads and lane 0 read req_to_token twice. Returns whether a translated slot fell outside the LUT.
+// Two-pass: every step-th row offset in shared memory, so that a row search is a short search there, then a
+// search of at most `step` rows of the global table.
+struct RowSamples {
+    const i64* off;  // nullptr: the table is in shared memory already (fused), search it whole
+    i64 step;
+    i64 count;
+};
+
+__device__ __forceinline__ i64 find_row(const RowTable& t, const RowSamples& s, i64 bs, i64 i) {
+    if (!s.off) return owning_row(t.off, 0, bs, i);
+    const i64 j = owning_row(s.off, 0, s.count, i);  // s.off[j] <= i; s.off[count] is the total
+    return owning_row(t.off, j * s.step, min((j + 1) * s.step, bs), i);
+}
+
 template <bool HAS_LUT, bool HAS_POOL>
-__device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, const i64* chunk_row, i64 total) {
+__device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, RowSamples samples, i64 total) {
     int bad = 0;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const i64 warp = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     for (i64 first = warp * ENTRY_CHUNK; first < total; first += warps * ENTRY_CHUNK) {
-        i64 r_lo, r_hi;
-        if (chunk_row) {  // two-pass: the rows kernel recorded the row of every pass's first entry
-            const i64 c = first / ENTRY_CHUNK;
-            r_lo = chunk_row[c];
-            r_hi = first + ENTRY_CHUNK < total ? chunk_row[c + 1] : p.bs - 1;
-        } else {
-            const i64 last = min(first + ENTRY_CHUNK, total) - 1;
-            i64 edge = 0;
-            if (lane < 2) edge = owning_row(t.off, 0, p.bs, lane == 0 ? first : last);
-            r_lo = __shfl_sync(0xffffffffu, edge, 0);
-            r_hi = __shfl_sync(0xffffffffu, edge, 1);
-        }
+        const i64 last = min(first + ENTRY_CHUNK, total) - 1;
+        i64 edge = 0;
+        if (lane < 2) edge = find_row(t, samples, p.bs, lane == 0 ? first : last);
+        const i64 r_lo = __shfl_sync(0xffffffffu, edge, 0), r_hi = __shfl_sync(0xffffffffu, edge, 1);
         i64 idx[ITEMS], pos[ITEMS], raw[ITEMS], r_of[ITEMS];
 #pragma unroll
         for (int k = 0; k < ITEMS; ++k) {
@@ -334,7 +340,7 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     if (!HAS_LUT && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
     int bad = seed_bad;
     if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad |= emit_entries<HAS_LUT, HAS_POOL>(p, t, nullptr, total);
+        bad |= emit_entries<HAS_LUT, HAS_POOL>(p, t, RowSamples{nullptr, 0, 0}, total);
     if (HAS_LUT) finalize(p, row_flags, total, bad);
 }
 
@@ -345,9 +351,6 @@ __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
     return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n};
 }
 
-__device__ __forceinline__ i64* global_chunk_index(const PlanParams& p) {
-    return p.scratch + SCRATCH_TABLE + 5 * (p.write_req_capacity + 1);
-}
 
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_rows(const PlanParams& p) {
@@ -360,23 +363,21 @@ __device__ __forceinline__ void plan_rows(const PlanParams& p) {
         p.scratch[SCRATCH_TOTAL] = total;
         if (!HAS_LUT) write_status(p, row_flags, total);
     }
-    if (total > p.verify_capacity || (row_flags & CANARY_NO_ENTRIES)) return;
-    // The chunk index: each row records itself at every chunk start it holds (the scan's barriers made the
-    // row offsets this block wrote visible to all its threads).
-    i64* chunk_row = global_chunk_index(p);
-    for (i64 r = threadIdx.x; r < p.bs; r += ROWS_THREADS) {
-        const i64 hi = t.off[r + 1];
-        for (i64 c = (t.off[r] + ENTRY_CHUNK - 1) / ENTRY_CHUNK; c * ENTRY_CHUNK < hi; ++c) chunk_row[c] = r;
-    }
 }
 
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_entries(const PlanParams& p) {
+    __shared__ i64 s_samples[ROW_SAMPLES + 1];
     const int row_flags = (int)p.scratch[SCRATCH_ROW_FLAGS];
     const i64 total = p.scratch[SCRATCH_TOTAL];
+    const RowTable t = global_table(p);
+    const i64 step = max((p.bs + ROW_SAMPLES - 1) / ROW_SAMPLES, (i64)1), count = (p.bs + step - 1) / step;
+    for (i64 j = threadIdx.x; j < count; j += blockDim.x) s_samples[j] = t.off[j * step];
+    if (threadIdx.x == 0) s_samples[count] = total;
+    __syncthreads();
     int bad = 0;
     if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad = emit_entries<HAS_LUT, HAS_POOL>(p, global_table(p), global_chunk_index(p), total);
+        bad = emit_entries<HAS_LUT, HAS_POOL>(p, t, RowSamples{s_samples, step, count}, total);
     if (HAS_LUT) finalize(p, row_flags, total, bad);
 }
 

@@ -28,7 +28,6 @@ def entry_grid(verify_capacity: int, sms: int, blocks_per_sm: int) -> int:
     return max(1, min(-(-verify_capacity // (ENTRY_THREADS * ITEMS)), sms * max(1, blocks_per_sm)))
 
 
-def scratch_words(write_req_capacity: int, verify_capacity: int) -> int:
-    """int64 words of planner scratch: the head words, the two-pass row table (5 arrays of R + 1), then the
-    chunk index (the row of every ENTRY_CHUNK-th entry)."""
-    return SCRATCH_TABLE + 5 * (write_req_capacity + 1) + -(-verify_capacity // ENTRY_CHUNK) + 1
+def scratch_words(write_req_capacity: int) -> int:
+    """int64 words of planner scratch: the head words, then the two-pass row table (5 arrays of R + 1)."""
+    return SCRATCH_TABLE + 5 * (write_req_capacity + 1)
