@@ -116,16 +116,17 @@ def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
 _TORCH_DTYPES: dict = {}
 
 
-def _fast_device_view(obj: Any, name: str, launch_stream: int) -> ArrayView | None:
+def _fast_device_view(obj: Any, name: str, launch_stream: int, ordered_lib: str | None) -> ArrayView | None:
     """CuPy arrays and torch tensors whose library's current stream is the launch stream, by attribute reads.
 
     DLPack's stream handshake would add no ordering there (producer and consumer stream are the same), so
-    the result equals ``StridedMemoryView``'s at a fraction of the per-call cost. Anything else: ``None``.
+    the result equals ``StridedMemoryView``'s at a fraction of the per-call cost. ``ordered_lib`` names a
+    library already known to be current on the launch stream (no need to ask it). Anything else: ``None``.
     """
     module = type(obj).__module__
     if module.startswith("cupy") and type(obj).__name__ == "ndarray":
         dev = obj.device.id
-        if sys.modules["cupy"].cuda.get_current_stream(dev).ptr != launch_stream:
+        if ordered_lib != "cupy" and sys.modules["cupy"].cuda.get_current_stream(dev).ptr != launch_stream:
             return None
         itemsize = obj.itemsize
         return ArrayView(name, obj.data.ptr, obj.shape, tuple(s // itemsize for s in obj.strides), obj.dtype, dev,
@@ -136,25 +137,27 @@ def _fast_device_view(obj: Any, name: str, launch_stream: int) -> ArrayView | No
             _TORCH_DTYPES.update({torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32)})
         dtype = _TORCH_DTYPES.get(obj.dtype)
         dev = obj.device.index
-        if dtype is None or torch.cuda.current_stream(dev).cuda_stream != launch_stream:
+        if dtype is None or (ordered_lib != "torch" and torch.cuda.current_stream(dev).cuda_stream != launch_stream):
             return None
         return ArrayView(name, obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), dtype, dev, False, obj)
     return None
 
 
-def as_view(obj: Any, name: str, *, stream_ptr: int = -1, launch_stream: int | None = None) -> ArrayView:
+def as_view(obj: Any, name: str, *, stream_ptr: int = -1, launch_stream: int | None = None,
+            ordered_lib: str | None = None) -> ArrayView:
     """View ``obj`` without copying it.
 
     ``stream_ptr`` is the consumer stream handed to ``__dlpack__`` for device arrays (-1: no ordering; the
     planner passes its launch stream). ``launch_stream`` (the raw handle the kernels run on) enables the
-    attribute fast path for CuPy and torch arrays already ordered on it. Raises ``ValueError`` (naming
+    attribute fast path for CuPy and torch arrays already ordered on it (``ordered_lib``: the library whose
+    current stream it is, when the caller knows). Raises ``ValueError`` (naming
     ``name``) for objects that are not arrays, and :class:`BackendUnavailableError` for device arrays when
     cuda-core is not installed.
     """
     if isinstance(obj, ArrayView):
         return obj
     if launch_stream is not None:
-        fast = _fast_device_view(obj, name, launch_stream)
+        fast = _fast_device_view(obj, name, launch_stream, ordered_lib)
         if fast is not None:
             return fast
     if isinstance(obj, np.ndarray):

@@ -163,20 +163,22 @@ class CanaryPlanner:
         """Compile and load everything a call needs, so that later calls only launch (graph-capturable)."""
         self._bound.warmup()
 
-    def _step(self, rpi, prefix, ext, valid_lens, launch_stream: int | None) -> StepArgs:
+    def _step(self, rpi, prefix, ext, valid_lens, launch_stream: int | None, ordered_lib: str | None = None
+              ) -> StepArgs:
         s = self.static
         stream_ptr = -1 if launch_stream is None else dlpack_stream(launch_stream)
 
-        def view(obj, name):
-            return as_view(obj, name, stream_ptr=stream_ptr, launch_stream=launch_stream)
+        def view(obj, name, length=None):
+            v = as_view(obj, name, stream_ptr=stream_ptr, launch_stream=launch_stream, ordered_lib=ordered_lib)
+            shape = v.shape
+            if v.dtype == INT64 and len(shape) == 1 and (length is None or shape[0] == length) and (
+                    shape[0] <= 1 or v.strides[0] == 1):
+                return v  # the common case, checked in one expression; check_view words any failure
+            return check_view(v, dtype=INT64, ndim=1, length=length)
 
-        first = check_view(view(rpi, "req_pool_indices"), dtype=INT64, ndim=1)
+        first = view(rpi, "req_pool_indices")
         bs = first.shape[0]
-        views = [
-            first,
-            check_view(view(prefix, "prefix_lens"), dtype=INT64, ndim=1, length=bs),
-            check_view(view(ext, "extend_seq_lens"), dtype=INT64, ndim=1, length=bs),
-        ]
+        views = [first, view(prefix, "prefix_lens", bs), view(ext, "extend_seq_lens", bs)]
         has_pool = s.req_to_verify_expected_tokens is not None
         if has_pool and valid_lens is None:
             raise fail(
@@ -192,8 +194,7 @@ class CanaryPlanner:
             )
         vl = None
         if valid_lens is not None:
-            vl = check_view(view(valid_lens, "req_to_verify_expected_tokens_valid_lens"),
-                            dtype=INT64, ndim=1, length=bs)
+            vl = view(valid_lens, "req_to_verify_expected_tokens_valid_lens", bs)
             views.append(vl)
         if bs > s.write_req_capacity:
             raise fail(
@@ -224,15 +225,16 @@ class CanaryPlanner:
         syncs and raises :class:`CanaryInputError` on input-fault status bits, else returns the status.
         """
         on_device = self.static.device_id >= 0
-        handle = 0
+        handle, ordered_lib = 0, None
         if on_device:
-            handle = (
-                stream_handle(stream)
-                if stream is not None
-                else current_stream(self.static.verify_slot_indices.owner, self.static.device_id)
-            )
+            if stream is not None:
+                handle = stream_handle(stream)
+            else:
+                owner = self.static.verify_slot_indices.owner
+                handle = current_stream(owner, self.static.device_id)
+                ordered_lib = type(owner).__module__.split(".")[0]  # its arrays are ordered on that stream
         step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens,
-                          handle if on_device else None)
+                          handle if on_device else None, ordered_lib)
         self._bound.launch(step, handle)
         if not check:
             return None
