@@ -1,0 +1,257 @@
+"""Numba backend: the kernels of ``kernels/plan_numba.py`` (the twin of ``kernels/plan.cu``) through numba-cuda.
+
+Imported only when the backend is requested (``import canary`` never imports numba). At import it refuses,
+with :class:`BackendUnavailableError` and the install command, a numpy that numba-cuda cannot compile under
+(>= 2.5, GPU.md) and a missing numba-cuda, before anything is compiled.
+
+``bind`` does everything that does not change between calls, on the device holding the buffers: eager
+compilation of the (LUT, pool) specialization, device arrays over the static buffers (zero-copy, from their
+pointers, never synchronizing as numba does by default for CUDA-Array-Interface arguments), the scratch
+(plan.cu's head words + ``max_batch_size + 1`` row offsets, zeroed once), the grid (from verify_capacity and
+the SM count) and the launch arguments (plan.cu's ``PlanParams`` order). ``warmup`` loads the module on the
+device. A call wraps the per-step pointers (cached by pointer), then issues one launch (bs <=
+``FUSED_MAX_BS``) or two on the caller's stream (a raw handle, wrapped once per handle with
+``cuda.external_stream``): no allocation, compilation, module load or host sync, so it can be captured in a
+CUDA graph.
+
+Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, what CI runs) the "device" is host memory:
+``ON_DEVICE`` is False, the planner's host arrays go to the kernels as NumPy arrays (inputs copied in only,
+outputs copied in and back, as the simulator does), streams are ignored (launches run synchronously), and
+the blocks are small (``SIMULATOR_*_THREADS``: one Python thread per CUDA thread).
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from ..errors import BackendUnavailableError
+from . import _INSTALL, StaticArgs, StepArgs
+
+NAME = "numba"
+
+# numba-cuda 0.30 registers np.row_stack, which numpy 2.5 removed: every kernel compile fails with
+# AttributeError. Refuse here, before importing numba or compiling anything (the [numba] extra pins numpy<2.5).
+NUMPY_TOO_NEW = (2, 5)
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``"2.5.0rc1"`` or ``"2.4.6"``."""
+    out = []
+    for piece in version.split(".")[:2]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        out.append(int(digits or 0))
+    while len(out) < 2:
+        out.append(0)
+    return out[0], out[1]
+
+
+if _version_tuple(np.__version__) >= NUMPY_TOO_NEW:
+    raise BackendUnavailableError(
+        f"kv-canary: backend 'numba' cannot run with numpy {np.__version__}: numba-cuda cannot compile kernels "
+        f"with numpy >= {NUMPY_TOO_NEW[0]}.{NUMPY_TOO_NEW[1]} (it registers np.row_stack, which numpy 2.5 "
+        f"removed): {_INSTALL['numba']}"
+    )
+
+try:
+    from numba import cuda
+except ImportError as exc:  # numba, numba-cuda or the CUDA Python bindings missing
+    raise BackendUnavailableError(f"kv-canary: backend 'numba' needs numba-cuda ({exc}): {_INSTALL['numba']}") from exc
+
+
+def _simulator_enabled() -> bool:
+    try:
+        from numba.cuda.core import config  # numba-cuda keeps its own copy of the configuration
+    except ImportError:  # pragma: no cover - older numba-cuda
+        from numba.core import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+SIMULATOR = _simulator_enabled()
+ON_DEVICE = not SIMULATOR
+
+try:
+    from numba.cuda.core.errors import NumbaPerformanceWarning as _PerformanceWarning
+except ImportError:  # pragma: no cover - older numba-cuda
+    _PerformanceWarning = Warning
+
+from ..kernels import plan_numba  # noqa: E402 - after the checks above: it imports numba
+
+ROWS_THREADS = plan_numba.ROWS_THREADS
+ENTRY_THREADS = plan_numba.ENTRY_THREADS
+FUSED_MAX_BS = plan_numba.FUSED_MAX_BS
+SCRATCH_OFFSETS = plan_numba.SCRATCH_OFFSETS
+BLOCKS_PER_SM = 8  # resident blocks per SM for the entries grid (as the CuPy backend)
+# The simulator runs one Python thread per CUDA thread and one block after another: the same kernels with
+# small blocks keep CI fast and also exercise multi-row chunks and the grid-stride loop on small cases.
+# Tests may change these before binding.
+SIMULATOR_ROWS_THREADS = 32
+SIMULATOR_ENTRY_THREADS = 32
+SIMULATOR_SMS = 1
+_STEP_CACHE_SIZE = 64  # per-step device arrays kept per planner, keyed by (pointer, length)
+
+
+def grid_size(verify_capacity: int, sms: int, entry_threads: int = ENTRY_THREADS) -> int:
+    """Blocks of the fused / entries launch: one entry per thread up to ``sms * BLOCKS_PER_SM`` blocks, then
+    grid-stride. Depends only on the capacity, so a captured graph stays valid for any later input."""
+    return max(1, min(-(-verify_capacity // entry_threads), sms * BLOCKS_PER_SM))
+
+
+def _flat_len(view) -> int:
+    """Elements spanned by a 2-D view with unit inner stride: ``(rows - 1) * row_stride + cols``."""
+    rows, cols = view.shape
+    return 0 if rows == 0 or cols == 0 else (rows - 1) * view.strides[0] + cols
+
+
+def _device_array(ptr: int, n: int, dtype, owner=None):
+    """A 1-D contiguous Numba device array of ``n`` elements at ``ptr`` in the current context.
+
+    No copy, and no sync: the interface dict has no ``stream`` entry and ``sync=False``.
+    """
+    dtype = np.dtype(dtype)
+    desc = {"shape": (n,), "strides": None, "typestr": dtype.str, "data": (ptr, False), "version": 3}
+    return cuda.from_cuda_array_interface(desc, owner=owner, sync=False)
+
+
+def _host_flat(view) -> np.ndarray:
+    """Simulator: the flat 1-D view of a host 2-D array (row stride kept), as the kernels index it."""
+    arr = view.host
+    return np.lib.stride_tricks.as_strided(arr, shape=(_flat_len(view),), strides=(arr.itemsize,),
+                                           writeable=False)
+
+
+class Bound:
+    def __init__(self, static: StaticArgs):
+        s = static
+        self.static = s
+        self.device_id = s.device_id
+        has_lut = s.full_to_swa_index_mapping is not None
+        has_pool = s.req_to_verify_expected_tokens is not None
+        lut, pool, r2t = s.full_to_swa_index_mapping, s.req_to_verify_expected_tokens, s.req_to_token
+        self.fused_max_bs = FUSED_MAX_BS  # tests and benchmarks set -1 to run the two-launch path on small bs
+        self._launchers: dict[int, tuple] = {}
+        self._step_arrays: dict[tuple[int, int], object] = {}
+        n_scratch = SCRATCH_OFFSETS + s.max_batch_size + 1
+        if SIMULATOR:
+            self._gpu = None
+            self.rows_threads, self.entry_threads, sms = SIMULATOR_ROWS_THREADS, SIMULATOR_ENTRY_THREADS, SIMULATOR_SMS
+            kernels = plan_numba.plan_kernels(has_lut, has_pool, self.rows_threads, self.entry_threads)
+            self.scratch = np.zeros(n_scratch, dtype=np.int64)
+            inp = cuda.In  # inputs are copied in only: a read-only caller array is never written back
+            r2t_a = inp(_host_flat(r2t))
+            lut_a = inp(lut.host if has_lut else np.zeros(1, np.int64))
+            pool_a = inp(_host_flat(pool) if has_pool else np.zeros(1, np.int32))
+            self._dummy_i64 = inp(np.zeros(1, np.int64))
+            out = {name: getattr(s, name).host for name in _OUTPUTS}
+        else:
+            self._gpu = cuda.gpus[self.device_id]
+            self.rows_threads, self.entry_threads = ROWS_THREADS, ENTRY_THREADS
+            with self._gpu:
+                kernels = plan_numba.plan_kernels(has_lut, has_pool, self.rows_threads, self.entry_threads)
+                sms = int(self._gpu.MULTIPROCESSOR_COUNT)
+                # Head words must start at zero; every launch leaves them so. A synchronous copy, at bind only.
+                self.scratch = cuda.to_device(np.zeros(n_scratch, dtype=np.int64))
+                r2t_a = _device_array(r2t.ptr, _flat_len(r2t), np.int32, owner=r2t.owner)
+                lut_a = (_device_array(lut.ptr, lut.shape[0], np.int64, owner=lut.owner) if has_lut
+                         else cuda.to_device(np.zeros(1, np.int64)))
+                pool_a = (_device_array(pool.ptr, _flat_len(pool), np.int32, owner=pool.owner) if has_pool
+                          else cuda.to_device(np.zeros(1, np.int32)))
+                self._dummy_i64 = cuda.to_device(np.zeros(1, np.int64))  # valid_lens when there is no pool
+                out = {}
+                for name in _OUTPUTS:
+                    v = getattr(s, name)
+                    out[name] = _device_array(v.ptr, v.shape[0], v.dtype, owner=v.owner)
+        self._fused, self._rows, self._entries = kernels
+        self.grid = grid_size(s.verify_capacity, sms, self.entry_threads)
+        values = dict(
+            req_to_token=r2t_a, r2t_row_stride=r2t.strides[0], rp_bound=s.req_pool_index_bound,
+            max_seq_len=s.max_seq_len, lut=lut_a, lut_len=0 if lut is None else lut.shape[0], pool=pool_a,
+            pool_row_stride=0 if pool is None else pool.strides[0], pool_cols=0 if pool is None else pool.shape[1],
+            token_offset=s.kv_token_id_vs_position_offset, window=s.swa_window_size,
+            verify_capacity=s.verify_capacity, write_req_capacity=s.write_req_capacity,
+            slots=out["verify_slot_indices"], expected=out["verify_expected_tokens"],
+            positions=out["verify_expected_positions"], prevs=out["verify_prev_slot_indices"],
+            num_valid=out["verify_num_valid"], enable=out["enable"], status=out["status"],
+            write_offsets=out["write_offsets"], seeds=out["write_seed_slot_indices"],
+            write_num_valid_reqs=out["write_num_valid_reqs"], scratch=self.scratch,
+        )
+        # The launch arguments after the per-step ones, in PlanParams order.
+        self._static_args = tuple(values[name] for name in plan_numba.PARAM_FIELDS[len(plan_numba.STEP_FIELDS):])
+
+    def _launcher(self, stream: int) -> tuple:
+        """The three configured kernels for ``stream`` (a raw handle); made once per handle on a GPU."""
+        pair = self._launchers.get(stream)
+        if pair is not None:
+            return pair
+        # The simulator has no external streams and runs every launch synchronously.
+        stream_obj = 0 if (SIMULATOR or stream == 0) else cuda.external_stream(stream)
+        with warnings.catch_warnings():
+            # Small grids are by design here (one block for the rows): silence numba's low-occupancy warning.
+            warnings.simplefilter("ignore", _PerformanceWarning)
+            pair = (
+                self._fused[self.grid, self.entry_threads, stream_obj],
+                self._rows[1, self.rows_threads, stream_obj],
+                self._entries[self.grid, self.entry_threads, stream_obj],
+            )
+        if not SIMULATOR:  # simulator kernels keep their configuration on the shared kernel object: redo it
+            self._launchers[stream] = pair
+        return pair
+
+    def _step_array(self, view):
+        """Device array over a per-step ``[bs]`` int64 input, cached by (pointer, length).
+
+        Safe without holding the caller's array: the device array is only a pointer and a length on this
+        planner's device, so a new array at the same address is described exactly the same way.
+        """
+        key = (view.ptr, view.shape[0])
+        a = self._step_arrays.get(key)
+        if a is None:
+            if len(self._step_arrays) >= _STEP_CACHE_SIZE:
+                self._step_arrays.clear()
+            a = self._step_arrays[key] = _device_array(view.ptr, view.shape[0], np.int64)
+        return a
+
+    def launch(self, step: StepArgs, stream: int) -> None:
+        if SIMULATOR:
+            inp = cuda.In
+            vl = self._dummy_i64 if step.valid_lens is None else inp(step.valid_lens.host)
+            args = (inp(step.req_pool_indices.host), inp(step.prefix_lens.host), inp(step.extend_seq_lens.host), vl,
+                    step.bs) + self._static_args
+            self._run(self._launcher(0), args, step.bs)
+            return
+        with self._gpu:  # launch on the device holding the buffers, whatever the current device is
+            vl = self._dummy_i64 if step.valid_lens is None else self._step_array(step.valid_lens)
+            args = (self._step_array(step.req_pool_indices), self._step_array(step.prefix_lens),
+                    self._step_array(step.extend_seq_lens), vl, step.bs) + self._static_args
+            self._run(self._launcher(stream), args, step.bs)
+
+    def _run(self, launchers: tuple, args: tuple, bs: int) -> None:
+        fused, rows, entries = launchers
+        if bs <= self.fused_max_bs:
+            fused(*args)
+        else:
+            rows(*args)
+            entries(*args)
+
+    def warmup(self) -> None:
+        """Load the kernels' module on the planner's device (compilation happened at bind)."""
+        if SIMULATOR:
+            return
+        with self._gpu:
+            for kernel in (self._fused, self._rows, self._entries):
+                for overload in kernel.overloads.values():
+                    overload.bind()
+
+
+_OUTPUTS = (
+    "verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
+    "verify_num_valid", "enable", "status", "write_offsets", "write_seed_slot_indices", "write_num_valid_reqs",
+)
+
+
+def bind(static: StaticArgs) -> Bound:
+    return Bound(static)
