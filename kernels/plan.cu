@@ -104,14 +104,15 @@ __device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64
 }
 
 // What an entry needs of its row, found by one search over off[]. Entry i of row r (off[r] <= i < off[r+1]):
-// position = i + pdelta[r], req_to_token index = base[r] + i, expected-token index = pbase[r] + position,
-// valid while 0 <= position + token_offset and position < vlim[r].
+// position = i + pdelta[r], req_to_token index = base[r] + i; with col = position + token_offset, the
+// expected-token index is pbase[r] + col, valid while 0 <= col < vlim[r] (compared as the reference does:
+// valid_lens may be garbage such as INT64_MIN, and subtracting the offset from it would wrap).
 struct RowTable {
     i64* off;     // [bs + 1] exclusive scan of the verify counts
     i64* base;    // rp * r2t_row_stride + window_start - off[r]
     i64* pdelta;  // window_start - off[r]
-    i64* pbase;   // rp * pool_row_stride + token_offset            (HAS_POOL)
-    i64* vlim;    // valid_lens[r] - token_offset                   (HAS_POOL)
+    i64* pbase;   // rp * pool_row_stride                           (HAS_POOL)
+    i64* vlim;    // valid_lens[r]                                  (HAS_POOL)
 };
 
 // Exclusive block-wide scan of two int64 per thread (warp shuffles, then one warp over the warp totals).
@@ -192,8 +193,8 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                     t.base[r] = f[k].rp * p.r2t_row_stride + start - voff;
                     t.pdelta[r] = start - voff;
                     if (HAS_POOL) {
-                        t.pbase[r] = f[k].rp * p.pool_row_stride + p.token_offset;
-                        t.vlim[r] = vl[k] - p.token_offset;
+                        t.pbase[r] = f[k].rp * p.pool_row_stride;
+                        t.vlim[r] = vl[k];
                     }
                 }
                 if (WRITE_SIDE) {
@@ -277,8 +278,8 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, Row
             for (int k = 0; k < ITEMS; ++k) {
                 const i64 i = first + k * 32 + lane;
                 tok[k] = -1;
-                if (i < total && pos[k] + p.token_offset >= 0 && pos[k] < t.vlim[r_of[k]])
-                    tok[k] = (i64)p.pool[t.pbase[r_of[k]] + pos[k]];
+                const i64 col = pos[k] + p.token_offset;
+                if (i < total && col >= 0 && col < t.vlim[r_of[k]]) tok[k] = (i64)p.pool[t.pbase[r_of[k]] + col];
             }
         }
         i64 slot[ITEMS];

@@ -344,6 +344,8 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("expected_pool_zero_cols", [(1, 3, 1, 0), (2, 1, 1, -1)], pool=std_pool(6, 0),
                   notes="a pool with no columns: every expected token is -1, nothing read"))
     add(make_case("expected_swa", [(1, 6, 1, 6), (2, 5, 1, 4)], pool=True, W=3, off=1))
+    add(make_case("expected_valid_len_int64_min", [(1, 8, 1, -(1 << 63)), (5, 8, 1, 8)], pool=True, off=1,
+                  notes="an active row's valid_len of INT64_MIN with offset +1: no token valid, no wrap, no read"))
     add(make_case("expected_strided_pool", [(1, 4, 1, 6), (2, 2, 1, 8)], pool=strided(std_pool(), 5)))
 
     # ---- status bits

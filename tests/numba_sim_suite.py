@@ -196,17 +196,10 @@ def test_grid_size():
     assert nb.grid_size(10**9, 132) == 132 * nb.BLOCKS_PER_SM
 
 
-def test_planner_with_host_arrays():
-    """SPEC 3.5 names 'numba' a CUDA backend, yet under the simulator its ON_DEVICE is False so that the
-    planner can run it on host arrays. ``resolve`` currently rejects host arrays for 'numba' before it
-    consults ON_DEVICE; until that changes this is an expected failure."""
+@pytest.mark.parametrize("api", ["planner", "launch"])
+def test_planner_with_host_arrays(api):
+    """Under the simulator the numba backend's "device" is host memory: the public API takes host arrays."""
     from cases import run_case
 
-    case = hand_case("seeds_mixed")
-    try:
-        got = run_case(case, backend="numba", xp="numpy")
-    except ValueError as exc:
-        if "runs on a CUDA device" in str(exc):
-            pytest.xfail(f"resolve() refuses host arrays for 'numba' before consulting ON_DEVICE: {exc}")
-        raise
-    assert_same(got, expected_outputs(case), case)
+    for case in hand_cases()[:12]:
+        assert_same(run_case(case, backend="numba", xp="numpy", api=api), expected_outputs(case), case)

@@ -83,6 +83,12 @@ def import_cupy():
     return cupy
 
 
+def _numba_simulator() -> bool:
+    import os
+
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
 def load(name: str):
     """Import backend module ``name``; raises ``ValueError`` for unknown names."""
     if name not in BACKENDS:
@@ -106,8 +112,9 @@ def resolve(name: str, device_id: int):
                     f"kv-canary: backend 'auto' found CUDA arrays but neither CuPy nor numba-cuda: "
                     f"{_INSTALL['cupy']}, or {_INSTALL['numba']}"
                 ) from exc
-    if name in ("cupy", "numba") and device_id < 0:
-        # A caller error whatever is installed: say so before importing the backend's library.
+    if device_id < 0 and (name == "cupy" or (name == "numba" and not _numba_simulator())):
+        # A caller error whatever is installed: say so before importing the backend's library. (Numba's CUDA
+        # simulator runs on host memory: there the numba backend takes host arrays.)
         raise fail(ValueError, f"backend: {name!r} runs on a CUDA device, but the plan arrays are in host memory")
     module = load(name)
     if module.ON_DEVICE and device_id < 0:
