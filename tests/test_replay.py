@@ -156,7 +156,8 @@ def test_load_trace(tmp_path):
 
 def test_cli_replay_check_every_step_with_json(tmp_path, capsys):
     out = tmp_path / "summary.json"
-    rc = cli.main(["replay", "--max-requests", "40", "--swa-window", "128", "--check-every", "1", "--json", str(out)])
+    rc = cli.main(["replay", "--backend", "reference", "--max-requests", "40", "--swa-window", "128", "--check-every",
+                   "1", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     s = json.loads(out.read_text())
@@ -192,7 +193,7 @@ def test_check_every_catches_a_write_into_the_untouched_region(monkeypatch, caps
         return (real if backend == "reference" else Scribbler)(backend=backend, **kw)
 
     monkeypatch.setattr(canary.replay, "CanaryPlanner", factory)
-    assert cli.main(["replay", "--max-requests", "10", "--check-every", "5"]) == 1
+    assert cli.main(["replay", "--backend", "reference", "--max-requests", "10", "--check-every", "5"]) == 1
     text = capsys.readouterr().out
     assert "MISMATCH step 0: verify_expected_positions[77823] = 12345" in text
 

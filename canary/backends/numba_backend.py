@@ -79,7 +79,9 @@ try:
 except ImportError:  # pragma: no cover - older numba-cuda
     _PerformanceWarning = Warning
 
-from ..kernels import plan_numba  # noqa: E402 - after the checks above: it imports numba
+from . import import_kernel_module  # noqa: E402
+
+plan_numba = import_kernel_module("plan_numba")  # after the checks above: it imports numba
 
 ROWS_THREADS = plan_numba.ROWS_THREADS
 ENTRY_THREADS = plan_numba.ENTRY_THREADS
