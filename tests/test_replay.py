@@ -189,8 +189,11 @@ def test_check_every_catches_a_write_into_the_untouched_region(monkeypatch, caps
             super().plan(**kw)
             self.static.verify_expected_positions.host[-1] = 12345
 
+    made = []
+
     def factory(*, backend, **kw):
-        return (real if backend == "reference" else Scribbler)(backend=backend, **kw)
+        made.append(backend)  # the replay builds the planner under test first, then the reference
+        return (Scribbler if len(made) == 1 else real)(backend=backend, **kw)
 
     monkeypatch.setattr(canary.replay, "CanaryPlanner", factory)
     assert cli.main(["replay", "--backend", "reference", "--max-requests", "10", "--check-every", "5"]) == 1
