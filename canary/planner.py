@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from . import backends
-from .adapter import ArrayView, as_view, check_same_device, check_view
+from .adapter import ArrayView, as_view, check_same_device, check_view, identity
 from .backends import INT32, INT64, StaticArgs, StepArgs
 from .errors import PlanStatus, fail
 from .hostcopy import to_host
@@ -146,6 +146,7 @@ class CanaryPlanner:
         self._module = backends.resolve(backend, self.static.device_id)
         self.backend = self._module.NAME
         self._bound = self._module.bind(self.static)
+        self._step_views: dict = {}  # name -> (object, launch stream, (pointer, shape), view) of the last step
 
     @property
     def verify_capacity(self) -> int:
@@ -168,8 +169,17 @@ class CanaryPlanner:
         s = self.static
         stream_ptr = -1 if launch_stream is None else dlpack_stream(launch_stream)
 
+        cache = self._step_views
+
         def view(obj, name, length=None):
-            v = as_view(obj, name, stream_ptr=stream_ptr, launch_stream=launch_stream, ordered_lib=ordered_lib)
+            ident = identity(obj)
+            hit = cache.get(name)
+            if hit is not None and hit[0] is obj and hit[1] == launch_stream and hit[2] == ident:
+                v = hit[3]  # the same buffer as last step: its view is still right
+            else:
+                v = as_view(obj, name, stream_ptr=stream_ptr, launch_stream=launch_stream, ordered_lib=ordered_lib)
+                if ident is not None:
+                    cache[name] = (obj, launch_stream, ident, v)
             shape = v.shape
             if v.dtype == INT64 and len(shape) == 1 and (length is None or shape[0] == length) and (
                     shape[0] <= 1 or v.strides[0] == 1):

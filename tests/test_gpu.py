@@ -267,3 +267,35 @@ def test_check_raises_on_device_status(backend):
         run_case(bad, backend, "cupy", check=True)
     assert info.value.first_bad_row == 0
     assert info.value.status & PlanStatus.BAD_REQ_POOL_INDEX
+
+
+@pytest.mark.parametrize("xp", ["cupy", "torch_cuda"])
+def test_planner_reuses_and_refreshes_step_views(backend, xp):
+    """One planner, many steps: the same step buffers refilled in place, fresh buffers, a resized batch."""
+    if xp == "torch_cuda":
+        pytest.importorskip("torch")
+    from canary import CanaryPlanner
+
+    base = _graph_case(3)
+    conv = lambda a: to_xp(a, xp)  # noqa: E731
+    vp, wp, raw = make_plans(base, xp)
+    static = base.static_kwargs(conv)
+    planner = CanaryPlanner(backend=backend, verify_plan_out=vp, write_plan_out=wp, **static)
+    step = base.step_kwargs(conv)
+    rng = np.random.default_rng(5)
+    for i in range(6):
+        new = _refill(base, rng)
+        if i == 4:  # a smaller batch in fresh buffers
+            keep = slice(0, 7)
+            new = new.replace(req_pool_indices=new.req_pool_indices[keep], prefix_lens=new.prefix_lens[keep],
+                              extend_seq_lens=new.extend_seq_lens[keep], valid_lens=new.valid_lens[keep])
+        _copy_into(static["req_to_token"], new.req_to_token, xp)
+        if i % 2 or i == 4:
+            step = new.step_kwargs(conv)  # fresh objects
+        else:
+            for key, arr in new.step_kwargs().items():
+                _copy_into(step[key], arr, xp)  # same objects, new contents
+        for k, v in poisoned_outputs(base).items():
+            _copy_into(raw[k], v, xp)
+        planner.plan(**step)
+        assert_same({k: to_numpy(raw[k]) for k in OUTPUTS}, expected_outputs(new), new)
