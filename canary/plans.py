@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import INPUT_ERROR_BITS, CanaryInputError, PlanStatus, fail
+from .errors import INPUT_ERROR_BITS, BackendUnavailableError, CanaryInputError, PlanStatus, fail
 from .hostcopy import to_host
 
 
@@ -22,7 +22,22 @@ def _allocator(device: Any):
         raise fail(ValueError, f"device: expected 'cpu', a CUDA ordinal or 'cuda:N', got {device!r}")
     from .backends import import_cupy
 
-    cupy = import_cupy()
+    try:
+        cupy = import_cupy()
+    except BackendUnavailableError:
+        try:  # Numba-only installs get Numba device arrays
+            from numba import cuda
+        except ImportError:
+            raise BackendUnavailableError(
+                "kv-canary: device: allocating on a CUDA device needs CuPy or numba-cuda: "
+                "pip install 'kv-canary[cuda13]' (or [cuda12], or [numba])"
+            ) from None
+
+        def empty_numba(n, dt):
+            with cuda.gpus[ordinal]:
+                return cuda.to_device(np.zeros(n, dtype=dt))
+
+        return empty_numba
 
     def empty(n, dt):
         with cupy.cuda.Device(ordinal):
@@ -50,7 +65,9 @@ class VerifyPlan:
 
     @classmethod
     def allocate(cls, *, verify_capacity: int, device: Any = "cpu") -> "VerifyPlan":
-        """Allocate zeroed buffers: NumPy for ``device="cpu"``, CuPy for a CUDA ordinal or ``"cuda:N"``."""
+        """Allocate zeroed buffers: NumPy for ``device="cpu"``; for a CUDA ordinal or ``"cuda:N"``, CuPy arrays
+        (Numba device arrays where only numba-cuda is installed). Raises ``ValueError`` for a negative capacity
+        or an unknown device, :class:`BackendUnavailableError` when no GPU array library is installed."""
         if int(verify_capacity) < 0:
             raise fail(ValueError, f"verify_capacity: expected >= 0, got {verify_capacity}")
         empty = _allocator(device)
@@ -94,7 +111,9 @@ class WritePlan:
 
     @classmethod
     def allocate(cls, *, write_req_capacity: int, device: Any = "cpu") -> "WritePlan":
-        """Allocate zeroed buffers: NumPy for ``device="cpu"``, CuPy for a CUDA ordinal or ``"cuda:N"``."""
+        """Allocate zeroed buffers: NumPy for ``device="cpu"``; for a CUDA ordinal or ``"cuda:N"``, CuPy arrays
+        (Numba device arrays where only numba-cuda is installed). Raises ``ValueError`` for a negative capacity
+        or an unknown device, :class:`BackendUnavailableError` when no GPU array library is installed."""
         if int(write_req_capacity) < 0:
             raise fail(ValueError, f"write_req_capacity: expected >= 0, got {write_req_capacity}")
         empty = _allocator(device)

@@ -299,3 +299,26 @@ def test_planner_reuses_and_refreshes_step_views(backend, xp):
             _copy_into(raw[k], v, xp)
         planner.plan(**step)
         assert_same({k: to_numpy(raw[k]) for k in OUTPUTS}, expected_outputs(new), new)
+
+
+def test_launches_on_the_device_holding_the_buffers(backend):
+    """Buffers on cuda:1 while cuda:0 is current: the plan runs there, and the current device is left alone."""
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    case = random_case(21, bs=(16, 32), swa=True, pool=True, name="second-device")
+    with cupy.cuda.Device(1):
+        vp, wp, raw = make_plans(case, "cupy")
+        static = case.static_kwargs(lambda a: to_xp(a, "cupy"))
+        step = case.step_kwargs(lambda a: to_xp(a, "cupy"))
+    from canary import CanaryPlanner
+
+    with cupy.cuda.Device(0):
+        planner = CanaryPlanner(backend=backend, verify_plan_out=vp, write_plan_out=wp, **static)
+        planner.warmup()
+        planner.plan(**step)
+        assert cupy.cuda.runtime.getDevice() == 0
+    with cupy.cuda.Device(1):
+        cupy.cuda.Device(1).synchronize()
+        assert_same({k: to_numpy(raw[k]) for k in OUTPUTS}, expected_outputs(case), case)

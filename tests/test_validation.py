@@ -395,6 +395,7 @@ def test_missing_cupy_gives_install_command(monkeypatch):
     from canary.backends import import_cupy
 
     monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setitem(sys.modules, "numba", None)  # allocate() falls back to numba-cuda when CuPy is absent
     raises(BackendUnavailableError, import_cupy, "cupy", "pip install")
     raises(BackendUnavailableError, VerifyPlan.allocate, "pip install", verify_capacity=4, device="cuda:0")
     raises(BackendUnavailableError, WritePlan.allocate, "pip install", write_req_capacity=4, device=0)
