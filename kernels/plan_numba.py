@@ -3,36 +3,47 @@
 Same kernels, same structure, same names as plan.cu, so a reader finds each piece in both files:
 
 - ``canary_plan_fused`` (bs <= ``FUSED_MAX_BS``, one launch): every block scans the rows itself
-  (``scan_rows``, into shared memory), then emits its share of the verify entries (``emit_entries``); block 0
-  also writes the write side.
+  (``scan_rows``) into a row table in shared memory, then emits its share of the verify entries
+  (``emit_entries``); block 0 also writes the write side.
 - ``canary_plan_rows`` + ``canary_plan_entries`` (larger batches, two launches): one block of
-  ``ROWS_THREADS`` scans all rows (thread t owns a contiguous chunk, so any bs up to the caller's capacity
-  fits) into the scratch; then a grid emits the entries, each finding its row by binary search
-  (``owning_row``) in the scratch's row offsets.
-- In both, the last block to finish (``finalize``) composes status / enable / verify_num_valid and re-arms
+  ``ROWS_THREADS`` scans all rows into the row table in the scratch; then a grid emits the entries, each warp
+  pass finding its rows through ``ROW_SAMPLES`` row offsets sampled into shared memory.
+- The row table (plan.cu's ``RowTable``: off, base, pdelta, pbase, vlim per row) gives an entry everything it
+  needs of its row after one search: position = i + pdelta[r], req_to_token index = base[r] + i, expected
+  token at pbase[r] + col while 0 <= col < vlim[r] (col = position + token_offset, compared raw as the
+  reference does: valid_lens may be garbage such as INT64_MIN).
+- ``emit_entries``: warp passes of ``ENTRY_CHUNK`` = ITEMS * 32 consecutive entries (lane-major inside each of
+  the ITEMS groups, so stores stay coalesced), all loads of a pass issued before its stores; the rows of the
+  pass's first and last entries are found once per pass, and each entry searches only between them (no step
+  at all when the pass lies in one row, as in decode).
+- With a LUT, the last block to finish (``finalize``) composes status / enable / verify_num_valid and re-arms
   the scratch counters, so a launch leaves the scratch as it found it (CUDA-graph replays stay correct).
+  Without a LUT the row scan alone decides the status and one block writes it: no atomics.
 
 All three kernels take the same arguments: the fields of plan.cu's ``PlanParams``, in its order
-(``PARAMS``; one ``SIGNATURE``). Grids are sized from verify_capacity by the caller, never from data.
+(``PARAMS``; one ``SIGNATURE``). Grids are sized from verify_capacity by the caller, never from data
+(``canary/backends/plan_layout.entry_grid``: occupancy-bounded, as plan.cu's host side).
 
-Deliberate differences from plan.cu:
+Deliberate differences from plan.cu (speed structure only; the outputs are the same bytes):
 
-- Warp shuffles are not used anywhere (the Numba CUDA simulator, which CI runs, has none): ``block_scan2``
-  scans through shared memory (Hillis-Steele), and ``emit_entries`` is the plain loop, one entry per thread
-  per grid-stride step, reading each predecessor from ``req_to_token``. plan.cu's later GPU-only refinements
-  (several entries per thread, the row table and sampled row search, predecessors by shuffle, tiled row
-  loads, occupancy-sized grids) are not mirrored: they change speed, not output.
-- ``FUSED_MAX_BS`` is 1024 here: a Numba launch costs tens of microseconds of host time, so one launch
-  instead of two matters more than the re-scan each fused block does.
-- The scratch (this backend's own) keeps plan.cu's four head words (``SCRATCH_*``), then just the row
-  offsets ``[max_batch_size + 1]``.
+- No warp shuffles (the Numba CUDA simulator, which CI runs, has neither shuffles nor ``syncwarp``):
+  ``block_scan2`` scans through shared memory (Hillis-Steele, ping-pong buffers: one barrier per step); the
+  rows of a pass's first and last entries are found by every lane (two interleaved searches over the same
+  addresses, broadcast reads) instead of lanes 0 and 1 plus a shuffle; and each entry re-reads its
+  predecessor from ``req_to_token`` (the neighbouring word, mostly an L1 hit) and translates it, instead of
+  taking the left lane's slot by shuffle.
+- ``scan_rows`` gives each thread ``ROW_BATCH`` consecutive rows per batch (plan.cu: one row per thread in
+  each of ROW_BATCH tiles). The loads of a batch are still issued together, and a batch needs one block
+  scan instead of ROW_BATCH: barriers, not bandwidth, dominate a shared-memory scan here.
+- The scratch (this backend's own) has plan.cu's layout: the four head words (``SCRATCH_*``), then the
+  two-pass row table, 5 arrays of ``write_req_capacity + 1`` (``scratch_words``).
 - Compile-time specializations are the constants ``kernel_functions`` closes over (Numba folds them):
   ``HAS_LUT`` and ``HAS_POOL`` as in plan.cu, and the two block sizes, which size shared arrays (the
-  simulator, one Python thread per CUDA thread, runs the same code with small blocks). plan.cu's
-  ``WRITE_SIDE`` template flag is a runtime argument. An absent LUT / pool / valid_lens is a one-element
-  dummy array (plan.cu gets a null pointer); the specialization never reads it.
-- Output parameters become returned tuples (``translate`` returns ``(value, bad)``); offset arrays come as
-  ``(array, base)`` pairs instead of ``p.scratch + SCRATCH_OFFSETS`` pointer arithmetic.
+  simulator, one Python thread per CUDA thread, runs the same code with small blocks, at least one warp).
+  plan.cu's ``WRITE_SIDE`` template flag is a runtime argument. An absent LUT / pool / valid_lens is a
+  one-element dummy array (plan.cu gets a null pointer); the specialization never reads it.
+- Output parameters become returned tuples (``translate`` returns ``(value, bad)``); the row table is one
+  int64 array with a base index and a stride (``tab[t0 + k * tn + r]``) instead of a struct of pointers.
 
 As in plan.cu, 2-D inputs arrive flat (1-D, unit stride) with their row stride in elements, and every index
 is int64 (pools over 2^31 slots exist). Keep these kernels simple: numba-cuda is in maintenance mode.
@@ -40,6 +51,7 @@ is int64 (pools over 2^31 slots exist). Keep these kernels simple: numba-cuda is
 from __future__ import annotations
 
 import functools
+import inspect
 
 from numba import cuda, int32, int64
 
@@ -53,15 +65,28 @@ CANARY_NO_ENTRIES = CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_B
 
 ROWS_THREADS = 1024  # canary_plan_rows: one block owns every row
 ENTRY_THREADS = 256  # canary_plan_fused and canary_plan_entries
-FUSED_MAX_BS = 1024  # row offsets of the fused kernel live in shared memory
-_FUSED_OFFSETS = FUSED_MAX_BS + 1  # a shared array's shape must be a plain constant for Numba
+FUSED_MAX_BS = 512  # the fused kernel keeps its row table in shared memory
+ITEMS = 4  # verify entries per thread per pass: independent loads in flight
+ENTRY_CHUNK = ITEMS * 32  # entries of one warp pass
+ROW_SAMPLES = 512  # two-pass: row offsets sampled into shared memory to shorten the row search
+ROW_BATCH = 4  # rows per thread whose loads a scan issues together
+ENTRY_MIN_BLOCKS = 4  # resident blocks per SM the register budget must allow (launch bounds)
 
 # Scratch words (int64, owned by the planner, zeroed once at bind, re-armed by every launch).
-SCRATCH_DONE = 0  # blocks finished (the last one finalizes)
-SCRATCH_BAD_SLOT = 1  # BAD_SLOT bits from entries and seeds
+SCRATCH_DONE = 0  # blocks finished (the last one finalizes; LUT only)
+SCRATCH_BAD_SLOT = 1  # BAD_SLOT bits from entries and seeds (LUT only)
 SCRATCH_ROW_FLAGS = 2  # two-pass only: row checks of the rows kernel
 SCRATCH_TOTAL = 3  # two-pass only: verify entries in all
-SCRATCH_OFFSETS = 4  # two-pass only: row offsets [bs + 1]
+SCRATCH_TABLE = 4  # two-pass only: the row table, 5 arrays of write_req_capacity + 1
+TABLE_ARRAYS = 5  # off, base, pdelta, pbase, vlim
+_FUSED_STRIDE = FUSED_MAX_BS + 1  # a shared array's shape must be a plain constant for Numba
+_SAMPLES_LEN = ROW_SAMPLES + 1
+
+
+def scratch_words(write_req_capacity: int) -> int:
+    """int64 words of planner scratch: the head words, then the two-pass row table (as plan.cu's host)."""
+    return SCRATCH_TABLE + TABLE_ARRAYS * (int(write_req_capacity) + 1)
+
 
 # plan.cu's PlanParams, field by field: the arguments of every kernel here, and their Numba types
 # (``int64[::1]`` for ``i64*``, ``int32[::1]`` for ``int*``; ``req_to_token`` and ``pool`` are flat views).
@@ -85,10 +110,27 @@ def suffix(has_lut: bool, has_pool: bool) -> str:
     return f"lut{int(has_lut)}_pool{int(has_pool)}"
 
 
-def _power_of_two(name: str, value: int) -> int:
+def launch_bounds(kernel_name: str, rows_threads: int = ROWS_THREADS, entry_threads: int = ENTRY_THREADS):
+    """plan.cu's ``__launch_bounds__`` of a kernel (by its name, with or without the suffix)."""
+    if kernel_name.startswith("canary_plan_rows"):
+        return (int(rows_threads),)
+    return (int(entry_threads), ENTRY_MIN_BLOCKS)
+
+
+def _jit_options(kernel_name: str, rows_threads: int, entry_threads: int) -> dict:
+    """``cuda.jit`` options of a kernel: its launch bounds where this numba-cuda takes them (the simulator's
+    ``jit`` does not)."""
+    try:
+        takes = "launch_bounds" in inspect.signature(cuda.jit).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        takes = False
+    return {"launch_bounds": launch_bounds(kernel_name, rows_threads, entry_threads)} if takes else {}
+
+
+def _power_of_two(name: str, value: int, minimum: int = 1) -> int:
     value = int(value)
-    if value < 1 or value & (value - 1):
-        raise ValueError(f"{name}: expected a power of two, got {value}")
+    if value < minimum or value & (value - 1):
+        raise ValueError(f"{name}: expected a power of two >= {minimum}, got {value}")
     return value
 
 
@@ -98,11 +140,12 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
     """The plain Python kernels of one specialization: ``(canary_plan_fused, canary_plan_rows,
     canary_plan_entries)``, not yet compiled (``plan_kernels`` compiles them; ``cuda.compile_ptx`` can compile
     them on a machine without a GPU). The block sizes are compile-time constants because they size shared
-    arrays; launch each kernel with exactly its block size."""
+    arrays; launch each kernel with exactly its block size (entry blocks: whole warps)."""
     HAS_LUT = bool(has_lut)  # noqa: N806 - compile-time constants, named like plan.cu's template parameters
     HAS_POOL = bool(has_pool)  # noqa: N806
     ROWS_T = _power_of_two("rows_threads", rows_threads)  # noqa: N806
-    ENTRY_T = _power_of_two("entry_threads", entry_threads)  # noqa: N806
+    ENTRY_T = _power_of_two("entry_threads", entry_threads, 32)  # noqa: N806
+    FUSED_TABLE = (TABLE_ARRAYS if HAS_POOL else 3) * _FUSED_STRIDE  # noqa: N806 - pbase / vlim with a pool only
 
     @cuda.jit(device=True)
     def translate(raw, lut, lut_len):
@@ -114,14 +157,11 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return lut[raw], int64(0)
 
     @cuda.jit(device=True)
-    def row_facts(r, req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, rp_bound, max_seq_len,
-                  pool_cols, window):
-        """plan.cu's Row: ``(vcount, wlen, flags)``: verify entries, write entries, status bits the row raises."""
-        rp = req_pool_indices[r]
-        if rp == 0:  # padding row: its lengths may be stale garbage and are not read further
+    def row_facts(rp, e, length, vl, rp_bound, max_seq_len, pool_cols, window):
+        """plan.cu's Row: ``(vcount, wlen, flags)``: verify entries, write entries, status bits the row raises.
+        A padding row (rp == 0) has none: its lengths may be stale garbage."""
+        if rp == 0:
             return int64(0), int64(0), int64(0)
-        e = extend_seq_lens[r]
-        length = prefix_lens[r]
         wlen = e if e > 0 else int64(0)
         flags = int64(0)
         if rp < 0 or rp >= rp_bound:
@@ -129,7 +169,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         if length < 0 or length > max_seq_len:
             flags |= CANARY_BAD_PREFIX_LEN
         if HAS_POOL:
-            if valid_lens[r] > pool_cols:
+            if vl > pool_cols:
                 flags |= CANARY_BAD_VALID_LEN
         vcount = int64(0)
         if (flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) == 0:
@@ -138,97 +178,140 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
     def make_scan_rows(THREADS):  # noqa: N803 - plan.cu's template parameter
         """``scan_rows<THREADS>`` (with its ``block_scan2<THREADS>``) for one block size."""
+        SCAN_BUF = 4 * THREADS  # noqa: N806 - [ping-pong][a, b][THREADS]; a shared shape must be a constant
 
         @cuda.jit(device=True)
         def block_scan2(a, b):
             """Exclusive block-wide scan of two int64 per thread: ``(excl_a, excl_b, tot_a, tot_b)``.
 
-            Hillis-Steele through shared memory (the simulator has no warp shuffles). Every thread calls it.
+            Hillis-Steele through shared memory, reading one buffer and writing the other (one barrier per
+            step; the simulator has no warp shuffles). Every thread calls it.
             """
-            scan_a = cuda.shared.array(THREADS, int64)
-            scan_b = cuda.shared.array(THREADS, int64)
+            buf = cuda.shared.array(SCAN_BUF, int64)
             t = cuda.threadIdx.x
-            scan_a[t] = a
-            scan_b[t] = b
+            buf[t] = a
+            buf[THREADS + t] = b
             cuda.syncthreads()
+            src = 0
             d = 1
             while d < THREADS:
-                ua = int64(0)
-                ub = int64(0)
+                s = src * 2 * THREADS
+                ua = buf[s + t]
+                ub = buf[s + THREADS + t]
                 if t >= d:
-                    ua = scan_a[t - d]
-                    ub = scan_b[t - d]
+                    ua += buf[s + t - d]
+                    ub += buf[s + THREADS + t - d]
+                s = (1 - src) * 2 * THREADS
+                buf[s + t] = ua
+                buf[s + THREADS + t] = ub
                 cuda.syncthreads()
-                scan_a[t] += ua
-                scan_b[t] += ub
-                cuda.syncthreads()
+                src = 1 - src
                 d *= 2
-            excl_a = scan_a[t] - a
-            excl_b = scan_b[t] - b
-            tot_a = scan_a[THREADS - 1]
-            tot_b = scan_b[THREADS - 1]
-            cuda.syncthreads()  # the totals are read before anyone reuses the arrays
+            s = src * 2 * THREADS
+            excl_a = buf[s + t] - a
+            excl_b = buf[s + THREADS + t] - b
+            tot_a = buf[s + THREADS - 1]
+            tot_b = buf[s + 2 * THREADS - 1]
+            cuda.syncthreads()  # the totals are read before anyone reuses the buffers
             return excl_a, excl_b, tot_a, tot_b
 
         @cuda.jit(device=True)
         def scan_rows(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
-                      r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool_cols, window, write_req_capacity,
-                      write_offsets, seeds, write_num_valid_reqs, voff_out, voff_base, write_side):
-            """Scan all rows with THREADS threads, each owning a contiguous chunk of rows.
+                      r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window,
+                      write_req_capacity, write_offsets, seeds, write_num_valid_reqs, tab, t0, tn, write_side):
+            """Scan all rows with THREADS threads, ROW_BATCH consecutive rows per thread per batch, carrying
+            the running sums across batches; a batch's loads (then its seeds) are issued together.
 
-            Writes the verify row offsets to ``voff_out[voff_base + 0 .. voff_base + bs]`` (shared or global
-            memory) and, when ``write_side``, the write offsets, the zeroed tail and the seeds. Returns
-            ``(vtotal, row_flags, seed_bad)``: the verify total, the block's OR of row flags, whether a seed
-            fell outside the LUT (all threads get the same values).
+            Fills the row table ``tab[t0 + k * tn + r]`` (shared or global memory) and, when ``write_side``,
+            the write offsets, the zeroed tail and the seeds. Returns ``(vtotal, row_flags, seed_bad)``: the
+            verify total, the block's OR of row flags, whether a seed fell outside the LUT (every thread gets
+            the same values).
             """
             s_flags = cuda.shared.array(1, int32)
             tid = int64(cuda.threadIdx.x)
-            if tid == 0:
-                s_flags[0] = 0
-            chunk = (bs + THREADS - 1) // THREADS
-            lo = min(tid * chunk, bs)
-            hi = min(lo + chunk, bs)
-            vsum = int64(0)
-            wsum = int64(0)
+            rp = cuda.local.array(ROW_BATCH, int64)
+            e = cuda.local.array(ROW_BATCH, int64)
+            ln = cuda.local.array(ROW_BATCH, int64)
+            vl = cuda.local.array(ROW_BATCH, int64)
+            vc = cuda.local.array(ROW_BATCH, int64)
+            wl = cuda.local.array(ROW_BATCH, int64)
+            seed = cuda.local.array(ROW_BATCH, int64)
+            vcarry = int64(0)
+            wcarry = int64(0)
             flags = int64(0)
-            for r in range(lo, hi):
-                vcount, wlen, f = row_facts(r, req_pool_indices, prefix_lens, extend_seq_lens, valid_lens,
-                                            rp_bound, max_seq_len, pool_cols, window)
-                vsum += vcount
-                wsum += wlen
-                flags |= f
-            voff, woff, vtotal, wtotal = block_scan2(vsum, wsum)  # its barriers publish s_flags = 0
             bad = int64(0)
-            for r in range(lo, hi):
-                vcount, wlen, f = row_facts(r, req_pool_indices, prefix_lens, extend_seq_lens, valid_lens,
-                                            rp_bound, max_seq_len, pool_cols, window)
-                voff_out[voff_base + r] = voff
-                if write_side:
-                    write_offsets[r] = woff
-                    seed = int64(-1)
-                    length = prefix_lens[r]
-                    if wlen > 0 and (f & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) == 0 and length > 0:
-                        raw = int64(req_to_token[req_pool_indices[r] * r2t_row_stride + (length - 1)])
-                        seed, b = translate(raw, lut, lut_len)
-                        bad |= b
-                    seeds[r] = seed
-                voff += vcount
-                woff += wlen
-            if flags != 0:
-                cuda.atomic.or_(s_flags, 0, int32(flags))
+            group = int64(0)
+            while group < bs:  # uniform: the scans have barriers
+                r0 = group + tid * ROW_BATCH
+                for k in range(ROW_BATCH):
+                    r = r0 + k
+                    rp[k] = 0
+                    e[k] = 0
+                    ln[k] = 0
+                    vl[k] = 0
+                    if r < bs:
+                        rp[k] = req_pool_indices[r]
+                        e[k] = extend_seq_lens[r]
+                        ln[k] = prefix_lens[r]
+                if HAS_POOL:  # valid_lens only for active rows: after rp is known
+                    for k in range(ROW_BATCH):
+                        if r0 + k < bs and rp[k] != 0:
+                            vl[k] = valid_lens[r0 + k]
+                vsum = int64(0)
+                wsum = int64(0)
+                for k in range(ROW_BATCH):
+                    v, w, f = row_facts(rp[k], e[k], ln[k], vl[k], rp_bound, max_seq_len, pool_cols, window)
+                    vc[k] = v
+                    wl[k] = w
+                    vsum += v
+                    wsum += w
+                    flags |= f
+                    seed[k] = -1
+                    if (write_side and w > 0 and ln[k] > 0
+                            and (f & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) == 0):
+                        seed[k] = int64(req_to_token[rp[k] * r2t_row_stride + (ln[k] - 1)])
+                voff, woff, vtot, wtot = block_scan2(vsum, wsum)
+                voff += vcarry
+                woff += wcarry
+                for k in range(ROW_BATCH):
+                    r = r0 + k
+                    if r < bs:
+                        tab[t0 + r] = voff
+                        if vc[k] > 0:
+                            start = ln[k] - vc[k]
+                            tab[t0 + tn + r] = rp[k] * r2t_row_stride + start - voff
+                            tab[t0 + 2 * tn + r] = start - voff
+                            if HAS_POOL:
+                                tab[t0 + 3 * tn + r] = rp[k] * pool_row_stride
+                                tab[t0 + 4 * tn + r] = vl[k]
+                        if write_side:
+                            write_offsets[r] = woff
+                            sv, b = translate(seed[k], lut, lut_len)
+                            seeds[r] = sv
+                            bad |= b
+                    voff += vc[k]
+                    woff += wl[k]
+                vcarry += vtot
+                wcarry += wtot
+                group += THREADS * ROW_BATCH
             if tid == 0:
-                voff_out[voff_base + bs] = vtotal
+                tab[t0 + bs] = vcarry
             if write_side:
                 r = bs + 1 + tid
                 while r <= write_req_capacity:
                     write_offsets[r] = 0
                     r += THREADS
                 if tid == 0:
-                    write_offsets[bs] = wtotal
+                    write_offsets[bs] = wcarry
                     write_num_valid_reqs[0] = bs
-            seed_bad = cuda.syncthreads_or(int32(bad))
+            if tid == 0:
+                s_flags[0] = 0
+            seed_bad = cuda.syncthreads_or(int32(bad))  # also publishes s_flags = 0 and the row table
+            if flags != 0:
+                cuda.atomic.or_(s_flags, 0, int32(flags))
+            cuda.syncthreads()
             row_flags = int64(s_flags[0])
-            return vtotal, row_flags, int64(seed_bad != 0)
+            return vcarry, row_flags, int64(seed_bad != 0)
 
         return scan_rows
 
@@ -236,58 +319,108 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
     scan_rows_entry = make_scan_rows(ENTRY_T)  # scan_rows<ENTRY_THREADS, ...>
 
     @cuda.jit(device=True)
-    def owning_row(off, base, bs, i):
-        """Last r in [0, bs) with off[base + r] <= i: the row holding entry i (empty rows are skipped: the
-        last of equal offsets wins)."""
-        lo = int64(0)
-        hi = bs  # off[base + lo] <= i < off[base + hi]
+    def owning_row(off, o0, lo, hi, i):
+        """The row holding entry i, given off[o0 + lo] <= i < off[o0 + hi]: the last r with off[o0 + r] <= i
+        (empty rows are skipped: the last of equal offsets wins)."""
         while hi - lo > 1:
             mid = (lo + hi) >> 1
-            if off[base + mid] <= i:
+            if off[o0 + mid] <= i:
                 lo = mid
             else:
                 hi = mid
         return lo
 
     @cuda.jit(device=True)
-    def emit_entries(req_pool_indices, prefix_lens, valid_lens, bs, req_to_token, r2t_row_stride, lut, lut_len,
-                     pool, pool_row_stride, token_offset, window, slots, expected, positions, prevs, off, base,
-                     total):
-        """The verify entries of this block (grid-stride, so consecutive threads write consecutive entries).
-        Returns whether a translated slot fell outside the LUT."""
+    def owning_rows2(off, o0, lo_i, hi_i, i, lo_j, hi_j, j):
+        """``owning_row`` for two entries at once (two independent searches, interleaved)."""
+        while hi_i - lo_i > 1 or hi_j - lo_j > 1:
+            if hi_i - lo_i > 1:
+                mid = (lo_i + hi_i) >> 1
+                if off[o0 + mid] <= i:
+                    lo_i = mid
+                else:
+                    hi_i = mid
+            if hi_j - lo_j > 1:
+                mid = (lo_j + hi_j) >> 1
+                if off[o0 + mid] <= j:
+                    lo_j = mid
+                else:
+                    hi_j = mid
+        return lo_i, lo_j
+
+    @cuda.jit(device=True)
+    def emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions, prevs,
+                     tab, t0, tn, samples, step, count, total):
+        """The verify entries of this block. Each pass of a warp covers ENTRY_CHUNK consecutive entries
+        (lane-major inside each of the ITEMS groups); all loads of a pass are issued before any store.
+
+        The rows of the pass's first and last entries are found first (every lane, same addresses); each
+        entry then searches only between them. ``samples`` (two-pass, ``count`` > 0): every ``step``-th row
+        offset in shared memory, so a search is a short one there, then at most ``step`` rows of the table.
+        Returns whether a translated slot fell outside the LUT.
+        """
         bad = int64(0)
-        stride = int64(cuda.gridDim.x) * int64(cuda.blockDim.x)
-        i = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
-        while i < total:
-            r = owning_row(off, base, bs, i)
-            length = prefix_lens[r]
-            start = length - window if (window > 0 and length > window) else int64(0)
-            pos = start + (i - off[base + r])
-            rp = req_pool_indices[r]
-            row = rp * r2t_row_stride
-            slot, b1 = translate(int64(req_to_token[row + pos]), lut, lut_len)
-            # The window does not reset the chain: its first entry keeps its real predecessor.
-            prev = int64(-1)
-            b2 = int64(0)
-            if pos > 0:
-                prev, b2 = translate(int64(req_to_token[row + pos - 1]), lut, lut_len)
-            slots[i] = slot
-            prevs[i] = prev
-            positions[i] = pos
-            tok = int64(-1)
+        lane = int64(cuda.threadIdx.x & 31)
+        warps = int64(cuda.gridDim.x) * int64(cuda.blockDim.x >> 5)
+        warp = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x >> 5) + int64(cuda.threadIdx.x >> 5)
+        r_of = cuda.local.array(ITEMS, int64)
+        idx = cuda.local.array(ITEMS, int64)
+        pos = cuda.local.array(ITEMS, int64)
+        raw = cuda.local.array(ITEMS, int64)
+        praw = cuda.local.array(ITEMS, int64)
+        tok = cuda.local.array(ITEMS, int64)
+        first = warp * ENTRY_CHUNK
+        while first < total:
+            last = min(first + ENTRY_CHUNK, total) - 1
+            if count > 0:
+                ja, jb = owning_rows2(samples, 0, int64(0), count, first, int64(0), count, last)
+                r_lo, r_hi = owning_rows2(tab, t0, ja * step, min((ja + 1) * step, bs), first,
+                                          jb * step, min((jb + 1) * step, bs), last)
+            else:
+                r_lo, r_hi = owning_rows2(tab, t0, int64(0), bs, first, int64(0), bs, last)
+            for k in range(ITEMS):
+                i = first + k * 32 + lane
+                r = owning_row(tab, t0, r_lo, r_hi + 1, i) if i < total else r_lo
+                r_of[k] = r
+                idx[k] = tab[t0 + tn + r] + i
+                pos[k] = i + tab[t0 + 2 * tn + r]
+            for k in range(ITEMS):
+                live = first + k * 32 + lane < total
+                raw[k] = int64(req_to_token[idx[k]]) if live else int64(0)
+                # The window does not reset the chain: a window head keeps its real predecessor.
+                praw[k] = int64(req_to_token[idx[k] - 1]) if (live and pos[k] > 0) else int64(-1)
             if HAS_POOL:
-                col = pos + token_offset
-                if col >= 0 and col < valid_lens[r]:
-                    tok = int64(pool[rp * pool_row_stride + col])
-            expected[i] = tok
-            bad |= b1 | b2
-            i += stride
+                for k in range(ITEMS):
+                    live = first + k * 32 + lane < total
+                    tok[k] = -1
+                    col = pos[k] + token_offset
+                    if live and col >= 0 and col < tab[t0 + 4 * tn + r_of[k]]:
+                        tok[k] = int64(pool[tab[t0 + 3 * tn + r_of[k]] + col])
+            for k in range(ITEMS):
+                i = first + k * 32 + lane
+                if i < total:
+                    slot, b1 = translate(raw[k], lut, lut_len)
+                    prev, b2 = translate(praw[k], lut, lut_len)  # -1 (no predecessor) passes through
+                    bad |= b1 | b2
+                    slots[i] = slot
+                    prevs[i] = prev
+                    positions[i] = pos[k]
+                    expected[i] = tok[k] if HAS_POOL else int64(-1)
+            first += warps * ENTRY_CHUNK
         return bad
 
     @cuda.jit(device=True)
+    def write_status(status, enable, num_valid, verify_capacity, st, total):
+        if total > verify_capacity:
+            st |= CANARY_OVERFLOW
+        status[0] = st
+        enable[0] = 1 if st == 0 else 0
+        num_valid[0] = total if total < verify_capacity else verify_capacity
+
+    @cuda.jit(device=True)
     def finalize(scratch, status, enable, num_valid, verify_capacity, row_flags, total, bad_slot):
-        """Every block calls this once, last thing. The last block to arrive composes the status and re-arms
-        the scratch."""
+        """With a LUT, any block may find a BAD_SLOT: every block calls this once, last thing, and the last
+        block to arrive composes the status and re-arms the scratch words."""
         any_bad = cuda.syncthreads_or(int32(bad_slot))  # also: every thread of the block has finished its stores
         if cuda.threadIdx.x == 0:
             if any_bad != 0:
@@ -296,11 +429,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             if cuda.atomic.add(scratch, SCRATCH_DONE, int64(1)) == int64(cuda.gridDim.x) - 1:
                 cuda.threadfence()
                 st = row_flags | cuda.atomic.exch(scratch, SCRATCH_BAD_SLOT, int64(0))
-                if total > verify_capacity:
-                    st |= CANARY_OVERFLOW
-                status[0] = st
-                enable[0] = 1 if st == 0 else 0
-                num_valid[0] = total if total < verify_capacity else verify_capacity
+                write_status(status, enable, num_valid, verify_capacity, st, total)
                 scratch[SCRATCH_DONE] = 0
 
     # The kernels. Every one takes PlanParams' fields in order (see PARAMS).
@@ -310,44 +439,60 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                           token_offset, window, verify_capacity, write_req_capacity, slots, expected, positions,
                           prevs, num_valid, enable, status, write_offsets, seeds, write_num_valid_reqs, scratch):
         """bs <= FUSED_MAX_BS; any grid of ENTRY_THREADS-thread blocks."""
-        s_off = cuda.shared.array(_FUSED_OFFSETS, int64)
+        tab = cuda.shared.array(FUSED_TABLE, int64)  # off, base, pdelta (, pbase, vlim), stride FUSED_MAX_BS + 1
         total, row_flags, seed_bad = scan_rows_entry(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
-            rp_bound, max_seq_len, lut, lut_len, pool_cols, window, write_req_capacity, write_offsets, seeds,
-            write_num_valid_reqs, s_off, 0, cuda.blockIdx.x == 0)
+            rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, write_req_capacity,
+            write_offsets, seeds, write_num_valid_reqs, tab, 0, _FUSED_STRIDE, cuda.blockIdx.x == 0)
+        if not HAS_LUT:
+            if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+                write_status(status, enable, num_valid, verify_capacity, row_flags, total)
         bad = seed_bad
         if total <= verify_capacity and (row_flags & CANARY_NO_ENTRIES) == 0:
-            bad |= emit_entries(req_pool_indices, prefix_lens, valid_lens, bs, req_to_token, r2t_row_stride, lut,
-                                lut_len, pool, pool_row_stride, token_offset, window, slots, expected, positions,
-                                prevs, s_off, 0, total)
-        finalize(scratch, status, enable, num_valid, verify_capacity, row_flags, total, bad)
+            bad |= emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
+                                prevs, tab, 0, _FUSED_STRIDE, tab, 0, 0, total)
+        if HAS_LUT:
+            finalize(scratch, status, enable, num_valid, verify_capacity, row_flags, total, bad)
 
     def canary_plan_rows(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                          r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                          token_offset, window, verify_capacity, write_req_capacity, slots, expected, positions,
                          prevs, num_valid, enable, status, write_offsets, seeds, write_num_valid_reqs, scratch):
-        """Grid 1, block ROWS_THREADS: scans, seeds and row flags into the scratch."""
+        """Grid 1, block ROWS_THREADS: scans, seeds, row table and row flags into the scratch."""
         total, row_flags, seed_bad = scan_rows_rows(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
-            rp_bound, max_seq_len, lut, lut_len, pool_cols, window, write_req_capacity, write_offsets, seeds,
-            write_num_valid_reqs, scratch, SCRATCH_OFFSETS, True)
+            rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, write_req_capacity,
+            write_offsets, seeds, write_num_valid_reqs, scratch, SCRATCH_TABLE, write_req_capacity + 1, True)
         if cuda.threadIdx.x == 0:
             scratch[SCRATCH_ROW_FLAGS] = row_flags | (CANARY_BAD_SLOT if seed_bad != 0 else 0)
             scratch[SCRATCH_TOTAL] = total
+            if not HAS_LUT:
+                write_status(status, enable, num_valid, verify_capacity, row_flags, total)
 
     def canary_plan_entries(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                             r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                             token_offset, window, verify_capacity, write_req_capacity, slots, expected, positions,
                             prevs, num_valid, enable, status, write_offsets, seeds, write_num_valid_reqs, scratch):
         """After canary_plan_rows; any grid of ENTRY_THREADS-thread blocks."""
+        s_samples = cuda.shared.array(_SAMPLES_LEN, int64)
         row_flags = scratch[SCRATCH_ROW_FLAGS]
         total = scratch[SCRATCH_TOTAL]
+        step = max((bs + ROW_SAMPLES - 1) // ROW_SAMPLES, int64(1))
+        count = (bs + step - 1) // step
+        j = int64(cuda.threadIdx.x)
+        while j < count:
+            s_samples[j] = scratch[SCRATCH_TABLE + j * step]
+            j += cuda.blockDim.x
+        if cuda.threadIdx.x == 0:
+            s_samples[count] = total
+        cuda.syncthreads()
         bad = int64(0)
         if total <= verify_capacity and (row_flags & CANARY_NO_ENTRIES) == 0:
-            bad = emit_entries(req_pool_indices, prefix_lens, valid_lens, bs, req_to_token, r2t_row_stride, lut,
-                               lut_len, pool, pool_row_stride, token_offset, window, slots, expected, positions,
-                               prevs, scratch, SCRATCH_OFFSETS, total)
-        finalize(scratch, status, enable, num_valid, verify_capacity, row_flags, total, bad)
+            bad = emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
+                               prevs, scratch, SCRATCH_TABLE, write_req_capacity + 1, s_samples, step, count,
+                               total)
+        if HAS_LUT:
+            finalize(scratch, status, enable, num_valid, verify_capacity, row_flags, total, bad)
 
     sfx = suffix(HAS_LUT, HAS_POOL)
     kernels = (canary_plan_fused, canary_plan_rows, canary_plan_entries)
@@ -360,7 +505,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 def plan_kernels(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THREADS,
                  entry_threads: int = ENTRY_THREADS):
     """``(canary_plan_fused, canary_plan_rows, canary_plan_entries)`` of one specialization, compiled eagerly
-    (``SIGNATURE``) once per process for the current device's compute capability. The module is loaded per
-    device on first launch or by ``kernel.overloads[...].bind()``."""
-    return tuple(cuda.jit(SIGNATURE)(k) for k in kernel_functions(bool(has_lut), bool(has_pool),
-                                                                   int(rows_threads), int(entry_threads)))
+    (``SIGNATURE``, plan.cu's launch bounds) once per process for the current device's compute capability.
+    The module is loaded per device on first launch or by ``kernel.overloads[...].bind()``."""
+    rows_threads, entry_threads = int(rows_threads), int(entry_threads)
+    return tuple(cuda.jit(SIGNATURE, **_jit_options(k.__name__, rows_threads, entry_threads))(k)
+                 for k in kernel_functions(bool(has_lut), bool(has_pool), rows_threads, entry_threads))

@@ -189,11 +189,14 @@ def test_read_only_inputs():
 
 
 def test_grid_size():
-    assert nb.grid_size(0, 132) == 1
-    assert nb.grid_size(1, 132) == 1
-    assert nb.grid_size(256, 132) == 1
-    assert nb.grid_size(257, 132) == 2
-    assert nb.grid_size(10**9, 132) == 132 * nb.BLOCKS_PER_SM
+    per_block = nb.ENTRY_THREADS * nb.ITEMS  # entries of one block's pass
+    assert nb.grid_size(0, 132, 4) == 1
+    assert nb.grid_size(1, 132, 4) == 1
+    assert nb.grid_size(per_block, 132, 4) == 1
+    assert nb.grid_size(per_block + 1, 132, 4) == 2
+    assert nb.grid_size(10**9, 132, 4) == 132 * 4
+    assert nb.grid_size(10**9, 132, 0) == 132  # occupancy unknown: at least one block per SM
+    assert nb.grid_size(100, 1, 4, entry_threads=32) == 1  # the simulator's blocks: 128 entries a pass
 
 
 @pytest.mark.parametrize("api", ["planner", "launch"])

@@ -156,7 +156,9 @@ def test_kernels_compile_for_sm90(monkeypatch, has_lut, has_pool):
     sfx = plan_numba.suffix(has_lut, has_pool)
     try:
         for kernel in plan_numba.kernel_functions(has_lut, has_pool):
-            ptx, _ = cuda.compile_ptx(kernel, plan_numba.SIGNATURE, cc=(9, 0))
+            ptx, _ = cuda.compile_ptx(kernel, plan_numba.SIGNATURE, cc=(9, 0),
+                                      launch_bounds=plan_numba.launch_bounds(kernel.__name__))
+            assert ".maxntid" in ptx  # plan.cu's __launch_bounds__
             assert kernel.__name__.endswith(sfx) and kernel.__name__ in ptx  # plan.cu's kernel name, mangled
             assert ".local" not in ptx, f"{kernel.__name__}: local memory (spills or local arrays)"
     except Exception as exc:  # NVVM (libnvvm) missing: an environment problem, not a kernel one

@@ -21,6 +21,7 @@ the blocks are small (``SIMULATOR_*_THREADS``: one Python thread per CUDA thread
 """
 from __future__ import annotations
 
+import ctypes
 import warnings
 
 import numpy as np
@@ -86,8 +87,8 @@ plan_numba = import_kernel_module("plan_numba")  # after the checks above: it im
 ROWS_THREADS = plan_numba.ROWS_THREADS
 ENTRY_THREADS = plan_numba.ENTRY_THREADS
 FUSED_MAX_BS = plan_numba.FUSED_MAX_BS
-SCRATCH_OFFSETS = plan_numba.SCRATCH_OFFSETS
-BLOCKS_PER_SM = 8  # resident blocks per SM for the entries grid (as the CuPy backend)
+ITEMS = plan_numba.ITEMS
+BLOCKS_PER_SM = 4  # resident blocks per SM when the occupancy API cannot say (plan.cu's ENTRY_MIN_BLOCKS)
 # The simulator runs one Python thread per CUDA thread and one block after another: the same kernels with
 # small blocks keep CI fast and also exercise multi-row chunks and the grid-stride loop on small cases.
 # Tests may change these before binding.
@@ -95,12 +96,84 @@ SIMULATOR_ROWS_THREADS = 32
 SIMULATOR_ENTRY_THREADS = 32
 SIMULATOR_SMS = 1
 _STEP_CACHE_SIZE = 64  # per-step device arrays kept per planner, keyed by (pointer, length)
+# Launch through cuda.core with arguments marshalled at bind (``_FastLaunch``); False: numba's own launch.
+FAST_LAUNCH = True
 
 
-def grid_size(verify_capacity: int, sms: int, entry_threads: int = ENTRY_THREADS) -> int:
-    """Blocks of the fused / entries launch: one entry per thread up to ``sms * BLOCKS_PER_SM`` blocks, then
-    grid-stride. Depends only on the capacity, so a captured graph stays valid for any later input."""
-    return max(1, min(-(-verify_capacity // entry_threads), sms * BLOCKS_PER_SM))
+def grid_size(verify_capacity: int, sms: int, blocks_per_sm: int = BLOCKS_PER_SM,
+              entry_threads: int = ENTRY_THREADS) -> int:
+    """Blocks of the fused / entries launch (plan_layout.entry_grid, as the CuPy backend): enough for a full
+    plan at ITEMS entries per thread, but no more than fit on the device at once (``blocks_per_sm``: the
+    kernel's occupancy); grid-stride beyond. Depends only on the capacity, so a captured graph stays valid
+    for any later input."""
+    return max(1, min(-(-verify_capacity // (entry_threads * ITEMS)), sms * max(1, int(blocks_per_sm))))
+
+
+def _occupancy(kernel, threads: int) -> int:
+    """Resident blocks per SM of a compiled kernel (driver occupancy API, current context); the constant
+    ``BLOCKS_PER_SM`` where this numba-cuda cannot say."""
+    try:
+        overload = next(iter(kernel.overloads.values()))
+        from numba.cuda.cudadrv.devices import get_context
+
+        func = overload._codelibrary.get_cufunc()
+        return max(1, int(get_context().get_active_blocks_per_multiprocessor(func, threads, 0)))
+    except Exception:  # noqa: BLE001 - an internal API: fall back, never fail the bind
+        return BLOCKS_PER_SM
+
+
+class _FastLaunch:
+    """A pre-specialized kernel launched through ``cuda.core.launch`` with its arguments marshalled once.
+
+    Numba's ``kernel[grid, block, stream](*args)`` types and converts all 29 arguments on every call; here the
+    static ones are converted once (by the kernel's own ``_prepare_args``) and a call only lays out the five
+    per-step words. Built only when the layout of a 1-D int64 device array argument is the one this class
+    writes (checked at bind); otherwise the backend keeps numba's ordinary launch.
+    """
+
+    def __init__(self, dispatcher, static_args: tuple, probe):
+        from cuda.core import LaunchConfig, launch
+
+        from numba.cuda._compat import CUDA_CORE_GE_1_0
+
+        self._overload = overload = next(iter(dispatcher.overloads.values()))
+        self._launch = launch
+        self._config_cls, self._cooperative_key = LaunchConfig, (
+            "is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch")
+        types = overload.argument_types
+        n_step = len(plan_numba.STEP_FIELDS)
+        if len(types) != len(plan_numba.PARAMS) or len(static_args) != len(types) - n_step:
+            raise ValueError("unexpected kernel signature")
+        got: list = []
+        overload._prepare_args(types[0], probe, 0, [], got)  # a 1-D int64 device array
+        if got != self.array_words(probe.device_ctypes_pointer.value, probe.shape[0]):
+            raise ValueError(f"unexpected array argument layout: {got}")
+        static: list = []
+        for ty, val in zip(types[n_step:], static_args):
+            retr: list = []
+            overload._prepare_args(ty, val, 0, retr, static)
+            if retr:
+                raise ValueError("an argument needs a copy back")
+        self._static = tuple(static)
+        self._kernel = overload._codelibrary.get_cufunc().kernel  # loads the module in the current context
+        self._configs: dict = {}
+
+    @staticmethod
+    def array_words(ptr: int, n: int) -> list:
+        """What numba passes for a 1-D contiguous int64 array: meminfo, parent, size, itemsize, data, shape,
+        strides."""
+        return [0, 0, n, 8, ptr, n, 8]
+
+    def config(self, grid: int, block: int):
+        key = (grid, block)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            cfg = self._configs[key] = self._config_cls(grid=grid, block=block, shmem_size=0,
+                                                        **{self._cooperative_key: False})
+        return cfg
+
+    def __call__(self, stream, config, step_words: list) -> None:
+        self._launch(stream, config, self._kernel, *step_words, *self._static)
 
 
 def _flat_len(view) -> int:
@@ -137,7 +210,8 @@ class Bound:
         self.fused_max_bs = FUSED_MAX_BS  # tests and benchmarks set -1 to run the two-launch path on small bs
         self._launchers: dict[int, tuple] = {}
         self._step_arrays: dict[tuple[int, int], object] = {}
-        n_scratch = SCRATCH_OFFSETS + s.max_batch_size + 1
+        self._fast = None  # (fused, rows, entries) _FastLaunch, on a GPU where numba-cuda allows it
+        n_scratch = plan_numba.scratch_words(s.write_req_capacity)
         if SIMULATOR:
             self._gpu = None
             self.rows_threads, self.entry_threads, sms = SIMULATOR_ROWS_THREADS, SIMULATOR_ENTRY_THREADS, SIMULATOR_SMS
@@ -149,6 +223,7 @@ class Bound:
             pool_a = inp(_host_flat(pool) if has_pool else np.zeros(1, np.int32))
             self._dummy_i64 = inp(np.zeros(1, np.int64))
             out = {name: getattr(s, name).host for name in _OUTPUTS}
+            occupancy = (BLOCKS_PER_SM, BLOCKS_PER_SM)
         else:
             self._gpu = cuda.gpus[self.device_id]
             self.rows_threads, self.entry_threads = ROWS_THREADS, ENTRY_THREADS
@@ -167,8 +242,10 @@ class Bound:
                 for name in _OUTPUTS:
                     v = getattr(s, name)
                     out[name] = _device_array(v.ptr, v.shape[0], v.dtype, owner=v.owner)
+                occupancy = (_occupancy(kernels[0], self.entry_threads), _occupancy(kernels[2], self.entry_threads))
         self._fused, self._rows, self._entries = kernels
-        self.grid = grid_size(s.verify_capacity, sms, self.entry_threads)
+        self.grid_fused = grid_size(s.verify_capacity, sms, occupancy[0], self.entry_threads)
+        self.grid = grid_size(s.verify_capacity, sms, occupancy[1], self.entry_threads)  # the entries grid
         values = dict(
             req_to_token=r2t_a, r2t_row_stride=r2t.strides[0], rp_bound=s.req_pool_index_bound,
             max_seq_len=s.max_seq_len, lut=lut_a, lut_len=0 if lut is None else lut.shape[0], pool=pool_a,
@@ -183,19 +260,36 @@ class Bound:
         )
         # The launch arguments after the per-step ones, in PlanParams order.
         self._static_args = tuple(values[name] for name in plan_numba.PARAM_FIELDS[len(plan_numba.STEP_FIELDS):])
+        if not SIMULATOR and FAST_LAUNCH:
+            with self._gpu:
+                try:
+                    self._fast = tuple(_FastLaunch(k, self._static_args, self._dummy_i64) for k in kernels)
+                    self._fast_configs = (self._fast[0].config(self.grid_fused, self.entry_threads),
+                                          self._fast[1].config(1, self.rows_threads),
+                                          self._fast[2].config(self.grid, self.entry_threads))
+                    self._dummy_words = _FastLaunch.array_words(self._dummy_i64.device_ctypes_pointer.value, 1)
+                except Exception:  # noqa: BLE001 - internal numba-cuda / cuda.core API: numba's launch instead
+                    self._fast = None
 
     def _launcher(self, stream: int) -> tuple:
-        """The three configured kernels for ``stream`` (a raw handle); made once per handle on a GPU."""
+        """The three configured kernels for ``stream`` (a raw handle); made once per handle on a GPU.
+        With the fast path: ``(stream object,)`` for ``cuda.core.launch``."""
         pair = self._launchers.get(stream)
         if pair is not None:
             return pair
         # The simulator has no external streams and runs every launch synchronously.
         stream_obj = 0 if (SIMULATOR or stream == 0) else cuda.external_stream(stream)
+        if self._fast is not None:
+            from numba.cuda.cudadrv import driver
+
+            pair = (driver._to_core_stream(stream_obj),)
+            self._launchers[stream] = pair
+            return pair
         with warnings.catch_warnings():
             # Small grids are by design here (one block for the rows): silence numba's low-occupancy warning.
             warnings.simplefilter("ignore", _PerformanceWarning)
             pair = (
-                self._fused[self.grid, self.entry_threads, stream_obj],
+                self._fused[self.grid_fused, self.entry_threads, stream_obj],
                 self._rows[1, self.rows_threads, stream_obj],
                 self._entries[self.grid, self.entry_threads, stream_obj],
             )
@@ -224,6 +318,24 @@ class Bound:
             args = (inp(step.req_pool_indices.host), inp(step.prefix_lens.host), inp(step.extend_seq_lens.host), vl,
                     step.bs) + self._static_args
             self._run(self._launcher(0), args, step.bs)
+            return
+        if self._fast is not None:
+            # Five per-step words; everything else was marshalled at bind.
+            words = _FastLaunch.array_words
+            vl = self._dummy_words if step.valid_lens is None else words(step.valid_lens.ptr, step.valid_lens.shape[0])
+            step_words = (words(step.req_pool_indices.ptr, step.req_pool_indices.shape[0])
+                          + words(step.prefix_lens.ptr, step.prefix_lens.shape[0])
+                          + words(step.extend_seq_lens.ptr, step.extend_seq_lens.shape[0])
+                          + vl + [ctypes.c_int64(step.bs)])
+            (stream_obj,) = self._launcher(stream)
+            fused, rows, entries = self._fast
+            cfg_fused, cfg_rows, cfg_entries = self._fast_configs
+            with self._gpu:  # the kernels' context (the buffers' device), whatever the current device is
+                if step.bs <= self.fused_max_bs:
+                    fused(stream_obj, cfg_fused, step_words)
+                else:
+                    rows(stream_obj, cfg_rows, step_words)
+                    entries(stream_obj, cfg_entries, step_words)
             return
         with self._gpu:  # launch on the device holding the buffers, whatever the current device is
             vl = self._dummy_i64 if step.valid_lens is None else self._step_array(step.valid_lens)
