@@ -313,6 +313,20 @@ def test_step_arrays_views_and_fresh_arrays(nb):
     assert len(planner._bound._step_arrays) <= nb._STEP_CACHE_SIZE
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["cuda_core_launch", "numba_launch"])
+def test_launch_paths(nb, monkeypatch, fast):
+    """Both host launch paths give the same bytes: the cuda.core launch with arguments marshalled at bind
+    (``_FastLaunch``, the default; it must be active on a supported numba-cuda) and numba's own launch."""
+    monkeypatch.setattr(nb, "FAST_LAUNCH", fast)
+    for name in ("expected_swa", "seeds_mixed", "all_bits", "big_batch_4097_swa_pool"):
+        case = hand_case(name)
+        for path in (FUSED, TWO_PASS):
+            planner, raw, step, _ = make_planner(case, "numba", path=path)
+            assert (planner._bound._fast is not None) == fast, "cuda.core launch path not built"
+            planner.plan(**step)
+            assert_same(outputs(raw), expected_outputs(case), case)
+
+
 def test_no_compilation_after_warmup(nb):
     case = hand_case("expected_swa")
     planner, raw, step, _ = make_planner(case, "numba")

@@ -5,14 +5,16 @@ with :class:`BackendUnavailableError` and the install command, a numpy that numb
 (>= 2.5, GPU.md) and a missing numba-cuda, before anything is compiled.
 
 ``bind`` does everything that does not change between calls, on the device holding the buffers: eager
-compilation of the (LUT, pool) specialization, device arrays over the static buffers (zero-copy, from their
-pointers, never synchronizing as numba does by default for CUDA-Array-Interface arguments), the scratch
-(plan.cu's head words + ``max_batch_size + 1`` row offsets, zeroed once), the grid (from verify_capacity and
-the SM count) and the launch arguments (plan.cu's ``PlanParams`` order). ``warmup`` loads the module on the
-device. A call wraps the per-step pointers (cached by pointer), then issues one launch (bs <=
-``FUSED_MAX_BS``) or two on the caller's stream (a raw handle, wrapped once per handle with
-``cuda.external_stream``): no allocation, compilation, module load or host sync, so it can be captured in a
-CUDA graph.
+compilation of the (LUT, pool) specialization (with plan.cu's launch bounds), device arrays over the static
+buffers (zero-copy, from their pointers, never synchronizing as numba does by default for
+CUDA-Array-Interface arguments), the scratch (plan.cu's layout: head words + the two-pass row table, zeroed
+once), the grids (from verify_capacity, the SM count and each kernel's occupancy, as the CuPy backend) and the
+launch arguments (plan.cu's ``PlanParams`` order), marshalled once: a call lays out only the five per-step
+words and launches through ``cuda.core.launch`` (``_FastLaunch``; where this numba-cuda's internals differ,
+numba's ordinary ``kernel[grid, block, stream](*args)`` instead, per-step device arrays cached by pointer).
+``warmup`` loads the module on the device. A call issues one launch (bs <= ``FUSED_MAX_BS``) or two on the
+caller's stream (a raw handle, wrapped once per handle with ``cuda.external_stream``): no allocation,
+compilation, module load or host sync, so it can be captured in a CUDA graph.
 
 Under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, what CI runs) the "device" is host memory:
 ``ON_DEVICE`` is False, the planner's host arrays go to the kernels as NumPy arrays (inputs copied in only,
