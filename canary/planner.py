@@ -142,10 +142,20 @@ class CanaryPlanner:
     """
 
     def __init__(self, *, backend: str = "auto", **static: Any):
-        self.static = bind_static(**static)
-        self._module = backends.resolve(backend, self.static.device_id)
+        self._bind(bind_static(**static), backend)
+
+    @classmethod
+    def _from_static(cls, static: StaticArgs, backend: str) -> "CanaryPlanner":
+        """A planner over arguments ``bind_static`` already checked (the one-shot entry point's cache miss)."""
+        planner = cls.__new__(cls)
+        planner._bind(static, backend)
+        return planner
+
+    def _bind(self, static: StaticArgs, backend: str) -> None:
+        self.static = static
+        self._module = backends.resolve(backend, static.device_id)
         self.backend = self._module.NAME
-        self._bound = self._module.bind(self.static)
+        self._bound = self._module.bind(static)
         self._step_views: dict = {}  # name -> (object, launch stream, (pointer, shape), view) of the last step
 
     @property
@@ -324,16 +334,7 @@ def launch_canary_plan_kernels(
     )
     planner = _PLANNERS.get(key)
     if planner is None:
-        planner = CanaryPlanner(
-            backend=backend,
-            verify_plan_out=verify_plan_out,
-            write_plan_out=write_plan_out,
-            req_to_token=req_to_token,
-            swa_window_size=swa_window_size,
-            full_to_swa_index_mapping=full_to_swa_index_mapping,
-            req_to_verify_expected_tokens=req_to_verify_expected_tokens,
-            kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
-        )
+        planner = CanaryPlanner._from_static(static, backend)
         _PLANNERS[key] = planner
         while len(_PLANNERS) > _PLANNER_CACHE_SIZE:
             _PLANNERS.popitem(last=False)

@@ -606,6 +606,23 @@ def random_case(
     )
 
 
+# Knob sets the GPU matrices cycle through (random_case's keywords): every rule of SPEC 3.2-3.4 in turn, and
+# batch sizes on both sides of the fused / two-pass boundary.
+GPU_RANDOM_KNOBS = [
+    dict(),
+    dict(swa=True),
+    dict(pool=True, offsets=(0,)),
+    dict(pool=True, offsets=(1,)),
+    dict(padding_fraction=0.6),
+    dict(capacity="tight"),
+    dict(fault_prob=0.15),
+    dict(bs=(1, 300), max_seq_len=(1, 600), capacity="loose"),
+    dict(bs=(900, 1100), max_seq_len=(1, 40), max_reqs=(50, 400), capacity="tight"),
+    dict(bs=(4000, 5000), max_seq_len=(1, 30), max_reqs=(50, 400)),
+    dict(swa=True, pool=True, fault_prob=0.05, strided_r2t=True),
+]
+
+
 def plan_cases(**knobs):
     """Hypothesis strategy of :func:`random_case` with the given knobs."""
     from hypothesis import strategies as st

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cases import (
+    GPU_RANDOM_KNOBS,
     OUTPUTS, POISON, POISON_ALT, PlanCase, assert_same, expected_outputs, hand_cases, make_plans, poisoned_outputs,
     random_case, run_case, to_numpy, to_xp,
 )
@@ -49,18 +50,7 @@ def test_hand_cases(backend, case, xp):
     assert_same(run_case(case, backend, xp, api="launch"), expected_outputs(case), case)
 
 
-RANDOM_KNOBS = [
-    dict(),
-    dict(swa=True),
-    dict(pool=True, offsets=(0,)),
-    dict(pool=True, offsets=(1,)),
-    dict(padding_fraction=0.6),
-    dict(capacity="tight"),
-    dict(fault_prob=0.15),
-    dict(bs=(1, 300), max_seq_len=(1, 600), capacity="loose"),
-    dict(bs=(4000, 5000), max_seq_len=(1, 30), max_reqs=(50, 400)),
-    dict(swa=True, pool=True, fault_prob=0.05, strided_r2t=True),
-]
+RANDOM_KNOBS = GPU_RANDOM_KNOBS
 
 
 @pytest.mark.parametrize("seed", range(600))

@@ -23,7 +23,8 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from cases import (  # noqa: E402
+from cases import (
+    GPU_RANDOM_KNOBS,  # noqa: E402
     OUTPUTS, POISON, POISON_ALT, PlanCase, assert_same, expected_outputs, hand_case, hand_cases, make_plans,
     poisoned_outputs, random_case, to_numpy, to_xp,
 )
@@ -123,19 +124,7 @@ def test_hand_cases(nb, case, xp, path):
         assert int(got["status"][0]) == case.expect_status
 
 
-RANDOM_KNOBS = [
-    dict(),
-    dict(swa=True),
-    dict(pool=True, offsets=(0,)),
-    dict(pool=True, offsets=(1,)),
-    dict(padding_fraction=0.6),
-    dict(capacity="tight"),
-    dict(fault_prob=0.15),
-    dict(bs=(1, 300), max_seq_len=(1, 600), capacity="loose"),
-    dict(bs=(900, 1100), max_seq_len=(1, 40), max_reqs=(50, 400), capacity="tight"),
-    dict(bs=(4000, 5000), max_seq_len=(1, 30), max_reqs=(50, 400)),
-    dict(swa=True, pool=True, fault_prob=0.05, strided_r2t=True),
-]
+RANDOM_KNOBS = GPU_RANDOM_KNOBS
 
 
 @pytest.mark.parametrize("seed", range(330))
