@@ -1,6 +1,6 @@
 """Frozen vectors for the canary hashes (SPEC 4).
 
-The literals were computed once from the definitions with pure-Python integers (``_splitmix64_py`` below,
+The literals were computed once from the definitions with pure-Python integers (``naive_canary.splitmix64``,
 with explicit 64-bit masking), independently of the NumPy code under test, and pasted here. The CUDA and
 Numba twins must reproduce them bit for bit.
 """
@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canary import hashes
+from naive_canary import M64
+from naive_canary import splitmix64 as _splitmix64_py  # the independent pure-Python definition
 
-M64 = 0xFFFF_FFFF_FFFF_FFFF
+from canary import hashes
 
 # (x, splitmix64(x)) as unsigned 64-bit values.
 SPLITMIX64_VECTORS = [
@@ -46,17 +47,6 @@ MIX3_VECTORS = [
 ]
 
 LINK_OF_NONE = 0xDE7FAE23A9A1B716  # link(-1) = splitmix64(0xC0FFEE1234567890)
-
-
-def _splitmix64_py(x: int) -> int:
-    """The independent definition the vectors came from."""
-    x &= M64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & M64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & M64
-    x ^= x >> 31
-    return x
 
 
 def _mix3_py(a: int, b: int, c: int) -> int:

@@ -4,19 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from naive_canary import splitmix64 as _sm  # the oracle's pure-Python definition
+
 from canary.realkv import MAX_SOURCES, RealKVMode, fold, real_kv, real_kv_source
-
-M64 = 0xFFFF_FFFF_FFFF_FFFF
-
-
-def _sm(x: int) -> int:
-    x &= M64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & M64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
-
 
 def _fold_py(token_bytes_per_source: list[bytes]) -> int:
     """SPEC 4 by hand: per source, acc = s(acc ^ word) over little-endian words; combine acc = s(acc ^ h)."""
