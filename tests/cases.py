@@ -606,6 +606,22 @@ def random_case(
     )
 
 
+def refill(case: PlanCase, rng: np.random.Generator) -> PlanCase:
+    """New random contents, same shapes: what a serving loop writes into its buffers between graph replays."""
+    r2t = case.req_to_token.copy()
+    hi = case.lut.shape[0] + 2 if case.lut is not None else 1 << 20
+    r2t[...] = rng.integers(-2, hi, size=r2t.shape, dtype=np.int32)
+    bs = case.bs
+    rpi = rng.integers(0, case.max_reqs, size=bs).astype(np.int64)
+    P = rng.integers(0, case.max_seq_len + 1, size=bs).astype(np.int64)
+    E = rng.integers(-1, 5, size=bs).astype(np.int64)
+    vl = None
+    if case.pool is not None:
+        vl = rng.integers(0, case.pool.shape[1] + 1, size=bs).astype(np.int64)
+    return case.replace(req_to_token=r2t, req_pool_indices=rpi, prefix_lens=P, extend_seq_lens=E, valid_lens=vl,
+                        name=case.name + "-refill")
+
+
 # Knob sets the GPU matrices cycle through (random_case's keywords): every rule of SPEC 3.2-3.4 in turn, and
 # batch sizes on both sides of the fused / two-pass boundary.
 GPU_RANDOM_KNOBS = [

@@ -13,7 +13,7 @@ import pytest
 from cases import (
     GPU_RANDOM_KNOBS,
     OUTPUTS, POISON, POISON_ALT, PlanCase, assert_same, expected_outputs, hand_cases, make_plans, poisoned_outputs,
-    random_case, run_case, to_numpy, to_xp,
+    random_case, refill, run_case, to_numpy, to_xp,
 )
 
 pytestmark = pytest.mark.gpu
@@ -142,28 +142,12 @@ def test_non_default_torch_stream_without_device_sync(backend):
     busy.synchronize()
 
 
-def _refill(case: PlanCase, rng: np.random.Generator) -> PlanCase:
-    """New random contents, same shapes: what a serving loop writes into its buffers between graph replays."""
-    r2t = case.req_to_token.copy()
-    hi = case.lut.shape[0] + 2 if case.lut is not None else 1 << 20
-    r2t[...] = rng.integers(-2, hi, size=r2t.shape, dtype=np.int32)
-    bs = case.bs
-    rpi = rng.integers(0, case.max_reqs, size=bs).astype(np.int64)
-    P = rng.integers(0, case.max_seq_len + 1, size=bs).astype(np.int64)
-    E = rng.integers(-1, 5, size=bs).astype(np.int64)
-    vl = None
-    if case.pool is not None:
-        vl = rng.integers(0, case.pool.shape[1] + 1, size=bs).astype(np.int64)
-    return case.replace(req_to_token=r2t, req_pool_indices=rpi, prefix_lens=P, extend_seq_lens=E, valid_lens=vl,
-                        name=case.name + "-refill")
-
-
 def _graph_case(seed: int) -> PlanCase:
     rng = np.random.default_rng(seed)
     base = random_case(seed, bs=(24, 24), max_reqs=(30, 30), max_seq_len=(64, 64), lut=True, pool=True,
                        swa=bool(seed % 2), capacity="loose", strided_r2t=False, name=f"graph-{seed}")
     base = base.replace(verify_capacity=24 * 64)
-    return _refill(base, rng)
+    return refill(base, rng)
 
 
 def _copy_into(dst, src: np.ndarray, xp: str) -> None:
@@ -190,7 +174,7 @@ def _graph_roundtrip(backend: str, xp: str, capture):
     replay = capture(planner, step)
     rng = np.random.default_rng(99)
     for i in range(4):
-        new = _refill(case, rng)
+        new = refill(case, rng)
         _copy_into(static["req_to_token"], new.req_to_token, xp)
         for key, arr in new.step_kwargs().items():
             _copy_into(step[key], arr, xp)
@@ -274,7 +258,7 @@ def test_planner_reuses_and_refreshes_step_views(backend, xp):
     step = base.step_kwargs(conv)
     rng = np.random.default_rng(5)
     for i in range(6):
-        new = _refill(base, rng)
+        new = refill(base, rng)
         if i == 4:  # a smaller batch in fresh buffers
             keep = slice(0, 7)
             new = new.replace(req_pool_indices=new.req_pool_indices[keep], prefix_lens=new.prefix_lens[keep],

@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 from cases import (
     GPU_RANDOM_KNOBS,  # noqa: E402
     OUTPUTS, POISON, POISON_ALT, PlanCase, assert_same, expected_outputs, hand_case, hand_cases, make_plans,
-    poisoned_outputs, random_case, to_numpy, to_xp,
+    poisoned_outputs, random_case, refill, to_numpy, to_xp,
 )
 
 pytestmark = pytest.mark.gpu
@@ -214,22 +214,10 @@ def test_torch_stream_without_device_sync(nb):
 # CUDA graphs: capture once, refill the inputs in place, replay
 
 
-def _refill(case: PlanCase, rng: np.random.Generator) -> PlanCase:
-    r2t = case.req_to_token.copy()
-    r2t[...] = rng.integers(-2, case.lut.shape[0] + 2, size=r2t.shape, dtype=np.int32)
-    bs = case.bs
-    rpi = rng.integers(0, case.max_reqs, size=bs).astype(np.int64)
-    P = rng.integers(0, case.max_seq_len + 1, size=bs).astype(np.int64)
-    E = rng.integers(-1, 5, size=bs).astype(np.int64)
-    vl = rng.integers(0, case.pool.shape[1] + 1, size=bs).astype(np.int64)
-    return case.replace(req_to_token=r2t, req_pool_indices=rpi, prefix_lens=P, extend_seq_lens=E, valid_lens=vl,
-                        name=case.name + "-refill")
-
-
 def _graph_case(bs: int, seed: int) -> PlanCase:
     base = random_case(seed, bs=(bs, bs), max_reqs=(bs + 6, bs + 6), max_seq_len=(48, 48), lut=True, pool=True,
                        swa=bool(seed % 2), capacity="loose", strided_r2t=False, name=f"graph-{bs}")
-    return _refill(base.replace(verify_capacity=bs * 48), np.random.default_rng(seed))
+    return refill(base.replace(verify_capacity=bs * 48), np.random.default_rng(seed))
 
 
 @pytest.mark.parametrize("warm_stream", [True, False], ids=["warm_stream", "capture_stream"])
@@ -254,7 +242,7 @@ def test_torch_cuda_graph_capture_and_replay(nb, bs, path, warm_stream):
             planner.plan(**step)
     rng = np.random.default_rng(99)
     for _ in range(4):
-        new = _refill(case, rng)
+        new = refill(case, rng)
         static["req_to_token"].copy_(torch.from_numpy(np.ascontiguousarray(new.req_to_token)))
         for key, arr in new.step_kwargs().items():
             step[key].copy_(torch.from_numpy(arr))
@@ -283,7 +271,7 @@ def test_step_arrays_views_and_fresh_arrays(nb):
     bufs = {k: cuda.device_array(max_bs, dtype=np.int64) for k in step}
     for call in range(3 * nb._STEP_CACHE_SIZE // 2):
         bs = int(rng.integers(0, max_bs + 1))
-        new = _refill(case, rng).replace(req_to_token=case.req_to_token)
+        new = refill(case, rng).replace(req_to_token=case.req_to_token)
         new = new.replace(**{f: getattr(new, f)[:bs] for f in ("req_pool_indices", "prefix_lens",
                                                                 "extend_seq_lens", "valid_lens")})
         host = new.step_kwargs()
