@@ -1,7 +1,7 @@
 """The plan outputs: keyword-only dataclasses over the caller's own arrays (SPEC 3.1)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -123,10 +123,6 @@ class WritePlan:
             write_seed_slot_indices=empty(r, np.int64),
             write_num_valid_reqs=empty(1, np.int32),
         )
-
-
-def plan_fields(plan: Any) -> list[tuple[str, Any]]:
-    return [(f.name, getattr(plan, f.name)) for f in fields(plan)]
 
 
 def raise_for_status(status: PlanStatus, first_bad_row: int | None = None) -> None:

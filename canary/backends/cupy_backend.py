@@ -82,7 +82,7 @@ class Bound:
         # The launch reads the parameter's bytes through this pointer (cuLaunchKernel copies them), so a call
         # costs no argument conversion at all; the words stay alive with this object.
         self._args = (CPointer(self._words.ctypes.data),)
-        self._keep = static  # the caller's arrays stay alive while their pointers sit in the params
+        self.static = static  # also keeps the caller's arrays alive while their pointers sit in the params
         self._streams: dict[int, _Stream] = {}
         self._fns = None
         self.fused_max_bs = FUSED_MAX_BS  # benchmarks set -1 to time the two-launch path on small batches too
@@ -94,7 +94,7 @@ class Bound:
 
             with cupy.cuda.Device(self.device_id):
                 fns = tuple(k.kernel for k in (self._fused, self._rows, self._entries))
-                cap = self._keep.verify_capacity
+                cap = self.static.verify_capacity
                 self._grids = tuple(
                     (entry_grid(cap, self._sms, occupancy(fn.ptr, ENTRY_THREADS, 0)),) for fn in (fns[0], fns[2])
                 )
