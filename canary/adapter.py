@@ -207,9 +207,10 @@ def check_view(
         raise fail(ValueError, f"{view.name}: expected a {ndim}-D array, got shape {view.shape}")
     if length is not None and view.shape[0] != length:
         raise fail(ValueError, f"{view.name}: expected length {length}, got {view.shape[0]}")
-    if ndim >= 1 and view.shape[-1] > 1 and view.strides[-1] != 1:
+    empty = 0 in view.shape  # an empty array's strides are arbitrary (0 from some slicing): nothing is accessed
+    if ndim >= 1 and view.shape[-1] > 1 and view.strides[-1] != 1 and not empty:
         raise fail(ValueError, f"{view.name}: expected a unit inner stride, got stride {view.strides[-1]} elements")
-    if ndim == 2 and view.shape[0] > 1 and view.strides[0] < view.shape[1]:
+    if ndim == 2 and view.shape[0] > 1 and view.strides[0] < view.shape[1] and not empty:
         raise fail(
             ValueError,
             f"{view.name}: expected a row stride >= the row length {view.shape[1]}, got {view.strides[0]} elements",

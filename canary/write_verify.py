@@ -6,8 +6,8 @@ plan, :meth:`KVCanary.drain` to read violations. Every argument is validated on 
 (``kv-canary:`` messages naming the argument, expected and actual values; no silent casts). Semantics:
 ``docs/canary.md``.
 
-Only the NumPy reference exists so far; the CuPy and Numba twins plug in behind the same arguments (see the
-kernel argument lists in ``docs/canary.md``).
+Backends (docs/canary.md 8): the NumPy reference for host arrays, the CuPy kernels of ``kernels/canary.cu``
+and their Numba twin ``kernels/canary_numba.py`` for CUDA arrays; each call launches on the caller's stream.
 """
 from __future__ import annotations
 
@@ -15,32 +15,18 @@ from typing import Any
 
 import numpy as np
 
+from . import backends
 from .adapter import HOST, ArrayView, as_view, check_same_device, check_view
-from .errors import BackendUnavailableError, fail
+from .backends import CanaryVerifyArgs, CanaryWriteArgs, ScatterArgs
+from .errors import fail
 from .plans import VerifyPlan, WritePlan
 from .realkv import RealKV
 from .realkv import real_kv as make_real_kv
 from .ring import CanaryState, KernelTag, RingReport, bind_state, encode_tag
+from .streams import current_stream, dlpack_stream, stream_handle
 
 INT64 = np.dtype(np.int64)
 INT32 = np.dtype(np.int32)
-
-
-def _backend(name: str, device_id: int):
-    if name not in ("auto", "reference", "cupy", "numba"):
-        raise fail(ValueError, f"backend: expected one of auto, reference, cupy, numba, got {name!r}")
-    if device_id == HOST:
-        if name in ("cupy", "numba"):
-            raise fail(ValueError, f"backend: {name!r} runs on a CUDA device, but the canary arrays are in host memory")
-        from .backends import reference_canary
-
-        return reference_canary
-    if name == "reference":
-        raise fail(ValueError, f"backend: 'reference' runs on the host, but the canary arrays are on cuda:{device_id}")
-    raise BackendUnavailableError(
-        "kv-canary: backend: the CUDA write and verify kernels are not available yet; "
-        "pass host (NumPy) arrays to use the reference backend"
-    )
 
 
 def _same_device(views: list[ArrayView], device_id: int, what: str) -> None:
@@ -50,20 +36,38 @@ def _same_device(views: list[ArrayView], device_id: int, what: str) -> None:
             raise fail(ValueError, f"{v.name}: expected the device of {what} ({where}), got {v.where}")
 
 
-def _vec(obj: Any, name: str, dtype, length: int | None = None, writable: bool = False) -> ArrayView:
-    return check_view(as_view(obj, name), dtype=dtype, ndim=1, length=length, writable=writable)
+class _Launch:
+    """Where a call runs: the raw stream handle, and how to view the call's arrays ordered on it."""
 
+    __slots__ = ("handle", "stream_ptr", "launch_stream", "ordered_lib")
 
-def _host(v: ArrayView | None) -> np.ndarray | None:
-    return None if v is None else v.host
+    def __init__(self, device_id: int, stream: Any, owner: Any):
+        self.handle, self.ordered_lib = 0, None
+        if device_id != HOST:
+            if stream is not None:
+                self.handle = stream_handle(stream)
+            else:
+                self.handle = current_stream(owner, device_id)
+                self.ordered_lib = type(owner).__module__.split(".")[0]
+        on_device = device_id != HOST
+        self.stream_ptr = dlpack_stream(self.handle) if on_device else -1
+        self.launch_stream = self.handle if on_device else None
+
+    def vec(self, obj: Any, name: str, dtype, length: int | None = None, writable: bool = False) -> ArrayView:
+        v = as_view(obj, name, stream_ptr=self.stream_ptr, launch_stream=self.launch_stream,
+                    ordered_lib=self.ordered_lib)
+        return check_view(v, dtype=dtype, ndim=1, length=length, writable=writable)
 
 
 class KVCanary:
     """A bound canary: ``state`` (:class:`CanaryState`), ``real_kv`` (:class:`RealKV`, a sequence of sources
     for :func:`canary.realkv.real_kv` in mode ALL, or ``None`` for mode NONE), ``backend`` ("auto",
-    "reference"; "cupy" / "numba" later).
+    "reference", "cupy", "numba"; "auto": the reference for host arrays, else CuPy if installed, else Numba).
 
-    Raises ``ValueError`` / ``TypeError`` for bad arguments (including sources that do not cover every slot).
+    Binding validates the state and the sources once and, on a GPU backend, packs their pointers: the caller's
+    arrays must stay alive and in place while the canary is used (the canary keeps references to them).
+    Raises ``ValueError`` / ``TypeError`` for bad arguments (including sources that do not cover every slot),
+    :class:`~canary.errors.BackendUnavailableError` when the backend's library is missing.
     """
 
     def __init__(self, state: CanaryState, real_kv: RealKV | Any = None, *, backend: str = "auto"):
@@ -78,8 +82,15 @@ class KVCanary:
             raise fail(ValueError, f"{real_kv.sources[0].name}: expected the canary's device, got "
                                    f"{'host memory' if real_kv.device_id == HOST else f'cuda:{real_kv.device_id}'}")
         real_kv.check_covers(self.views.num_slots, "state.canary_buffer")
-        self._module = _backend(backend, self.views.device_id)
+        if backend not in ("auto",) + backends.BACKENDS:
+            raise fail(ValueError, f"backend: expected one of auto, {', '.join(backends.BACKENDS)}, got {backend!r}")
+        self._module = backends.resolve(backend, self.views.device_id, family="canary")
         self.backend = self._module.NAME
+        self._bound = self._module.bind(self.views, real_kv)
+
+    def warmup(self) -> None:
+        """Compile and load the kernels, so that later calls only launch (graph-capturable)."""
+        self._bound.warmup()
 
     @property
     def num_slots(self) -> int:
@@ -95,17 +106,23 @@ class KVCanary:
         expected_input_ids: Any = None,
         expected_positions: Any = None,
         launch_tag: int = 0,
+        stream: Any = None,
     ) -> None:
         """Write the canary records of a step's new tokens (docs/canary.md, "Write").
 
         ``write_plan``: the step's :class:`WritePlan` (``write_offsets`` index the entry arrays).
         ``out_cache_loc``, ``input_ids``, ``positions``: ``[N]`` int64 (KV slot, token id, position of each new
         token; slot < 0 = skip). ``expected_input_ids`` / ``expected_positions``: optional ``[N]`` int64 asserts
-        (-1 = no expectation). ``launch_tag``: call-site id recorded in ring rows, in [0, 2**55).
+        (-1 = no expectation). ``launch_tag``: call-site id recorded in ring rows, in [0, 2**55). ``stream``:
+        where the kernel runs (a CuPy / torch / cuda.core / Numba stream or a raw handle; default: the current
+        stream of the library that owns ``state.canary_buffer``). Never syncs. Raises ``TypeError`` /
+        ``ValueError`` (``kv-canary:``, naming the argument) before anything is launched.
         """
         if not isinstance(write_plan, WritePlan):
             raise fail(TypeError, f"write_plan: expected a WritePlan, got {type(write_plan).__name__}")
         encode_tag(KernelTag.WRITE, launch_tag)
+        go = _Launch(self.views.device_id, stream, self.state.canary_buffer)
+        _vec = go.vec
         seeds = _vec(write_plan.write_seed_slot_indices, "write_plan.write_seed_slot_indices", INT64)
         r_cap = seeds.shape[0]
         offsets = _vec(write_plan.write_offsets, "write_plan.write_offsets", INT64)
@@ -121,35 +138,28 @@ class KVCanary:
         exp_pos = None if expected_positions is None else _vec(expected_positions, "expected_positions", INT64, length=n)
         views = [seeds, offsets, num_reqs, loc, ids, pos] + [v for v in (exp_ids, exp_pos) if v is not None]
         _same_device(views, self.views.device_id, "state.canary_buffer")
-        self._module.write(
-            self.views,
-            write_offsets=offsets.host, write_seed_slot_indices=seeds.host, write_num_valid_reqs=num_reqs.host,
-            out_cache_loc=loc.host, input_ids=ids.host, positions=pos.host,
-            expected_input_ids=_host(exp_ids), expected_positions=_host(exp_pos),
-            real_kv=self.real_kv, launch_tag=int(launch_tag),
-        )
+        self._bound.write(CanaryWriteArgs(offsets, seeds, num_reqs, loc, ids, pos, exp_ids, exp_pos, int(launch_tag)),
+                          go.handle)
 
-    def verify(self, verify_plan: VerifyPlan, *, launch_tag: int = 0) -> None:
-        """Verify the entries of a :class:`VerifyPlan` (docs/canary.md, "Verify")."""
+    def verify(self, verify_plan: VerifyPlan, *, launch_tag: int = 0, stream: Any = None) -> None:
+        """Verify the entries of a :class:`VerifyPlan` (docs/canary.md, "Verify"): ``[C]`` int64 entry arrays,
+        ``[1]`` int32 ``verify_num_valid`` and ``enable``. ``launch_tag`` and ``stream`` as in :meth:`write`.
+        Never syncs; errors as in :meth:`write`."""
         if not isinstance(verify_plan, VerifyPlan):
             raise fail(TypeError, f"verify_plan: expected a VerifyPlan, got {type(verify_plan).__name__}")
         encode_tag(KernelTag.VERIFY, launch_tag)
+        go = _Launch(self.views.device_id, stream, self.state.canary_buffer)
         names = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_positions",
                  "verify_prev_slot_indices")
-        entries = [_vec(getattr(verify_plan, f), f"verify_plan.{f}", INT64) for f in names]
+        entries = [go.vec(getattr(verify_plan, f), f"verify_plan.{f}", INT64) for f in names]
         cap = entries[0].shape[0]
         for v in entries[1:]:
             if v.shape[0] != cap:
                 raise fail(ValueError, f"{v.name}: expected capacity {cap} like verify_slot_indices, got {v.shape[0]}")
-        num_valid = _vec(verify_plan.verify_num_valid, "verify_plan.verify_num_valid", INT32, length=1)
-        enable = _vec(verify_plan.enable, "verify_plan.enable", INT32, length=1)
+        num_valid = go.vec(verify_plan.verify_num_valid, "verify_plan.verify_num_valid", INT32, length=1)
+        enable = go.vec(verify_plan.enable, "verify_plan.enable", INT32, length=1)
         _same_device(entries + [num_valid, enable], self.views.device_id, "state.canary_buffer")
-        self._module.verify(
-            self.views,
-            verify_slot_indices=entries[0].host, verify_expected_tokens=entries[1].host,
-            verify_expected_positions=entries[2].host, verify_prev_slot_indices=entries[3].host,
-            verify_num_valid=num_valid.host, enable=enable.host, real_kv=self.real_kv, launch_tag=int(launch_tag),
-        )
+        self._bound.verify(CanaryVerifyArgs(*entries, num_valid, enable, int(launch_tag)), go.handle)
 
     def drain(self) -> RingReport:
         """Read and reset the violation ring (syncs): see :meth:`CanaryState.drain`."""
@@ -165,6 +175,7 @@ def scatter_expected_tokens(
     column_starts: Any,
     column_offset: int = 0,
     backend: str = "auto",
+    stream: Any = None,
 ) -> None:
     """Scatter a flat per-request token stream into the expected-token pool (docs/canary.md, "Scatter").
 
@@ -175,25 +186,33 @@ def scatter_expected_tokens(
     ``req_pool_indices`` ``[bs]`` int64, ``tokens`` ``[N]`` int64 or int32 (stored as their low 32 bits),
     ``token_offsets`` ``[>= bs+1]`` int64 (a :class:`WritePlan`'s ``write_offsets`` fits: ``tokens`` is then the
     step's ``input_ids``), ``column_starts`` ``[bs]`` int64 (``prefix_lens`` fits), ``column_offset`` (the
-    ``kv_token_id_vs_position_offset``).
+    ``kv_token_id_vs_position_offset``). ``backend`` and ``stream`` as for :class:`KVCanary` (default stream:
+    the current stream of the library that owns the pool). Never syncs. Two batch rows scattering to the same
+    cell race on a GPU (the reference keeps the later row).
     """
-    pool = check_view(as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens"), dtype=INT32, ndim=2,
-                      writable=True)
-    rpi = _vec(req_pool_indices, "req_pool_indices", INT64)
+    if backend not in ("auto",) + backends.BACKENDS:
+        raise fail(ValueError, f"backend: expected one of auto, {', '.join(backends.BACKENDS)}, got {backend!r}")
+    pool_view = as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens")
+    go = _Launch(pool_view.device_id, stream, req_to_verify_expected_tokens)
+    if pool_view.device_id != HOST:  # view it again, ordered on the launch stream
+        pool_view = as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens", stream_ptr=go.stream_ptr,
+                            launch_stream=go.launch_stream, ordered_lib=go.ordered_lib)
+    pool = check_view(pool_view, dtype=INT32, ndim=2, writable=True)
+    rpi = go.vec(req_pool_indices, "req_pool_indices", INT64)
     bs = rpi.shape[0]
-    tok_view = as_view(tokens, "tokens")
+    tok_view = as_view(tokens, "tokens", stream_ptr=go.stream_ptr, launch_stream=go.launch_stream,
+                       ordered_lib=go.ordered_lib)
     if tok_view.dtype not in (INT64, INT32):
         raise fail(TypeError, f"tokens: expected dtype int64 or int32, got {tok_view.dtype.name}")
     tok = check_view(tok_view, dtype=tok_view.dtype, ndim=1)
-    offs = _vec(token_offsets, "token_offsets", INT64)
+    offs = go.vec(token_offsets, "token_offsets", INT64)
     if offs.shape[0] < bs + 1:
         raise fail(ValueError, f"token_offsets: expected length >= bs + 1 = {bs + 1}, got {offs.shape[0]}")
-    starts = _vec(column_starts, "column_starts", INT64, length=bs)
+    starts = go.vec(column_starts, "column_starts", INT64, length=bs)
     if isinstance(column_offset, bool) or not isinstance(column_offset, (int, np.integer)):
         raise fail(TypeError, f"column_offset: expected an int, got {type(column_offset).__name__}")
+    if not -(1 << 63) <= int(column_offset) < (1 << 63):
+        raise fail(ValueError, f"column_offset: expected an int64, got {column_offset}")
     device = check_same_device([pool, rpi, tok, offs, starts])
-    module = _backend(backend, device)
-    module.scatter_expected_tokens(
-        req_to_verify_expected_tokens=pool.host, req_pool_indices=rpi.host, tokens=tok.host,
-        token_offsets=offs.host, column_starts=starts.host, column_offset=int(column_offset),
-    )
+    module = backends.resolve(backend, device, family="canary")
+    module.scatter(ScatterArgs(pool, rpi, tok, offs, starts, int(column_offset)), go.handle)

@@ -39,7 +39,8 @@ try:
 except BackendUnavailableError as exc:  # e.g. numba-cuda missing, or numpy >= 2.5
     pytest.skip(str(exc), allow_module_level=True)
 
-pytestmark = pytest.mark.sim
+# u64 hash arithmetic wraps by design; NumPy scalars (what the simulator computes with) warn when it does.
+pytestmark = [pytest.mark.sim, pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
 
 FUSED, TWO_PASS = "fused", "two_pass"
 
@@ -206,3 +207,69 @@ def test_planner_with_host_arrays(api):
 
     for case in hand_cases()[:12]:
         assert_same(run_case(case, backend="numba", xp="numpy", api=api), expected_outputs(case), case)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The canary twin (kernels/canary_numba.py) against the reference, through KVCanary(backend="numba")
+
+import canary_cases as cc  # noqa: E402
+
+
+def _host(a):
+    return a.copy()
+
+
+def _twin(case):
+    want = cc.run_case(case, "reference", _host, np.asarray)
+    got = cc.run_case(case, "numba", _host, np.asarray)
+    cc.assert_twin(case, got, want)
+
+
+@pytest.mark.parametrize("case", cc.hand_cases(), ids=repr)
+def test_canary_hand_cases(case):
+    _twin(case)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_canary_random_cases(seed):
+    _twin(cc.random_case(seed))
+
+
+def test_canary_random_cases_hypothesis():
+    hypothesis = pytest.importorskip("hypothesis")
+
+    @hypothesis.settings(max_examples=15, deadline=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(seed=hypothesis.strategies.integers(0, 2**32 - 1))
+    def check(seed):
+        _twin(cc.random_case(seed))
+
+    check()
+
+
+@pytest.mark.parametrize("name", ["long_request_many_chunks", "verify_by_hand", "real_kv_pt_all"])
+def test_canary_gpu_block_sizes(monkeypatch, name):
+    """The GPU's block sizes (128-entry write chunks, 256-thread verify blocks) on a few cases."""
+    from canary.backends import canary_numba
+
+    monkeypatch.setattr(canary_numba, "_threads", lambda: (canary_numba.canary_numba.WRITE_THREADS,
+                                                            canary_numba.canary_numba.VERIFY_THREADS,
+                                                            canary_numba.canary_numba.SCATTER_THREADS))
+    _twin(next(c for c in cc.hand_cases() if c.name == name))
+
+
+@pytest.mark.parametrize("case", cc.scatter_cases() + [cc.random_scatter_case(s) for s in range(20)], ids=repr)
+def test_canary_scatter(case):
+    want = cc.run_scatter(case, "reference", _host, np.asarray)
+    got = cc.run_scatter(case, "numba", _host, np.asarray)
+    assert got.tobytes() == want.tobytes()
+
+
+def test_canary_read_only_inputs():
+    """Read-only caller inputs are only read (the simulator copies them in, never back)."""
+    case = next(c for c in cc.hand_cases() if c.name == "verify_by_hand")
+    for launch in case.launches:
+        for v in launch.args.values():
+            if isinstance(v, np.ndarray):
+                v.flags.writeable = False
+    _twin(case)

@@ -165,3 +165,33 @@ def test_kernels_compile_for_sm90(monkeypatch, has_lut, has_pool):
         if "Nvvm" in type(exc).__name__:
             pytest.skip(f"NVVM unavailable: {exc}")
         raise
+
+
+@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+@pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
+@pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
+def test_canary_kernels_compile_for_sm90(monkeypatch):
+    """The canary twin (kernels/canary_numba.py): every kernel types and compiles, in u64 arithmetic only."""
+    from types import SimpleNamespace
+
+    from numba import cuda
+
+    import numba.cuda.dispatcher as dispatcher
+    from canary.backends import import_kernel_module
+
+    cn = import_kernel_module("canary_numba")
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: SimpleNamespace(compute_capability=(9, 0)))
+    write, verify, scatter = cn.kernel_functions()
+    sigs = [(write, cn.WRITE_PARAMS), (verify, cn.VERIFY_PARAMS), (scatter, cn.scatter_params("int64[::1]")),
+            (scatter, cn.scatter_params("int32[::1]"))]
+    try:
+        for kernel, params in sigs:
+            ptx, _ = cuda.compile_ptx(kernel, cn._signature(params), cc=(9, 0))
+            assert kernel.__name__ in ptx  # canary.cu's kernel name, mangled
+            # A float anywhere means Numba promoted a u64 / i64 mix to float64: wrong bits, silently.
+            assert not re.search(r"\bcvt\.rn\.f64|\.f64\b", ptx), f"{kernel.__name__}: float64 arithmetic in the PTX"
+            assert ".local" not in ptx, f"{kernel.__name__}: local memory (spills or local arrays)"
+    except Exception as exc:  # NVVM (libnvvm) missing: an environment problem, not a kernel one
+        if "Nvvm" in type(exc).__name__:
+            pytest.skip(f"NVVM unavailable: {exc}")
+        raise

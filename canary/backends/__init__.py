@@ -16,6 +16,11 @@ from ..adapter import ArrayView
 from ..errors import BackendUnavailableError, fail
 
 BACKENDS = ("reference", "cupy", "numba")
+# Module of each backend, per kernel family: the planner ("plan") and the canary write / verify ("canary").
+_MODULES = {
+    "plan": {"reference": "reference", "cupy": "cupy_backend", "numba": "numba_backend"},
+    "canary": {"reference": "reference_canary", "cupy": "canary_cupy", "numba": "canary_numba"},
+}
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,48 @@ class StepArgs:
     bs: int
 
 
+@dataclass(frozen=True)
+class CanaryWriteArgs:
+    """One write launch's inputs, checked (docs/canary.md 4): ``[R+1]``/``[R]`` int64 and ``[1]`` int32 plan
+    arrays, ``[N]`` int64 entry arrays (the expected ones ``None`` when not given), the launch tag."""
+
+    write_offsets: ArrayView
+    write_seed_slot_indices: ArrayView
+    write_num_valid_reqs: ArrayView
+    out_cache_loc: ArrayView
+    input_ids: ArrayView
+    positions: ArrayView
+    expected_input_ids: ArrayView | None
+    expected_positions: ArrayView | None
+    launch_tag: int
+
+
+@dataclass(frozen=True)
+class CanaryVerifyArgs:
+    """One verify launch's inputs, checked (docs/canary.md 5): four ``[C]`` int64 arrays, ``[1]`` int32 count
+    and enable, the launch tag."""
+
+    verify_slot_indices: ArrayView
+    verify_expected_tokens: ArrayView
+    verify_expected_positions: ArrayView
+    verify_prev_slot_indices: ArrayView
+    verify_num_valid: ArrayView
+    enable: ArrayView
+    launch_tag: int
+
+
+@dataclass(frozen=True)
+class ScatterArgs:
+    """One expected-token scatter's inputs, checked (docs/canary.md 7)."""
+
+    pool: ArrayView  # [pool_rows, pool_cols] int32, written
+    req_pool_indices: ArrayView  # [bs] int64
+    tokens: ArrayView  # [N] int64 or int32
+    token_offsets: ArrayView  # [>= bs + 1] int64
+    column_starts: ArrayView  # [bs] int64
+    column_offset: int
+
+
 _INSTALL = {
     "cupy": "pip install 'kv-canary[cuda13]' (CUDA 13 driver) or 'kv-canary[cuda12]' (CUDA 12)",
     "numba": "pip install 'kv-canary[numba]' (numba-cuda with numpy<2.5)",
@@ -89,24 +136,25 @@ def _numba_simulator() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 
-def load(name: str):
-    """Import backend module ``name``; raises ``ValueError`` for unknown names."""
+def load(name: str, family: str = "plan"):
+    """Import backend module ``name`` of a kernel family ("plan" or "canary"); ``ValueError`` for unknown names."""
     if name not in BACKENDS:
         raise fail(ValueError, f"backend: expected one of {', '.join(('auto',) + BACKENDS)}, got {name!r}")
-    return importlib.import_module(f"{__name__}.{name}_backend" if name != "reference" else f"{__name__}.reference")
+    return importlib.import_module(f"{__name__}.{_MODULES[family][name]}")
 
 
-def resolve(name: str, device_id: int):
+def resolve(name: str, device_id: int, family: str = "plan"):
     """Pick the backend module for ``name`` ("auto" included) and arrays living on ``device_id``."""
+    what = f"the {family} arrays"
     if name == "auto":
         if device_id < 0:
-            return load("reference")
+            return load("reference", family)
         try:
             import_cupy()
-            return load("cupy")
+            return load("cupy", family)
         except BackendUnavailableError:
             try:
-                return load("numba")
+                return load("numba", family)
             except BackendUnavailableError as exc:
                 raise BackendUnavailableError(
                     f"kv-canary: backend 'auto' found CUDA arrays but neither CuPy nor numba-cuda: "
@@ -115,12 +163,12 @@ def resolve(name: str, device_id: int):
     if device_id < 0 and (name == "cupy" or (name == "numba" and not _numba_simulator())):
         # A caller error whatever is installed: say so before importing the backend's library. (Numba's CUDA
         # simulator runs on host memory: there the numba backend takes host arrays.)
-        raise fail(ValueError, f"backend: {name!r} runs on a CUDA device, but the plan arrays are in host memory")
-    module = load(name)
+        raise fail(ValueError, f"backend: {name!r} runs on a CUDA device, but {what} are in host memory")
+    module = load(name, family)
     if module.ON_DEVICE and device_id < 0:
-        raise fail(ValueError, f"backend: {name!r} runs on a CUDA device, but the plan arrays are in host memory")
+        raise fail(ValueError, f"backend: {name!r} runs on a CUDA device, but {what} are in host memory")
     if not module.ON_DEVICE and device_id >= 0:
-        raise fail(ValueError, f"backend: {name!r} runs on the host, but the plan arrays are on cuda:{device_id}")
+        raise fail(ValueError, f"backend: {name!r} runs on the host, but {what} are on cuda:{device_id}")
     return module
 
 
@@ -140,9 +188,9 @@ def _kernels_dir():
         return Path(__file__).resolve().parents[2] / "kernels"
 
 
-def cupy_backend_source() -> str:
-    """The CUDA C source of the plan kernels (``kernels/plan.cu``)."""
-    return _kernels_dir().joinpath("plan.cu").read_text()
+def cupy_backend_source(name: str = "plan") -> str:
+    """The CUDA C source of the plan kernels (``kernels/plan.cu``) or of another ``kernels/<name>.cu``."""
+    return _kernels_dir().joinpath(f"{name}.cu").read_text()
 
 
 def import_kernel_module(name: str):

@@ -273,3 +273,39 @@ def scatter_expected_tokens(
         col = column_starts[r] + int(column_offset) + (src - starts[r])
     ok = (col >= 0) & (col < pool_cols)
     pool[rp[r[ok]], col[ok]] = tokens[src[ok]].astype(np.int32)  # low 32 bits (a C cast)
+
+
+class Bound:
+    """The reference behind :class:`canary.write_verify.KVCanary` (the backend seam of docs/canary.md 8)."""
+
+    def __init__(self, state: StateViews, real_kv: RealKV):
+        self.state = state
+        self.real_kv = real_kv
+
+    def warmup(self) -> None:
+        pass
+
+    def write(self, a, stream: int = 0) -> None:
+        write(self.state, write_offsets=a.write_offsets.host, write_seed_slot_indices=a.write_seed_slot_indices.host,
+              write_num_valid_reqs=a.write_num_valid_reqs.host, out_cache_loc=a.out_cache_loc.host,
+              input_ids=a.input_ids.host, positions=a.positions.host,
+              expected_input_ids=None if a.expected_input_ids is None else a.expected_input_ids.host,
+              expected_positions=None if a.expected_positions is None else a.expected_positions.host,
+              real_kv=self.real_kv, launch_tag=a.launch_tag)
+
+    def verify(self, a, stream: int = 0) -> None:
+        verify(self.state, verify_slot_indices=a.verify_slot_indices.host,
+               verify_expected_tokens=a.verify_expected_tokens.host,
+               verify_expected_positions=a.verify_expected_positions.host,
+               verify_prev_slot_indices=a.verify_prev_slot_indices.host, verify_num_valid=a.verify_num_valid.host,
+               enable=a.enable.host, real_kv=self.real_kv, launch_tag=a.launch_tag)
+
+
+def bind(state: StateViews, real_kv: RealKV) -> Bound:
+    return Bound(state, real_kv)
+
+
+def scatter(a, stream: int = 0) -> None:
+    scatter_expected_tokens(req_to_verify_expected_tokens=a.pool.host, req_pool_indices=a.req_pool_indices.host,
+                            tokens=a.tokens.host, token_offsets=a.token_offsets.host,
+                            column_starts=a.column_starts.host, column_offset=a.column_offset)
