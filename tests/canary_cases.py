@@ -403,8 +403,15 @@ def _random_write(rng, num_slots: int, max_entries: int) -> Launch:
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     loc_a = np.concatenate(loc) if loc else np.zeros(0, np.int64)
     n_all = loc_a.size
-    if rng.random() < 0.15 and r_cap:
-        offsets = offsets + rng.integers(-2, 3, size=offsets.size)  # garbage offsets: clamped, maybe reversed
+    if rng.random() < 0.3 and r_cap:
+        # Garbage offsets that keep request ranges disjoint (overlapping ranges would race): a first start below
+        # 0 and a last end past N (both clamped), or a reversed (empty) first or last request.
+        offsets[0] -= int(rng.integers(0, 3))
+        offsets[-1] += int(rng.integers(0, 3))
+        if rng.random() < 0.3:
+            offsets[0] = offsets[1] + 1
+        elif rng.random() < 0.3:
+            offsets[-1] = offsets[-2] - 1
     ids_a = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     pos_a = np.concatenate(pos) if pos else np.zeros(0, np.int64)
     nreq = int(rng.choice([r_cap, r_cap, r_cap, -1, r_cap + 1, max(r_cap - 1, 0)]))

@@ -26,3 +26,21 @@ def test_torch_cuda_graph_example():
     pytest.importorskip("torch")
     out = _run("torch_cuda_graph.py")
     assert out.count("enable=1") == 3
+
+
+def _check_detection(out: str) -> None:
+    assert "clean steps: 0 violations" in out
+    assert "after the flip: 1 violation(s)" in out
+    assert "verify slot 118 pos 2: REAL_KV" in out
+
+
+def test_detect_corruption():
+    _check_detection(_run("detect_corruption.py"))
+
+
+@pytest.mark.gpu
+def test_detect_corruption_on_gpu():
+    done = subprocess.run([sys.executable, str(EXAMPLES / "detect_corruption.py"), "--device", "cuda"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    _check_detection(done.stdout)

@@ -154,7 +154,7 @@ def test_graph_capture_and_replay_after_refill(backend):
 
     rng = np.random.default_rng(3)
     cases = [cc.CanaryCase(name=f"refill{i}", num_slots=64, ring_capacity=256, records=np.zeros((64, 4), np.int64),
-                           launches=[_write_launch(rng, 64), cc.verify_launch(*_verify_args(rng, 64))])
+                           launches=[_write_launch(rng, 64), cc.verify_launch(*_verify_args(rng, 64), tag=2)])
              for i in range(3)]
     state, wide = cc.make_state(cases[0], cupy.asarray)
     state.ring_write_index[0] = 0
@@ -226,7 +226,7 @@ def _write_launch(rng, num_slots, r_cap=4, n=24):
     ids = rng.integers(0, 100, size=n)
     exp_ids = np.where(rng.random(n) < 0.1, ids + 1, ids)
     exp_pos = np.where(rng.random(n) < 0.1, -1, pos)
-    return cc.write_launch(offsets, np.full(r_cap, -1), slots, ids, pos, exp_ids=exp_ids, exp_pos=exp_pos)
+    return cc.write_launch(offsets, np.full(r_cap, -1), slots, ids, pos, exp_ids=exp_ids, exp_pos=exp_pos, tag=1)
 
 
 def _verify_args(rng, num_slots, n=24):
