@@ -9,6 +9,9 @@ caught in the untouched regions too.
 
 Plan time is host wall time around ``planner.plan``. On the GPU backends the clock stops after a stream
 sync, so it is launch overhead plus device time plus the sync's latency (not the device time alone).
+
+``--canary`` also runs the canary end to end on every step (:mod:`canary.replay_canary`), and ``--inject
+KIND@STEP`` corrupts the simulated engine at a step (:mod:`canary.faults`) to show that the canary detects it.
 """
 from __future__ import annotations
 
@@ -22,9 +25,11 @@ from typing import Any
 import numpy as np
 
 from .errors import BackendUnavailableError, PlanStatus
+from .faults import KINDS, parse_inject
 from .hostcopy import to_host
 from .planner import CanaryPlanner
 from .plans import VerifyPlan, WritePlan
+from .replay_canary import CanaryReplay, fault_lines, fault_table, table_rows
 from .scheduler import Scheduler, default_buckets, load_trace
 
 MAX_SHOWN_MISMATCHES = 5
@@ -64,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-every", type=_count, default=0, metavar="N",
                    help="every N steps also plan with the reference backend and compare all output buffers "
                    "byte for byte; 0 = never (default)")
+    p.add_argument("--canary", action="store_true",
+                   help="also run the canary every step: scatter expected tokens, verify, store KV, write, drain")
+    p.add_argument("--inject", action="append", type=parse_inject, default=[], metavar="KIND@STEP",
+                   help=f"inject a fault at STEP (or the first later step where it applies); KIND: {', '.join(KINDS)}; "
+                   "repeatable; implies --canary")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
 
 
@@ -72,6 +82,7 @@ class _Arrays:
 
     def __init__(self, kind: str):
         self.kind = kind
+        self.xp = np
         if kind == "cupy":
             import cupy
 
@@ -189,12 +200,22 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"MISMATCH {line}", markup=False, highlight=False)
     if len(problems) > MAX_SHOWN_MISMATCHES:
         console.print(f"... and {len(problems) - MAX_SHOWN_MISMATCHES} more", markup=False)
+    c = summary.get("canary")
+    if c is not None:
+        for line in fault_lines(c):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        for line in c["first_unattributed"]:
+            console.print(f"VIOLATION {line}", markup=False, highlight=False)
+        if c["unattributed_violations"] > len(c["first_unattributed"]):
+            console.print(f"... and {c['unattributed_violations'] - len(c['first_unattributed'])} more", markup=False)
     console.print(_table(summary, Table))
+    if c is not None and c["faults"]:
+        console.print(fault_table(c, Table))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
             f.write("\n")
-    return 1 if summary["mismatches"] else 0
+    return 1 if summary["mismatches"] or (c is not None and c["failed"]) else 0
 
 
 def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
@@ -207,20 +228,25 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
     )
     cap = args.verify_capacity or max(1024, int(args.kv_pool_tokens * 0.6) // 1024 * 1024)
     arrays = _Arrays(_placement(args.backend))
+    session = _canary(args, sched, arrays)
     r2t, lut = sched.req_to_token, sched.full_to_swa_index_mapping
     dev_r2t = arrays.put(r2t)
     dev_lut = None if lut is None else arrays.put(lut)
     plans = arrays.plans(cap, mbs)
+    pool = None if session is None else session.pool
     static = dict(req_to_token=dev_r2t, swa_window_size=args.swa_window, full_to_swa_index_mapping=dev_lut,
-                  max_batch_size=mbs)
+                  max_batch_size=mbs, req_to_verify_expected_tokens=pool)
     planner = CanaryPlanner(backend=args.backend, verify_plan_out=plans[0], write_plan_out=plans[1], **static)
     planner.warmup()
     ref_plans = ref = None
+    # The reference reads a host pool: the canary's own on the host, a copy refreshed before each compared step
+    # on the GPU.
+    ref_pool = pool if pool is None or arrays.kind == "host" else np.zeros(pool.shape, dtype=np.int32)
     if args.check_every:
         ref_plans = (VerifyPlan.allocate(verify_capacity=cap), WritePlan.allocate(write_req_capacity=mbs))
         ref = CanaryPlanner(backend="reference", verify_plan_out=ref_plans[0], write_plan_out=ref_plans[1],
                             req_to_token=r2t, swa_window_size=args.swa_window, full_to_swa_index_mapping=lut,
-                            max_batch_size=mbs)
+                            max_batch_size=mbs, req_to_verify_expected_tokens=ref_pool)
     rng = np.random.default_rng([args.seed, 1])  # poison values, independent of the scheduler's stream
 
     verify, write, times_us, bs_active, bs_padded = [], [], [], [], []
@@ -237,6 +263,9 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
                 arrays.update(dev_lut, lut)
             inputs = dict(req_pool_indices=arrays.put(step.req_pool_indices),
                           prefix_lens=arrays.put(step.prefix_lens), extend_seq_lens=arrays.put(step.extend_seq_lens))
+            valid = None if session is None else session.valid_lens(step)
+            if valid is not None:
+                inputs["req_to_verify_expected_tokens_valid_lens"] = arrays.put(valid)
             compare = bool(args.check_every) and step.index % args.check_every == 0
             if compare:
                 for (_, buf), (_, ref_buf) in zip(_buffers(plans), _buffers(ref_plans)):
@@ -256,10 +285,14 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
             if got != want:
                 problems.append(f"step {step.index}: (status, enable, verify_num_valid) = {got}, expected {want}")
             if compare:
+                if ref_pool is not None and ref_pool is not pool:
+                    ref_pool[...] = to_host(pool)
                 ref.plan(req_pool_indices=step.req_pool_indices, prefix_lens=step.prefix_lens,
-                         extend_seq_lens=step.extend_seq_lens)
+                         extend_seq_lens=step.extend_seq_lens, req_to_verify_expected_tokens_valid_lens=valid)
                 problems += _diff(step.index, _buffers(plans), _buffers(ref_plans))
                 checked += 1
+            if session is not None:
+                session.run(step, plans, req_to_token=dev_r2t, lut=dev_lut)
             overflow += bool(got[0] & PlanStatus.OVERFLOW)
             verify.append(step.verify_entries)
             write.append(step.write_entries)
@@ -297,7 +330,21 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
         "mismatches": len(problems),
         "wall_time_s": wall,
     }
+    if session is not None:
+        summary["canary"] = session.summary()
     return summary, problems
+
+
+def _canary(args, sched: Scheduler, arrays: _Arrays) -> CanaryReplay | None:
+    """The canary side of the replay when ``--canary`` or ``--inject`` asks for it."""
+    if not (args.canary or args.inject):
+        return None
+    if arrays.kind == "numba":
+        raise BackendUnavailableError(
+            "kv-canary: --canary: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
+            "[cuda12]), got Numba device arrays only (CuPy is missing or sees no GPU)")
+    device = "cpu" if arrays.kind == "host" else arrays.xp.cuda.Device().id
+    return CanaryReplay(sched, xp=arrays.xp, device=device, backend=args.backend, faults=args.inject)
 
 
 def _table(s: dict, Table) -> Any:
@@ -318,5 +365,8 @@ def _table(s: dict, Table) -> Any:
     t.add_row("plan time / step (us)", *dist(s["plan_time_us"], "{:.1f}"))
     t.add_row("steps checked vs reference", str(s["checked_steps"]))
     t.add_row("mismatches", str(s["mismatches"]))
+    if "canary" in s:
+        for row in table_rows(s["canary"]):
+            t.add_row(*row)
     t.add_row("wall time (s)", f"{s['wall_time_s']:.1f}")
     return t

@@ -1,21 +1,23 @@
 """The reference write / verify / scatter (docs/canary.md): against a naive oracle, by hand, and end to end.
 
-End to end: a simulated engine (tests/canary_engine.py) plans every step of the replay scheduler with the
+End to end: the simulated engine (canary/engine.py) plans every step of the replay scheduler with the
 ``CanaryPlanner`` (reference backend), verifies, stores KV bytes, writes the canary records and drains the
-ring; a clean replay has zero violations, and each injected fault is detected with the right bits and tags.
+ring; a clean replay has zero violations, and each fault of canary/faults.py is detected with the right bits
+and tags.
 """
 from __future__ import annotations
 
 import naive_canary as naive
 import numpy as np
 import pytest
-from canary_engine import Engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canary import VerifyPlan, WritePlan
 from canary.backends import reference_canary
+from canary.engine import Engine
 from canary.errors import BackendUnavailableError
+from canary.faults import Fault, Injector
 from canary.hashes import ANCHOR_LINK, mix3
 from canary.realkv import RealKVMode, real_kv
 from canary.ring import CanaryState, CheckFlags, FailReason, KernelTag, bind_state
@@ -377,106 +379,51 @@ def test_clean_replay_variants(kw):
     assert e.state.health().verify_slots == sum(log.verify_entries for log in logs) > 0
 
 
-def _continues(e: Engine, data, i: int) -> bool:
-    """Whether the request of batch row ``i`` is still running after this step."""
-    req = int(data.step.request_ids[i])
-    return int(e.sched.kv_len[req]) > int(data.prefix[i] + data.extend[i])
-
-
-def _inject(e: Engine, *, before_write=None, after_write=None, min_step=10, max_steps=300):
-    """Run clean steps until a hook accepts a step (returns truthy); return (injection log, next log)."""
-    hit = {}
-
-    def bw(eng, data):
-        if before_write is not None and len(eng.logs) >= min_step:
-            hit["v"] = before_write(eng, data)
-
-    def aw(eng, data):
-        if after_write is not None and len(eng.logs) >= min_step:
-            hit["v"] = after_write(eng, data)
-
+def _inject(e: Engine, kind: str, min_step=10, max_steps=300):
+    """Run clean steps until the package's injector applies ``kind`` (at step >= min_step); return (fault,
+    injection log, next log)."""
+    fault = Fault(kind, min_step)
+    inj = Injector([fault])
     for _ in range(max_steps):
-        hit.clear()
-        log = e.step(bw, aw)
+        log = e.step(inj.before_write, inj.after_write)
         assert log is not None, "trace ended before the fault could be injected"
-        if hit.get("v"):
-            return hit["v"], log, e.step()
+        if fault.applied:
+            assert fault.applied_step == log.index >= min_step
+            return fault, log, e.step()
         assert log.report.total == 0, [str(v) for v in log.report]
     raise AssertionError("no step accepted the fault")
 
 
-def _last_entry(data, i):
-    return int(np.flatnonzero(data.owner == i)[-1])
-
-
 def test_fault_flipped_kv_byte():
-    e = Engine(requests=40)
-
-    def flip(eng, data):
-        for i in range(len(data.rows)):
-            p_end = int(data.prefix[i] + data.extend[i])
-            if p_end >= 4 and _continues(eng, data, i):
-                q = p_end // 2
-                slot = int(eng.r2t[data.rows[i], q])
-                eng.kv_token_bytes(slot)[5] ^= 0x04
-                return slot, q
-        return None
-
-    (slot, q), _, nxt = _inject(e, after_write=flip)
-    assert _rows_of(nxt) == [(KernelTag.VERIFY, slot, q, F.REAL_KV)]
+    f, _, nxt = _inject(Engine(requests=40), "kv-flip")
+    assert _rows_of(nxt) == [(KernelTag.VERIFY, f.slot, f.position, F.REAL_KV)]
 
 
 def test_fault_slot_overwritten_by_another_request():
     e = Engine(requests=40)
-
-    def overwrite(eng, data):
-        victims = [i for i in range(len(data.rows)) if data.prefix[i] >= 3 and _continues(eng, data, i)]
-        if len(data.rows) < 2 or not victims:
-            return None
-        a = victims[0]
-        b = next(i for i in range(len(data.rows)) if i != a)
-        q = int(data.prefix[a]) // 2
-        slot = int(eng.r2t[data.rows[a], q])
-        k = _last_entry(data, b)
-        data.out_cache_loc[k] = slot  # b's KV and canary record land in a's slot
-        return slot, q, int(data.positions[k]), int(data.input_ids[k]), int(eng.pool[data.rows[a], q])
-
-    (slot, q, b_pos, b_tok, a_tok), _, nxt = _inject(e, before_write=overwrite)
-    hits = [v for v in nxt.report if v.slot == slot and v.kernel == KernelTag.VERIFY]
-    assert len(hits) == 1 and hits[0].position == q
-    want = F.CHAIN | (F.POSITION if b_pos != q else F.NONE) | (F.VERIFY_TOKEN if b_tok != a_tok else F.NONE)
-    assert hits[0].reasons == want and hits[0].stored_token == b_tok
+    f, _, nxt = _inject(e, "overwrite")
+    hits = [v for v in nxt.report if v.slot == f.slot and v.kernel == KernelTag.VERIFY]
+    assert len(hits) == 1 and hits[0].position == f.position
+    want = (F.CHAIN | (F.POSITION if f.written_position != f.position else F.NONE)
+            | (F.VERIFY_TOKEN if f.written_token != f.expected_token else F.NONE))
+    assert hits[0].reasons == want and hits[0].stored_token == f.written_token
+    assert hits[0].expected_token == f.expected_token  # the pool's token, scattered when it was written
+    assert len(f.requests) == 2 and f.slots[0] == f.slot != f.slots[1]
 
 
 def test_fault_wrong_position():
-    e = Engine(requests=40)
-
-    def shift(eng, data):
-        for i in range(len(data.rows)):
-            if data.prefix[i] > 0 and _continues(eng, data, i):
-                k = _last_entry(data, i)
-                data.positions[k] += 1
-                return int(data.out_cache_loc[k]), int(data.true_positions[k])
-        return None
-
-    (slot, q), log, nxt = _inject(e, before_write=shift)
+    f, log, nxt = _inject(Engine(requests=40), "position")
+    slot, q = f.slot, f.position
+    assert f.written_position == q + 1
     assert [(v.kernel, v.slot, v.position, v.reasons, v.expected_aux) for v in log.report] == [
         (KernelTag.WRITE, slot, q + 1, F.WRITE_POSITION, q)]
     assert (KernelTag.VERIFY, slot, q, F.POSITION) in _rows_of(nxt)
 
 
 def test_fault_wrong_token_with_expected_token_pool():
-    e = Engine(requests=40)
-
-    def retoken(eng, data):
-        for i in range(len(data.rows)):
-            if _continues(eng, data, i):
-                k = _last_entry(data, i)
-                data.input_ids[k] = (data.input_ids[k] + 1) & 0x7FFF
-                return int(data.out_cache_loc[k]), int(data.true_positions[k]), int(data.true_tokens[k])
-        return None
-
-    (slot, q, tok), log, nxt = _inject(e, before_write=retoken)
+    f, log, nxt = _inject(Engine(requests=40), "token")
+    slot, q, tok = f.slot, f.position, f.expected_token
+    assert f.written_token == (tok + 1) & 0x7FFF
     assert [(v.kernel, v.slot, v.position, v.reasons, v.expected_token, v.stored_token) for v in log.report] == [
         (KernelTag.WRITE, slot, q, F.WRITE_TOKEN, tok, (tok + 1) & 0x7FFF)]
     # Chain, position and real KV are self-consistent: only the expected-token pool catches it on verify.
@@ -486,39 +433,47 @@ def test_fault_wrong_token_with_expected_token_pool():
 
 def test_fault_stale_req_to_token_row():
     e = Engine(requests=40)
-
-    def stale(eng, data):
-        for i in range(len(data.rows)):
-            row, p0, ext = int(data.rows[i]), int(data.prefix[i]), int(data.extend[i])
-            if not _continues(eng, data, i):
-                continue
-            for p in range(max(p0, 1), p0 + ext):
-                old, new = int(eng.prev_r2t[row, p]), int(eng.r2t[row, p])
-                if old != 0 and old != new:  # a finished request's slot, just replaced by this step's
-                    eng.r2t[row, p] = old  # ... but the engine's table keeps the stale one
-                    return old, p
-        return None
-
-    (slot, p), _, nxt = _inject(e, after_write=stale)
-    hits = [v for v in nxt.report if v.slot == slot and v.position == p]
+    f, _, nxt = _inject(e, "stale-row")
+    assert f.slots[0] == f.slot != f.slots[1]
+    hits = [v for v in nxt.report if v.slot == f.slot and v.position == f.position]
     assert len(hits) == 1 and hits[0].kernel == KernelTag.VERIFY and F.CHAIN in hits[0].reasons
+
+
+def test_injector_waits_for_an_applicable_step():
+    e = Engine(requests=40)
+    faults = [Fault("stale-row", 0), Fault("token", 0), Fault("kv-flip", 3)]
+    inj = Injector(faults)
+    for _ in range(200):
+        e.step(inj.before_write, inj.after_write)
+    assert faults[1].applied_step == 0  # a running request is there at once
+    assert faults[2].applied_step == 3
+    assert faults[0].applied_step > 0  # no row has been reused at step 0
+    touched = [set(f.requests) for f in faults]
+    assert all(not (a & b) for i, a in enumerate(touched) for b in touched[i + 1:])  # one fault per request
 
 
 def test_ring_overflow_end_to_end():
     e = Engine(requests=40, ring_capacity=4)
+    hit = {}
 
-    def smash(eng, data):
+    def smash(kv, data):
+        if data.step.index < 10 or hit:
+            return
         for i in range(len(data.rows)):
             p_end = int(data.prefix[i] + data.extend[i])
-            if p_end >= 10 and _continues(eng, data, i):
-                slots = eng.r2t[data.rows[i], :p_end].astype(np.int64)
+            if p_end >= 10 and data.continues[i]:
+                slots = kv.r2t[data.rows[i], :p_end].astype(np.int64)
                 for s in slots:
-                    eng.kv_token_bytes(int(s))[0] ^= 1
-                return set(slots.tolist())
-        return None
+                    kv.kv_token_bytes(int(s))[0] ^= 1
+                hit["slots"] = set(slots.tolist())
+                return
 
-    slots, _, nxt = _inject(e, after_write=smash)
-    rep = nxt.report
+    for _ in range(300):
+        log = e.step(after_write=smash)
+        if hit:
+            break
+        assert log.report.total == 0
+    slots, rep = hit["slots"], e.step().report
     assert rep.total >= len(slots) >= 10 and len(rep) == 4 and rep.dropped == rep.total - 4
     assert all(v.kernel == KernelTag.VERIFY and v.reasons == F.REAL_KV and v.slot in slots for v in rep)
 
