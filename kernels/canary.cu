@@ -13,7 +13,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define MAX_SOURCES 4
-#define WRITE_THREADS 128    // entries staged per chunk of a request; thread 0 then runs the serial chain
+#define WRITE_THREADS 128    // entries per chunk of a request; thread 0 runs only the serial chain of a chunk
 #define VERIFY_THREADS 256
 #define SCATTER_THREADS 128
 
@@ -156,17 +156,19 @@ __device__ void append_row(const StateParams& st, u64 slot, u64 position, u64 st
     }
 }
 
-// One block per request (grid = write_req_capacity). The chain is serial within a request, so the block
-// stages WRITE_THREADS entries at a time (loads, real-KV folds and the token assert in parallel), then
-// thread 0 walks them in order: chain-position check, ring rows, stores, running hash. Thread 0 also does
-// every store of the request, so a slot written twice by one request keeps its last write.
+// One block per request (grid = write_req_capacity). Only the running hash is serial within a request, so per
+// chunk of WRITE_THREADS entries: all threads stage their entry (loads, real-KV fold); thread 0 walks the chunk
+// in order computing just the running hash and the expected chain position of each entry (mix3's latency is
+// the whole cost of a long prefill); then all threads check, report and store their own entry in parallel. A
+// slot that appears again later in the same chunk is stored only by its last occurrence, and chunks are
+// ordered by the barrier, so a slot written twice by one request keeps its last write.
 extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const WriteParams p) {
     __shared__ i64 s_slot[WRITE_THREADS];
-    __shared__ i64 s_tok[WRITE_THREADS];
-    __shared__ i64 s_pos[WRITE_THREADS];
-    __shared__ i64 s_etok[WRITE_THREADS];
-    __shared__ i64 s_epos[WRITE_THREADS];
-    __shared__ u64 s_kv[WRITE_THREADS];
+    __shared__ u64 s_tok[WRITE_THREADS];
+    __shared__ u64 s_pos[WRITE_THREADS];
+    __shared__ u64 s_run[WRITE_THREADS];
+    __shared__ u64 s_chain_exp[WRITE_THREADS];
+    __shared__ unsigned long long s_processed;
     const StateParams& st = p.st;
     const int tid = threadIdx.x;
     if (blockIdx.x == 0 && tid == 0) atomicAdd(&st.kernel_run_counter[0], 1ULL);
@@ -182,8 +184,8 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
     // store of this request (a seed in the same launch's other requests may race: docs/canary.md 6.3).
     u64 running = ANCHOR_LINK;
     u64 prev_pos = ~0ULL;  // -1: no predecessor, so position 0 is expected first
-    u64 processed = 0;
     if (tid == 0) {
+        s_processed = 0;
         const i64 seed = p.write_seed_slot_indices[r];
         if (seed >= 0 && seed < st.num_slots) {
             const u64* rec = slot_record(st, seed);
@@ -191,49 +193,64 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
             prev_pos = rec[1];
         }
     }
+    unsigned long long processed = 0;
     for (i64 base = start; base < end; base += WRITE_THREADS) {
         const i64 i = base + tid;
+        const int m = (int)(end - base < WRITE_THREADS ? end - base : WRITE_THREADS);
+        i64 slot = -1;
+        u64 tok = 0, pos = 0, et = ~0ULL, ep = ~0ULL, kvh = 0;
         if (i < end) {
-            const i64 slot = p.out_cache_loc[i];
+            slot = p.out_cache_loc[i];
+            tok = (u64)p.input_ids[i];
+            pos = (u64)p.positions[i];
+            if (p.expected_input_ids) et = (u64)p.expected_input_ids[i];
+            if (p.expected_positions) ep = (u64)p.expected_positions[i];
+            if (slot >= 0 && slot < st.num_slots) kvh = fold_slot(p.kv, slot);
             s_slot[tid] = slot;
-            s_tok[tid] = p.input_ids[i];
-            s_pos[tid] = p.positions[i];
-            s_etok[tid] = p.expected_input_ids ? p.expected_input_ids[i] : -1;
-            s_epos[tid] = p.expected_positions ? p.expected_positions[i] : -1;
-            s_kv[tid] = (slot >= 0 && slot < st.num_slots) ? fold_slot(p.kv, slot) : 0;
+            s_tok[tid] = tok;
+            s_pos[tid] = pos;
         }
         __syncthreads();
         if (tid == 0) {
-            const int m = (int)(end - base < WRITE_THREADS ? end - base : WRITE_THREADS);
             for (int j = 0; j < m; ++j) {
-                const i64 slot = s_slot[j];
-                if (slot < 0) continue;  // "skip this write": not processed, chain unchanged
-                ++processed;
-                const u64 tok = (u64)s_tok[j], pos = (u64)s_pos[j];
-                const u64 et = (u64)s_etok[j], ep = (u64)s_epos[j];
-                const bool stored = slot < st.num_slots;
-                u64 bits = stored ? 0 : FAIL_SLOT_RANGE;
-                if (et != ~0ULL && tok != et) bits |= FAIL_WRITE_TOKEN;
-                const bool arr_fail = ep != ~0ULL && pos != ep;
-                const u64 chain_exp = prev_pos + 1;
-                const bool chain_fail = chain_on && pos != chain_exp;
-                if (arr_fail || chain_fail) bits |= FAIL_WRITE_POSITION;
-                const u64 aux = arr_fail ? ep : chain_fail ? chain_exp : ep != ~0ULL ? ep : chain_on ? chain_exp : ~0ULL;
-                if (bits) append_row(st, (u64)slot, pos, tok, et, running, aux, bits);
-                if (stored) {
-                    u64* rec = reinterpret_cast<u64*>(st.canary + slot * st.slot_stride);
-                    rec[0] = tok;
-                    rec[1] = pos;
-                    rec[2] = running;
-                    rec[3] = s_kv[j];
-                    running = mix3(running, tok, pos);
-                    prev_pos = pos;
+                const i64 sj = s_slot[j];
+                if (sj < 0) continue;  // "skip this write": chain unchanged
+                s_run[j] = running;
+                s_chain_exp[j] = prev_pos + 1;
+                if (sj < st.num_slots) {  // out-of-range entries neither store nor advance the chain
+                    const u64 pj = s_pos[j];
+                    running = mix3(running, s_tok[j], pj);
+                    prev_pos = pj;
                 }
+            }
+        }
+        __syncthreads();
+        if (i < end && slot >= 0) {
+            ++processed;
+            const bool stored = slot < st.num_slots;
+            const u64 run = s_run[tid], chain_exp = s_chain_exp[tid];
+            u64 bits = stored ? 0 : FAIL_SLOT_RANGE;
+            if (et != ~0ULL && tok != et) bits |= FAIL_WRITE_TOKEN;
+            const bool arr_fail = ep != ~0ULL && pos != ep;
+            const bool chain_fail = chain_on && pos != chain_exp;
+            if (arr_fail || chain_fail) bits |= FAIL_WRITE_POSITION;
+            const u64 aux = arr_fail ? ep : chain_fail ? chain_exp : ep != ~0ULL ? ep : chain_on ? chain_exp : ~0ULL;
+            if (bits) append_row(st, (u64)slot, pos, tok, et, run, aux, bits);
+            bool last = stored;
+            for (int k = tid + 1; last && k < m; ++k) last = s_slot[k] != slot;
+            if (last) {
+                u64* rec = reinterpret_cast<u64*>(st.canary + slot * st.slot_stride);
+                rec[0] = tok;
+                rec[1] = pos;
+                rec[2] = run;
+                rec[3] = kvh;
             }
         }
         __syncthreads();  // the next chunk reuses the staging arrays
     }
-    if (tid == 0 && processed) atomicAdd(&st.slot_run_counter[0], processed);
+    if (processed) atomicAdd(&s_processed, processed);
+    __syncthreads();
+    if (tid == 0 && s_processed) atomicAdd(&st.slot_run_counter[0], s_processed);
 }
 
 // One thread per entry (grid-stride over [0, verify_capacity)); processed entries are summed per block.

@@ -1,7 +1,8 @@
 """kv-canary write / verify / scatter kernels for Numba CUDA: the twin of ``kernels/canary.cu`` (SPEC 4).
 
 Same kernels, same names, same structure as canary.cu (``canary_write``: one block per request, entries staged
-``write_threads`` at a time, thread 0 walks the serial chain and does every store; ``canary_verify``: one
+``write_threads`` at a time, thread 0 walks only the serial running hash, then every thread checks, reports and
+stores its own entry (the last occurrence of a slot in a chunk stores it); ``canary_verify``: one
 thread per entry, grid-stride, processed entries summed per block; ``canary_scatter_*``: one block per batch
 row). Semantics: ``docs/canary.md``; NumPy reference: ``canary/backends/reference_canary.py``.
 
@@ -176,9 +177,9 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
         s_slot = cuda.shared.array(WT, int64)
         s_tok = cuda.shared.array(WT, uint64)
         s_pos = cuda.shared.array(WT, uint64)
-        s_etok = cuda.shared.array(WT, uint64)
-        s_epos = cuda.shared.array(WT, uint64)
-        s_kv = cuda.shared.array(WT, uint64)
+        s_run = cuda.shared.array(WT, uint64)
+        s_chain_exp = cuda.shared.array(WT, uint64)
+        s_processed = cuda.shared.array(1, uint64)
         tid = cuda.threadIdx.x
         if cuda.blockIdx.x == 0 and tid == 0:
             cuda.atomic.add(kernel_run_counter, 0, U1)
@@ -192,73 +193,93 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
 
         running = ANCHOR_LINK
         prev_pos = ALL_ONES
-        processed = U0
         if tid == 0:
+            s_processed[0] = U0
             seed = write_seed_slot_indices[r]
             if seed >= 0 and seed < num_slots:
                 at = seed * slot_stride_words
                 running = mix3(canary[at + 2], canary[at], canary[at + 1])
                 prev_pos = canary[at + 1]
+        processed = U0
         base = start
         while base < end:
             i = base + tid
+            m = min(end - base, int64(WT))
+            slot = int64(-1)
+            tok = U0
+            pos = U0
+            et = ALL_ONES
+            ep = ALL_ONES
+            kvh = U0
             if i < end:
                 slot = out_cache_loc[i]
-                s_slot[tid] = slot
-                s_tok[tid] = uint64(input_ids[i])
-                s_pos[tid] = uint64(positions[i])
-                s_etok[tid] = uint64(expected_input_ids[i]) if has_expected_input_ids != 0 else ALL_ONES
-                s_epos[tid] = uint64(expected_positions[i]) if has_expected_positions != 0 else ALL_ONES
-                kvh = U0
+                tok = uint64(input_ids[i])
+                pos = uint64(positions[i])
+                if has_expected_input_ids != 0:
+                    et = uint64(expected_input_ids[i])
+                if has_expected_positions != 0:
+                    ep = uint64(expected_positions[i])
                 if slot >= 0 and slot < num_slots:
                     kvh = fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot)
-                s_kv[tid] = kvh
+                s_slot[tid] = slot
+                s_tok[tid] = tok
+                s_pos[tid] = pos
             cuda.syncthreads()
             if tid == 0:
-                m = min(end - base, int64(WT))
                 for j in range(m):
-                    slot = s_slot[j]
-                    if slot < 0:
-                        continue  # "skip this write": not processed, chain unchanged
-                    processed += U1
-                    tok = s_tok[j]
-                    pos = s_pos[j]
-                    et = s_etok[j]
-                    ep = s_epos[j]
-                    stored = slot < num_slots
-                    bits = 0 if stored else FAIL_SLOT_RANGE
-                    if et != ALL_ONES and tok != et:
-                        bits |= FAIL_WRITE_TOKEN
-                    arr_fail = ep != ALL_ONES and pos != ep
-                    chain_exp = prev_pos + U1
-                    chain_fail = chain_on and pos != chain_exp
-                    if arr_fail or chain_fail:
-                        bits |= FAIL_WRITE_POSITION
-                    if arr_fail:
-                        aux = ep
-                    elif chain_fail:
-                        aux = chain_exp
-                    elif ep != ALL_ONES:
-                        aux = ep
-                    elif chain_on:
-                        aux = chain_exp
-                    else:
-                        aux = ALL_ONES
-                    if bits != 0:
-                        append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), pos,
-                                   tok, et, running, aux, uint64(bits))
-                    if stored:
-                        at = slot * slot_stride_words
-                        canary[at] = tok
-                        canary[at + 1] = pos
-                        canary[at + 2] = running
-                        canary[at + 3] = s_kv[j]
-                        running = mix3(running, tok, pos)
-                        prev_pos = pos
+                    sj = s_slot[j]
+                    if sj < 0:
+                        continue  # "skip this write": chain unchanged
+                    s_run[j] = running
+                    s_chain_exp[j] = prev_pos + U1
+                    if sj < num_slots:  # out-of-range entries neither store nor advance the chain
+                        pj = s_pos[j]
+                        running = mix3(running, s_tok[j], pj)
+                        prev_pos = pj
+            cuda.syncthreads()
+            if i < end and slot >= 0:
+                processed += U1
+                stored = slot < num_slots
+                run = s_run[tid]
+                chain_exp = s_chain_exp[tid]
+                bits = 0 if stored else FAIL_SLOT_RANGE
+                if et != ALL_ONES and tok != et:
+                    bits |= FAIL_WRITE_TOKEN
+                arr_fail = ep != ALL_ONES and pos != ep
+                chain_fail = chain_on and pos != chain_exp
+                if arr_fail or chain_fail:
+                    bits |= FAIL_WRITE_POSITION
+                if arr_fail:
+                    aux = ep
+                elif chain_fail:
+                    aux = chain_exp
+                elif ep != ALL_ONES:
+                    aux = ep
+                elif chain_on:
+                    aux = chain_exp
+                else:
+                    aux = ALL_ONES
+                if bits != 0:
+                    append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), pos, tok, et,
+                               run, aux, uint64(bits))
+                last = stored
+                k = tid + 1
+                while last and k < m:
+                    last = s_slot[k] != slot
+                    k += 1
+                if last:
+                    at = slot * slot_stride_words
+                    canary[at] = tok
+                    canary[at + 1] = pos
+                    canary[at + 2] = run
+                    canary[at + 3] = kvh
             cuda.syncthreads()  # the next chunk reuses the staging arrays
             base += WT
-        if tid == 0 and processed != U0:
-            cuda.atomic.add(slot_run_counter, 0, processed)
+        if processed != U0:
+            cuda.atomic.add(s_processed, 0, processed)
+        cuda.syncthreads()
+        if tid == 0 and s_processed[0] != U0:
+            cuda.atomic.add(slot_run_counter, 0, s_processed[0])
 
     def canary_verify(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity, ring_write_index,
                       slot_run_counter, kernel_run_counter, check_flags, tag, kv0, kv1, kv2, kv3, kvp, num_sources,
