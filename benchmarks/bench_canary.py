@@ -152,11 +152,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--backends", nargs="+", default=["cupy", "numba"])
+    p.add_argument("--workloads", nargs="+", help="only these workload names (default: all)")
+    p.add_argument("--modes", nargs="+", default=["NONE", "PARTIAL", "ALL"], choices=["NONE", "PARTIAL", "ALL"])
     args = p.parse_args()
     rng = np.random.default_rng(0)
     rows = []
     for w in workloads(rng):
-        for mode in (RealKVMode.NONE, RealKVMode.PARTIAL, RealKVMode.ALL):
+        if args.workloads and w["name"] not in args.workloads:
+            continue
+        for mode in (RealKVMode[m] for m in args.modes):
             for backend in args.backends:
                 step = Step(w, backend, mode, np.random.default_rng(1))
                 problem = check(step, backend, mode)
