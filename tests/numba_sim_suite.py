@@ -273,3 +273,9 @@ def test_canary_read_only_inputs():
             if isinstance(v, np.ndarray):
                 v.flags.writeable = False
     _twin(case)
+
+
+def test_canary_hashes_match_frozen_vectors():
+    from numba_hash_vectors import check_numba_hashes
+
+    check_numba_hashes()

@@ -316,3 +316,35 @@ def test_engine_detects_each_fault_on_gpu(backend, kind):
     assert fault.applied
     seen = list(log.report) + list(e.step().report)
     assert any(v.slot == fault.slot for v in seen), [str(v) for v in seen]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The device hash functions themselves, on the frozen vectors of tests/test_hashes.py
+
+
+def test_cuda_hashes_match_frozen_vectors():
+    from test_hashes import MIX3_VECTORS, SPLITMIX64_VECTORS
+
+    from canary.backends import cupy_backend_source
+
+    cupy = _cupy()
+    src = cupy_backend_source("canary") + r'''
+    extern "C" __global__ void hash_vectors(const u64* x, u64* sx, int n, const u64* a, const u64* b, const u64* c,
+                                            u64* m, int n3) {
+        const int i = threadIdx.x;
+        if (i < n) sx[i] = splitmix64(x[i]);
+        if (i < n3) m[i] = mix3(a[i], b[i], c[i]);
+    }'''
+    fn = cupy.RawModule(code=src, options=("--std=c++17",)).get_function("hash_vectors")
+    x = cupy.asarray(np.array([v for v, _ in SPLITMIX64_VECTORS], dtype=np.uint64))
+    a, b, c = (cupy.asarray(np.array(col, dtype=np.uint64)) for col in list(zip(*MIX3_VECTORS))[:3])
+    sx, m = cupy.zeros_like(x), cupy.zeros_like(a)
+    fn((1,), (32,), (x, sx, np.int32(x.size), a, b, c, m, np.int32(a.size)))
+    assert cupy.asnumpy(sx).tolist() == [y for _, y in SPLITMIX64_VECTORS]
+    assert cupy.asnumpy(m).tolist() == [w for *_, w in MIX3_VECTORS]
+
+
+def test_numba_hashes_match_frozen_vectors():
+    from numba_hash_vectors import check_numba_hashes
+
+    check_numba_hashes()
