@@ -348,3 +348,30 @@ def test_numba_hashes_match_frozen_vectors():
     from numba_hash_vectors import check_numba_hashes
 
     check_numba_hashes()
+
+
+def test_torch_bfloat16_source_zero_copy(backend):
+    """A torch bfloat16 KV buffer on the GPU is hashed in place (viewed as bytes): a flipped bit is caught."""
+    torch = pytest.importorskip("torch")
+    from canary import CanaryState, FailReason, KVCanary, VerifyPlan, WritePlan, real_kv
+
+    dev = "cuda"
+    kv = torch.randn(32, 2, 64, dtype=torch.bfloat16, device=dev)  # [slots, heads, head_dim]: 256 B per token
+    state = CanaryState(canary_buffer=torch.zeros(32, 32, dtype=torch.uint8, device=dev),
+                        ring=torch.zeros(8, 8, dtype=torch.int64, device=dev),
+                        ring_write_index=torch.zeros(1, dtype=torch.int32, device=dev),
+                        slot_run_counter=torch.zeros(2, dtype=torch.int64, device=dev),
+                        kernel_run_counter=torch.zeros(2, dtype=torch.int64, device=dev),
+                        check_flags=torch.full((1,), 3, dtype=torch.int32, device=dev))
+    canary = KVCanary(state, real_kv([(kv, 1, 256)]), backend=backend)
+    t = lambda v, dt=torch.int64: torch.tensor(v, dtype=dt, device=dev)  # noqa: E731
+    canary.write(WritePlan(write_offsets=t([0, 3]), write_seed_slot_indices=t([-1]),
+                           write_num_valid_reqs=t([1], torch.int32)),
+                 out_cache_loc=t([5, 9, 2]), input_ids=t([1, 2, 3]), positions=t([0, 1, 2]))
+    kv.view(torch.uint8)[9, 0, 7] ^= 1  # in place: the canary must see the caller's memory, not a copy
+    canary.verify(VerifyPlan(verify_slot_indices=t([5, 9, 2]), verify_expected_tokens=t([1, 2, 3]),
+                             verify_expected_positions=t([0, 1, 2]), verify_prev_slot_indices=t([-1, 5, 9]),
+                             verify_num_valid=t([3], torch.int32), enable=t([1], torch.int32),
+                             status=t([0], torch.int32)))
+    report = canary.drain()
+    assert [(v.slot, v.reasons) for v in report] == [(9, FailReason.REAL_KV)]
