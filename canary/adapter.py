@@ -90,8 +90,12 @@ def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
         stream_ptr = 1
     try:
         smv = StridedMemoryView.from_any_interface(obj, stream_ptr=stream_ptr)
-    except BufferError as exc:
-        raise fail(ValueError, f"{name}: could not be viewed through DLPack or the CUDA Array Interface: {exc}") from exc
+    except (BufferError, TypeError, ValueError) as exc:
+        raise fail(ValueError, f"{name}: expected an array viewable through DLPack or the CUDA Array Interface, "
+                               f"got {type(obj).__name__} that refused: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - e.g. the CUDA driver library missing on this machine
+        raise BackendUnavailableError(f"kv-canary: {name}: a CUDA array needs a working CUDA driver to be viewed, "
+                                      f"got {type(exc).__name__}: {exc}") from exc
     shape = tuple(int(n) for n in smv.shape)
     if smv.strides is None:
         strides, acc = [], 1
@@ -174,11 +178,22 @@ def as_view(obj: Any, name: str, *, stream_ptr: int = -1, launch_stream: int | N
         fast = _fast_device_view(obj, name, launch_stream, ordered_lib)
         if fast is not None:
             return fast
+    if isinstance(obj, np.ma.MaskedArray):
+        raise fail(TypeError, f"{name}: expected a plain array, got a masked array (its mask would be ignored)")
     if isinstance(obj, np.ndarray):
         return _host_view(name, obj, obj)
-    dev = _dlpack_device(obj)
+    try:
+        dev = _dlpack_device(obj)
+    except (ValueError, TypeError, RuntimeError) as exc:  # e.g. torch's meta device
+        raise fail(ValueError, f"{name}: expected host or CUDA memory, got {type(obj).__name__} whose DLPack device "
+                               f"is unknown: {exc}") from exc
     if dev is not None and dev[0] == _DLPACK_CPU:
-        return _host_view(name, obj, np.from_dlpack(obj))
+        try:
+            arr = np.from_dlpack(obj)
+        except (BufferError, TypeError, RuntimeError) as exc:  # e.g. a torch tensor that requires grad
+            raise fail(ValueError, f"{name}: expected an array NumPy can view through DLPack, got "
+                                   f"{type(obj).__name__} that refused: {exc}") from exc
+        return _host_view(name, obj, arr)
     if dev is not None or hasattr(obj, "__cuda_array_interface__"):
         if dev is not None and dev[0] not in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
             raise fail(ValueError, f"{name}: expected host or CUDA memory, got DLPack device type {dev[0]}")
@@ -202,12 +217,16 @@ def check_view(
     """Enforce dtype (no silent casts), rank, leading length, unit inner stride and writability."""
     want = np.dtype(dtype)
     if view.dtype != want:
-        raise fail(TypeError, f"{view.name}: expected dtype {want.name}, got {view.dtype.name}")
+        got = view.dtype.name if view.dtype.name != want.name else f"{view.dtype.str} (non-native byte order)"
+        raise fail(TypeError, f"{view.name}: expected dtype {want.name}, got {got}")
     if len(view.shape) != ndim:
         raise fail(ValueError, f"{view.name}: expected a {ndim}-D array, got shape {view.shape}")
     if length is not None and view.shape[0] != length:
         raise fail(ValueError, f"{view.name}: expected length {length}, got {view.shape[0]}")
     empty = 0 in view.shape  # an empty array's strides are arbitrary (0 from some slicing): nothing is accessed
+    if view.ptr % want.itemsize and not empty:  # the kernels load whole elements; misaligned loads fault on a GPU
+        raise fail(ValueError, f"{view.name}: expected an address aligned to {want.itemsize} bytes (its element size), "
+                               f"got {view.ptr:#x}")
     if ndim >= 1 and view.shape[-1] > 1 and view.strides[-1] != 1 and not empty:
         raise fail(ValueError, f"{view.name}: expected a unit inner stride, got stride {view.strides[-1]} elements")
     if ndim == 2 and view.shape[0] > 1 and view.strides[0] < view.shape[1] and not empty:

@@ -15,7 +15,10 @@ def _allocator(device: Any):
     if device in ("cpu", None):
         return lambda n, dt: np.zeros(n, dtype=dt)
     if isinstance(device, str) and device.startswith("cuda"):
-        ordinal = int(device.partition(":")[2] or 0)
+        tail = device.partition(":")[2]
+        if device not in ("cuda", f"cuda:{tail}") or (tail and not tail.isdigit()):
+            raise fail(ValueError, f"device: expected 'cpu', a CUDA ordinal or 'cuda:N', got {device!r}")
+        ordinal = int(tail or 0)
     elif isinstance(device, int) and not isinstance(device, bool):
         ordinal = device
     else:
@@ -34,16 +37,35 @@ def _allocator(device: Any):
             ) from None
 
         def empty_numba(n, dt):
-            with cuda.gpus[ordinal]:
-                return cuda.to_device(np.zeros(n, dtype=dt))
+            try:
+                with cuda.gpus[ordinal]:
+                    return cuda.to_device(np.zeros(n, dtype=dt))
+            except Exception as exc:  # no driver, no such device: numba raises several types
+                raise _no_device(device, exc) from exc
 
         return empty_numba
 
     def empty(n, dt):
-        with cupy.cuda.Device(ordinal):
-            return cupy.zeros(n, dtype=dt)
+        try:
+            with cupy.cuda.Device(ordinal):
+                return cupy.zeros(n, dtype=dt)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            raise _no_device(device, exc) from exc
 
     return empty
+
+
+def _no_device(device: Any, exc: Exception) -> BackendUnavailableError:
+    return BackendUnavailableError(f"kv-canary: device: expected a usable CUDA device for device={device!r} "
+                                   f"(pass device='cpu' for host arrays), got {type(exc).__name__}: {exc}")
+
+
+def _capacity(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise fail(TypeError, f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if int(value) < 0:
+        raise fail(ValueError, f"{name}: expected >= 0, got {value}")
+    return int(value)
 
 
 @dataclass(kw_only=True)
@@ -68,8 +90,7 @@ class VerifyPlan:
         """Allocate zeroed buffers: NumPy for ``device="cpu"``; for a CUDA ordinal or ``"cuda:N"``, CuPy arrays
         (Numba device arrays where only numba-cuda is installed). Raises ``ValueError`` for a negative capacity
         or an unknown device, :class:`BackendUnavailableError` when no GPU array library is installed."""
-        if int(verify_capacity) < 0:
-            raise fail(ValueError, f"verify_capacity: expected >= 0, got {verify_capacity}")
+        _capacity("verify_capacity", verify_capacity)
         empty = _allocator(device)
         c = int(verify_capacity)
         return cls(
@@ -114,8 +135,7 @@ class WritePlan:
         """Allocate zeroed buffers: NumPy for ``device="cpu"``; for a CUDA ordinal or ``"cuda:N"``, CuPy arrays
         (Numba device arrays where only numba-cuda is installed). Raises ``ValueError`` for a negative capacity
         or an unknown device, :class:`BackendUnavailableError` when no GPU array library is installed."""
-        if int(write_req_capacity) < 0:
-            raise fail(ValueError, f"write_req_capacity: expected >= 0, got {write_req_capacity}")
+        _capacity("write_req_capacity", write_req_capacity)
         empty = _allocator(device)
         r = int(write_req_capacity)
         return cls(

@@ -141,9 +141,14 @@ def real_kv_source(
     if rb > nbpt:
         raise fail(ValueError, f"{name}.read_bytes: expected <= num_bytes_per_token = {nbpt}, got {rb}")
     view = _as_byte_view(array, f"{name}.array")
+    if view.dtype.hasobject or view.dtype.itemsize == 0:
+        raise fail(TypeError, f"{name}.array: expected an array of plain values (its bytes are hashed), got dtype "
+                              f"{view.dtype}")
     if len(view.shape) < 2:
         raise fail(ValueError, f"{name}.array: expected at least 2 axes [rows, ...], got shape {view.shape}")
     itemsize = view.dtype.itemsize
+    if view.shape[0] == 0:
+        raise fail(ValueError, f"{name}.array: expected at least one row, got shape {view.shape}")
     # Inner axes (all but the first) must be C-contiguous so that a row is one run of bytes.
     want = 1
     for n, s in zip(reversed(view.shape[1:]), reversed(view.strides[1:])):
@@ -153,7 +158,8 @@ def real_kv_source(
         want *= n
     rows = view.shape[0]
     row_bytes = want * itemsize
-    row_stride = view.strides[0] * itemsize if rows > 1 else row_bytes
+    # One row has no stride to check: use the smallest legal one (only row 0 is ever read).
+    row_stride = view.strides[0] * itemsize if rows > 1 else -(-row_bytes // BYTE_QUANTUM) * BYTE_QUANTUM
     if row_stride < row_bytes:
         raise fail(ValueError, f"{name}.array: expected a row stride >= the row size {row_bytes} bytes, "
                                f"got {row_stride} bytes")
@@ -203,6 +209,9 @@ def real_kv(sources: Sequence[Any] = (), mode: Any = RealKVMode.ALL) -> RealKV:
     plus ``array``. ``mode``: :class:`RealKVMode`, its name or value. No sources means mode ``NONE``.
     """
     m = RealKVMode.coerce(mode)
+    if any(hasattr(sources, a) for a in ("__array_interface__", "__cuda_array_interface__", "__dlpack__")):
+        raise fail(TypeError, f"real_kv_sources: expected a sequence of sources such as [(array, page_size, "
+                              f"num_bytes_per_token)], got one {type(sources).__name__} (wrap it in a list of tuples)")
     items = list(sources)
     if len(items) > MAX_SOURCES:
         raise fail(ValueError, f"real_kv_sources: expected at most {MAX_SOURCES} sources, got {len(items)}")
@@ -212,6 +221,10 @@ def real_kv(sources: Sequence[Any] = (), mode: Any = RealKVMode.ALL) -> RealKV:
         if isinstance(item, RealKVSource):
             built.append(item)
         elif isinstance(item, dict):
+            unknown = set(item) - {"array", "page_size", "num_bytes_per_token", "read_bytes"}
+            if unknown or "array" not in item:
+                raise fail(TypeError, f"{name}: expected keys array, page_size, num_bytes_per_token[, read_bytes], "
+                                      f"got {sorted(item)}")
             built.append(real_kv_source(name=name, **item))
         elif isinstance(item, tuple) and len(item) in (3, 4):
             built.append(real_kv_source(item[0], page_size=item[1], num_bytes_per_token=item[2],

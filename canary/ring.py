@@ -94,6 +94,29 @@ class CheckFlags(enum.IntFlag):
 
 
 DEFAULT_CHECK_FLAGS = CheckFlags.WRITE_POSITION_CHAIN | CheckFlags.VERIFY_TOKEN
+_ALL_CHECKS = int(DEFAULT_CHECK_FLAGS)
+
+
+def coerce_check_flags(value: Any, name: str = "check_flags") -> CheckFlags:
+    """A :class:`CheckFlags`, an int in [0, 3], or names joined by ``|`` ("WRITE_POSITION_CHAIN|VERIFY_TOKEN",
+    case-insensitive; "all" and "none" too). Raises ``TypeError`` / ``ValueError`` (``kv-canary:``)."""
+    if isinstance(value, str):
+        flags = 0
+        for part in (p.strip().upper() for p in value.split("|")):
+            if part == "ALL":
+                flags |= _ALL_CHECKS
+            elif part in CheckFlags.__members__:
+                flags |= int(CheckFlags[part])
+            else:
+                raise fail(ValueError, f"{name}: expected flag names {', '.join(m for m in CheckFlags.__members__)} "
+                                       f"or 'all', joined by '|', got {value!r}")
+        return CheckFlags(flags)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise fail(TypeError, f"{name}: expected CheckFlags, an int or flag names, got {type(value).__name__} "
+                              f"{value!r}")
+    if not 0 <= int(value) <= _ALL_CHECKS:
+        raise fail(ValueError, f"{name}: expected bits of {_ALL_CHECKS} (an int in [0, {_ALL_CHECKS}]), got {value}")
+    return CheckFlags(int(value))
 
 
 def encode_tag(kind: KernelTag, launch_tag: int = 0) -> int:
@@ -123,13 +146,14 @@ def _zero(obj: Any) -> None:
         obj[...] = 0
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class CanaryState:
     """The caller-owned device state of one canary (one KV pool): see the module docstring for layouts.
 
     Fields: ``canary_buffer`` ``[num_slots, slot_stride_bytes]`` uint8, ``ring`` ``[ring_capacity, 8]`` int64,
     ``ring_write_index`` ``[1]`` int32, ``slot_run_counter`` and ``kernel_run_counter`` ``[2]`` int64,
-    ``check_flags`` ``[1]`` int32.
+    ``check_flags`` ``[1]`` int32. Frozen: a :class:`~canary.write_verify.KVCanary` binds these arrays' memory,
+    so swapping one for another afterwards would leave the kernels writing the old one; update contents in place.
     """
 
     canary_buffer: Any
@@ -158,10 +182,11 @@ class CanaryState:
                 raise fail(ValueError, f"{name}: expected >= {low}, got {value}")
         if int(slot_stride_bytes) % 8:
             raise fail(ValueError, f"slot_stride_bytes: expected a multiple of 8, got {slot_stride_bytes}")
+        flag_value = int(coerce_check_flags(check_flags))
         empty = _allocator(device)
         n, stride, cap = int(num_slots), int(slot_stride_bytes), int(ring_capacity)
         flags = empty(1, np.int32)
-        flags[0] = int(check_flags)
+        flags[0] = flag_value
         return cls(
             canary_buffer=empty(n * stride, np.uint8).reshape(n, stride),
             ring=empty(cap * RING_ROW_WORDS, np.int64).reshape(cap, RING_ROW_WORDS),
@@ -171,9 +196,14 @@ class CanaryState:
             check_flags=flags,
         )
 
-    def set_check_flags(self, flags: CheckFlags | int) -> None:
-        """Write the device flag word (stream-ordered on the array library's current stream)."""
-        self.check_flags[0] = int(flags)
+    def set_check_flags(self, flags: CheckFlags | int | str) -> None:
+        """Write the device flag word (stream-ordered on the array library's current stream). ``flags``: as
+        :func:`coerce_check_flags` takes them."""
+        value = int(coerce_check_flags(flags, "flags"))
+        try:
+            self.check_flags[0] = value
+        except ValueError as exc:  # a read-only array
+            raise fail(ValueError, f"state.check_flags: expected a writable array, got a read-only one ({exc})") from exc
 
     def health(self) -> Health:
         """Copy the counters to the host (a sync for device arrays)."""
@@ -250,7 +280,7 @@ class Violation:
         if self.kernel == KernelTag.WRITE:
             if self.expected_aux != -1:
                 parts.append(f"expected pos {self.expected_aux}")
-        else:
+        elif FailReason.CHAIN in self.reasons:  # the chain hashes only mean something when they disagree
             parts.append(f"prev_hash {self.stored_chain_hash & 0xFFFF_FFFF_FFFF_FFFF:#018x}")
             if self.expected_aux != 0:
                 parts.append(f"expected {self.expected_aux & 0xFFFF_FFFF_FFFF_FFFF:#018x}")
@@ -341,6 +371,15 @@ class StateViews:
         return getattr(self, name).host
 
 
+def _check_disjoint(spans: list[tuple[ArrayView, int]]) -> None:
+    """State arrays must not share memory: a violation counted into the flag word, say, would switch checks off."""
+    ranges = sorted((v.ptr, v.ptr + n, v.name) for v, n in spans if n > 0)
+    for (a0, a1, an), (b0, _, bn) in zip(ranges, ranges[1:]):
+        if b0 < a1:
+            raise fail(ValueError, f"{bn}: expected memory separate from {an}, got an overlap at {b0:#x} "
+                                   f"({an} spans [{a0:#x}, {a1:#x}))")
+
+
 def bind_state(state: CanaryState) -> StateViews:
     """Validate a :class:`CanaryState` (SPEC 3.3 style errors) and view it zero-copy."""
     if not isinstance(state, CanaryState):
@@ -352,7 +391,8 @@ def bind_state(state: CanaryState) -> StateViews:
     num_slots, width = buf.shape
     if width < MIN_SLOT_STRIDE_BYTES:
         raise fail(ValueError, f"state.canary_buffer: expected rows of >= {MIN_SLOT_STRIDE_BYTES} bytes, got {width}")
-    stride = buf.strides[0] if num_slots > 1 else width
+    # One slot has no stride to check: use the smallest legal one (only slot 0's 32 bytes are ever touched).
+    stride = buf.strides[0] if num_slots > 1 else -(-width // 8) * 8
     if stride % 8 or buf.ptr % 8:
         raise fail(ValueError, f"state.canary_buffer: expected 8-byte aligned slots, got base address {buf.ptr:#x} and "
                                f"slot stride {stride} bytes")
@@ -367,6 +407,9 @@ def bind_state(state: CanaryState) -> StateViews:
                              length=NUM_COUNTERS, writable=True)
     flags = check_view(as_view(state.check_flags, "state.check_flags"), dtype=np.int32, ndim=1, length=1)
     device = check_same_device([buf, ring, widx, slot_runs, kernel_runs, flags])
+    _check_disjoint([(buf, (num_slots - 1) * stride + width if num_slots else 0),
+                     (ring, (ring.shape[0] - 1) * ring.strides[0] * 8 + RING_ROW_WORDS * 8 if ring.shape[0] else 0),
+                     (widx, 4), (slot_runs, 8 * NUM_COUNTERS), (kernel_runs, 8 * NUM_COUNTERS), (flags, 4)])
     fields = None
     if device == HOST:
         fields = host_view(buf.ptr, (num_slots, len(CANARY_FIELDS)), (stride, 8), np.int64, buf.host)

@@ -79,8 +79,11 @@ class KVCanary:
             real_kv = make_real_kv(real_kv)
         self.real_kv = real_kv
         if real_kv.sources and real_kv.device_id != self.views.device_id:
-            raise fail(ValueError, f"{real_kv.sources[0].name}: expected the canary's device, got "
-                                   f"{'host memory' if real_kv.device_id == HOST else f'cuda:{real_kv.device_id}'}")
+            def where(d):
+                return "host memory" if d == HOST else f"cuda:{d}"
+
+            raise fail(ValueError, f"{real_kv.sources[0].name}: expected the canary buffer's device "
+                                   f"({where(self.views.device_id)}), got {where(real_kv.device_id)}")
         real_kv.check_covers(self.views.num_slots, "state.canary_buffer")
         if backend not in ("auto",) + backends.BACKENDS:
             raise fail(ValueError, f"backend: expected one of auto, {', '.join(backends.BACKENDS)}, got {backend!r}")
@@ -180,9 +183,10 @@ def scatter_expected_tokens(
     """Scatter a flat per-request token stream into the expected-token pool (docs/canary.md, "Scatter").
 
     For each batch row ``r < bs`` with ``rp = req_pool_indices[r]`` in ``[1, pool_rows)`` and each ``j`` in
-    ``[0, token_offsets[r+1] - token_offsets[r])``: ``pool[rp, column_starts[r] + column_offset + j] =
-    tokens[token_offsets[r] + j]``; columns outside ``[0, pool_cols)`` and token indices outside ``[0, N)`` are
-    skipped. Arguments: ``req_to_verify_expected_tokens`` ``[pool_rows, pool_cols]`` int32 (written),
+    ``[0, end - start)`` with ``start, end = clamp(token_offsets[r], 0, N), clamp(token_offsets[r+1], 0, N)``:
+    ``pool[rp, column_starts[r] + column_offset + j] = tokens[start + j]``; columns outside ``[0, pool_cols)``
+    are skipped (and a clamped start shifts the row's tokens: offsets are trusted, clamping keeps reads in
+    bounds). Arguments: ``req_to_verify_expected_tokens`` ``[pool_rows, pool_cols]`` int32 (written),
     ``req_pool_indices`` ``[bs]`` int64, ``tokens`` ``[N]`` int64 or int32 (stored as their low 32 bits),
     ``token_offsets`` ``[>= bs+1]`` int64 (a :class:`WritePlan`'s ``write_offsets`` fits: ``tokens`` is then the
     step's ``input_ids``), ``column_starts`` ``[bs]`` int64 (``prefix_lens`` fits), ``column_offset`` (the

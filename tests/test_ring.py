@@ -78,10 +78,9 @@ def test_allocate_validation(kwargs, exc, message):
 
 
 def _state(**over) -> CanaryState:
-    st = CanaryState.allocate(num_slots=8, ring_capacity=4)
-    for k, v in over.items():
-        setattr(st, k, v)
-    return st
+    from dataclasses import replace
+
+    return replace(CanaryState.allocate(num_slots=8, ring_capacity=4), **over)
 
 
 @pytest.mark.parametrize(

@@ -143,6 +143,11 @@ def load(name: str, family: str = "plan"):
     return importlib.import_module(f"{__name__}.{_MODULES[family][name]}")
 
 
+def _placement_message(name: str, what: str, where: str, fits: str) -> str:
+    runs = "on the host" if name == "reference" else "on a CUDA device"
+    return f"backend: expected a backend for {what} in {where} ({fits}), got {name!r}, which runs {runs}"
+
+
 def resolve(name: str, device_id: int, family: str = "plan"):
     """Pick the backend module for ``name`` ("auto" included) and arrays living on ``device_id``."""
     what = f"the {family} arrays"
@@ -163,12 +168,12 @@ def resolve(name: str, device_id: int, family: str = "plan"):
     if device_id < 0 and (name == "cupy" or (name == "numba" and not _numba_simulator())):
         # A caller error whatever is installed: say so before importing the backend's library. (Numba's CUDA
         # simulator runs on host memory: there the numba backend takes host arrays.)
-        raise fail(ValueError, f"backend: {name!r} runs on a CUDA device, but {what} are in host memory")
+        raise fail(ValueError, _placement_message(name, what, "host memory", "'reference' or 'auto'"))
     module = load(name, family)
     if module.ON_DEVICE and device_id < 0:
-        raise fail(ValueError, f"backend: {name!r} runs on a CUDA device, but {what} are in host memory")
+        raise fail(ValueError, _placement_message(name, what, "host memory", "'reference' or 'auto'"))
     if not module.ON_DEVICE and device_id >= 0:
-        raise fail(ValueError, f"backend: {name!r} runs on the host, but {what} are on cuda:{device_id}")
+        raise fail(ValueError, _placement_message(name, what, f"cuda:{device_id}", "'cupy', 'numba' or 'auto'"))
     return module
 
 

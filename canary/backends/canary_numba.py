@@ -161,14 +161,7 @@ class Bound:
                     overload.bind()
 
     def _launch(self, kernel, grid: int, block: int, stream: int, args: tuple) -> None:
-        arr = self._arr
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", _PerformanceWarning)  # small grids are by design (one block per request)
-            if SIMULATOR:
-                kernel[grid, block](*args)
-                return
-            with arr.gpu:
-                kernel[grid, block, arr.stream(stream)](*args)
+        _launch(self._arr, kernel, grid, block, stream, args)
 
     def write(self, a: CanaryWriteArgs, stream: int) -> None:
         v = self._arr.vector
@@ -189,6 +182,18 @@ class Bound:
         )
         grid = verify_grid(cap, self._sms, 2 if SIMULATOR else BLOCKS_PER_SM, self.verify_threads)
         self._launch(self._verify_kernel, grid, self.verify_threads, stream, args)
+
+
+def _launch(arr: _Arrays, kernel, grid: int, block: int, stream: int, args: tuple) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", _PerformanceWarning)  # small grids are by design (one block per request)
+        if SIMULATOR:
+            # The simulator computes with NumPy scalars, which warn when u64 arithmetic wraps (by design here).
+            warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)
+            kernel[grid, block](*args)
+            return
+        with arr.gpu:
+            kernel[grid, block, arr.stream(stream)](*args)
 
 
 def bind(state: StateViews, real_kv: RealKV) -> Bound:
@@ -213,10 +218,4 @@ def scatter(a: ScatterArgs, stream: int) -> None:
     bs = a.req_pool_indices.shape[0]
     args = (pool_arr, rows, cols, row_stride, arr.vector(a.req_pool_indices), bs, arr.vector(a.tokens, a.tokens.dtype),
             a.tokens.shape[0], arr.vector(a.token_offsets), arr.vector(a.column_starts), np.int64(a.column_offset))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", _PerformanceWarning)
-        if SIMULATOR:
-            kernel[max(bs, 1), _threads()[2]](*args)
-        else:
-            with arr.gpu:
-                kernel[max(bs, 1), _threads()[2], arr.stream(stream)](*args)
+    _launch(arr, kernel, max(bs, 1), _threads()[2], stream, args)
