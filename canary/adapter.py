@@ -61,6 +61,8 @@ def _is_jax(obj: Any) -> bool:
 
 def _host_view(name: str, obj: Any, arr: np.ndarray) -> ArrayView:
     itemsize = arr.dtype.itemsize
+    if itemsize == 0:
+        raise fail(TypeError, f"{name}: expected an array of sized elements, got dtype {arr.dtype}")
     if any(s % itemsize for s in arr.strides):
         raise fail(ValueError, f"{name}: expected strides that are whole elements, got byte strides {arr.strides}")
     return ArrayView(

@@ -128,3 +128,8 @@ def test_plan_allocate_checks(kw, exc, message):
 def test_write_plan_allocate_checks():
     with pytest.raises(TypeError, match="kv-canary: write_req_capacity: expected an int, got bool"):
         WritePlan.allocate(write_req_capacity=True)
+
+
+def test_zero_size_dtype_is_refused():
+    with pytest.raises(TypeError, match="kv-canary: x: expected an array of sized elements, got dtype"):
+        as_view(np.zeros(3, "V0"), "x")
