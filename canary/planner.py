@@ -12,7 +12,7 @@ from .backends import INT32, INT64, StaticArgs, StepArgs
 from .errors import PlanStatus, fail
 from .hostcopy import to_host
 from .plans import VerifyPlan, WritePlan, raise_for_status
-from .streams import current_stream, dlpack_stream, stream_handle
+from .streams import dlpack_stream, launch_stream
 
 _ENTRY_FIELDS = (
     "verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
@@ -245,14 +245,7 @@ class CanaryPlanner:
         syncs and raises :class:`CanaryInputError` on input-fault status bits, else returns the status.
         """
         on_device = self.static.device_id >= 0
-        handle, ordered_lib = 0, None
-        if on_device:
-            if stream is not None:
-                handle = stream_handle(stream)
-            else:
-                owner = self.static.verify_slot_indices.owner
-                handle = current_stream(owner, self.static.device_id)
-                ordered_lib = type(owner).__module__.split(".")[0]  # its arrays are ordered on that stream
+        handle, ordered_lib = launch_stream(self.static.device_id, stream, self.static.verify_slot_indices.owner)
         step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens,
                           handle if on_device else None, ordered_lib)
         self._bound.launch(step, handle)

@@ -370,6 +370,11 @@ class StateViews:
     def host(self, name: str) -> np.ndarray:
         return getattr(self, name).host
 
+    @property
+    def ring_row_stride(self) -> int:
+        """Elements between ring rows (a one-row ring has no stride of its own: the row length)."""
+        return self.ring.strides[0] if self.ring_capacity > 1 else RING_ROW_WORDS
+
 
 def _check_disjoint(spans: list[tuple[ArrayView, int]]) -> None:
     """State arrays must not share memory: a violation counted into the flag word, say, would switch checks off."""

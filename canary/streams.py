@@ -44,3 +44,14 @@ def current_stream(owner: Any, device_id: int) -> int:
 def dlpack_stream(handle: int) -> int:
     """DLPack's consumer-stream value for ``handle``: 0 is not allowed there, the legacy default stream is 1."""
     return 1 if handle == 0 else handle
+
+
+def launch_stream(device_id: int, stream: Any, owner: Any) -> tuple[int, str | None]:
+    """``(handle, ordered_lib)`` of a launch on ``device_id`` (-1: host, ``(0, None)``): ``stream`` if given, else
+    the current stream of the library owning ``owner`` (an output array), whose arrays are then known to be
+    ordered on it (``ordered_lib``: that library's name, for the adapter's fast path)."""
+    if device_id < 0:
+        return 0, None
+    if stream is not None:
+        return stream_handle(stream), None
+    return current_stream(owner, device_id), type(owner).__module__.split(".")[0]

@@ -23,7 +23,7 @@ from .plans import VerifyPlan, WritePlan
 from .realkv import RealKV
 from .realkv import real_kv as make_real_kv
 from .ring import CanaryState, KernelTag, RingReport, bind_state, encode_tag
-from .streams import current_stream, dlpack_stream, stream_handle
+from .streams import dlpack_stream, launch_stream
 
 INT64 = np.dtype(np.int64)
 INT32 = np.dtype(np.int32)
@@ -42,13 +42,7 @@ class _Launch:
     __slots__ = ("handle", "stream_ptr", "launch_stream", "ordered_lib")
 
     def __init__(self, device_id: int, stream: Any, owner: Any):
-        self.handle, self.ordered_lib = 0, None
-        if device_id != HOST:
-            if stream is not None:
-                self.handle = stream_handle(stream)
-            else:
-                self.handle = current_stream(owner, device_id)
-                self.ordered_lib = type(owner).__module__.split(".")[0]
+        self.handle, self.ordered_lib = launch_stream(device_id, stream, owner)
         on_device = device_id != HOST
         self.stream_ptr = dlpack_stream(self.handle) if on_device else -1
         self.launch_stream = self.handle if on_device else None
@@ -85,8 +79,6 @@ class KVCanary:
             raise fail(ValueError, f"{real_kv.sources[0].name}: expected the canary buffer's device "
                                    f"({where(self.views.device_id)}), got {where(real_kv.device_id)}")
         real_kv.check_covers(self.views.num_slots, "state.canary_buffer")
-        if backend not in ("auto",) + backends.BACKENDS:
-            raise fail(ValueError, f"backend: expected one of auto, {', '.join(backends.BACKENDS)}, got {backend!r}")
         self._module = backends.resolve(backend, self.views.device_id, family="canary")
         self.backend = self._module.NAME
         self._bound = self._module.bind(self.views, real_kv)
@@ -194,8 +186,6 @@ def scatter_expected_tokens(
     the current stream of the library that owns the pool). Never syncs. Two batch rows scattering to the same
     cell race on a GPU (the reference keeps the later row).
     """
-    if backend not in ("auto",) + backends.BACKENDS:
-        raise fail(ValueError, f"backend: expected one of auto, {', '.join(backends.BACKENDS)}, got {backend!r}")
     pool_view = as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens")
     go = _Launch(pool_view.device_id, stream, req_to_verify_expected_tokens)
     if pool_view.device_id != HOST:  # view it again, ordered on the launch stream

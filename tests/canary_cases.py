@@ -19,8 +19,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from canary.realkv import RealKVMode
+from canary import VerifyPlan, WritePlan
+from canary.realkv import RealKVMode, real_kv
 from canary.ring import RING_ROW_WORDS, CanaryState, CheckFlags
+from canary.write_verify import KVCanary, scatter_expected_tokens
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 RING_SENTINEL = 0x5A5A_5A5A_5A5A_5A5A
@@ -93,9 +95,6 @@ def _u32(word) -> int:
 def run_case(case: CanaryCase, backend: str, place: Callable, to_host: Callable, *, sync: Callable = lambda: None,
              ring_capacity: int | None = None, write_index: int | None = None, stream=None) -> Run:
     """Run every launch of ``case`` through :class:`KVCanary` (``backend``), arrays placed with ``place``."""
-    from canary.realkv import real_kv
-    from canary.write_verify import KVCanary
-
     if ring_capacity is not None or write_index is not None:
         case = replace(case, ring_capacity=case.ring_capacity if ring_capacity is None else ring_capacity,
                        write_index=case.write_index if write_index is None else write_index)
@@ -108,15 +107,11 @@ def run_case(case: CanaryCase, backend: str, place: Callable, to_host: Callable,
         sync()
         w0 = _u32(to_host(state.ring_write_index))
         if launch.kind == "write":
-            from canary import WritePlan
-
             plan = WritePlan(write_offsets=placed.pop("write_offsets"),
                              write_seed_slot_indices=placed.pop("write_seed_slot_indices"),
                              write_num_valid_reqs=placed.pop("write_num_valid_reqs"))
             canary.write(plan, stream=stream, **placed)
         else:
-            from canary import VerifyPlan
-
             tag = placed.pop("launch_tag", 0)
             plan = VerifyPlan(status=place(np.zeros(1, np.int32)), **placed)
             canary.verify(plan, launch_tag=tag, stream=stream)
@@ -342,7 +337,7 @@ def hand_cases() -> list[CanaryCase]:
 
 def _real_kv_flip(case: CanaryCase, written_sources: list) -> CanaryCase:
     """Records as a write over ``written_sources`` would leave them, then a verify over changed sources."""
-    from canary.realkv import fold, real_kv
+    from canary.realkv import fold
 
     kv = real_kv(written_sources, case.mode)
     slots = np.arange(1, case.num_slots, dtype=np.int64)
@@ -489,8 +484,6 @@ def random_scatter_case(seed: int) -> ScatterCase:
 
 def run_scatter(case: ScatterCase, backend: str, place: Callable, to_host: Callable, stream=None) -> np.ndarray:
     """The whole pool storage (row padding included: it must stay poisoned) after one scatter."""
-    from canary.write_verify import scatter_expected_tokens
-
     rows, cols = case.pool_shape
     storage = np.full((rows, case.pool_row_stride), -777, dtype=np.int32)
     dev = place(storage)

@@ -622,9 +622,9 @@ def refill(case: PlanCase, rng: np.random.Generator) -> PlanCase:
                         name=case.name + "-refill")
 
 
-# Knob sets the GPU matrices cycle through (random_case's keywords): every rule of SPEC 3.2-3.4 in turn, and
-# batch sizes on both sides of the fused / two-pass boundary.
-GPU_RANDOM_KNOBS = [
+# Knob sets (random_case's keywords) that take every rule of SPEC 3.2-3.4 in turn; the GPU matrices and the
+# simulator suite each add their own batch sizes.
+RULE_KNOBS = [
     dict(),
     dict(swa=True),
     dict(pool=True, offsets=(0,)),
@@ -632,6 +632,9 @@ GPU_RANDOM_KNOBS = [
     dict(padding_fraction=0.6),
     dict(capacity="tight"),
     dict(fault_prob=0.15),
+]
+# The GPU matrices: the rules, and batch sizes on both sides of the fused / two-pass boundary.
+GPU_RANDOM_KNOBS = RULE_KNOBS + [
     dict(bs=(1, 300), max_seq_len=(1, 600), capacity="loose"),
     dict(bs=(900, 1100), max_seq_len=(1, 40), max_reqs=(50, 400), capacity="tight"),
     dict(bs=(4000, 5000), max_seq_len=(1, 30), max_reqs=(50, 400)),

@@ -25,7 +25,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
     pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (tests/test_numba_sim.py does)", allow_module_level=True)
 
 from cases import (  # noqa: E402
-    OUTPUTS, POISON, POISON_ALT, PlanCase, assert_same, expected_outputs, hand_case, hand_cases, make_plans,
+    OUTPUTS, POISON, POISON_ALT, RULE_KNOBS, PlanCase, assert_same, expected_outputs, hand_case, hand_cases, make_plans,
     plan_cases, poisoned_outputs, random_case,
 )
 
@@ -95,14 +95,7 @@ def test_hand_cases(case, path):
     check_case(case, path, POISON if path == FUSED else POISON_ALT)
 
 
-RANDOM_KNOBS = [
-    dict(),
-    dict(swa=True),
-    dict(pool=True, offsets=(0,)),
-    dict(pool=True, offsets=(1,)),
-    dict(padding_fraction=0.6),
-    dict(capacity="tight"),
-    dict(fault_prob=0.15),
+RANDOM_KNOBS = RULE_KNOBS + [
     dict(swa=True, pool=True, fault_prob=0.05, strided_r2t=True),
     dict(bs=(30, 70), max_seq_len=(1, 12), capacity="loose"),
     dict(lut=True, fault_prob=0.3, capacity="tight"),

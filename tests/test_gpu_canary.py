@@ -6,6 +6,8 @@ padding, a sentinel ring) and is compared with the reference under the byte-iden
 """
 from __future__ import annotations
 
+import dataclasses
+
 import canary_cases as cc
 import numpy as np
 import pytest
@@ -199,7 +201,7 @@ def test_graph_capture_and_replay_after_refill(backend):
         pool[...] = 0
         graph.launch(stream)
         stream.synchronize()
-        want = cc.run_case(cc.CanaryCase(**{**case.__dict__, "launches": [case.launches[1], case.launches[0]]}),
+        want = cc.run_case(dataclasses.replace(case, launches=[case.launches[1], case.launches[0]]),
                            "reference", lambda a: a.copy(), np.asarray)
         assert cupy.asnumpy(state.canary_buffer).tobytes() == want.canary_buffer.tobytes()
         assert cupy.asnumpy(state.slot_run_counter).tolist() == want.slot_runs.tolist()

@@ -114,6 +114,11 @@ class ScatterArgs:
     column_starts: ArrayView  # [bs] int64
     column_offset: int
 
+    @property
+    def pool_row_stride(self) -> int:
+        """Elements between pool rows (a one-row pool has no stride of its own: the row length)."""
+        return self.pool.strides[0] if self.pool.shape[0] > 1 else self.pool.shape[1]
+
 
 _INSTALL = {
     "cupy": "pip install 'kv-canary[cuda13]' (CUDA 13 driver) or 'kv-canary[cuda12]' (CUDA 12)",

@@ -42,7 +42,7 @@ def _ptr(view) -> int:
 def state_words(state: StateViews) -> dict:
     return dict(
         canary=state.canary_buffer.ptr, num_slots=state.num_slots, slot_stride=state.slot_stride_bytes,
-        ring=state.ring.ptr, ring_row_stride=state.ring.strides[0] if state.ring_capacity > 1 else 8,
+        ring=state.ring.ptr, ring_row_stride=state.ring_row_stride,
         ring_capacity=state.ring_capacity, ring_write_index=state.ring_write_index.ptr,
         slot_run_counter=state.slot_run_counter.ptr, kernel_run_counter=state.kernel_run_counter.ptr,
         check_flags=state.check_flags.ptr, tag=0,
@@ -181,7 +181,7 @@ def scatter(a: ScatterArgs, stream: int) -> None:
     pool = a.pool
     values = dict(
         pool=pool.ptr, pool_rows=pool.shape[0], pool_cols=pool.shape[1],
-        pool_row_stride=pool.strides[0] if pool.shape[0] > 1 else pool.shape[1],
+        pool_row_stride=a.pool_row_stride,
         req_pool_indices=a.req_pool_indices.ptr, bs=a.req_pool_indices.shape[0], tokens=a.tokens.ptr,
         num_tokens=a.tokens.shape[0], token_offsets=a.token_offsets.ptr, column_starts=a.column_starts.ptr,
         column_offset=a.column_offset,

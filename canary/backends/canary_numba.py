@@ -117,7 +117,7 @@ class Bound:
         buf = s.canary_buffer
         # Only the four fields of each slot are touched: the last slot needs 32 bytes, not a full stride.
         canary_words = ((s.num_slots - 1) * s.slot_stride_bytes + 32) // 8
-        ring_stride = s.ring.strides[0] if s.ring_capacity > 1 else 8
+        ring_stride = s.ring_row_stride
         ring_words = 0 if s.ring_capacity == 0 else (s.ring_capacity - 1) * ring_stride + 8
         self._state_args = (
             arr.words(buf.ptr, canary_words, np.uint64, buf.owner, buf.host), s.num_slots, s.slot_stride_bytes // 8,
@@ -160,9 +160,6 @@ class Bound:
                 for overload in kernel.overloads.values():
                     overload.bind()
 
-    def _launch(self, kernel, grid: int, block: int, stream: int, args: tuple) -> None:
-        _launch(self._arr, kernel, grid, block, stream, args)
-
     def write(self, a: CanaryWriteArgs, stream: int) -> None:
         v = self._arr.vector
         r_cap = a.write_seed_slot_indices.shape[0]
@@ -171,7 +168,7 @@ class Bound:
             v(a.input_ids), v(a.positions), a.out_cache_loc.shape[0], v(a.expected_input_ids),
             v(a.expected_positions), int(a.expected_input_ids is not None), int(a.expected_positions is not None),
         )
-        self._launch(self._write_kernel, max(r_cap, 1), self.write_threads, stream, args)
+        _launch(self._arr, self._write_kernel, max(r_cap, 1), self.write_threads, stream, args)
 
     def verify(self, a: CanaryVerifyArgs, stream: int) -> None:
         v = self._arr.vector
@@ -181,7 +178,7 @@ class Bound:
             v(a.verify_prev_slot_indices), cap, v(a.verify_num_valid), v(a.enable),
         )
         grid = verify_grid(cap, self._sms, 2 if SIMULATOR else BLOCKS_PER_SM, self.verify_threads)
-        self._launch(self._verify_kernel, grid, self.verify_threads, stream, args)
+        _launch(self._arr, self._verify_kernel, grid, self.verify_threads, stream, args)
 
 
 def _launch(arr: _Arrays, kernel, grid: int, block: int, stream: int, args: tuple) -> None:
@@ -210,7 +207,7 @@ def scatter(a: ScatterArgs, stream: int) -> None:
     if arr is None:
         arr = _SCATTER_ARRAYS[pool.device_id] = _Arrays(pool.device_id)
     rows, cols = pool.shape
-    row_stride = pool.strides[0] if rows > 1 else cols
+    row_stride = a.pool_row_stride
     flat = 0 if rows == 0 or cols == 0 else (rows - 1) * row_stride + cols
     pool_arr = arr.words(pool.ptr, flat, np.int32, pool.owner, pool.host)
     kernels = _kernels()
