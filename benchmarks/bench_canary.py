@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import cupy  # noqa: E402
 from bench_plan import git_commit, gpu_info  # noqa: E402
 
-from canary import CanaryPlanner, CanaryState, KVCanary, RealKVMode, VerifyPlan, WritePlan, real_kv  # noqa: E402
+from canary import CanaryPlanner, CanaryState, CanaryRecords, RealKVMode, VerifyPlan, WritePlan, real_kv  # noqa: E402
 
 KV_BYTES_PER_TOKEN = 256  # e.g. 1 KV head x 128 dims x bf16, of one layer's K (the real-KV source)
 
@@ -69,7 +69,7 @@ class Step:
         self.kv = cupy.asarray(rng.integers(0, 256, size=(num_slots, KV_BYTES_PER_TOKEN), dtype=np.uint8))
         self.state = CanaryState.allocate(num_slots=num_slots, ring_capacity=1 << 16, device=0)
         sources = [(self.kv, 1, KV_BYTES_PER_TOKEN)] if mode != RealKVMode.NONE else []
-        self.canary = KVCanary(self.state, real_kv(sources, mode) if sources else None, backend=backend)
+        self.canary = CanaryRecords(self.state, real_kv(sources, mode) if sources else None, backend=backend)
         self.canary.warmup()
         self.vp, self.wp = vp, wp
         # Fill the prefix records once (a write of every prefix slot), so verify reads real records.
@@ -90,7 +90,7 @@ class Step:
 
 def check(step: Step, backend: str, mode: RealKVMode) -> str | None:
     """One step on the twin and on the reference from the same state: same buffer, counters, ring total."""
-    from canary.hostcopy import to_host
+    from canary.interop.hostcopy import to_host
 
     host = {k: to_host(getattr(step.state, k)).copy() for k in ("canary_buffer", "ring", "ring_write_index",
                                                                  "slot_run_counter", "kernel_run_counter",
@@ -98,7 +98,7 @@ def check(step: Step, backend: str, mode: RealKVMode) -> str | None:
     ref_state = CanaryState(**host)
     kv_host = cupy.asnumpy(step.kv)
     src = [(kv_host, 1, KV_BYTES_PER_TOKEN)] if mode != RealKVMode.NONE else []
-    ref = KVCanary(ref_state, real_kv(src, mode) if src else None)
+    ref = CanaryRecords(ref_state, real_kv(src, mode) if src else None)
     h = {f: cupy.asnumpy(getattr(step.vp, f)) for f in ("verify_slot_indices", "verify_expected_tokens",
                                                          "verify_expected_positions", "verify_prev_slot_indices",
                                                          "verify_num_valid", "enable", "status")}

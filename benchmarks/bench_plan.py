@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import cupy  # noqa: E402
 
-from canary import CanaryPlanner, VerifyPlan, WritePlan  # noqa: E402
-from canary.backends.reference import plan_arrays  # noqa: E402
+from canary import CanaryPlanner, LaunchConfig, VerifyPlan, WritePlan  # noqa: E402
+from canary.backends.reference.plan import plan_arrays  # noqa: E402
 
 OUTPUTS = (
     "verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
@@ -117,7 +117,7 @@ def workloads(rng: np.random.Generator, quick: bool) -> list[Inputs]:
 
 def trace_steps(count: int) -> list[Inputs]:
     """Real step shapes: the bundled conversation trace through the scheduler, ``count`` steps spread evenly."""
-    from canary.scheduler import Scheduler, default_buckets, load_trace
+    from canary.sim.scheduler import Scheduler, default_buckets, load_trace
 
     sched = Scheduler(load_trace("conv", 300), max_batch_size=64, pad_buckets=default_buckets(64), seed=0)
     steps = []
@@ -176,15 +176,14 @@ class Bound:
             self.call, self.capturable = call, False
             return
         backend = "cupy" if impl.startswith("cupy") else "numba"
+        two_pass = impl == "cupy_two_pass"  # the scan + per-entry binary search shape of SGLang's planner
         self.planner = CanaryPlanner(
-            backend=backend,
+            backend=backend, launch_config=LaunchConfig(fused_max_bs=-1 if two_pass else None),
             verify_plan_out=VerifyPlan(**{k: self.out[k] for k in OUTPUTS[:7]}),
             write_plan_out=WritePlan(**{k: self.out[k] for k in OUTPUTS[7:]}),
             req_to_token=self.dev["req_to_token"], swa_window_size=inp.swa_window_size,
             full_to_swa_index_mapping=self.lut,
         )
-        if impl == "cupy_two_pass":  # the scan + per-entry binary search shape of SGLang's planner
-            self.planner._bound.fused_max_bs = -1
         self.planner.warmup()
         self.call = lambda stream=None: self.planner.plan(**self.step, stream=stream)
         self.capturable = True

@@ -1,38 +1,53 @@
 """kv-canary: GPU planning kernels that detect KV-cache corruption in LLM serving engines.
 
-``import canary`` imports NumPy only; the CuPy and Numba backends import their libraries when first used.
+``import canary`` imports NumPy only; the CuPy and Numba backends import their libraries when first used,
+and the replay application (``canary.sim``) is imported only by the ``kv-canary`` command.
 
-Planning (SPEC 3): :class:`CanaryPlanner`, :func:`launch_canary_plan_kernels`, :class:`VerifyPlan`,
-:class:`WritePlan`. The canary itself (SPEC 4, ``docs/canary.md``): :class:`CanaryState`, :class:`KVCanary`
-(write / verify / drain), :func:`real_kv` / :func:`real_kv_source` (real KV bytes to hash),
-:func:`scatter_expected_tokens`, and the decoded ring records (:class:`Violation`, :class:`FailReason`).
+Planning (SPEC 3, ``canary.plan``): :class:`CanaryPlanner`, :func:`launch_canary_plan_kernels`,
+:class:`VerifyPlan`, :class:`WritePlan`. The canary records (SPEC 4, ``docs/records.md``, ``canary.records``):
+:class:`CanaryState`, :class:`CanaryRecords` (write / verify / drain), :func:`real_kv` / :func:`real_kv_source`
+(real KV bytes to hash), :func:`scatter_expected_tokens`, the decoded ring records (:class:`Violation`,
+:class:`FailReason`) and the hashes (:func:`splitmix64`, :func:`mix3`). :func:`to_host` copies any array to
+NumPy (a sync for device arrays). :class:`LaunchConfig`: launch choices at bind time.
 """
+from .backends.args import LaunchConfig
 from .errors import BackendUnavailableError, CanaryInputError, PlanStatus
-from .planner import CanaryPlanner, launch_canary_plan_kernels
-from .plans import VerifyPlan, WritePlan
-from .realkv import RealKVMode, real_kv, real_kv_source
-from .ring import CanaryState, CheckFlags, FailReason, Health, KernelTag, RingReport, Violation
-from .write_verify import KVCanary, scatter_expected_tokens
+from .interop.hostcopy import to_host
+from .plan.planner import CanaryPlanner, launch_canary_plan_kernels
+from .plan.plans import VerifyPlan, WritePlan
+from .records.api import CanaryRecords, scatter_expected_tokens
+from .records.hashes import mix3, splitmix64
+from .records.realkv import RealKV, RealKVMode, real_kv, real_kv_source
+from .records.ring import (
+    DEFAULT_CHECK_FLAGS, CheckFlags, FailReason, Health, KernelTag, RingReport, Violation,
+)
+from .records.state import CanaryState
 
 __all__ = [
+    "DEFAULT_CHECK_FLAGS",
     "BackendUnavailableError",
     "CanaryInputError",
     "CanaryPlanner",
+    "CanaryRecords",
     "CanaryState",
     "CheckFlags",
     "FailReason",
     "Health",
-    "KVCanary",
     "KernelTag",
+    "LaunchConfig",
     "PlanStatus",
+    "RealKV",
     "RealKVMode",
     "RingReport",
     "VerifyPlan",
     "Violation",
     "WritePlan",
     "launch_canary_plan_kernels",
+    "mix3",
     "real_kv",
     "real_kv_source",
     "scatter_expected_tokens",
+    "splitmix64",
+    "to_host",
 ]
 __version__ = "0.1.0"

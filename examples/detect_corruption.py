@@ -8,7 +8,7 @@ import argparse
 
 import numpy as np
 
-from canary import CanaryPlanner, CanaryState, KVCanary, VerifyPlan, WritePlan, real_kv
+from canary import CanaryPlanner, CanaryState, CanaryRecords, VerifyPlan, WritePlan, real_kv
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -28,7 +28,7 @@ verify_plan = VerifyPlan.allocate(verify_capacity=64, device=device)
 write_plan = WritePlan.allocate(write_req_capacity=4, device=device)
 planner = CanaryPlanner(verify_plan_out=verify_plan, write_plan_out=write_plan, req_to_token=req_to_token)
 state = CanaryState.allocate(num_slots=num_slots, ring_capacity=64, device=device)
-canary = KVCanary(state, real_kv([(kv, 1, bytes_per_token)]))  # hash every byte of each token's KV
+canary = CanaryRecords(state, real_kv([(kv, 1, bytes_per_token)]))  # hash every byte of each token's KV
 tokens = [11, 12, 13, 14, 15, 16]
 
 

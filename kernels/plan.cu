@@ -37,7 +37,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 // One by-value kernel parameter; every field is 8 bytes, so the host packs it as an array of uint64 words in
-// this order (canary/backends/cupy_backend.py PARAM_FIELDS) and updates only the per-step words per call.
+// this order (canary/backends/plan_layout.py PARAM_FIELDS) and updates only the per-step words per call.
 struct PlanParams {
     const i64* req_pool_indices;
     const i64* prefix_lens;

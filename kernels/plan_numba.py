@@ -22,7 +22,7 @@ Same kernels, same structure, same names as plan.cu, so a reader finds each piec
 
 All three kernels take the same arguments: the fields of plan.cu's ``PlanParams``, in its order
 (``PARAMS``; one ``SIGNATURE``). Grids are sized from verify_capacity by the caller, never from data
-(``canary/backends/plan_layout.entry_grid``: occupancy-bounded, as plan.cu's host side).
+(``canary/backends/plan_layout.py`` ``entry_grid``: occupancy-bounded, as plan.cu's host side).
 
 Deliberate differences from plan.cu (speed structure only; the outputs are the same bytes):
 

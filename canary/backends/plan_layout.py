@@ -21,11 +21,11 @@ PARAM_FIELDS = (
 )
 
 
-def entry_grid(verify_capacity: int, sms: int, blocks_per_sm: int) -> int:
+def entry_grid(verify_capacity: int, sms: int, blocks_per_sm: int, threads: int = ENTRY_THREADS) -> int:
     """Blocks of an entries grid: enough for a full plan, but no more than fit on the device at once (the
     fused kernel scans the rows once per block, so a second wave would scan them again; grid-stride beyond).
     Depends on the capacity only, never on data, so that a captured CUDA graph stays valid for any input."""
-    return max(1, min(-(-verify_capacity // (ENTRY_THREADS * ITEMS)), sms * max(1, blocks_per_sm)))
+    return max(1, min(-(-int(verify_capacity) // (threads * ITEMS)), int(sms) * max(1, int(blocks_per_sm))))
 
 
 def scratch_words(write_req_capacity: int) -> int:

@@ -1,0 +1,146 @@
+"""What a backend receives: the checked arguments of each launch (views already validated, SPEC 3.3)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..interop.adapter import ArrayView
+
+INT64 = np.dtype(np.int64)
+INT32 = np.dtype(np.int32)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch choices a caller may vary at bind time (tests and benchmarks do; engines keep the defaults).
+
+    - ``fused_max_bs``: the largest batch planned by the one-launch fused kernel (``None``: the kernels' own
+      ``FUSED_MAX_BS`` = 512, the most its shared-memory row table holds; a larger value is capped there);
+      ``-1`` plans every batch, ``bs = 0`` included, with the two-launch path (rows + entries).
+    - ``simulator_threads``: block size of every kernel under Numba's CUDA simulator (``None``: 32, small so
+      CI is fast and small cases still span several blocks; ``"gpu"``: the kernels' own GPU block sizes).
+      Ignored on a GPU, where the block sizes are the kernels' compile-time constants.
+    - ``numba_fast_launch``: the Numba planner launches through ``cuda.core`` with its arguments marshalled at
+      bind (``True``) or through numba's own ``kernel[grid, block, stream](...)`` (``False``; also the
+      fallback where numba-cuda's internals differ).
+
+    Raises ``TypeError`` / ``ValueError`` (``kv-canary:``) for a value of the wrong type or range.
+    """
+
+    fused_max_bs: int | None = None
+    simulator_threads: int | str | None = None
+    numba_fast_launch: bool = True
+
+    def __post_init__(self):
+        from ..errors import fail
+
+        for name in ("fused_max_bs", "simulator_threads"):
+            value = getattr(self, name)
+            if value is None or (name == "simulator_threads" and value == "gpu"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise fail(TypeError, f"launch_config.{name}: expected an int or None, got {type(value).__name__}")
+            low = -1 if name == "fused_max_bs" else 1
+            if int(value) < low:
+                raise fail(ValueError, f"launch_config.{name}: expected >= {low} or None, got {value}")
+
+
+DEFAULT_LAUNCH = LaunchConfig()
+
+
+@dataclass(frozen=True)
+class StaticArgs:
+    """Everything a planner binds once. Views are already checked (SPEC 3.3)."""
+
+    req_to_token: ArrayView  # [max_reqs, max_seq_len] int32, row stride >= max_seq_len
+    full_to_swa_index_mapping: ArrayView | None  # [lut_len] int64
+    req_to_verify_expected_tokens: ArrayView | None  # [pool_rows, pool_cols] int32
+    swa_window_size: int
+    kv_token_id_vs_position_offset: int
+    verify_slot_indices: ArrayView  # [C] int64
+    verify_expected_tokens: ArrayView
+    verify_expected_positions: ArrayView
+    verify_prev_slot_indices: ArrayView
+    verify_num_valid: ArrayView  # [1] int32
+    enable: ArrayView
+    status: ArrayView
+    write_offsets: ArrayView  # [R+1] int64
+    write_seed_slot_indices: ArrayView  # [R] int64
+    write_num_valid_reqs: ArrayView  # [1] int32
+    verify_capacity: int
+    write_req_capacity: int
+    max_batch_size: int
+    device_id: int  # -1 for host
+
+    @property
+    def max_reqs(self) -> int:
+        return self.req_to_token.shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.req_to_token.shape[1]
+
+    @property
+    def req_pool_index_bound(self) -> int:
+        """Exclusive upper bound of a valid ``req_pool_indices`` value (SPEC 3.4 bit 2)."""
+        pool = self.req_to_verify_expected_tokens
+        return self.max_reqs if pool is None else min(self.max_reqs, pool.shape[0])
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    """The per-step inputs, ``[bs]`` int64 each (``valid_lens`` present iff an expected-token pool is bound)."""
+
+    req_pool_indices: ArrayView
+    prefix_lens: ArrayView
+    extend_seq_lens: ArrayView
+    valid_lens: ArrayView | None
+    bs: int
+
+
+@dataclass(frozen=True)
+class RecordWriteArgs:
+    """One write launch's inputs, checked (docs/records.md 4): ``[R+1]``/``[R]`` int64 and ``[1]`` int32 plan
+    arrays, ``[N]`` int64 entry arrays (the expected ones ``None`` when not given), the launch tag."""
+
+    write_offsets: ArrayView
+    write_seed_slot_indices: ArrayView
+    write_num_valid_reqs: ArrayView
+    out_cache_loc: ArrayView
+    input_ids: ArrayView
+    positions: ArrayView
+    expected_input_ids: ArrayView | None
+    expected_positions: ArrayView | None
+    launch_tag: int
+
+
+@dataclass(frozen=True)
+class RecordVerifyArgs:
+    """One verify launch's inputs, checked (docs/records.md 5): four ``[C]`` int64 arrays, ``[1]`` int32 count
+    and enable, the launch tag."""
+
+    verify_slot_indices: ArrayView
+    verify_expected_tokens: ArrayView
+    verify_expected_positions: ArrayView
+    verify_prev_slot_indices: ArrayView
+    verify_num_valid: ArrayView
+    enable: ArrayView
+    launch_tag: int
+
+
+@dataclass(frozen=True)
+class ScatterArgs:
+    """One expected-token scatter's inputs, checked (docs/records.md 7)."""
+
+    pool: ArrayView  # [pool_rows, pool_cols] int32, written
+    req_pool_indices: ArrayView  # [bs] int64
+    tokens: ArrayView  # [N] int64 or int32
+    token_offsets: ArrayView  # [>= bs + 1] int64
+    column_starts: ArrayView  # [bs] int64
+    column_offset: int
+
+    @property
+    def pool_row_stride(self) -> int:
+        """Elements between pool rows (a one-row pool has no stride of its own: the row length)."""
+        return self.pool.strides[0] if self.pool.shape[0] > 1 else self.pool.shape[1]

@@ -1,0 +1,86 @@
+"""The CuPy backend: CUDA C of ``kernels/`` compiled by NVRTC through ``cupy.RawModule``; ``plan`` and ``records``.
+
+What both share: CuPy itself (imported here, with the install command when missing), the compiled modules
+(one compile per process and source; CuPy also caches it on disk), the stream wrapper CuPy launches on,
+by-value parameter structs packed as uint64 words, and running on the buffers' device.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ...interop.libs import import_cupy
+from ..sources import cuda_source
+
+cupy = import_cupy()
+from cupy.cuda.function import CPointer  # noqa: E402 - what CuPy launches with: the address of one argument
+
+
+@functools.lru_cache(maxsize=None)
+def raw_module(name: str) -> "cupy.RawModule":
+    """``kernels/<name>.cu`` compiled once per process."""
+    return cupy.RawModule(code=cuda_source(name), options=("--std=c++17",))
+
+
+class Stream:
+    """All ``cupy.cuda.function.Function`` reads of a stream: its raw handle."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class Streams(dict):
+    """Raw handle -> :class:`Stream`, made once per handle (a launch then allocates nothing)."""
+
+    def get_stream(self, handle: int) -> Stream:
+        st = self.get(handle)
+        if st is None:
+            st = self[handle] = Stream(handle)
+        return st
+
+
+def word(value: int) -> int:
+    """int64 fields travel as their two's-complement bit pattern."""
+    return int(value) & 0xFFFFFFFFFFFFFFFF
+
+
+class Params:
+    """One by-value struct's uint64 words and the argument tuple pointing at them. cuLaunchKernel copies the
+    bytes at launch, so rewriting the words for the next call is safe; the words live as long as this object."""
+
+    def __init__(self, fields: tuple, values: dict):
+        self.index = {name: i for i, name in enumerate(fields)}
+        self.words = np.zeros(len(fields), dtype=np.uint64)
+        self.set(values)
+        self.args = (CPointer(self.words.ctypes.data),)
+
+    def set(self, values: dict) -> None:
+        w, index = self.words, self.index
+        for name, value in values.items():
+            w[index[name]] = word(value)
+
+
+class OnDevice:
+    """Run on ``device_id`` whatever the current device is (restored on exit)."""
+
+    def __init__(self, device_id: int):
+        self.device_id = device_id
+
+    def __enter__(self):
+        self.prev = cupy.cuda.runtime.getDevice()
+        if self.prev != self.device_id:
+            cupy.cuda.runtime.setDevice(self.device_id)
+
+    def __exit__(self, *exc):
+        if self.prev != self.device_id:
+            cupy.cuda.runtime.setDevice(self.prev)
+
+
+def occupancy(kernel, threads: int) -> int:
+    """Resident blocks per SM of a loaded kernel (driver occupancy API)."""
+    from cupy_backends.cuda.api.driver import occupancyMaxActiveBlocksPerMultiprocessor
+
+    return occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, 0)

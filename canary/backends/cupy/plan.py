@@ -1,0 +1,99 @@
+"""CuPy backend: the CUDA C kernels of ``kernels/plan.cu``, compiled by NVRTC through ``cupy.RawModule``.
+
+One compile per process (all specializations in one module; CuPy also caches it on disk), one module load
+per device. ``bind`` packs every launch argument into one by-value ``PlanParams`` struct (uint64 words in a
+NumPy array whose address CuPy hands to ``cuLaunchKernel``), allocates the scratch and fixes the grid
+from ``verify_capacity``. A call then writes five words (the per-step pointers and ``bs``) and issues one
+launch (``bs <= FUSED_MAX_BS``) or two, on the caller's stream: no allocation, compilation, module load or
+host sync, so the call can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
+from ..plan_layout import ENTRY_THREADS, FUSED_MAX_BS, PARAM_FIELDS, ROWS_THREADS, entry_grid, scratch_words
+from . import Params, Streams, cupy, occupancy, raw_module
+
+NAME = "cupy"
+ON_DEVICE = True
+
+_STEP_WORDS = tuple(PARAM_FIELDS.index(n) for n in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
+                                                     "valid_lens", "bs"))
+
+
+def suffix(has_lut: bool, has_pool: bool) -> str:
+    return f"lut{int(has_lut)}_pool{int(has_pool)}"
+
+
+class Bound:
+    def __init__(self, static: StaticArgs, launch: LaunchConfig = DEFAULT_LAUNCH):
+        s = static
+        self.device_id = s.device_id
+        sfx = suffix(s.full_to_swa_index_mapping is not None, s.req_to_verify_expected_tokens is not None)
+        module = raw_module("plan")
+        with cupy.cuda.Device(self.device_id):
+            self._fused = module.get_function(f"canary_plan_fused_{sfx}")
+            self._rows = module.get_function(f"canary_plan_rows_{sfx}")
+            self._entries = module.get_function(f"canary_plan_entries_{sfx}")
+            # Head words re-armed by every launch, then the two-pass row table (bs <= R).
+            self.scratch = cupy.zeros(scratch_words(s.write_req_capacity), dtype=cupy.int64)
+            self._sms = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
+        lut, pool, r2t = s.full_to_swa_index_mapping, s.req_to_verify_expected_tokens, s.req_to_token
+        values = dict(
+            req_to_token=r2t.ptr, r2t_row_stride=r2t.strides[0], rp_bound=s.req_pool_index_bound,
+            max_seq_len=s.max_seq_len, lut=0 if lut is None else lut.ptr, lut_len=0 if lut is None else lut.shape[0],
+            pool=0 if pool is None else pool.ptr, pool_row_stride=0 if pool is None else pool.strides[0],
+            pool_cols=0 if pool is None else pool.shape[1], token_offset=s.kv_token_id_vs_position_offset,
+            window=s.swa_window_size, verify_capacity=s.verify_capacity, write_req_capacity=s.write_req_capacity,
+            slots=s.verify_slot_indices.ptr, expected=s.verify_expected_tokens.ptr,
+            positions=s.verify_expected_positions.ptr, prevs=s.verify_prev_slot_indices.ptr,
+            num_valid=s.verify_num_valid.ptr, enable=s.enable.ptr, status=s.status.ptr,
+            write_offsets=s.write_offsets.ptr, seeds=s.write_seed_slot_indices.ptr,
+            write_num_valid_reqs=s.write_num_valid_reqs.ptr, scratch=self.scratch.data.ptr,
+        )
+        # The struct's bytes, word by word: a call rewrites the five per-step words and costs no argument
+        # conversion at all.
+        self._params = Params(PARAM_FIELDS, values)
+        self._words, self._args = self._params.words, self._params.args
+        self.static = static  # also keeps the caller's arrays alive while their pointers sit in the params
+        self._streams = Streams()
+        self._fns = None
+        self.fused_max_bs = FUSED_MAX_BS if launch.fused_max_bs is None else min(launch.fused_max_bs, FUSED_MAX_BS)
+
+    def warmup(self) -> None:
+        """Compile (once per process) and load the module on this device; later launches only launch."""
+        if self._fns is None:
+            with cupy.cuda.Device(self.device_id):
+                fns = tuple(k.kernel for k in (self._fused, self._rows, self._entries))
+                cap = self.static.verify_capacity
+                self._grids = tuple(
+                    (entry_grid(cap, self._sms, occupancy(fn, ENTRY_THREADS)),) for fn in (fns[0], fns[2])
+                )
+                self._fns = fns
+
+    def launch(self, step: StepArgs, stream: int) -> None:
+        st = self._streams.get(stream) or self._streams.get_stream(stream)
+        w, i = self._words, _STEP_WORDS
+        w[i[0]] = step.req_pool_indices.ptr
+        w[i[1]] = step.prefix_lens.ptr
+        w[i[2]] = step.extend_seq_lens.ptr
+        w[i[3]] = 0 if step.valid_lens is None else step.valid_lens.ptr
+        w[i[4]] = step.bs
+        if self._fns is None:
+            self.warmup()
+        fused, rows, entries = self._fns
+        dev = cupy.cuda.runtime.getDevice()
+        if dev != self.device_id:
+            cupy.cuda.runtime.setDevice(self.device_id)
+        try:
+            if step.bs <= self.fused_max_bs:
+                fused(self._grids[0], (ENTRY_THREADS,), self._args, stream=st)
+            else:
+                rows((1,), (ROWS_THREADS,), self._args, stream=st)
+                entries(self._grids[1], (ENTRY_THREADS,), self._args, stream=st)
+        finally:
+            if dev != self.device_id:
+                cupy.cuda.runtime.setDevice(dev)
+
+
+def bind(static: StaticArgs, launch: LaunchConfig = DEFAULT_LAUNCH) -> Bound:
+    return Bound(static, launch)

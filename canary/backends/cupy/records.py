@@ -1,0 +1,142 @@
+"""CuPy backend of the canary records: the kernels of ``kernels/records.cu`` (write, verify, scatter) through NVRTC.
+
+``bind`` packs everything fixed for a canary (state pointers, real-KV sources) into the parameter words of
+records.cu's ``WriteParams`` / ``VerifyParams`` (``records_layout``); a call writes the per-call words (plan and
+entry pointers, capacities, the tag) and issues one launch on the caller's stream: no allocation, compile,
+module load or host sync after ``warmup``, so calls can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...records.realkv import RealKV
+from ...records.ring import KernelTag, encode_tag
+from ...records.state import StateViews
+from ..args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
+from ..records_layout import (
+    MAX_SOURCES, REAL_KV_FIELDS, SCATTER_FIELDS, SCATTER_THREADS, VERIFY_FIELDS, VERIFY_THREADS,
+    WRITE_FIELDS, WRITE_THREADS, verify_grid,
+)
+from . import OnDevice, Params, Streams, cupy, occupancy, raw_module
+
+NAME = "cupy"
+ON_DEVICE = True
+
+_DTYPE_SUFFIX = {np.dtype(np.int64): "i64", np.dtype(np.int32): "i32"}
+
+
+def _ptr(view) -> int:
+    return 0 if view is None else view.ptr
+
+
+def state_words(state: StateViews) -> dict:
+    return dict(
+        canary=state.canary_buffer.ptr, num_slots=state.num_slots, slot_stride=state.slot_stride_bytes,
+        ring=state.ring.ptr, ring_row_stride=state.ring_row_stride,
+        ring_capacity=state.ring_capacity, ring_write_index=state.ring_write_index.ptr,
+        slot_run_counter=state.slot_run_counter.ptr, kernel_run_counter=state.kernel_run_counter.ptr,
+        check_flags=state.check_flags.ptr, tag=0,
+    )
+
+
+def real_kv_words(real_kv: RealKV) -> dict:
+    """records.cu's ``RealKVParams``: ``num_sources = 0`` in mode NONE (nothing read, nothing compared)."""
+    out = {name: 0 for name in REAL_KV_FIELDS}
+    if not real_kv.active:
+        return out
+    out["num_sources"] = len(real_kv.sources)
+    for k, src in enumerate(real_kv.sources[:MAX_SOURCES]):
+        out[f"base{k}"] = src.ptr
+        out[f"row_stride_bytes{k}"] = src.row_stride_bytes
+        out[f"page_size{k}"] = src.page_size
+        out[f"num_bytes_per_token{k}"] = src.num_bytes_per_token
+        out[f"read_words{k}"] = src.words(real_kv.mode)
+    return out
+
+
+class Bound:
+    def __init__(self, state: StateViews, real_kv: RealKV, launch: LaunchConfig = DEFAULT_LAUNCH):
+        self.state = state
+        self.real_kv = real_kv  # keeps the sources alive while their pointers sit in the params
+        self.device_id = state.device_id
+        fixed = {**state_words(state), **real_kv_words(real_kv)}
+        self._write = Params(WRITE_FIELDS, fixed)
+        self._verify = Params(VERIFY_FIELDS, fixed)
+        self._streams = Streams()
+        self._fns = None
+
+    def warmup(self) -> None:
+        """Compile (once per process) and load the module on this device; later calls only launch."""
+        if self._fns is not None:
+            return
+        with cupy.cuda.Device(self.device_id):
+            module = raw_module("records")
+            write = module.get_function("canary_write").kernel
+            verify = module.get_function("canary_verify").kernel
+            sms = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
+            self._verify_blocks_per_sm = occupancy(verify, VERIFY_THREADS)
+            self._sms = sms
+            self._fns = (write, verify)
+
+    def write(self, a: RecordWriteArgs, stream: int) -> None:
+        if self._fns is None:
+            self.warmup()
+        r_cap = a.write_seed_slot_indices.shape[0]
+        self._write.set(dict(
+            tag=encode_tag(KernelTag.WRITE, a.launch_tag), write_offsets=a.write_offsets.ptr,
+            write_seed_slot_indices=a.write_seed_slot_indices.ptr, write_num_valid_reqs=a.write_num_valid_reqs.ptr,
+            write_req_capacity=r_cap, out_cache_loc=a.out_cache_loc.ptr, input_ids=a.input_ids.ptr,
+            positions=a.positions.ptr, num_entries=a.out_cache_loc.shape[0],
+            expected_input_ids=_ptr(a.expected_input_ids), expected_positions=_ptr(a.expected_positions),
+        ))
+        with OnDevice(self.device_id):
+            self._fns[0]((max(r_cap, 1),), (WRITE_THREADS,), self._write.args, stream=self._streams.get_stream(stream))
+
+    def verify(self, a: RecordVerifyArgs, stream: int) -> None:
+        if self._fns is None:
+            self.warmup()
+        cap = a.verify_slot_indices.shape[0]
+        self._verify.set(dict(
+            tag=encode_tag(KernelTag.VERIFY, a.launch_tag), verify_slot_indices=a.verify_slot_indices.ptr,
+            verify_expected_tokens=a.verify_expected_tokens.ptr,
+            verify_expected_positions=a.verify_expected_positions.ptr,
+            verify_prev_slot_indices=a.verify_prev_slot_indices.ptr, verify_capacity=cap,
+            verify_num_valid=a.verify_num_valid.ptr, enable=a.enable.ptr,
+        ))
+        grid = verify_grid(cap, self._sms, self._verify_blocks_per_sm)
+        with OnDevice(self.device_id):
+            self._fns[1]((grid,), (VERIFY_THREADS,), self._verify.args, stream=self._streams.get_stream(stream))
+
+
+def bind(state: StateViews, real_kv: RealKV, launch: LaunchConfig = DEFAULT_LAUNCH) -> Bound:
+    return Bound(state, real_kv, launch)
+
+
+_SCATTER_STREAMS = Streams()
+_SCATTER_FNS: dict[tuple[int, str], object] = {}
+
+
+def _scatter_fn(device_id: int, suffix: str):
+    """The loaded scatter kernel for a device (loaded once: later calls may sit inside a graph capture)."""
+    fn = _SCATTER_FNS.get((device_id, suffix))
+    if fn is None:
+        with cupy.cuda.Device(device_id):
+            fn = raw_module("records").get_function(f"canary_scatter_{suffix}").kernel
+            _SCATTER_FNS[(device_id, suffix)] = fn
+    return fn
+
+
+def scatter(a: ScatterArgs, stream: int) -> None:
+    """One scatter launch: one block per batch row (grid from ``bs``, a capacity: graph-safe)."""
+    pool = a.pool
+    values = dict(
+        pool=pool.ptr, pool_rows=pool.shape[0], pool_cols=pool.shape[1],
+        pool_row_stride=a.pool_row_stride,
+        req_pool_indices=a.req_pool_indices.ptr, bs=a.req_pool_indices.shape[0], tokens=a.tokens.ptr,
+        num_tokens=a.tokens.shape[0], token_offsets=a.token_offsets.ptr, column_starts=a.column_starts.ptr,
+        column_offset=a.column_offset,
+    )
+    params = Params(SCATTER_FIELDS, values)
+    fn = _scatter_fn(pool.device_id, _DTYPE_SUFFIX[a.tokens.dtype])
+    with OnDevice(pool.device_id):
+        fn((max(values["bs"], 1),), (SCATTER_THREADS,), params.args, stream=_SCATTER_STREAMS.get_stream(stream))

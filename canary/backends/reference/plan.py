@@ -1,0 +1,152 @@
+"""The NumPy reference planner: the executable form of SPEC 3.2 and 3.4.
+
+Every GPU backend is tested byte for byte against ``plan_arrays``. It is vectorized (no Python loop per
+token or per row) and writes into the caller's host arrays.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import PlanStatus
+from ...plan.rows import row_checks
+from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
+
+NAME = "reference"
+ON_DEVICE = False
+
+
+def translate(raw: np.ndarray, lut: np.ndarray | None) -> tuple[np.ndarray, bool]:
+    """``T`` of SPEC 3.2 on int64 ``raw``: negatives pass, else ``lut[x]``; ``x >= len(lut)`` gives -1.
+
+    Returns the translated values and whether any value was out of the LUT's range (``BAD_SLOT``).
+    """
+    if lut is None:
+        return raw, False
+    out = raw.copy()
+    nonneg = raw >= 0
+    bad = nonneg & (raw >= lut.shape[0])
+    ok = nonneg & ~bad
+    out[ok] = lut[raw[ok]]
+    out[bad] = -1
+    return out, bool(bad.any())
+
+
+def plan_arrays(
+    *,
+    req_to_token: np.ndarray,
+    lut: np.ndarray | None,
+    pool: np.ndarray | None,
+    swa_window_size: int,
+    token_offset: int,
+    req_pool_indices: np.ndarray,
+    prefix_lens: np.ndarray,
+    extend_seq_lens: np.ndarray,
+    valid_lens: np.ndarray | None,
+    out: dict[str, np.ndarray],
+) -> None:
+    """Build one plan into the arrays of ``out`` (keys: the field names of ``VerifyPlan`` and ``WritePlan``)."""
+    rpi = np.asarray(req_pool_indices, dtype=np.int64)
+    prefix = np.asarray(prefix_lens, dtype=np.int64)
+    ext = np.asarray(extend_seq_lens, dtype=np.int64)
+    bs = rpi.shape[0]
+    cap = out["verify_slot_indices"].shape[0]
+    r_cap = out["write_seed_slot_indices"].shape[0]
+    max_reqs, max_seq_len = req_to_token.shape
+    rp_bound = max_reqs if pool is None else min(max_reqs, pool.shape[0])
+    checks = row_checks(
+        rpi, prefix, valid_lens, rp_bound=rp_bound, max_seq_len=max_seq_len,
+        pool_cols=None if pool is None else pool.shape[1],
+    )
+    good = checks.good
+
+    status = PlanStatus.OK
+    if checks.bad_req_pool_index.any():
+        status |= PlanStatus.BAD_REQ_POOL_INDEX
+    if checks.bad_prefix_len.any():
+        status |= PlanStatus.BAD_PREFIX_LEN
+    if checks.bad_valid_len.any():
+        status |= PlanStatus.BAD_VALID_LEN
+
+    # Verify side. Rows flagged 2 or 4 contribute no entries: their prefix cannot be trusted.
+    w = int(swa_window_size)
+    start = np.maximum(prefix - w, 0) if w > 0 else np.zeros_like(prefix)
+    count = np.where(good, prefix - start, 0)
+    total = int(count.sum())
+    if total > cap:
+        status |= PlanStatus.OVERFLOW
+    if total <= cap and not (status & (PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | PlanStatus.BAD_VALID_LEN)):
+        row = np.repeat(np.arange(bs, dtype=np.int64), count)
+        first = np.cumsum(count) - count
+        pos = start[row] + (np.arange(total, dtype=np.int64) - first[row])
+        rp = rpi[row]
+        slot, bad_slot = translate(req_to_token[rp, pos].astype(np.int64), lut)
+        has_prev = pos > 0
+        prev_raw = np.where(has_prev, req_to_token[rp, np.maximum(pos - 1, 0)].astype(np.int64), -1)
+        prev, bad_prev = translate(prev_raw, lut)
+        if bad_slot or bad_prev:
+            status |= PlanStatus.BAD_SLOT
+        if pool is None:
+            expected = np.full(total, -1, dtype=np.int64)
+        else:
+            col = pos + int(token_offset)
+            ok = (col >= 0) & (col < np.asarray(valid_lens, dtype=np.int64)[row])
+            expected = np.full(total, -1, dtype=np.int64)
+            expected[ok] = pool[rp[ok], col[ok]]  # gather only in-range columns (pool_cols may be 0)
+        out["verify_slot_indices"][:total] = slot
+        out["verify_expected_tokens"][:total] = expected
+        out["verify_expected_positions"][:total] = pos
+        out["verify_prev_slot_indices"][:total] = prev
+
+    # Write side: offsets count every active row with E > 0; seeds need a trustworthy row and prefix.
+    wlen = np.where(checks.active & (ext > 0), ext, 0)
+    offsets = out["write_offsets"]
+    offsets[: r_cap + 1] = 0
+    offsets[1 : bs + 1] = np.cumsum(wlen)
+    seeded = good & (ext > 0) & (prefix > 0)
+    raw_seed = np.full(bs, -1, dtype=np.int64)
+    raw_seed[seeded] = req_to_token[rpi[seeded], prefix[seeded] - 1]
+    seeds, bad_seed = translate(raw_seed, lut)
+    if bad_seed:
+        status |= PlanStatus.BAD_SLOT
+    out["write_seed_slot_indices"][:bs] = seeds
+    out["write_num_valid_reqs"][0] = bs
+
+    out["verify_num_valid"][0] = min(total, cap)
+    out["enable"][0] = 1 if status == PlanStatus.OK else 0
+    out["status"][0] = int(status)
+
+
+_OUTPUTS = (
+    "verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
+    "verify_num_valid", "enable", "status", "write_offsets", "write_seed_slot_indices", "write_num_valid_reqs",
+)
+
+
+class Bound:
+    def __init__(self, static: StaticArgs, launch: LaunchConfig = DEFAULT_LAUNCH):
+        self.static = static
+        self.out = {name: getattr(static, name).host for name in _OUTPUTS}
+        self.lut = None if static.full_to_swa_index_mapping is None else static.full_to_swa_index_mapping.host
+        self.pool = None if static.req_to_verify_expected_tokens is None else static.req_to_verify_expected_tokens.host
+
+    def launch(self, step: StepArgs, stream: int) -> None:
+        s = self.static
+        plan_arrays(
+            req_to_token=s.req_to_token.host,
+            lut=self.lut,
+            pool=self.pool,
+            swa_window_size=s.swa_window_size,
+            token_offset=s.kv_token_id_vs_position_offset,
+            req_pool_indices=step.req_pool_indices.host,
+            prefix_lens=step.prefix_lens.host,
+            extend_seq_lens=step.extend_seq_lens.host,
+            valid_lens=None if step.valid_lens is None else step.valid_lens.host,
+            out=self.out,
+        )
+
+    def warmup(self) -> None:
+        pass
+
+
+def bind(static: StaticArgs, launch: LaunchConfig = DEFAULT_LAUNCH) -> Bound:
+    return Bound(static, launch)

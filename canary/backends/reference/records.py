@@ -1,0 +1,312 @@
+"""NumPy reference of the canary write and verify kernels and of the expected-token scatter (SPEC 4).
+
+The executable form of ``docs/records.md``: the CUDA and Numba twins must leave the same canary buffer, the
+same ring write index, the same counters and the same *set* of ring rows (GPU row order is decided by
+atomics; this reference appends in the order documented below). Inputs are host NumPy arrays that have
+already been validated (``canary.records.api`` does that); outputs are updated in place.
+
+Vectorized: verify is one pass over the entries; the write chain, serial within a request, is a loop over
+the k-th stored entry of every request at once (vectorized across requests); everything that does not
+depend on the running hash (real-KV folds, asserts, stores) is computed for all entries at once.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...records.hashes import ANCHOR_LINK, as_u64, mix3, splitmix64_inplace
+from ...records.realkv import RealKV, fold
+from ...records.state import StateViews
+from ..args import DEFAULT_LAUNCH, LaunchConfig
+from ...records.ring import (
+    POSITION,
+    PREV_HASH,
+    REAL_KV_HASH,
+    RING_ROW_WORDS,
+    TOKEN,
+    CheckFlags,
+    FailReason,
+    KernelTag,
+    append_rows,
+    encode_tag,
+)
+
+NAME = "reference"
+ON_DEVICE = False
+
+_I64 = np.int64
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated ``[starts[r], starts[r] + lens[r])`` and the owner ``r`` of each element."""
+    lens = np.maximum(lens, 0)
+    total = int(lens.sum())
+    owner = np.repeat(np.arange(lens.shape[0], dtype=_I64), lens)
+    first = np.cumsum(lens) - lens
+    return starts[owner] + (np.arange(total, dtype=_I64) - first[owner]), owner
+
+
+def _rows(tag: int, *cols: np.ndarray) -> np.ndarray:
+    n = cols[0].shape[0]
+    out = np.empty((n, RING_ROW_WORDS), dtype=_I64)
+    out[:, 0] = tag
+    for j, c in enumerate(cols, start=1):
+        out[:, j] = c
+    return out
+
+
+def _gather_fields(fields: np.ndarray, slots: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    """``fields[slots]`` where ``ok``, zeros elsewhere (never reads out of bounds)."""
+    rec = fields[np.where(ok, slots, 0)]
+    rec[~ok] = 0
+    return rec
+
+
+def verify(
+    state: StateViews,
+    *,
+    verify_slot_indices: np.ndarray,
+    verify_expected_tokens: np.ndarray,
+    verify_expected_positions: np.ndarray,
+    verify_prev_slot_indices: np.ndarray,
+    verify_num_valid: np.ndarray,
+    enable: np.ndarray,
+    real_kv: RealKV,
+    launch_tag: int = 0,
+) -> None:
+    """One verify launch (docs/records.md, "Verify")."""
+    kernel_runs = state.host("kernel_run_counter")
+    slot_runs = state.host("slot_run_counter")
+    ci = KernelTag.VERIFY.counter_index
+    kernel_runs[ci] += 1  # every launch counts, enabled or not
+    if int(enable[0]) == 0:
+        return
+    fields = state.fields
+    num_slots = state.num_slots
+    cap = verify_slot_indices.shape[0]
+    n = min(max(int(verify_num_valid[0]), 0), cap)
+    live = np.flatnonzero(verify_slot_indices[:n] != 0)  # slot 0 (padding) is skipped, not processed
+    slot_runs[ci] += live.shape[0]
+    if live.shape[0] == 0:
+        return
+    slot = verify_slot_indices[live]
+    prev = verify_prev_slot_indices[live]
+    exp_pos = verify_expected_positions[live]
+    exp_tok = verify_expected_tokens[live]
+    flags = CheckFlags(int(state.host("check_flags")[0]) & int(CheckFlags.WRITE_POSITION_CHAIN | CheckFlags.VERIFY_TOKEN))
+
+    slot_ok = (slot > 0) & (slot < num_slots)
+    rec = _gather_fields(fields, slot, slot_ok)
+    bits = np.where(slot_ok, 0, int(FailReason.SLOT_RANGE)).astype(_I64)
+
+    prev_in = (prev > 0) & (prev < num_slots)
+    prev_none = prev == -1
+    prev_bad = ~(prev_in | prev_none | (prev == 0))
+    prec = _gather_fields(fields, prev, prev_in)
+    link = np.where(prev_in, mix3(prec[:, PREV_HASH], prec[:, TOKEN], prec[:, POSITION]), _I64(ANCHOR_LINK))
+    chain_checked = slot_ok & (prev_in | prev_none)
+    expected_link = np.where(chain_checked, link, 0)
+    bits |= np.where(chain_checked & (rec[:, PREV_HASH] != link), int(FailReason.CHAIN), 0)
+    bits |= np.where(slot_ok & prev_bad, int(FailReason.SLOT_RANGE), 0)
+    bits |= np.where(slot_ok & (rec[:, POSITION] != exp_pos), int(FailReason.POSITION), 0)
+    if CheckFlags.VERIFY_TOKEN in flags:
+        bits |= np.where(slot_ok & (exp_tok != -1) & (rec[:, TOKEN] != exp_tok), int(FailReason.VERIFY_TOKEN), 0)
+    if real_kv.active:
+        ok = np.flatnonzero(slot_ok)
+        fresh = fold(real_kv, slot[ok])
+        bits[ok] |= np.where(rec[ok, REAL_KV_HASH] != fresh, int(FailReason.REAL_KV), 0)
+
+    bad = np.flatnonzero(bits)
+    if bad.shape[0]:
+        rows = _rows(encode_tag(KernelTag.VERIFY, launch_tag), slot[bad], exp_pos[bad], rec[bad, TOKEN],
+                     exp_tok[bad], rec[bad, PREV_HASH], expected_link[bad], bits[bad])
+        append_rows(state.host("ring"), state.host("ring_write_index"), rows)
+
+
+def _chain(running0: np.ndarray, counts: np.ndarray, tok: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Running hashes of every request: ``run[base[r] + k]`` for ``k in [0, counts[r]]``.
+
+    ``run[base[r]] = running0[r]``; ``run[base[r] + k] = mix3(run[base[r] + k - 1], tok[j], pos[j])`` with ``j``
+    the request's (k-1)-th stored entry (``first[r] + k - 1`` in the request-major ``tok`` / ``pos``). One loop
+    step per k, vectorized across the requests that still have entries (sorted by count, so a prefix).
+    """
+    nreq = counts.shape[0]
+    base = np.cumsum(counts + 1) - (counts + 1)
+    first = np.cumsum(counts) - counts
+    run = np.empty(int((counts + 1).sum()), dtype=np.uint64)
+    run[base] = running0.view(np.uint64)
+    if nreq == 0 or int(counts.max(initial=0)) == 0:
+        return run, base
+    order = np.argsort(-counts, kind="stable")
+    sorted_counts = counts[order]
+    base_o, first_o = base[order], first[order]
+    tok_u, pos_u = as_u64(tok), as_u64(pos)
+    # active[k] = number of requests with counts >= k (sorted_counts is non-increasing).
+    active = np.searchsorted(-sorted_counts, -np.arange(int(sorted_counts[0]) + 1), side="right")
+    for k in range(1, int(sorted_counts[0]) + 1):
+        m = int(active[k])
+        at = base_o[:m] + k
+        j = first_o[:m] + (k - 1)
+        v = run[at - 1]  # a copy (fancy index): mix3 in place
+        splitmix64_inplace(v)
+        v ^= tok_u[j]
+        splitmix64_inplace(v)
+        v ^= pos_u[j]
+        run[at] = splitmix64_inplace(v)
+    return run, base
+
+
+def write(
+    state: StateViews,
+    *,
+    write_offsets: np.ndarray,
+    write_seed_slot_indices: np.ndarray,
+    write_num_valid_reqs: np.ndarray,
+    out_cache_loc: np.ndarray,
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    expected_input_ids: np.ndarray | None,
+    expected_positions: np.ndarray | None,
+    real_kv: RealKV,
+    launch_tag: int = 0,
+) -> None:
+    """One write launch (docs/records.md, "Write")."""
+    kernel_runs = state.host("kernel_run_counter")
+    slot_runs = state.host("slot_run_counter")
+    ci = KernelTag.WRITE.counter_index
+    kernel_runs[ci] += 1
+    fields = state.fields
+    num_slots = state.num_slots
+    r_cap = write_seed_slot_indices.shape[0]
+    nreq = min(max(int(write_num_valid_reqs[0]), 0), r_cap)
+    n_entries = out_cache_loc.shape[0]
+    flags = CheckFlags(int(state.host("check_flags")[0]) & int(CheckFlags.WRITE_POSITION_CHAIN | CheckFlags.VERIFY_TOKEN))
+
+    # Request r owns entries [start, end) clamped to [0, n_entries); a reversed range is empty.
+    starts = np.clip(write_offsets[:nreq], 0, n_entries)
+    ends = np.clip(write_offsets[1 : nreq + 1], 0, n_entries)
+    idx, req = _ranges(starts, ends - starts)
+    slot = out_cache_loc[idx]
+    keep = slot >= 0  # slot < 0: "skip this write", not processed
+    idx, req, slot = idx[keep], req[keep], slot[keep]
+    slot_runs[ci] += idx.shape[0]
+
+    # Seeds are read before anything is stored (a GPU block reads its seed first).
+    seed = write_seed_slot_indices[:nreq]
+    seed_ok = (seed >= 0) & (seed < num_slots)
+    srec = _gather_fields(fields, seed, seed_ok)
+    running0 = np.where(seed_ok, mix3(srec[:, PREV_HASH], srec[:, TOKEN], srec[:, POSITION]), _I64(ANCHOR_LINK))
+    seed_pos = np.where(seed_ok, srec[:, POSITION], -1)
+    if idx.shape[0] == 0:
+        return
+
+    tok = input_ids[idx]
+    pos = positions[idx]
+    stored = slot < num_slots
+    counts = np.bincount(req[stored], minlength=nreq).astype(_I64)
+    run, base = _chain(running0, counts, tok[stored], pos[stored])
+    # ks: stored entries of the same request before each entry; stored_before(r) = first[r].
+    first = np.cumsum(counts) - counts
+    ks = (np.cumsum(stored) - stored) - first[req]
+    running = run[base[req] + ks].view(_I64)
+    stored_pos = pos[stored]
+    prev_pos = np.where(ks > 0, stored_pos[np.maximum(first[req] + ks - 1, 0)] if stored_pos.size else 0,
+                        seed_pos[req])
+
+    bits = np.where(stored, 0, int(FailReason.SLOT_RANGE)).astype(_I64)
+    exp_tok = np.full(idx.shape[0], -1, dtype=_I64)
+    if expected_input_ids is not None:
+        exp_tok = expected_input_ids[idx].astype(_I64)
+        bits |= np.where((exp_tok != -1) & (tok != exp_tok), int(FailReason.WRITE_TOKEN), 0)
+    has_exp_pos = np.zeros(idx.shape[0], dtype=bool)
+    exp_pos = np.full(idx.shape[0], -1, dtype=_I64)
+    if expected_positions is not None:
+        exp_pos = expected_positions[idx].astype(_I64)
+        has_exp_pos = exp_pos != -1
+    arr_fail = has_exp_pos & (pos != exp_pos)
+    chain_on = CheckFlags.WRITE_POSITION_CHAIN in flags
+    with np.errstate(over="ignore"):
+        chain_exp = prev_pos + 1  # int64 wraparound, as on the GPU
+    chain_fail = (pos != chain_exp) if chain_on else np.zeros(idx.shape[0], dtype=bool)
+    bits |= np.where(arr_fail | chain_fail, int(FailReason.WRITE_POSITION), 0)
+    aux = np.where(arr_fail, exp_pos,
+                   np.where(chain_fail, chain_exp,
+                            np.where(has_exp_pos, exp_pos, chain_exp if chain_on else -1)))
+
+    # Stores: in request-major entry order, so a slot written twice keeps its last write.
+    st = np.flatnonzero(stored)
+    if st.shape[0]:
+        kv_hash = fold(real_kv, slot[st])
+        last = st.shape[0] - 1 - np.unique(slot[st][::-1], return_index=True)[1]
+        w = st[last]
+        fields[slot[w], TOKEN] = tok[w]
+        fields[slot[w], POSITION] = pos[w]
+        fields[slot[w], PREV_HASH] = running[w]
+        fields[slot[w], REAL_KV_HASH] = kv_hash[last]
+
+    bad = np.flatnonzero(bits)
+    if bad.shape[0]:
+        rows = _rows(encode_tag(KernelTag.WRITE, launch_tag), slot[bad], pos[bad], tok[bad], exp_tok[bad],
+                     running[bad], aux[bad], bits[bad])
+        append_rows(state.host("ring"), state.host("ring_write_index"), rows)
+
+
+def scatter_expected_tokens(
+    *,
+    req_to_verify_expected_tokens: np.ndarray,
+    req_pool_indices: np.ndarray,
+    tokens: np.ndarray,
+    token_offsets: np.ndarray,
+    column_starts: np.ndarray,
+    column_offset: int = 0,
+) -> None:
+    """``pool[rp[r], column_starts[r] + column_offset + j] = tokens[token_offsets[r] + j]`` (docs/records.md)."""
+    pool = req_to_verify_expected_tokens
+    bs = req_pool_indices.shape[0]
+    pool_rows, pool_cols = pool.shape
+    n_tok = tokens.shape[0]
+    rp = req_pool_indices
+    row_ok = (rp > 0) & (rp < pool_rows)
+    starts = np.clip(token_offsets[:bs], 0, n_tok)
+    ends = np.clip(token_offsets[1 : bs + 1], 0, n_tok)
+    lens = np.where(row_ok, ends - starts, 0)
+    src, r = _ranges(starts, lens)
+    with np.errstate(over="ignore"):
+        col = column_starts[r] + int(column_offset) + (src - starts[r])
+    ok = (col >= 0) & (col < pool_cols)
+    pool[rp[r[ok]], col[ok]] = tokens[src[ok]].astype(np.int32)  # low 32 bits (a C cast)
+
+
+class Bound:
+    """The reference behind :class:`canary.CanaryRecords` (the backend seam of docs/records.md 8)."""
+
+    def __init__(self, state: StateViews, real_kv: RealKV, launch: LaunchConfig = DEFAULT_LAUNCH):
+        self.state = state
+        self.real_kv = real_kv
+
+    def warmup(self) -> None:
+        pass
+
+    def write(self, a, stream: int = 0) -> None:
+        write(self.state, write_offsets=a.write_offsets.host, write_seed_slot_indices=a.write_seed_slot_indices.host,
+              write_num_valid_reqs=a.write_num_valid_reqs.host, out_cache_loc=a.out_cache_loc.host,
+              input_ids=a.input_ids.host, positions=a.positions.host,
+              expected_input_ids=None if a.expected_input_ids is None else a.expected_input_ids.host,
+              expected_positions=None if a.expected_positions is None else a.expected_positions.host,
+              real_kv=self.real_kv, launch_tag=a.launch_tag)
+
+    def verify(self, a, stream: int = 0) -> None:
+        verify(self.state, verify_slot_indices=a.verify_slot_indices.host,
+               verify_expected_tokens=a.verify_expected_tokens.host,
+               verify_expected_positions=a.verify_expected_positions.host,
+               verify_prev_slot_indices=a.verify_prev_slot_indices.host, verify_num_valid=a.verify_num_valid.host,
+               enable=a.enable.host, real_kv=self.real_kv, launch_tag=a.launch_tag)
+
+
+def bind(state: StateViews, real_kv: RealKV, launch: LaunchConfig = DEFAULT_LAUNCH) -> Bound:
+    return Bound(state, real_kv, launch)
+
+
+def scatter(a, stream: int = 0) -> None:
+    scatter_expected_tokens(req_to_verify_expected_tokens=a.pool.host, req_pool_indices=a.req_pool_indices.host,
+                            tokens=a.tokens.host, token_offsets=a.token_offsets.host,
+                            column_starts=a.column_starts.host, column_offset=a.column_offset)

@@ -1,0 +1,115 @@
+"""The one place that allocates arrays for the library's callers (plans, canary state, the replay).
+
+``device``: ``"cpu"`` (host NumPy), a CUDA ordinal or ``"cuda:N"``. ``library``: which array library owns the
+new arrays on a CUDA device: ``"cupy"``, ``"torch"`` or ``"numba"`` (an engine gets arrays of its own library,
+so the default stream of every later call is the engine's); ``None`` picks CuPy, else Numba. Arrays are
+zeroed; the library is imported only here, on first use.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import BackendUnavailableError, fail
+from .libs import INSTALL
+
+LIBRARIES = ("cupy", "torch", "numba")
+_DEVICE_HELP = "expected 'cpu', a CUDA ordinal or 'cuda:N'"
+
+
+def cuda_ordinal(device: Any) -> int | None:
+    """``None`` for host memory ("cpu" or None), else the CUDA ordinal; ``ValueError`` for anything else."""
+    if device in ("cpu", None):
+        return None
+    if isinstance(device, str) and device.startswith("cuda"):
+        tail = device.partition(":")[2]
+        if device not in ("cuda", f"cuda:{tail}") or (tail and not tail.isdigit()):
+            raise fail(ValueError, f"device: {_DEVICE_HELP}, got {device!r}")
+        return int(tail or 0)
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return device
+    raise fail(ValueError, f"device: {_DEVICE_HELP}, got {device!r}")
+
+
+def _no_device(device: Any, exc: Exception) -> BackendUnavailableError:
+    return BackendUnavailableError(f"kv-canary: device: expected a usable CUDA device for device={device!r} "
+                                   f"(pass device='cpu' for host arrays), got {type(exc).__name__}: {exc}")
+
+
+def _cupy_empty(ordinal: int, device: Any):
+    import cupy
+
+    def empty(n, dt):
+        try:
+            with cupy.cuda.Device(ordinal):
+                return cupy.zeros(n, dtype=dt)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            raise _no_device(device, exc) from exc
+
+    return empty
+
+
+def _numba_empty(ordinal: int, device: Any):
+    from numba import cuda
+
+    def empty(n, dt):
+        try:
+            with cuda.gpus[ordinal]:
+                return cuda.to_device(np.zeros(n, dtype=dt))
+        except Exception as exc:  # noqa: BLE001 - no driver, no such device: numba raises several types
+            raise _no_device(device, exc) from exc
+
+    return empty
+
+
+def _torch_empty(ordinal: int, device: Any):
+    import torch
+
+    def empty(n, dt):
+        try:
+            return torch.zeros(n, dtype=getattr(torch, np.dtype(dt).name), device=f"cuda:{ordinal}")
+        except (RuntimeError, AssertionError) as exc:  # no CUDA build, no such device
+            raise _no_device(device, exc) from exc
+
+    return empty
+
+
+def allocator(device: Any, library: str | None = None) -> Callable[[int, Any], Any]:
+    """``empty(n, dtype)`` returning zeroed 1-D arrays on ``device`` owned by ``library`` (module docstring).
+
+    Raises ``ValueError`` for an unknown device or library (or a library given with ``device="cpu"``),
+    :class:`BackendUnavailableError` when the library is not installed.
+    """
+    ordinal = cuda_ordinal(device)
+    if library is not None and library not in LIBRARIES:
+        raise fail(ValueError, f"library: expected one of {', '.join(LIBRARIES)} or None, got {library!r}")
+    if ordinal is None:
+        if library is not None:
+            raise fail(ValueError, f"library: expected None with device='cpu' (host arrays are NumPy), got {library!r}")
+        return lambda n, dt: np.zeros(n, dtype=dt)
+    makers = {"cupy": _cupy_empty, "numba": _numba_empty, "torch": _torch_empty}
+    order = (library,) if library is not None else ("cupy", "numba")
+    for lib in order:
+        try:
+            return makers[lib](ordinal, device)
+        except ImportError:
+            continue
+    if library is None:
+        raise BackendUnavailableError(f"kv-canary: device: allocating on a CUDA device needs CuPy or numba-cuda: "
+                                      f"{INSTALL['cupy']}, or {INSTALL['numba']}")
+    hint = INSTALL.get(library, "pip install torch")
+    raise BackendUnavailableError(f"kv-canary: library: expected an installed {library} for library={library!r}, "
+                                  f"got none: {hint}")
+
+
+def zero_fill(obj: Any) -> None:
+    """Zero a caller array in place with its own library (host API only: may sync)."""
+    if hasattr(obj, "zero_"):  # torch
+        obj.zero_()
+    elif hasattr(obj, "fill"):  # NumPy, CuPy
+        obj.fill(0)
+    elif hasattr(obj, "copy_to_device"):  # numba device arrays
+        obj.copy_to_device(np.zeros(obj.shape, dtype=obj.dtype))
+    else:
+        obj[...] = 0

@@ -1,0 +1,18 @@
+"""The optional array libraries: how to install each, and importing CuPy with that hint when it is missing."""
+from __future__ import annotations
+
+from ..errors import BackendUnavailableError
+
+INSTALL = {
+    "cupy": "pip install 'kv-canary[cuda13]' (CUDA 13 driver) or 'kv-canary[cuda12]' (CUDA 12)",
+    "numba": "pip install 'kv-canary[numba]' (numba-cuda with numpy<2.5)",
+}
+
+
+def import_cupy():
+    """Import CuPy or raise :class:`BackendUnavailableError` with the install command."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailableError(f"kv-canary: backend 'cupy' needs CuPy: {INSTALL['cupy']}") from exc
+    return cupy

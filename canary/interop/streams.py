@@ -1,0 +1,57 @@
+"""Resolve the ``stream=`` argument to a raw ``cudaStream_t`` handle (SPEC 3.6)."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ..errors import fail
+
+
+def stream_handle(stream: Any) -> int:
+    """Raw handle of a CuPy / torch / cuda.core / Numba stream, an object with ``__cuda_stream__``, or an int."""
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        return int(proto()[1])
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value
+    handle = getattr(stream, "handle", None)  # numba-cuda Stream: a ctypes c_void_p
+    if handle is not None and hasattr(handle, "value"):
+        return int(handle.value or 0)
+    raise fail(
+        TypeError,
+        f"stream: expected a CuPy/torch/cuda.core/Numba stream, an object with __cuda_stream__ or a raw handle, "
+        f"got {type(stream).__name__}",
+    )
+
+
+def current_stream(owner: Any, device_id: int) -> int:
+    """The current stream of the array library that owns ``owner`` (an output array), on ``device_id``.
+
+    Only libraries already imported by the caller are consulted: this never imports torch or CuPy.
+    """
+    module = type(owner).__module__.split(".")[0]
+    if module == "torch" and "torch" in sys.modules:
+        return int(sys.modules["torch"].cuda.current_stream(device_id).cuda_stream)
+    if module == "cupy" and "cupy" in sys.modules:
+        return int(sys.modules["cupy"].cuda.get_current_stream(device_id).ptr)
+    return 0  # the legacy default stream, like a plain CUDA launch
+
+
+def dlpack_stream(handle: int) -> int:
+    """DLPack's consumer-stream value for ``handle``: 0 is not allowed there, the legacy default stream is 1."""
+    return 1 if handle == 0 else handle
+
+
+def launch_stream(device_id: int, stream: Any, owner: Any) -> tuple[int, str | None]:
+    """``(handle, ordered_lib)`` of a launch on ``device_id`` (-1: host, ``(0, None)``): ``stream`` if given, else
+    the current stream of the library owning ``owner`` (an output array), whose arrays are then known to be
+    ordered on it (``ordered_lib``: that library's name, for the adapter's fast path)."""
+    if device_id < 0:
+        return 0, None
+    if stream is not None:
+        return stream_handle(stream), None
+    return current_stream(owner, device_id), type(owner).__module__.split(".")[0]

@@ -1,0 +1,309 @@
+"""The public entry points: ``CanaryPlanner`` (bind once, plan every step) and ``launch_canary_plan_kernels``."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from .. import backends
+from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
+from ..errors import PlanStatus, fail
+from ..interop.adapter import ArrayView, as_view, check_same_device, check_view, identity
+from ..interop.hostcopy import to_host
+from ..interop.streams import dlpack_stream, launch_stream
+from .plans import (
+    INT64, VERIFY_ENTRY_FIELDS, VERIFY_SCALAR_FIELDS, WRITE_FIELDS, VerifyPlan, WritePlan, raise_for_status,
+    view_verify_plan, view_write_plan,
+)
+from .rows import first_bad_row, row_checks
+
+
+def _int_arg(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise fail(TypeError, f"{name}: expected an int, got {type(value).__name__}")
+    return int(value)
+
+
+def bind_static(
+    *,
+    verify_plan_out: VerifyPlan,
+    write_plan_out: WritePlan,
+    req_to_token: Any,
+    swa_window_size: int = 0,
+    full_to_swa_index_mapping: Any = None,
+    req_to_verify_expected_tokens: Any = None,
+    kv_token_id_vs_position_offset: int = 0,
+    verify_capacity: int | None = None,
+    max_batch_size: int | None = None,
+) -> StaticArgs:
+    """Validate and view everything a planner binds once (SPEC 3.3). Raises ``ValueError`` / ``TypeError``."""
+    vp = view_verify_plan(verify_plan_out, as_view, name="verify_plan_out", writable=True)
+    wp = view_write_plan(write_plan_out, as_view, name="write_plan_out", writable=True)
+    cap, r_cap = vp.capacity, wp.capacity
+    if verify_capacity is not None and _int_arg("verify_capacity", verify_capacity) != cap:
+        raise fail(
+            ValueError,
+            f"verify_capacity: expected verify_plan_out.verify_slot_indices.shape[0] = {cap}, got {verify_capacity}",
+        )
+    r2t = check_view(as_view(req_to_token, "req_to_token"), dtype=np.int32, ndim=2)
+
+    window = _int_arg("swa_window_size", swa_window_size)
+    if window < 0:
+        raise fail(ValueError, f"swa_window_size: expected 0 (full attention) or a window > 0, got {window}")
+    lut = None
+    if full_to_swa_index_mapping is not None:
+        lut = check_view(as_view(full_to_swa_index_mapping, "full_to_swa_index_mapping"), dtype=INT64, ndim=1)
+    elif window > 0:
+        raise fail(
+            ValueError,
+            f"full_to_swa_index_mapping: expected a [lut_len] int64 array with swa_window_size = {window}, got None",
+        )
+    pool = None
+    if req_to_verify_expected_tokens is not None:
+        pool = check_view(as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens"), dtype=np.int32,
+                          ndim=2)
+    offset = _int_arg("kv_token_id_vs_position_offset", kv_token_id_vs_position_offset)
+
+    mbs = r_cap if max_batch_size is None else _int_arg("max_batch_size", max_batch_size)
+    if mbs < 0:
+        raise fail(ValueError, f"max_batch_size: expected >= 0, got {mbs}")
+    views = vp.all() + wp.all() + [r2t] + [v for v in (lut, pool) if v is not None]
+    device_id = check_same_device(views)
+    return StaticArgs(
+        req_to_token=r2t,
+        full_to_swa_index_mapping=lut,
+        req_to_verify_expected_tokens=pool,
+        swa_window_size=window,
+        kv_token_id_vs_position_offset=offset,
+        **{f: getattr(vp, f) for f in VERIFY_ENTRY_FIELDS + VERIFY_SCALAR_FIELDS},
+        **{f: getattr(wp, f) for f in WRITE_FIELDS},
+        verify_capacity=cap,
+        write_req_capacity=r_cap,
+        max_batch_size=mbs,
+        device_id=device_id,
+    )
+
+
+class CanaryPlanner:
+    """A reusable planner: binds the static buffers once, then builds a plan per step with :meth:`plan`.
+
+    Static arguments (all keyword-only):
+
+    - ``verify_plan_out`` / ``write_plan_out``: :class:`VerifyPlan` / :class:`WritePlan` over caller arrays;
+      ``verify_capacity`` ``C`` and ``write_req_capacity`` ``R`` are their lengths.
+    - ``req_to_token``: ``[max_reqs, max_seq_len]`` int32 slot ids; row stride >= ``max_seq_len`` elements.
+    - ``swa_window_size``: 0 (full attention) or the window ``W > 0`` in tokens (needs the LUT).
+    - ``full_to_swa_index_mapping``: ``[lut_len]`` int64 full-pool slot -> SWA-pool slot, or ``None``.
+    - ``req_to_verify_expected_tokens``: ``[pool_rows, pool_cols]`` int32 expected token ids, or ``None``.
+    - ``kv_token_id_vs_position_offset``: added to a position before indexing the expected-token row
+      (0 for a target model, +1 for an EAGLE draft).
+    - ``verify_capacity``: optional; must equal ``C`` when given.
+    - ``max_batch_size``: largest ``bs`` accepted (default ``R``); sizes the planner's scratch.
+    - ``backend``: ``"auto"``, ``"reference"``, ``"cupy"`` or ``"numba"`` (SPEC 3.5).
+    - ``launch_config``: :class:`~canary.LaunchConfig` (the fused kernel's batch limit, simulator block sizes);
+      engines keep the default, tests and benchmarks vary it.
+
+    Raises ``ValueError`` / ``TypeError`` for bad arguments (SPEC 3.3), :class:`BackendUnavailableError` when
+    the backend's library is missing.
+    """
+
+    def __init__(self, *, backend: str = "auto", launch_config: LaunchConfig = DEFAULT_LAUNCH, **static: Any):
+        self._bind(bind_static(**static), backend, launch_config)
+
+    @classmethod
+    def _from_static(cls, static: StaticArgs, backend: str) -> "CanaryPlanner":
+        """A planner over arguments ``bind_static`` already checked (the one-shot entry point's cache miss)."""
+        planner = cls.__new__(cls)
+        planner._bind(static, backend, DEFAULT_LAUNCH)
+        return planner
+
+    def _bind(self, static: StaticArgs, backend: str, launch_config: LaunchConfig) -> None:
+        if not isinstance(launch_config, LaunchConfig):
+            raise fail(TypeError, f"launch_config: expected a LaunchConfig, got {type(launch_config).__name__}")
+        self.static = static
+        self.launch_config = launch_config
+        self._module = backends.resolve(backend, static.device_id)
+        self.backend = self._module.NAME
+        self._bound = self._module.bind(static, launch_config)
+        self._step_views: dict = {}  # name -> (object, launch stream, (pointer, shape), view) of the last step
+
+    @property
+    def verify_capacity(self) -> int:
+        return self.static.verify_capacity
+
+    @property
+    def write_req_capacity(self) -> int:
+        return self.static.write_req_capacity
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.static.max_batch_size
+
+    def warmup(self) -> None:
+        """Compile and load everything a call needs, so that later calls only launch (graph-capturable)."""
+        self._bound.warmup()
+
+    def _step(self, rpi, prefix, ext, valid_lens, launch_stream: int | None, ordered_lib: str | None = None
+              ) -> StepArgs:
+        s = self.static
+        stream_ptr = -1 if launch_stream is None else dlpack_stream(launch_stream)
+
+        cache = self._step_views
+
+        def view(obj, name, length=None):
+            ident = identity(obj)
+            hit = cache.get(name)
+            if hit is not None and hit[0] is obj and hit[1] == launch_stream and hit[2] == ident:
+                v = hit[3]  # the same buffer as last step: its view is still right
+            else:
+                v = as_view(obj, name, stream_ptr=stream_ptr, launch_stream=launch_stream, ordered_lib=ordered_lib)
+                if ident is not None:
+                    cache[name] = (obj, launch_stream, ident, v)
+            shape = v.shape
+            if v.dtype == INT64 and len(shape) == 1 and (length is None or shape[0] == length) and (
+                    shape[0] <= 1 or v.strides[0] == 1):
+                return v  # the common case, checked in one expression; check_view words any failure
+            return check_view(v, dtype=INT64, ndim=1, length=length)
+
+        first = view(rpi, "req_pool_indices")
+        bs = first.shape[0]
+        views = [first, view(prefix, "prefix_lens", bs), view(ext, "extend_seq_lens", bs)]
+        has_pool = s.req_to_verify_expected_tokens is not None
+        if has_pool and valid_lens is None:
+            raise fail(
+                ValueError,
+                "req_to_verify_expected_tokens_valid_lens: expected a [bs] int64 array because "
+                "req_to_verify_expected_tokens is bound, got None",
+            )
+        if valid_lens is not None and not has_pool:
+            raise fail(
+                ValueError,
+                "req_to_verify_expected_tokens: expected an expected-token pool because "
+                "req_to_verify_expected_tokens_valid_lens was given, got None",
+            )
+        vl = None
+        if valid_lens is not None:
+            vl = view(valid_lens, "req_to_verify_expected_tokens_valid_lens", bs)
+            views.append(vl)
+        if bs > s.write_req_capacity:
+            raise fail(
+                ValueError, f"req_pool_indices: expected bs <= write_req_capacity = {s.write_req_capacity}, got bs = {bs}"
+            )
+        if bs > s.max_batch_size:
+            raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {s.max_batch_size}, got bs = {bs}")
+        for v in views:
+            if v.device_id != s.device_id:
+                where = "host memory" if s.device_id < 0 else f"cuda:{s.device_id}"
+                raise fail(ValueError, f"{v.name}: expected the plan's device ({where}), got {v.where}")
+        return StepArgs(views[0], views[1], views[2], vl, bs)
+
+    def plan(
+        self,
+        *,
+        req_pool_indices: Any,
+        prefix_lens: Any,
+        extend_seq_lens: Any,
+        req_to_verify_expected_tokens_valid_lens: Any = None,
+        stream: Any = None,
+        check: bool = False,
+    ) -> PlanStatus | None:
+        """Build one step's plan into the bound buffers.
+
+        Per-step arrays: ``[bs]`` int64 each, on the plan's device. ``stream``: where the kernels run (default:
+        the current stream of the library that owns the outputs). Never syncs unless ``check=True``, which
+        syncs and raises :class:`CanaryInputError` on input-fault status bits, else returns the status.
+        """
+        on_device = self.static.device_id >= 0
+        handle, ordered_lib = launch_stream(self.static.device_id, stream, self.static.verify_slot_indices.owner)
+        step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens,
+                          handle if on_device else None, ordered_lib)
+        self._bound.launch(step, handle)
+        if not check:
+            return None
+        status = PlanStatus(int(to_host(self.static.status.owner)[0]))
+        if status & ~PlanStatus.OVERFLOW:
+            raise_for_status(status, self._first_bad_row(req_pool_indices, prefix_lens,
+                                                         req_to_verify_expected_tokens_valid_lens))
+        return status
+
+    def _first_bad_row(self, rpi, prefix, valid_lens) -> int | None:
+        s = self.static
+        pool = s.req_to_verify_expected_tokens
+        c = row_checks(
+            to_host(rpi), to_host(prefix), None if valid_lens is None else to_host(valid_lens),
+            rp_bound=s.req_pool_index_bound, max_seq_len=s.max_seq_len,
+            pool_cols=None if pool is None else pool.shape[1],
+        )
+        return first_bad_row(c)
+
+
+_PLANNERS: "OrderedDict[tuple, CanaryPlanner]" = OrderedDict()
+_PLANNER_CACHE_SIZE = 8
+
+
+def _view_key(v: ArrayView | None) -> tuple:
+    return () if v is None else (v.ptr, v.shape, v.strides, v.device_id)
+
+
+def launch_canary_plan_kernels(
+    *,
+    verify_plan_out: VerifyPlan,
+    write_plan_out: WritePlan,
+    req_pool_indices: Any,
+    prefix_lens: Any,
+    extend_seq_lens: Any,
+    req_to_token: Any,
+    swa_window_size: int = 0,
+    full_to_swa_index_mapping: Any = None,
+    verify_capacity: int | None = None,
+    req_to_verify_expected_tokens: Any = None,
+    req_to_verify_expected_tokens_valid_lens: Any = None,
+    kv_token_id_vs_position_offset: int = 0,
+    backend: str = "auto",
+    stream: Any = None,
+    check: bool = False,
+) -> PlanStatus | None:
+    """Build one canary plan (SPEC 3.2) into ``verify_plan_out`` and ``write_plan_out``: SGLang's entry point.
+
+    Same arguments as :class:`CanaryPlanner` plus the per-step arrays ``req_pool_indices``, ``prefix_lens``,
+    ``extend_seq_lens`` (``[bs]`` int64, row 0 of ``req_to_token`` = padding) and
+    ``req_to_verify_expected_tokens_valid_lens`` (``[bs]`` int64, with the expected-token pool only).
+    ``verify_capacity`` must equal ``verify_plan_out.verify_slot_indices.shape[0]`` (``ValueError`` naming
+    both). Validates everything on the host each call and keeps up to 8 bound planners keyed by the static
+    buffers, so repeated calls on the same buffers reuse compiled kernels and scratch; a serving loop should
+    hold a :class:`CanaryPlanner` instead.
+    """
+    static = bind_static(
+        verify_plan_out=verify_plan_out,
+        write_plan_out=write_plan_out,
+        req_to_token=req_to_token,
+        swa_window_size=swa_window_size,
+        full_to_swa_index_mapping=full_to_swa_index_mapping,
+        req_to_verify_expected_tokens=req_to_verify_expected_tokens,
+        kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
+        verify_capacity=verify_capacity,
+    )
+    key = (backend, static.swa_window_size, static.kv_token_id_vs_position_offset) + tuple(
+        _view_key(getattr(static, name))
+        for name in (
+            "req_to_token", "full_to_swa_index_mapping", "req_to_verify_expected_tokens", "verify_slot_indices",
+            "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices", "verify_num_valid",
+            "enable", "status", "write_offsets", "write_seed_slot_indices", "write_num_valid_reqs",
+        )
+    )
+    planner = _PLANNERS.get(key)
+    if planner is None:
+        planner = CanaryPlanner._from_static(static, backend)
+        _PLANNERS[key] = planner
+        while len(_PLANNERS) > _PLANNER_CACHE_SIZE:
+            _PLANNERS.popitem(last=False)
+    _PLANNERS.move_to_end(key)
+    return planner.plan(
+        req_pool_indices=req_pool_indices,
+        prefix_lens=prefix_lens,
+        extend_seq_lens=extend_seq_lens,
+        req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+        stream=stream,
+        check=check,
+    )

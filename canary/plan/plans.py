@@ -1,0 +1,197 @@
+"""The plan outputs: keyword-only dataclasses over the caller's own arrays (SPEC 3.1)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import INPUT_ERROR_BITS, CanaryInputError, PlanStatus, fail
+from ..interop.adapter import ArrayView, check_view
+from ..interop.devices import allocator
+from ..interop.hostcopy import to_host
+
+INT64 = np.dtype(np.int64)
+INT32 = np.dtype(np.int32)
+VERIFY_ENTRY_FIELDS = (
+    "verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
+)
+VERIFY_SCALAR_FIELDS = ("verify_num_valid", "enable", "status")
+WRITE_FIELDS = ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs")
+
+
+def _capacity(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise fail(TypeError, f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if int(value) < 0:
+        raise fail(ValueError, f"{name}: expected >= 0, got {value}")
+    return int(value)
+
+
+@dataclass(kw_only=True)
+class VerifyPlan:
+    """Verify side of a plan; capacity ``C = verify_slot_indices.shape[0]``.
+
+    Fields (caller-owned, any NumPy / DLPack / CUDA-Array-Interface arrays):
+    ``verify_slot_indices``, ``verify_expected_tokens``, ``verify_expected_positions``,
+    ``verify_prev_slot_indices``: ``[C]`` int64; ``verify_num_valid``, ``enable``, ``status``: ``[1]`` int32.
+    """
+
+    verify_slot_indices: Any
+    verify_expected_tokens: Any
+    verify_expected_positions: Any
+    verify_prev_slot_indices: Any
+    verify_num_valid: Any
+    enable: Any
+    status: Any
+
+    @classmethod
+    def allocate(cls, *, verify_capacity: int, device: Any = "cpu", library: str | None = None) -> "VerifyPlan":
+        """Allocate zeroed buffers: NumPy for ``device="cpu"``; for a CUDA ordinal or ``"cuda:N"``, arrays of
+        ``library`` (``"cupy"``, ``"torch"``, ``"numba"``; default CuPy, else Numba: see
+        :func:`canary.interop.devices.allocator`). A torch engine passes ``library="torch"`` so that every later
+        call runs on torch's current stream by default. Raises ``ValueError`` for a negative capacity, an unknown
+        device or library, :class:`BackendUnavailableError` when the library is not installed."""
+        _capacity("verify_capacity", verify_capacity)
+        empty = allocator(device, library)
+        c = int(verify_capacity)
+        return cls(
+            verify_slot_indices=empty(c, np.int64),
+            verify_expected_tokens=empty(c, np.int64),
+            verify_expected_positions=empty(c, np.int64),
+            verify_prev_slot_indices=empty(c, np.int64),
+            verify_num_valid=empty(1, np.int32),
+            enable=empty(1, np.int32),
+            status=empty(1, np.int32),
+        )
+
+    def read_status(self) -> PlanStatus:
+        """Copy ``status`` to the host (a sync for device arrays) and decode it."""
+        return PlanStatus(int(to_host(self.status)[0]))
+
+    def check(self) -> PlanStatus:
+        """Sync, then raise :class:`CanaryInputError` if the last plan flagged an input fault.
+
+        Returns the status otherwise (``OVERFLOW`` alone is a sizing signal, not an error: ``enable`` is 0
+        and ``verify_num_valid`` holds the capacity).
+        """
+        status = self.read_status()
+        raise_for_status(status)
+        return status
+
+
+@dataclass(kw_only=True)
+class WritePlan:
+    """Write side of a plan; capacity ``R = write_seed_slot_indices.shape[0]``.
+
+    Fields: ``write_offsets`` ``[R+1]`` int64, ``write_seed_slot_indices`` ``[R]`` int64,
+    ``write_num_valid_reqs`` ``[1]`` int32.
+    """
+
+    write_offsets: Any
+    write_seed_slot_indices: Any
+    write_num_valid_reqs: Any
+
+    @classmethod
+    def allocate(cls, *, write_req_capacity: int, device: Any = "cpu", library: str | None = None) -> "WritePlan":
+        """Allocate zeroed buffers: NumPy for ``device="cpu"``; for a CUDA ordinal or ``"cuda:N"``, arrays of
+        ``library`` (``"cupy"``, ``"torch"``, ``"numba"``; default CuPy, else Numba: see
+        :func:`canary.interop.devices.allocator`). A torch engine passes ``library="torch"`` so that every later
+        call runs on torch's current stream by default. Raises ``ValueError`` for a negative capacity, an unknown
+        device or library, :class:`BackendUnavailableError` when the library is not installed."""
+        _capacity("write_req_capacity", write_req_capacity)
+        empty = allocator(device, library)
+        r = int(write_req_capacity)
+        return cls(
+            write_offsets=empty(r + 1, np.int64),
+            write_seed_slot_indices=empty(r, np.int64),
+            write_num_valid_reqs=empty(1, np.int32),
+        )
+
+
+def raise_for_status(status: PlanStatus, first_bad_row: int | None = None) -> None:
+    bad = PlanStatus(status & INPUT_ERROR_BITS)
+    if not bad:
+        return
+    names = "|".join(b.name for b in PlanStatus if b and b in status)
+    where = f"; first offending batch row: {first_bad_row}" if first_bad_row is not None else ""
+    raise CanaryInputError(
+        f"kv-canary: status: expected no input-error bits, got {int(status)} ({names}){where}",
+        status,
+        first_bad_row,
+    )
+
+
+@dataclass(frozen=True)
+class VerifyViews:
+    """Checked views of a :class:`VerifyPlan`: four ``[C]`` int64 entry arrays, ``[1]`` int32 scalars."""
+
+    verify_slot_indices: ArrayView
+    verify_expected_tokens: ArrayView
+    verify_expected_positions: ArrayView
+    verify_prev_slot_indices: ArrayView
+    verify_num_valid: ArrayView
+    enable: ArrayView
+    status: ArrayView | None  # None when the caller did not ask for it (the records kernels never read it)
+
+    @property
+    def capacity(self) -> int:
+        return self.verify_slot_indices.shape[0]
+
+    @property
+    def entries(self) -> tuple[ArrayView, ...]:
+        return tuple(getattr(self, f) for f in VERIFY_ENTRY_FIELDS)
+
+    def all(self) -> list[ArrayView]:
+        return [v for v in (*self.entries, self.verify_num_valid, self.enable, self.status) if v is not None]
+
+
+@dataclass(frozen=True)
+class WriteViews:
+    """Checked views of a :class:`WritePlan`: ``[R+1]`` / ``[R]`` int64, ``[1]`` int32."""
+
+    write_offsets: ArrayView
+    write_seed_slot_indices: ArrayView
+    write_num_valid_reqs: ArrayView
+
+    @property
+    def capacity(self) -> int:
+        return self.write_seed_slot_indices.shape[0]
+
+    def all(self) -> list[ArrayView]:
+        return [self.write_offsets, self.write_seed_slot_indices, self.write_num_valid_reqs]
+
+
+def view_verify_plan(plan: Any, view, *, name: str, writable: bool, status: bool = True) -> VerifyViews:
+    """Check a :class:`VerifyPlan` (SPEC 3.3) and view its arrays with ``view(obj, qualified_name)``.
+
+    The one set of checks behind the planner (outputs, ``writable=True``) and the records' verify (inputs).
+    Raises ``TypeError`` / ``ValueError`` naming ``name.field``.
+    """
+    if not isinstance(plan, VerifyPlan):
+        raise fail(TypeError, f"{name}: expected a VerifyPlan, got {type(plan).__name__}")
+    entries = [check_view(view(getattr(plan, f), f"{name}.{f}"), dtype=INT64, ndim=1, writable=writable)
+               for f in VERIFY_ENTRY_FIELDS]
+    cap = entries[0].shape[0]
+    for v in entries[1:]:
+        if v.shape[0] != cap:
+            raise fail(ValueError, f"{v.name}: expected capacity {cap} like verify_slot_indices, got {v.shape[0]}")
+    scalars = [check_view(view(getattr(plan, f), f"{name}.{f}"), dtype=INT32, ndim=1, length=1, writable=writable)
+               for f in VERIFY_SCALAR_FIELDS[: 3 if status else 2]]
+    return VerifyViews(*entries, *scalars, *([] if status else [None]))
+
+
+def view_write_plan(plan: Any, view, *, name: str, writable: bool) -> WriteViews:
+    """Check a :class:`WritePlan` (SPEC 3.3) and view its arrays; as :func:`view_verify_plan`."""
+    if not isinstance(plan, WritePlan):
+        raise fail(TypeError, f"{name}: expected a WritePlan, got {type(plan).__name__}")
+    seeds = check_view(view(plan.write_seed_slot_indices, f"{name}.write_seed_slot_indices"), dtype=INT64, ndim=1,
+                       writable=writable)
+    r_cap = seeds.shape[0]
+    offsets = check_view(view(plan.write_offsets, f"{name}.write_offsets"), dtype=INT64, ndim=1, writable=writable)
+    if offsets.shape[0] != r_cap + 1:
+        raise fail(ValueError, f"{name}.write_offsets: expected length write_req_capacity + 1 = {r_cap + 1}, "
+                               f"got {offsets.shape[0]}")
+    num_reqs = check_view(view(plan.write_num_valid_reqs, f"{name}.write_num_valid_reqs"), dtype=INT32, ndim=1,
+                          length=1, writable=writable)
+    return WriteViews(offsets, seeds, num_reqs)

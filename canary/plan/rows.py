@@ -1,0 +1,37 @@
+"""The per-row rules of SPEC 3.4 on host arrays: which batch rows are active, and which are flagged.
+
+Shared by the NumPy reference planner and by ``check()``'s search for the first offending batch row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class RowChecks:
+    """Per-row facts shared by the planner and ``check()``'s search for the first offending row."""
+
+    active: np.ndarray
+    bad_req_pool_index: np.ndarray
+    bad_prefix_len: np.ndarray
+    bad_valid_len: np.ndarray
+
+    @property
+    def good(self) -> np.ndarray:
+        return self.active & ~self.bad_req_pool_index & ~self.bad_prefix_len
+
+
+def row_checks(rpi, prefix, valid_lens, *, rp_bound, max_seq_len, pool_cols) -> RowChecks:
+    active = rpi != 0
+    bad_rp = active & ((rpi < 0) | (rpi >= rp_bound))
+    bad_p = active & ((prefix < 0) | (prefix > max_seq_len))
+    bad_vl = active & (valid_lens > pool_cols) if valid_lens is not None else np.zeros_like(active)
+    return RowChecks(active, bad_rp, bad_p, bad_vl)
+
+
+def first_bad_row(checks: RowChecks) -> int | None:
+    """The first batch row flagged by a per-row check, or ``None``."""
+    bad = np.flatnonzero(checks.bad_req_pool_index | checks.bad_prefix_len | checks.bad_valid_len)
+    return int(bad[0]) if bad.size else None

@@ -1,0 +1,204 @@
+"""Host entry points of the canary write and verify kernels and of the expected-token scatter (SPEC 4).
+
+:class:`CanaryRecords` binds a :class:`~canary.records.state.CanaryState` and a :class:`~canary.records.realkv.RealKV` once, then
+launches per step: :meth:`CanaryRecords.write` after the step's KV stores, :meth:`CanaryRecords.verify` on a verify
+plan, :meth:`CanaryRecords.drain` to read violations. Every argument is validated on the host before any launch
+(``kv-canary:`` messages naming the argument, expected and actual values; no silent casts). Semantics:
+``docs/records.md``.
+
+Backends (docs/records.md 8): the NumPy reference for host arrays, the CuPy kernels of ``kernels/records.cu``
+and their Numba twin ``kernels/records_numba.py`` for CUDA arrays; each call launches on the caller's stream.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import backends
+from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
+from ..errors import fail
+from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check_view
+from ..interop.streams import dlpack_stream, launch_stream
+from ..plan.plans import VerifyPlan, WritePlan, view_verify_plan, view_write_plan
+from .realkv import RealKV
+from .realkv import real_kv as make_real_kv
+from .ring import KernelTag, RingReport, encode_tag
+from .state import CanaryState, bind_state
+
+INT64 = np.dtype(np.int64)
+INT32 = np.dtype(np.int32)
+
+
+def _same_device(views: list[ArrayView], device_id: int, what: str) -> None:
+    for v in views:
+        if v.device_id != device_id:
+            where = "host memory" if device_id == HOST else f"cuda:{device_id}"
+            raise fail(ValueError, f"{v.name}: expected the device of {what} ({where}), got {v.where}")
+
+
+class _Launch:
+    """Where a call runs: the raw stream handle, and how to view the call's arrays ordered on it."""
+
+    __slots__ = ("handle", "stream_ptr", "launch_stream", "ordered_lib")
+
+    def __init__(self, device_id: int, stream: Any, owner: Any):
+        self.handle, self.ordered_lib = launch_stream(device_id, stream, owner)
+        on_device = device_id != HOST
+        self.stream_ptr = dlpack_stream(self.handle) if on_device else -1
+        self.launch_stream = self.handle if on_device else None
+
+    def view(self, obj: Any, name: str) -> ArrayView:
+        return as_view(obj, name, stream_ptr=self.stream_ptr, launch_stream=self.launch_stream,
+                       ordered_lib=self.ordered_lib)
+
+    def vec(self, obj: Any, name: str, dtype, length: int | None = None, writable: bool = False) -> ArrayView:
+        return check_view(self.view(obj, name), dtype=dtype, ndim=1, length=length, writable=writable)
+
+
+class CanaryRecords:
+    """A bound canary: ``state`` (:class:`CanaryState`), ``real_kv`` (:class:`RealKV`, a sequence of sources
+    for :func:`canary.real_kv` in mode ALL, or ``None`` for mode NONE), ``backend`` ("auto",
+    "reference", "cupy", "numba"; "auto": the reference for host arrays, else CuPy if installed, else Numba).
+
+    ``launch_config``: :class:`~canary.LaunchConfig` (block sizes under Numba's simulator; engines keep the
+    default).
+
+    Binding validates the state and the sources once and, on a GPU backend, packs their pointers: the caller's
+    arrays must stay alive and in place while the canary is used (the canary keeps references to them).
+    Raises ``ValueError`` / ``TypeError`` for bad arguments (including sources that do not cover every slot),
+    :class:`~canary.errors.BackendUnavailableError` when the backend's library is missing.
+    """
+
+    def __init__(self, state: CanaryState, real_kv: RealKV | Any = None, *, backend: str = "auto",
+                 launch_config: LaunchConfig = DEFAULT_LAUNCH):
+        self.state = state
+        self.views = bind_state(state)
+        if real_kv is None:
+            real_kv = make_real_kv(())
+        elif not isinstance(real_kv, RealKV):
+            real_kv = make_real_kv(real_kv)
+        self.real_kv = real_kv
+        if real_kv.sources and real_kv.device_id != self.views.device_id:
+            def where(d):
+                return "host memory" if d == HOST else f"cuda:{d}"
+
+            raise fail(ValueError, f"{real_kv.sources[0].name}: expected the canary buffer's device "
+                                   f"({where(self.views.device_id)}), got {where(real_kv.device_id)}")
+        real_kv.check_covers(self.views.num_slots, "state.canary_buffer")
+        self._module = backends.resolve(backend, self.views.device_id, family="records")
+        self.backend = self._module.NAME
+        if not isinstance(launch_config, LaunchConfig):
+            raise fail(TypeError, f"launch_config: expected a LaunchConfig, got {type(launch_config).__name__}")
+        self._bound = self._module.bind(self.views, real_kv, launch_config)
+
+    def warmup(self) -> None:
+        """Compile and load the kernels, so that later calls only launch (graph-capturable)."""
+        self._bound.warmup()
+
+    @property
+    def num_slots(self) -> int:
+        return self.views.num_slots
+
+    def write(
+        self,
+        write_plan: WritePlan,
+        *,
+        out_cache_loc: Any,
+        input_ids: Any,
+        positions: Any,
+        expected_input_ids: Any = None,
+        expected_positions: Any = None,
+        launch_tag: int = 0,
+        stream: Any = None,
+    ) -> None:
+        """Write the canary records of a step's new tokens (docs/records.md, "Write").
+
+        ``write_plan``: the step's :class:`WritePlan` (``write_offsets`` index the entry arrays).
+        ``out_cache_loc``, ``input_ids``, ``positions``: ``[N]`` int64 (KV slot, token id, position of each new
+        token; slot < 0 = skip). ``expected_input_ids`` / ``expected_positions``: optional ``[N]`` int64 asserts
+        (-1 = no expectation). ``launch_tag``: call-site id recorded in ring rows, in [0, 2**55). ``stream``:
+        where the kernel runs (a CuPy / torch / cuda.core / Numba stream or a raw handle; default: the current
+        stream of the library that owns ``state.canary_buffer``). Never syncs. Raises ``TypeError`` /
+        ``ValueError`` (``kv-canary:``, naming the argument) before anything is launched.
+        """
+        encode_tag(KernelTag.WRITE, launch_tag)
+        go = _Launch(self.views.device_id, stream, self.state.canary_buffer)
+        _vec = go.vec
+        wp = view_write_plan(write_plan, go.view, name="write_plan", writable=False)
+        offsets, seeds, num_reqs = wp.write_offsets, wp.write_seed_slot_indices, wp.write_num_valid_reqs
+        loc = _vec(out_cache_loc, "out_cache_loc", INT64)
+        n = loc.shape[0]
+        ids = _vec(input_ids, "input_ids", INT64, length=n)
+        pos = _vec(positions, "positions", INT64, length=n)
+        exp_ids = None if expected_input_ids is None else _vec(expected_input_ids, "expected_input_ids", INT64, length=n)
+        exp_pos = None if expected_positions is None else _vec(expected_positions, "expected_positions", INT64, length=n)
+        views = [seeds, offsets, num_reqs, loc, ids, pos] + [v for v in (exp_ids, exp_pos) if v is not None]
+        _same_device(views, self.views.device_id, "state.canary_buffer")
+        self._bound.write(RecordWriteArgs(offsets, seeds, num_reqs, loc, ids, pos, exp_ids, exp_pos, int(launch_tag)),
+                          go.handle)
+
+    def verify(self, verify_plan: VerifyPlan, *, launch_tag: int = 0, stream: Any = None) -> None:
+        """Verify the entries of a :class:`VerifyPlan` (docs/records.md, "Verify"): ``[C]`` int64 entry arrays,
+        ``[1]`` int32 ``verify_num_valid`` and ``enable``. ``launch_tag`` and ``stream`` as in :meth:`write`.
+        Never syncs; errors as in :meth:`write`."""
+        encode_tag(KernelTag.VERIFY, launch_tag)
+        go = _Launch(self.views.device_id, stream, self.state.canary_buffer)
+        vp = view_verify_plan(verify_plan, go.view, name="verify_plan", writable=False, status=False)
+        _same_device(vp.all(), self.views.device_id, "state.canary_buffer")
+        self._bound.verify(RecordVerifyArgs(*vp.entries, vp.verify_num_valid, vp.enable, int(launch_tag)), go.handle)
+
+    def drain(self) -> RingReport:
+        """Read and reset the violation ring (syncs): see :meth:`CanaryState.drain`."""
+        return self.state.drain()
+
+
+def scatter_expected_tokens(
+    *,
+    req_to_verify_expected_tokens: Any,
+    req_pool_indices: Any,
+    tokens: Any,
+    token_offsets: Any,
+    column_starts: Any,
+    column_offset: int = 0,
+    backend: str = "auto",
+    stream: Any = None,
+) -> None:
+    """Scatter a flat per-request token stream into the expected-token pool (docs/records.md, "Scatter").
+
+    For each batch row ``r < bs`` with ``rp = req_pool_indices[r]`` in ``[1, pool_rows)`` and each ``j`` in
+    ``[0, end - start)`` with ``start, end = clamp(token_offsets[r], 0, N), clamp(token_offsets[r+1], 0, N)``:
+    ``pool[rp, column_starts[r] + column_offset + j] = tokens[start + j]``; columns outside ``[0, pool_cols)``
+    are skipped (and a clamped start shifts the row's tokens: offsets are trusted, clamping keeps reads in
+    bounds). Arguments: ``req_to_verify_expected_tokens`` ``[pool_rows, pool_cols]`` int32 (written),
+    ``req_pool_indices`` ``[bs]`` int64, ``tokens`` ``[N]`` int64 or int32 (stored as their low 32 bits),
+    ``token_offsets`` ``[>= bs+1]`` int64 (a :class:`WritePlan`'s ``write_offsets`` fits: ``tokens`` is then the
+    step's ``input_ids``), ``column_starts`` ``[bs]`` int64 (``prefix_lens`` fits), ``column_offset`` (the
+    ``kv_token_id_vs_position_offset``). ``backend`` and ``stream`` as for :class:`CanaryRecords` (default stream:
+    the current stream of the library that owns the pool). Never syncs. Two batch rows scattering to the same
+    cell race on a GPU (the reference keeps the later row).
+    """
+    pool_view = as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens")
+    go = _Launch(pool_view.device_id, stream, req_to_verify_expected_tokens)
+    if pool_view.device_id != HOST:  # view it again, ordered on the launch stream
+        pool_view = as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens", stream_ptr=go.stream_ptr,
+                            launch_stream=go.launch_stream, ordered_lib=go.ordered_lib)
+    pool = check_view(pool_view, dtype=INT32, ndim=2, writable=True)
+    rpi = go.vec(req_pool_indices, "req_pool_indices", INT64)
+    bs = rpi.shape[0]
+    tok_view = as_view(tokens, "tokens", stream_ptr=go.stream_ptr, launch_stream=go.launch_stream,
+                       ordered_lib=go.ordered_lib)
+    if tok_view.dtype not in (INT64, INT32):
+        raise fail(TypeError, f"tokens: expected dtype int64 or int32, got {tok_view.dtype.name}")
+    tok = check_view(tok_view, dtype=tok_view.dtype, ndim=1)
+    offs = go.vec(token_offsets, "token_offsets", INT64)
+    if offs.shape[0] < bs + 1:
+        raise fail(ValueError, f"token_offsets: expected length >= bs + 1 = {bs + 1}, got {offs.shape[0]}")
+    starts = go.vec(column_starts, "column_starts", INT64, length=bs)
+    if isinstance(column_offset, bool) or not isinstance(column_offset, (int, np.integer)):
+        raise fail(TypeError, f"column_offset: expected an int, got {type(column_offset).__name__}")
+    if not -(1 << 63) <= int(column_offset) < (1 << 63):
+        raise fail(ValueError, f"column_offset: expected an int64, got {column_offset}")
+    device = check_same_device([pool, rpi, tok, offs, starts])
+    module = backends.resolve(backend, device, family="records")
+    module.scatter(ScatterArgs(pool, rpi, tok, offs, starts, int(column_offset)), go.handle)

@@ -1,0 +1,317 @@
+"""A simulated serving engine around the canary: the end-to-end harness of the tests and of ``replay --canary``.
+
+Each step of the replay scheduler (:class:`canary.sim.scheduler.Scheduler`) is planned by a ``CanaryPlanner``; then
+:meth:`EngineKV.run` does what a serving engine around the canary does: scatter the step's true tokens into
+the expected-token pool, verify the plan, store the step's KV bytes into the real KV buffers, write the canary
+records, and drain the ring. Hooks run just before and just after the KV stores and the write, so that a fault
+injector (:mod:`canary.sim.faults`) can corrupt the step's entries, the KV bytes or ``req_to_token``.
+
+Arrays: ``xp`` is NumPy (host arrays, reference backend) or CuPy (GPU backends); every array op of the engine
+goes through ``xp`` and is vectorized over entries, so the same code runs on both. The scheduler, its
+``req_to_token`` and LUT stay host NumPy (the caller mirrors them to the device for the planner).
+
+Synthetic content: the token at ``(request, position)`` is ``splitmix64(request << 32 | position) & 0x7FFF``;
+its KV bytes are 12 splitmix64 words of the same pair: 32 bytes in a paged K source ``[pages, page_size, 2, 8]``
+float16 and 64 in a token-major V source ``[slots, 64]`` uint8, of which the canary reads 48.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from canary import (
+    DEFAULT_CHECK_FLAGS, CanaryPlanner, CanaryRecords, CanaryState, CheckFlags, RealKVMode, RingReport, VerifyPlan,
+    WritePlan, real_kv, scatter_expected_tokens, splitmix64, to_host,
+)
+
+from .scheduler import Scheduler, Step, load_trace
+
+K_BYTES = 32  # per token, paged source
+V_BYTES = 64  # per token, token-major source
+V_READ = 48  # the canary reads a prefix of each V row: read_bytes < num_bytes_per_token is part of the test
+TOKEN_MASK = 0x7FFF
+RING_CAPACITY = 4096
+
+
+def _splitmix64(x: Any, xp: Any) -> Any:
+    """:func:`canary.splitmix64` of NumPy or CuPy int64 arrays (computed on the host), in ``xp``."""
+    host = to_host(x) if hasattr(x, "__cuda_array_interface__") else x
+    return xp.asarray(splitmix64(host))
+
+
+def token_of(req: Any, pos: Any, xp: Any = np) -> Any:
+    """The true token at ``(request, position)``, elementwise."""
+    return _splitmix64((xp.asarray(req, dtype=xp.int64) << 32) | xp.asarray(pos, dtype=xp.int64), xp) & TOKEN_MASK
+
+
+def kv_bytes(req: Any, pos: Any, xp: Any = np) -> Any:
+    """``[n, 96]`` uint8: the K bytes then the V bytes of each token."""
+    key = ((xp.asarray(req, dtype=xp.int64) << 24) | xp.asarray(pos, dtype=xp.int64)) * 16
+    words = _splitmix64(key[:, None] + xp.arange(12, dtype=xp.int64), xp)
+    return words.view(xp.uint8).reshape(key.shape[0], 96)
+
+
+def window_start(end: int, window: int) -> int:
+    """First position a verify of prefix ``end`` reads: 0, or ``end - window`` for a sliding window."""
+    return max(0, end - window) if window else 0
+
+
+@dataclass
+class StepData:
+    """One step's write entries and what the engine knows about them.
+
+    Host NumPy (one value per active batch row): ``rows``, ``prefix``, ``extend``, ``continues`` (the request
+    is still running after this step), ``offsets`` (``[n + 1]``: row ``i``'s entries are ``offsets[i]`` to
+    ``offsets[i + 1]``). ``xp`` arrays (one value per entry): the rest. A before-write hook may change
+    ``out_cache_loc``, ``positions``, ``input_ids`` (what the canary write gets) and ``kv_request`` /
+    ``kv_position`` (whose KV bytes are stored); ``true_*`` stay what the plan expects.
+    """
+
+    step: Step
+    rows: np.ndarray
+    prefix: np.ndarray
+    extend: np.ndarray
+    continues: np.ndarray
+    offsets: np.ndarray
+    request: Any
+    true_positions: Any
+    true_tokens: Any
+    out_cache_loc: Any
+    positions: Any
+    input_ids: Any
+    kv_request: Any
+    kv_position: Any
+
+    def last_entry(self, i: int) -> int:
+        """Index of batch row ``i``'s last entry (every scheduled row has at least one)."""
+        return int(self.offsets[i + 1]) - 1
+
+
+@dataclass
+class StepLog:
+    index: int
+    report: RingReport
+    enable: int
+    verify_entries: int  # entries with slot != 0 when enabled (what the verify must count)
+    write_entries: int
+    bs: int
+    num_active: int
+
+
+Hook = Callable[["EngineKV", StepData], Any]
+
+
+class EngineKV:
+    """The KV side of the simulated engine: real KV buffers, canary state, expected-token pool.
+
+    ``sched``: the scheduler whose steps are run (its tables size everything). ``xp``: ``numpy`` or ``cupy``.
+    ``device``: ``"cpu"`` or a CUDA ordinal (where :class:`CanaryState` allocates). ``backend``: the
+    :class:`CanaryRecords` / scatter backend. ``with_pool``: keep an expected-token pool (the planner must be bound
+    to :attr:`pool`, and each plan given :meth:`valid_lens`).
+    """
+
+    def __init__(
+        self,
+        sched: Scheduler,
+        *,
+        xp: Any = np,
+        device: Any = "cpu",
+        backend: str = "auto",
+        with_pool: bool = True,
+        mode: RealKVMode | str = RealKVMode.ALL,
+        ring_capacity: int = RING_CAPACITY,
+        check_flags: CheckFlags | int = DEFAULT_CHECK_FLAGS,
+    ):
+        self.sched = sched
+        self.xp = xp
+        self.backend = backend
+        self.page_size = ps = sched.page_size
+        self.window = sched.swa_window
+        # The canary and the KV buffers are indexed by the slots the attention reads: SWA slots in SWA mode.
+        self.num_slots = (sched.num_swa_pages if self.window else sched.num_pages) * ps
+        self.r2t = sched.req_to_token  # host; faults edit it, the caller mirrors it to the device
+        self.lut = sched.full_to_swa_index_mapping
+        self.prev_r2t = self.r2t.copy()  # req_to_token before the current step's allocation (stale-row faults)
+        self.k = xp.zeros((self.num_slots // ps, ps, 2, 8), dtype=xp.float16)
+        self.v = xp.zeros((self.num_slots, V_BYTES), dtype=xp.uint8)
+        self.real_kv = real_kv([(self.k, ps, K_BYTES), (self.v, 1, V_BYTES, V_READ)], mode)
+        self.state = CanaryState.allocate(num_slots=self.num_slots, slot_stride_bytes=48, ring_capacity=ring_capacity,
+                                          device=device, check_flags=check_flags)
+        self.canary = CanaryRecords(self.state, self.real_kv, backend=backend)
+        self.canary.warmup()  # compile and load now, so no step's canary time includes it
+        self.pool = xp.zeros(self.r2t.shape, dtype=xp.int32) if with_pool else None
+
+    def valid_lens(self, step: Step) -> np.ndarray | None:
+        """``req_to_verify_expected_tokens_valid_lens`` of the step (host; 0 for padding rows)."""
+        if self.pool is None:
+            return None
+        n = step.num_active
+        valid = np.zeros(step.bs, dtype=np.int64)
+        valid[:n] = step.prefix_lens[:n] + step.extend_seq_lens[:n]
+        return valid
+
+    def host_slot(self, row: int, pos: int) -> int:
+        """The canary slot of ``req_to_token[row, pos]`` (through the LUT in SWA mode)."""
+        raw = int(self.r2t[row, pos])
+        return raw if self.lut is None else int(self.lut[raw])
+
+    def kv_token_bytes(self, slot: int) -> Any:
+        """A writable view of the K bytes of ``slot`` (for fault injection)."""
+        ps = self.page_size
+        return self.k.view(self.xp.uint8).reshape(-1, ps, K_BYTES)[slot // ps, slot % ps]
+
+    def entries(self, step: Step, req_to_token: Any, lut: Any) -> StepData:
+        """The step's write entries, built on ``xp`` from the planner's own (device) tables."""
+        xp, n = self.xp, step.num_active
+        rows, prefix, extend = step.req_pool_indices[:n], step.prefix_lens[:n], step.extend_seq_lens[:n]
+        offsets = np.concatenate([[0], np.cumsum(extend)]).astype(np.int64)
+        d_off = xp.asarray(offsets)
+        idx = xp.arange(int(offsets[-1]), dtype=xp.int64)
+        # Owner row of each entry without xp.repeat: CuPy's repeat takes no array of counts.
+        owner = xp.searchsorted(d_off[1:], idx, side="right")
+        pos = xp.asarray(prefix)[owner] + idx - d_off[owner]
+        req = xp.asarray(step.request_ids)[owner]
+        toks = token_of(req, pos, xp)
+        loc = req_to_token[xp.asarray(rows)[owner], pos].astype(xp.int64)
+        if lut is not None:
+            loc = lut[loc]
+        continues = self.sched.kv_len[step.request_ids] > prefix + extend
+        return StepData(step=step, rows=rows, prefix=prefix, extend=extend, continues=continues, offsets=offsets,
+                        request=req, true_positions=pos, true_tokens=toks, out_cache_loc=loc, positions=pos.copy(),
+                        input_ids=toks.copy(), kv_request=req.copy(), kv_position=pos.copy())
+
+    def store_kv(self, slots: Any, req: Any, pos: Any) -> None:
+        """The forward pass's KV stores: each token's bytes into its slot of K and V (slot < 0: none)."""
+        ok = slots >= 0
+        slots, b = slots[ok], kv_bytes(req[ok], pos[ok], self.xp)
+        ps = self.page_size
+        kb = self.k.view(self.xp.uint8).reshape(-1, ps, K_BYTES)
+        kb[slots // ps, slots % ps] = b[:, :K_BYTES]
+        self.v[slots] = b[:, K_BYTES:]
+
+    def run(
+        self,
+        step: Step,
+        verify_plan: VerifyPlan,
+        write_plan: WritePlan,
+        *,
+        req_to_token: Any,
+        lut: Any = None,
+        before_write: Hook | None = None,
+        after_write: Hook | None = None,
+    ) -> StepLog:
+        """Run the canary around one planned step; drains the ring (a sync) and returns the step's log.
+
+        ``req_to_token`` / ``lut``: the tables the planner read (device copies on the GPU). Hooks are called
+        as ``hook(self, data)``.
+        """
+        xp = self.xp
+        data = self.entries(step, req_to_token, lut)
+        if self.pool is not None:
+            scatter_expected_tokens(req_to_verify_expected_tokens=self.pool,
+                                    req_pool_indices=xp.asarray(step.req_pool_indices), tokens=data.true_tokens,
+                                    token_offsets=write_plan.write_offsets,
+                                    column_starts=xp.asarray(step.prefix_lens), backend=self.backend)
+        self.canary.verify(verify_plan)
+        if before_write is not None:
+            before_write(self, data)
+        self.store_kv(data.out_cache_loc, data.kv_request, data.kv_position)
+        self.canary.write(write_plan, out_cache_loc=data.out_cache_loc, input_ids=data.input_ids,
+                          positions=data.positions, expected_input_ids=data.true_tokens,
+                          expected_positions=data.true_positions)
+        if after_write is not None:
+            after_write(self, data)
+        # Rows outside the step did not change, so copying the step's rows keeps prev_r2t == req_to_token.
+        self.prev_r2t[data.rows] = self.r2t[data.rows]
+        report = self.canary.drain()
+        enable = int(to_host(verify_plan.enable)[0])
+        nv = int(to_host(verify_plan.verify_num_valid)[0])
+        verify_entries = int((verify_plan.verify_slot_indices[:nv] != 0).sum()) if enable else 0
+        write_entries = int((data.out_cache_loc >= 0).sum())
+        return StepLog(step.index, report, enable, verify_entries, write_entries, step.bs, step.num_active)
+
+
+class Engine:
+    """Scheduler, planner and :class:`EngineKV` in one loop: the end-to-end tests' engine.
+
+    ``xp``: ``numpy`` (host arrays; ``backend`` ``"reference"``) or ``cupy`` (arrays on the current CUDA device;
+    ``req_to_token`` and the LUT are mirrored there every step).
+    """
+
+    def __init__(
+        self,
+        *,
+        requests: int = 60,
+        trace: str = "conv",
+        max_batch_size: int = 16,
+        page_size: int = 16,
+        kv_pool_tokens: int = 1 << 15,
+        chunk_size: int = 128,
+        pad_buckets: tuple[int, ...] = (4, 8, 16),
+        swa_window: int = 0,
+        with_pool: bool = True,
+        mode: RealKVMode | str = RealKVMode.ALL,
+        ring_capacity: int = RING_CAPACITY,
+        verify_capacity: int = 1 << 16,
+        check_flags: CheckFlags | int = DEFAULT_CHECK_FLAGS,
+        seed: int = 0,
+        xp: Any = np,
+        backend: str = "reference",
+    ):
+        self.sched = s = Scheduler(load_trace(trace, requests), max_batch_size=max_batch_size, page_size=page_size,
+                                   kv_pool_tokens=kv_pool_tokens, chunk_size=chunk_size, swa_window=swa_window,
+                                   pad_buckets=pad_buckets, seed=seed)
+        self.xp = xp
+        self.on_host = xp is np
+        device = "cpu" if self.on_host else xp.cuda.Device().id
+        self.kv = EngineKV(s, xp=xp, device=device, backend=backend, with_pool=with_pool, mode=mode,
+                           ring_capacity=ring_capacity, check_flags=check_flags)
+        r_cap = max((*pad_buckets, max_batch_size))
+        self.vplan = VerifyPlan.allocate(verify_capacity=verify_capacity, device=device)
+        self.wplan = WritePlan.allocate(write_req_capacity=r_cap, device=device)
+        self.dev_r2t = xp.asarray(s.req_to_token)
+        lut = s.full_to_swa_index_mapping
+        self.dev_lut = None if lut is None else xp.asarray(lut)
+        self.planner = CanaryPlanner(
+            backend=backend, verify_plan_out=self.vplan, write_plan_out=self.wplan, req_to_token=self.dev_r2t,
+            swa_window_size=swa_window, full_to_swa_index_mapping=self.dev_lut,
+            req_to_verify_expected_tokens=self.kv.pool,
+        )
+        self.logs: list[StepLog] = []
+        self._steps = s.steps()
+
+    @property
+    def state(self) -> CanaryState:
+        return self.kv.state
+
+    def step(self, before_write: Hook | None = None, after_write: Hook | None = None) -> StepLog | None:
+        """Plan and run one step; ``None`` when the trace is done."""
+        step = next(self._steps, None)
+        if step is None:
+            return None
+        xp = self.xp
+        if not self.on_host:
+            rows = step.req_pool_indices[: step.num_active]
+            self.dev_r2t[xp.asarray(rows)] = xp.asarray(self.kv.r2t[rows])
+            if self.dev_lut is not None:
+                self.dev_lut.set(self.kv.lut)
+        valid = self.kv.valid_lens(step)
+        self.planner.plan(req_pool_indices=xp.asarray(step.req_pool_indices), prefix_lens=xp.asarray(step.prefix_lens),
+                          extend_seq_lens=xp.asarray(step.extend_seq_lens),
+                          req_to_verify_expected_tokens_valid_lens=None if valid is None else xp.asarray(valid))
+        log = self.kv.run(step, self.vplan, self.wplan, req_to_token=self.dev_r2t, lut=self.dev_lut,
+                          before_write=before_write, after_write=after_write)
+        self.logs.append(log)
+        return log
+
+    def run(self, steps: int) -> list[StepLog]:
+        out = []
+        for _ in range(steps):
+            log = self.step()
+            if log is None:
+                break
+            out.append(log)
+        return out

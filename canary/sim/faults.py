@@ -1,0 +1,201 @@
+"""Fault injectors for the simulated engine (:mod:`canary.sim.engine`): the corruptions the canary must catch.
+
+Five kinds, each a hook on one step (``KIND@STEP`` on the command line):
+
+| kind | when | what |
+| --- | --- | --- |
+| ``kv-flip`` | after the write | one bit of one real K byte flips, at a cached position of a running request |
+| ``overwrite`` | before the write | another request's last new token lands in a cached slot of a running request |
+| ``position`` | before the write | a running request's last new token is written with position + 1 |
+| ``token`` | before the write | a running request's last new token is written with token + 1 |
+| ``stale-row`` | after the write | ``req_to_token`` keeps a finished request's slot where a reused row got a new one |
+
+A fault that cannot be applied at its step (no running request with a cached prefix, no reused row...) is
+applied at the first later step where it can. Each picks requests that no earlier fault touched, and positions
+the next verify reads (inside the sliding window too), so that every applied fault is detectable. The
+:class:`Fault` records what was done: the corrupted slot and position, the requests and slots it involves (the
+replay attributes violations to faults by those).
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .engine import TOKEN_MASK, EngineKV, StepData, token_of, window_start
+
+
+@dataclass
+class Fault:
+    """A requested fault and, once applied, what it did (``-1``: not applicable / not applied)."""
+
+    kind: str
+    requested_step: int
+    applied_step: int | None = None
+    slot: int = -1  # the canary slot whose record or KV bytes are now wrong
+    position: int = -1  # the position the plan expects at ``slot``
+    written_position: int = -1  # position / token the canary write got at ``slot`` (overwrite, position, token)
+    written_token: int = -1
+    expected_token: int = -1  # the true token at ``position`` (overwrite, token)
+    requests: tuple[int, ...] = ()  # trace ids of the requests involved
+    slots: tuple[int, ...] = ()  # every slot the fault made wrong (``slot`` first)
+
+    @property
+    def applied(self) -> bool:
+        return self.applied_step is not None
+
+    def describe(self) -> str:
+        if not self.applied:
+            return "not applied"
+        parts = [f"slot {self.slot} pos {self.position}"]
+        if self.written_position not in (-1, self.position):
+            parts.append(f"written as pos {self.written_position}")
+        if self.written_token != -1 and self.written_token != self.expected_token:
+            parts.append(f"token {self.written_token} for {self.expected_token}")
+        return ", ".join(parts)
+
+
+def _candidates(d: StepData, taken: set[int]) -> list[int]:
+    """Batch rows whose request keeps running after this step and that no earlier fault touched."""
+    req = d.step.request_ids
+    return [i for i in range(len(d.rows)) if d.continues[i] and int(req[i]) not in taken]
+
+
+def _kv_flip(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    for i in _candidates(d, taken):
+        end = int(d.prefix[i] + d.extend[i])
+        lo = window_start(end, kv.window)
+        if end - lo < 4:
+            continue
+        q = (lo + end) // 2
+        slot = kv.host_slot(int(d.rows[i]), q)
+        kv.kv_token_bytes(slot)[5] ^= 0x04
+        _record(f, d, slot=slot, position=q, requests=(i,), slots=(slot,))
+        return True
+    return False
+
+
+def _overwrite(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    req = d.step.request_ids
+    for a in _candidates(d, taken):
+        p = int(d.prefix[a])
+        lo = window_start(p + int(d.extend[a]), kv.window)
+        if p < 3 or p - lo < 3:  # a cached position the next verify reads, not written by this step
+            continue
+        b = next((i for i in range(len(d.rows)) if i != a and int(req[i]) not in taken), None)
+        if b is None:
+            return False
+        q = (lo + p) // 2
+        slot = kv.host_slot(int(d.rows[a]), q)
+        k = d.last_entry(b)
+        own = int(d.out_cache_loc[k])
+        d.out_cache_loc[k] = slot  # b's KV bytes and canary record land in a's slot; b's own slot keeps stale ones
+        _record(f, d, slot=slot, position=q, written_position=int(d.positions[k]), written_token=int(d.input_ids[k]),
+                expected_token=int(token_of(req[a], q)), requests=(a, b), slots=(slot, own))
+        return True
+    return False
+
+
+def _position(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    for i in _candidates(d, taken):
+        if d.prefix[i] > 0:
+            k = d.last_entry(i)
+            q = int(d.prefix[i] + d.extend[i]) - 1
+            d.positions[k] += 1
+            slot = int(d.out_cache_loc[k])
+            _record(f, d, slot=slot, position=q, written_position=q + 1, requests=(i,), slots=(slot,))
+            return True
+    return False
+
+
+def _token(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    for i in _candidates(d, taken):
+        k = d.last_entry(i)
+        q = int(d.prefix[i] + d.extend[i]) - 1
+        tok = int(token_of(d.step.request_ids[i], q))
+        d.input_ids[k] = (tok + 1) & TOKEN_MASK
+        slot = int(d.out_cache_loc[k])
+        _record(f, d, slot=slot, position=q, written_token=(tok + 1) & TOKEN_MASK, expected_token=tok,
+                requests=(i,), slots=(slot,))
+        return True
+    return False
+
+
+def _stale_row(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    for i in _candidates(d, taken):
+        row, p0, end = int(d.rows[i]), int(d.prefix[i]), int(d.prefix[i] + d.extend[i])
+        # Position 0 has no chain predecessor to check; the next verify must read the position.
+        pos = np.arange(max(p0, 1, window_start(end, kv.window)), end)
+        old, new = kv.prev_r2t[row, pos].astype(np.int64), kv.r2t[row, pos].astype(np.int64)
+        ok = (old != 0) & (old != new)
+        if kv.lut is not None:
+            ok &= kv.lut[old] != 0  # a freed SWA page maps to the padding slot, which verify skips
+        hit = np.flatnonzero(ok)
+        if not len(hit):
+            continue
+        p = int(pos[hit[0]])
+        right = kv.host_slot(row, p)
+        kv.r2t[row, p] = old[hit[0]]  # a finished request's slot, which this step's allocation replaced
+        slot = kv.host_slot(row, p)
+        _record(f, d, slot=slot, position=p, requests=(i,), slots=(slot, right))
+        return True
+    return False
+
+
+def _record(f: Fault, d: StepData, *, requests: tuple[int, ...], **facts) -> None:
+    """Mark ``f`` applied at this step; ``requests`` are batch rows, recorded as trace request ids."""
+    f.applied_step = d.step.index
+    f.requests = tuple(int(d.step.request_ids[i]) for i in requests)
+    for name, value in facts.items():
+        setattr(f, name, value)
+
+
+Apply = Callable[[EngineKV, StepData, Fault, set], bool]
+BEFORE_WRITE, AFTER_WRITE = "before_write", "after_write"
+KINDS: dict[str, tuple[str, Apply]] = {
+    "kv-flip": (AFTER_WRITE, _kv_flip),
+    "overwrite": (BEFORE_WRITE, _overwrite),
+    "position": (BEFORE_WRITE, _position),
+    "token": (BEFORE_WRITE, _token),
+    "stale-row": (AFTER_WRITE, _stale_row),
+}
+
+
+def parse_inject(text: str) -> Fault:
+    """argparse type of ``--inject KIND@STEP``."""
+    kind, sep, step = text.partition("@")
+    want = f"KIND@STEP with KIND one of {', '.join(KINDS)} and STEP an integer >= 0"
+    if not sep or kind not in KINDS:
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+    try:
+        value = int(step)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (STEP {step!r})") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (STEP {value})")
+    return Fault(kind, value)
+
+
+@dataclass
+class Injector:
+    """Applies each fault at its requested step, or at the first later step where it can be applied.
+
+    Pass :meth:`before_write` and :meth:`after_write` as the hooks of :meth:`EngineKV.run`.
+    """
+
+    faults: list[Fault]
+    taken: set[int] = field(default_factory=set)  # requests touched by applied faults
+
+    def _apply(self, phase: str, kv: EngineKV, d: StepData) -> None:
+        for f in self.faults:
+            when, apply = KINDS[f.kind]
+            if when == phase and not f.applied and f.requested_step <= d.step.index and apply(kv, d, f, self.taken):
+                self.taken.update(f.requests)
+
+    def before_write(self, kv: EngineKV, d: StepData) -> None:
+        self._apply(BEFORE_WRITE, kv, d)
+
+    def after_write(self, kv: EngineKV, d: StepData) -> None:
+        self._apply(AFTER_WRITE, kv, d)

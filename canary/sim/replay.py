@@ -1,0 +1,370 @@
+"""``kv-canary replay``: drive a planner with a real serving trace, step by step, and summarize the run.
+
+Each step of :class:`canary.sim.scheduler.Scheduler` is planned by the chosen backend. The replay checks every
+step against what the scheduler knows (``status``, ``enable`` and ``verify_num_valid`` must match the step's
+entry count), and every ``--check-every`` steps it also builds the plan with the NumPy reference into a
+second set of buffers and compares all output buffers byte for byte. Both sets are poisoned with the same
+random values before a compared step, so a backend that writes where it must not (or misses a write) is
+caught in the untouched regions too.
+
+Plan time is host wall time around ``planner.plan``. On the GPU backends the clock stops after a stream
+sync, so it is launch overhead plus device time plus the sync's latency (not the device time alone).
+
+``--canary`` also runs the canary end to end on every step (:mod:`canary.sim.replay_records`), and ``--inject
+KIND@STEP`` corrupts the simulated engine at a step (:mod:`canary.sim.faults`) to show that the canary detects it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+
+from canary import BackendUnavailableError, CanaryPlanner, PlanStatus, VerifyPlan, WritePlan, to_host
+
+from .faults import KINDS, parse_inject
+from .replay_records import CanaryReplay, fault_lines, fault_table, table_rows
+from .scheduler import Scheduler, default_buckets, load_trace
+
+MAX_SHOWN_MISMATCHES = 5
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default="conv", metavar="PATH|conv|code",
+                   help="trace CSV (columns TIMESTAMP, ContextTokens, GeneratedTokens), or a bundled Azure 2023 "
+                   "trace: conv (default) or code")
+    p.add_argument("--max-requests", type=_count, default=300, metavar="N",
+                   help="replay the first N requests; 0 = all (default 300)")
+    p.add_argument("--max-batch-size", type=_count, default=64, metavar="N",
+                   help="running requests per step (default 64)")
+    p.add_argument("--kv-pool-tokens", type=_count, default=1 << 17, metavar="N",
+                   help="full KV pool size in tokens (default 131072)")
+    p.add_argument("--verify-capacity", type=_count, default=0, metavar="N",
+                   help="verify entries per plan; 0 = 60%% of the KV pool, rounded down to 1024 (default)")
+    p.add_argument("--chunk-size", type=_count, default=2048, metavar="N",
+                   help="prefill tokens per request per step (default 2048)")
+    p.add_argument("--token-budget", type=_count, default=0, metavar="N",
+                   help="tokens per step, decodes first; 0 = no limit (default)")
+    p.add_argument("--page-size", type=_count, default=16, metavar="N", help="KV page size in tokens (default 16)")
+    p.add_argument("--swa-window", type=_count, default=0, metavar="W",
+                   help="plan a sliding-window group of window W through a full-to-SWA LUT; 0 = full attention")
+    p.add_argument("--no-pad", dest="pad", action="store_false",
+                   help="do not pad batches to CUDA-graph sizes (1, 2, 4, ..., max batch size)")
+    p.add_argument("--backend", default="auto", choices=("auto", "reference", "cupy", "numba"),
+                   help="planner backend; auto = a GPU backend if a GPU is present, else reference (default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    p.add_argument("--check-every", type=_count, default=0, metavar="N",
+                   help="every N steps also plan with the reference backend and compare all output buffers "
+                   "byte for byte; 0 = never (default)")
+    p.add_argument("--canary", action="store_true",
+                   help="also run the canary every step: scatter expected tokens, verify, store KV, write, drain")
+    p.add_argument("--inject", action="append", type=parse_inject, default=[], metavar="KIND@STEP",
+                   help=f"inject a fault at STEP (or the first later step where it applies); KIND: {', '.join(KINDS)}; "
+                   "repeatable; implies --canary")
+    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
+
+
+class _Arrays:
+    """Where the plan's arrays live: host NumPy, CuPy, or Numba device arrays."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.xp = np
+        if kind == "cupy":
+            import cupy
+
+            self.xp = cupy
+        elif kind == "numba":
+            from numba import cuda
+
+            self.cuda = cuda
+
+    def put(self, a: np.ndarray) -> Any:
+        if self.kind == "cupy":
+            return self.xp.asarray(a)
+        if self.kind == "numba":
+            return self.cuda.to_device(a)
+        return a
+
+    def update(self, dev: Any, host: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Bring ``dev`` up to date with ``host`` (the host arrays are bound directly: nothing to do)."""
+        if self.kind == "cupy":
+            if rows is None:
+                dev.set(host)
+            elif len(rows):
+                dev[self.xp.asarray(rows)] = self.xp.asarray(host[rows])
+        elif self.kind == "numba":
+            dev.copy_to_device(host)
+
+    def fill(self, dev: Any, values: np.ndarray) -> None:
+        if self.kind == "host":
+            dev[...] = values
+        else:
+            self.update(dev, values)
+
+    def sync(self) -> None:
+        if self.kind == "cupy":
+            self.xp.cuda.get_current_stream().synchronize()
+        elif self.kind == "numba":
+            self.cuda.synchronize()
+
+    def plans(self, verify_capacity: int, write_req_capacity: int) -> tuple[VerifyPlan, WritePlan]:
+        if self.kind != "numba":
+            device = "cpu" if self.kind == "host" else self.xp.cuda.Device().id
+            return (VerifyPlan.allocate(verify_capacity=verify_capacity, device=device),
+                    WritePlan.allocate(write_req_capacity=write_req_capacity, device=device))
+        def z(n, dt):
+            return self.cuda.to_device(np.zeros(n, dtype=dt))
+
+        c, r = verify_capacity, write_req_capacity
+        return (
+            VerifyPlan(verify_slot_indices=z(c, np.int64), verify_expected_tokens=z(c, np.int64),
+                       verify_expected_positions=z(c, np.int64), verify_prev_slot_indices=z(c, np.int64),
+                       verify_num_valid=z(1, np.int32), enable=z(1, np.int32), status=z(1, np.int32)),
+            WritePlan(write_offsets=z(r + 1, np.int64), write_seed_slot_indices=z(r, np.int64),
+                      write_num_valid_reqs=z(1, np.int32)),
+        )
+
+
+def _placement(backend: str) -> str:
+    """``host``, ``cupy`` or ``numba``: CuPy arrays whenever CuPy works, so both GPU backends get them."""
+    if backend == "reference":
+        return "host"
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return "cupy"
+    except Exception:  # no CuPy, or CuPy without a driver/GPU
+        pass
+    try:
+        from numba import cuda
+
+        if cuda.is_available():
+            return "numba"
+    except Exception:  # no numba-cuda, or no driver
+        pass
+    if backend == "auto":
+        return "host"
+    raise BackendUnavailableError(f"kv-canary: backend {backend!r} needs a CUDA GPU, and none was found")
+
+
+def _buffers(plan_pair) -> list[tuple[str, Any]]:
+    return [(f.name, getattr(p, f.name)) for p in plan_pair for f in fields(p)]
+
+
+def _diff(step: int, got: list, want: list) -> list[str]:
+    """Byte-for-byte comparison of two buffer sets; one line per differing buffer."""
+    out = []
+    for (name, a), (_, b) in zip(got, want):
+        a, b = to_host(a), to_host(b)
+        if a.tobytes() != b.tobytes():
+            i = int(np.flatnonzero(a != b)[0])
+            out.append(f"step {step}: {name}[{i}] = {a[i]}, reference {b[i]}")
+    return out
+
+
+def _pct(values: list, q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.table import Table
+    except ImportError:
+        print("kv-canary replay needs rich for its output: pip install 'kv-canary[cli]'", file=sys.stderr)
+        return 2
+    console = Console()
+    try:
+        summary, problems = _replay(args, console, Progress, (TextColumn("{task.description}"), BarColumn(),
+                                                               MofNCompleteColumn(), TimeElapsedColumn()))
+    except (BackendUnavailableError, ValueError, TypeError, OSError) as exc:
+        console.print(f"error: {exc}", markup=False, highlight=False)
+        return 2
+    for line in problems[:MAX_SHOWN_MISMATCHES]:
+        console.print(f"MISMATCH {line}", markup=False, highlight=False)
+    if len(problems) > MAX_SHOWN_MISMATCHES:
+        console.print(f"... and {len(problems) - MAX_SHOWN_MISMATCHES} more", markup=False)
+    c = summary.get("canary")
+    if c is not None:
+        for line in fault_lines(c):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        for line in c["first_unattributed"]:
+            console.print(f"VIOLATION {line}", markup=False, highlight=False)
+        if c["unattributed_violations"] > len(c["first_unattributed"]):
+            console.print(f"... and {c['unattributed_violations'] - len(c['first_unattributed'])} more", markup=False)
+    console.print(_table(summary, Table))
+    if c is not None and c["faults"]:
+        console.print(fault_table(c, Table))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+    return 1 if summary["mismatches"] or (c is not None and c["failed"]) else 0
+
+
+def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
+    trace = load_trace(args.trace, args.max_requests)
+    mbs = args.max_batch_size
+    sched = Scheduler(
+        trace, max_batch_size=mbs, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens,
+        chunk_size=args.chunk_size, token_budget=args.token_budget, swa_window=args.swa_window,
+        pad_buckets=default_buckets(mbs) if args.pad else (), seed=args.seed,
+    )
+    cap = args.verify_capacity or max(1024, int(args.kv_pool_tokens * 0.6) // 1024 * 1024)
+    arrays = _Arrays(_placement(args.backend))
+    session = _canary(args, sched, arrays)
+    r2t, lut = sched.req_to_token, sched.full_to_swa_index_mapping
+    dev_r2t = arrays.put(r2t)
+    dev_lut = None if lut is None else arrays.put(lut)
+    plans = arrays.plans(cap, mbs)
+    pool = None if session is None else session.pool
+    static = dict(req_to_token=dev_r2t, swa_window_size=args.swa_window, full_to_swa_index_mapping=dev_lut,
+                  max_batch_size=mbs, req_to_verify_expected_tokens=pool)
+    planner = CanaryPlanner(backend=args.backend, verify_plan_out=plans[0], write_plan_out=plans[1], **static)
+    planner.warmup()
+    ref_plans = ref = None
+    # The reference reads a host pool: the canary's own on the host, a copy refreshed before each compared step
+    # on the GPU.
+    ref_pool = pool if pool is None or arrays.kind == "host" else np.zeros(pool.shape, dtype=np.int32)
+    if args.check_every:
+        ref_plans = (VerifyPlan.allocate(verify_capacity=cap), WritePlan.allocate(write_req_capacity=mbs))
+        ref = CanaryPlanner(backend="reference", verify_plan_out=ref_plans[0], write_plan_out=ref_plans[1],
+                            req_to_token=r2t, swa_window_size=args.swa_window, full_to_swa_index_mapping=lut,
+                            max_batch_size=mbs, req_to_verify_expected_tokens=ref_pool)
+    rng = np.random.default_rng([args.seed, 1])  # poison values, independent of the scheduler's stream
+
+    verify, write, times_us, bs_active, bs_padded = [], [], [], [], []
+    overflow = checked = 0
+    problems: list[str] = []
+    console.print(f"kv-canary replay: {len(trace)} requests of trace {trace.name}, backend {planner.backend} "
+                  f"({arrays.kind} arrays), verify capacity {cap}", markup=False, highlight=False, soft_wrap=True)
+    t_start = time.perf_counter()
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("requests finished", total=len(trace))
+        for step in sched.steps():
+            arrays.update(dev_r2t, r2t, step.req_pool_indices[: step.num_active])
+            if lut is not None:
+                arrays.update(dev_lut, lut)
+            inputs = dict(req_pool_indices=arrays.put(step.req_pool_indices),
+                          prefix_lens=arrays.put(step.prefix_lens), extend_seq_lens=arrays.put(step.extend_seq_lens))
+            valid = None if session is None else session.valid_lens(step)
+            if valid is not None:
+                inputs["req_to_verify_expected_tokens_valid_lens"] = arrays.put(valid)
+            compare = bool(args.check_every) and step.index % args.check_every == 0
+            if compare:
+                for (_, buf), (_, ref_buf) in zip(_buffers(plans), _buffers(ref_plans)):
+                    poison = rng.integers(np.iinfo(ref_buf.dtype).min, np.iinfo(ref_buf.dtype).max,
+                                          size=ref_buf.shape, dtype=ref_buf.dtype, endpoint=True)
+                    arrays.fill(buf, poison)
+                    ref_buf[...] = poison
+            arrays.sync()  # the copies above are not part of the plan's time
+            t0 = time.perf_counter_ns()
+            planner.plan(**inputs)
+            arrays.sync()
+            times_us.append((time.perf_counter_ns() - t0) / 1e3)
+
+            want_status = PlanStatus.OVERFLOW if step.verify_entries > cap else PlanStatus.OK
+            got = [int(to_host(getattr(plans[0], f))[0]) for f in ("status", "enable", "verify_num_valid")]
+            want = [int(want_status), int(want_status == PlanStatus.OK), min(step.verify_entries, cap)]
+            if got != want:
+                problems.append(f"step {step.index}: (status, enable, verify_num_valid) = {got}, expected {want}")
+            if compare:
+                if ref_pool is not None and ref_pool is not pool:
+                    ref_pool[...] = to_host(pool)
+                ref.plan(req_pool_indices=step.req_pool_indices, prefix_lens=step.prefix_lens,
+                         extend_seq_lens=step.extend_seq_lens, req_to_verify_expected_tokens_valid_lens=valid)
+                problems += _diff(step.index, _buffers(plans), _buffers(ref_plans))
+                checked += 1
+            if session is not None:
+                session.run(step, plans, req_to_token=dev_r2t, lut=dev_lut)
+            overflow += bool(got[0] & PlanStatus.OVERFLOW)
+            verify.append(step.verify_entries)
+            write.append(step.write_entries)
+            bs_active.append(step.num_active)
+            bs_padded.append(step.bs)
+            progress.update(task, completed=sched.num_finished, description=f"step {step.index + 1}")
+    wall = time.perf_counter() - t_start
+
+    def stats(values, qs=(50, 99)):
+        out = {f"p{q}": _pct(values, q) for q in qs}
+        out["max"] = float(max(values, default=0))
+        return out
+
+    summary = {
+        "trace": trace.name,
+        "requests": len(trace),
+        "requests_finished": sched.num_finished,
+        "steps": len(verify),
+        "backend": planner.backend,
+        "arrays": arrays.kind,
+        "max_batch_size": mbs,
+        "verify_capacity": cap,
+        "page_size": args.page_size,
+        "chunk_size": args.chunk_size,
+        "swa_window": args.swa_window,
+        "padding": bool(args.pad),
+        "seed": args.seed,
+        "batch_size": {"mean_active": float(np.mean(bs_active)) if bs_active else 0.0,
+                       "mean_padded": float(np.mean(bs_padded)) if bs_padded else 0.0},
+        "verify_entries_per_step": stats(verify),
+        "write_entries_per_step": stats(write),
+        "overflow_steps": overflow,
+        "plan_time_us": stats(times_us),
+        "checked_steps": checked,
+        "mismatches": len(problems),
+        "wall_time_s": wall,
+    }
+    if session is not None:
+        summary["canary"] = session.summary()
+    return summary, problems
+
+
+def _canary(args, sched: Scheduler, arrays: _Arrays) -> CanaryReplay | None:
+    """The canary side of the replay when ``--canary`` or ``--inject`` asks for it."""
+    if not (args.canary or args.inject):
+        return None
+    if arrays.kind == "numba":
+        raise BackendUnavailableError(
+            "kv-canary: --canary: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
+            "[cuda12]), got Numba device arrays only (CuPy is missing or sees no GPU)")
+    device = "cpu" if arrays.kind == "host" else arrays.xp.cuda.Device().id
+    return CanaryReplay(sched, xp=arrays.xp, device=device, backend=args.backend, faults=args.inject)
+
+
+def _table(s: dict, Table) -> Any:
+    t = Table(title=f"kv-canary replay: {s['trace']}, backend {s['backend']}")
+    for col in ("metric", "value / p50", "p99", "max"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+
+    def dist(v, f):
+        return f.format(v["p50"]), f.format(v["p99"]), f.format(v["max"])
+
+    bs = s["batch_size"]
+    t.add_row("steps", str(s["steps"]))
+    t.add_row("requests finished", f"{s['requests_finished']} / {s['requests']}")
+    t.add_row("batch size, mean (active / padded)", f"{bs['mean_active']:.1f} / {bs['mean_padded']:.1f}")
+    t.add_row("verify entries / step", *dist(s["verify_entries_per_step"], "{:.0f}"))
+    t.add_row("write entries / step", *dist(s["write_entries_per_step"], "{:.0f}"))
+    t.add_row(f"overflow steps (capacity {s['verify_capacity']})", str(s["overflow_steps"]))
+    t.add_row("plan time / step (us)", *dist(s["plan_time_us"], "{:.1f}"))
+    t.add_row("steps checked vs reference", str(s["checked_steps"]))
+    t.add_row("mismatches", str(s["mismatches"]))
+    if "canary" in s:
+        for row in table_rows(s["canary"]):
+            t.add_row(*row)
+    t.add_row("wall time (s)", f"{s['wall_time_s']:.1f}")
+    return t

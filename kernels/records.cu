@@ -1,0 +1,327 @@
+// kv-canary write / verify / scatter kernels (SPEC 4, docs/records.md), compiled by NVRTC through CuPy.
+// Numba twin: records_numba.py. NumPy reference: canary/backends/reference/records.py.
+//
+// Every launch takes ONE by-value parameter struct whose fields are all 8 bytes, so the host packs it as an
+// array of uint64 words (canary/backends/records_layout.py lists the fields; a CI test pins the order) and
+// rewrites only the per-call words. Counts that change per step (write_num_valid_reqs, verify_num_valid,
+// enable, check_flags) are read on the device and grids depend only on capacities, so a captured CUDA graph
+// stays right after the caller refills its buffers in place.
+//
+// Values are hashed and compared as unsigned 64-bit bit patterns (wraparound is defined for u64, not i64).
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define MAX_SOURCES 4
+#define WRITE_THREADS 128    // entries per chunk of a request; thread 0 runs only the serial chain of a chunk
+#define VERIFY_THREADS 256
+#define SCATTER_THREADS 128
+
+#define FAIL_CHAIN 1
+#define FAIL_POSITION 2
+#define FAIL_REAL_KV 4
+#define FAIL_WRITE_TOKEN 8
+#define FAIL_WRITE_POSITION 16
+#define FAIL_VERIFY_TOKEN 32
+#define FAIL_SLOT_RANGE 64
+
+#define CHECK_WRITE_POSITION_CHAIN 1
+#define CHECK_VERIFY_TOKEN 2
+
+#define ANCHOR_LINK 0xDE7FAE23A9A1B716ULL  // splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890)
+
+// Where violations and health go; shared by write and verify. Fixed at bind except `tag`.
+struct StateParams {
+    unsigned char* canary;           // canary_buffer: slot s at s * slot_stride (int64 token, position, prev_hash, real_kv_hash)
+    i64 num_slots;
+    i64 slot_stride;                 // bytes, a multiple of 8
+    i64* ring;                       // [ring_capacity, >= 8] int64
+    i64 ring_row_stride;             // elements
+    i64 ring_capacity;
+    unsigned int* ring_write_index;  // the int32 word, counted as uint32
+    unsigned long long* slot_run_counter;
+    unsigned long long* kernel_run_counter;
+    const int* check_flags;
+    i64 tag;                         // (launch_tag << 8) | kernel
+};
+
+// Real-KV sources; num_sources = 0 for mode NONE. Coverage (rows * page_size >= num_slots) is checked on the
+// host, so only slots in [0, num_slots) are ever folded and no row count is needed here.
+struct RealKVParams {
+    i64 num_sources;
+    const unsigned char* base[MAX_SOURCES];   // 16-byte aligned
+    i64 row_stride_bytes[MAX_SOURCES];        // multiple of 16
+    i64 page_size[MAX_SOURCES];
+    i64 num_bytes_per_token[MAX_SOURCES];     // multiple of 16
+    i64 read_words[MAX_SOURCES];              // PARTIAL: 2; ALL: read_bytes / 8 (even)
+};
+
+struct WriteParams {
+    StateParams st;
+    RealKVParams kv;
+    const i64* write_offsets;        // [R + 1]
+    const i64* write_seed_slot_indices;
+    const int* write_num_valid_reqs;
+    i64 write_req_capacity;          // R
+    const i64* out_cache_loc;        // [N]
+    const i64* input_ids;
+    const i64* positions;
+    i64 num_entries;                 // N
+    const i64* expected_input_ids;   // null: not given
+    const i64* expected_positions;   // null: not given
+};
+
+struct VerifyParams {
+    StateParams st;
+    RealKVParams kv;
+    const i64* verify_slot_indices;  // [C]
+    const i64* verify_expected_tokens;
+    const i64* verify_expected_positions;
+    const i64* verify_prev_slot_indices;
+    i64 verify_capacity;             // C
+    const int* verify_num_valid;
+    const int* enable;
+};
+
+struct ScatterParams {
+    int* pool;                       // req_to_verify_expected_tokens
+    i64 pool_rows;
+    i64 pool_cols;
+    i64 pool_row_stride;             // elements
+    const i64* req_pool_indices;     // [bs]
+    i64 bs;
+    const void* tokens;              // [N] int64 or int32 (the kernel's suffix says which)
+    i64 num_tokens;
+    const i64* token_offsets;        // [>= bs + 1]
+    const i64* column_starts;        // [bs]
+    i64 column_offset;
+};
+
+__device__ __forceinline__ u64 splitmix64(u64 x) {
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ULL;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBULL;
+    x ^= x >> 31;
+    return x;
+}
+
+__device__ __forceinline__ u64 mix3(u64 a, u64 b, u64 c) {
+    return splitmix64(splitmix64(splitmix64(a) ^ b) ^ c);
+}
+
+__device__ __forceinline__ i64 clamp64(i64 v, i64 lo, i64 hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+__device__ __forceinline__ const u64* slot_record(const StateParams& st, i64 slot) {
+    return reinterpret_cast<const u64*>(st.canary + slot * st.slot_stride);
+}
+
+// SPEC 4's real-KV fold of one slot in [0, num_slots): per source h = s(h ^ w) over its words, then
+// acc = s(acc ^ h) over the sources in order. Loads are 16 bytes (base and strides are multiples of 16).
+__device__ u64 fold_slot(const RealKVParams& kv, i64 slot) {
+    u64 acc = 0;
+#pragma unroll
+    for (int s = 0; s < MAX_SOURCES; ++s) {
+        if (s < kv.num_sources) {
+            const i64 ps = kv.page_size[s];
+            const ulonglong2* q = reinterpret_cast<const ulonglong2*>(
+                kv.base[s] + (slot / ps) * kv.row_stride_bytes[s] + (slot % ps) * kv.num_bytes_per_token[s]);
+            const i64 pairs = kv.read_words[s] >> 1;
+            u64 h = 0;
+            for (i64 w = 0; w < pairs; ++w) {
+                const ulonglong2 v = q[w];
+                h = splitmix64(h ^ v.x);
+                h = splitmix64(h ^ v.y);
+            }
+            acc = splitmix64(acc ^ h);
+        }
+    }
+    return acc;
+}
+
+// Fill-once ring: claim an index; write the row only if it fits. The index keeps counting past capacity.
+__device__ void append_row(const StateParams& st, u64 slot, u64 position, u64 stored_token, u64 expected_token,
+                           u64 stored_hash, u64 expected_aux, u64 reasons) {
+    const unsigned int k = atomicAdd(st.ring_write_index, 1u);
+    if ((i64)k < st.ring_capacity) {
+        i64* row = st.ring + (i64)k * st.ring_row_stride;
+        row[0] = st.tag;
+        row[1] = (i64)slot;
+        row[2] = (i64)position;
+        row[3] = (i64)stored_token;
+        row[4] = (i64)expected_token;
+        row[5] = (i64)stored_hash;
+        row[6] = (i64)expected_aux;
+        row[7] = (i64)reasons;
+    }
+}
+
+// One block per request (grid = write_req_capacity). Only the running hash is serial within a request, so per
+// chunk of WRITE_THREADS entries: all threads stage their entry (loads, real-KV fold); thread 0 walks the chunk
+// in order computing just the running hash and the expected chain position of each entry (mix3's latency is
+// the whole cost of a long prefill); then all threads check, report and store their own entry in parallel. A
+// slot that appears again later in the same chunk is stored only by its last occurrence, and chunks are
+// ordered by the barrier, so a slot written twice by one request keeps its last write.
+extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const WriteParams p) {
+    __shared__ i64 s_slot[WRITE_THREADS];
+    __shared__ u64 s_tok[WRITE_THREADS];
+    __shared__ u64 s_pos[WRITE_THREADS];
+    __shared__ u64 s_run[WRITE_THREADS];
+    __shared__ u64 s_chain_exp[WRITE_THREADS];
+    __shared__ unsigned long long s_processed;
+    const StateParams& st = p.st;
+    const int tid = threadIdx.x;
+    if (blockIdx.x == 0 && tid == 0) atomicAdd(&st.kernel_run_counter[0], 1ULL);
+    const i64 nreq = clamp64((i64)*p.write_num_valid_reqs, 0, p.write_req_capacity);
+    const i64 r = blockIdx.x;
+    if (r >= nreq) return;
+    const i64 n = p.num_entries;
+    const i64 start = clamp64(p.write_offsets[r], 0, n);
+    const i64 end = clamp64(p.write_offsets[r + 1], 0, n);
+    const bool chain_on = (*st.check_flags & CHECK_WRITE_POSITION_CHAIN) != 0;
+
+    // Thread 0's registers: the running hash and the previous stored position. The seed is read before any
+    // store of this request (a seed in the same launch's other requests may race: docs/records.md 6.3).
+    u64 running = ANCHOR_LINK;
+    u64 prev_pos = ~0ULL;  // -1: no predecessor, so position 0 is expected first
+    if (tid == 0) {
+        s_processed = 0;
+        const i64 seed = p.write_seed_slot_indices[r];
+        if (seed >= 0 && seed < st.num_slots) {
+            const u64* rec = slot_record(st, seed);
+            running = mix3(rec[2], rec[0], rec[1]);
+            prev_pos = rec[1];
+        }
+    }
+    unsigned long long processed = 0;
+    for (i64 base = start; base < end; base += WRITE_THREADS) {
+        const i64 i = base + tid;
+        const int m = (int)(end - base < WRITE_THREADS ? end - base : WRITE_THREADS);
+        i64 slot = -1;
+        u64 tok = 0, pos = 0, et = ~0ULL, ep = ~0ULL, kvh = 0;
+        if (i < end) {
+            slot = p.out_cache_loc[i];
+            tok = (u64)p.input_ids[i];
+            pos = (u64)p.positions[i];
+            if (p.expected_input_ids) et = (u64)p.expected_input_ids[i];
+            if (p.expected_positions) ep = (u64)p.expected_positions[i];
+            if (slot >= 0 && slot < st.num_slots) kvh = fold_slot(p.kv, slot);
+            s_slot[tid] = slot;
+            s_tok[tid] = tok;
+            s_pos[tid] = pos;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            for (int j = 0; j < m; ++j) {
+                const i64 sj = s_slot[j];
+                if (sj < 0) continue;  // "skip this write": chain unchanged
+                s_run[j] = running;
+                s_chain_exp[j] = prev_pos + 1;
+                if (sj < st.num_slots) {  // out-of-range entries neither store nor advance the chain
+                    const u64 pj = s_pos[j];
+                    running = mix3(running, s_tok[j], pj);
+                    prev_pos = pj;
+                }
+            }
+        }
+        __syncthreads();
+        if (i < end && slot >= 0) {
+            ++processed;
+            const bool stored = slot < st.num_slots;
+            const u64 run = s_run[tid], chain_exp = s_chain_exp[tid];
+            u64 bits = stored ? 0 : FAIL_SLOT_RANGE;
+            if (et != ~0ULL && tok != et) bits |= FAIL_WRITE_TOKEN;
+            const bool arr_fail = ep != ~0ULL && pos != ep;
+            const bool chain_fail = chain_on && pos != chain_exp;
+            if (arr_fail || chain_fail) bits |= FAIL_WRITE_POSITION;
+            const u64 aux = arr_fail ? ep : chain_fail ? chain_exp : ep != ~0ULL ? ep : chain_on ? chain_exp : ~0ULL;
+            if (bits) append_row(st, (u64)slot, pos, tok, et, run, aux, bits);
+            bool last = stored;
+            for (int k = tid + 1; last && k < m; ++k) last = s_slot[k] != slot;
+            if (last) {
+                u64* rec = reinterpret_cast<u64*>(st.canary + slot * st.slot_stride);
+                rec[0] = tok;
+                rec[1] = pos;
+                rec[2] = run;
+                rec[3] = kvh;
+            }
+        }
+        __syncthreads();  // the next chunk reuses the staging arrays
+    }
+    if (processed) atomicAdd(&s_processed, processed);
+    __syncthreads();
+    if (tid == 0 && s_processed) atomicAdd(&st.slot_run_counter[0], s_processed);
+}
+
+// One thread per entry (grid-stride over [0, verify_capacity)); processed entries are summed per block.
+extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const VerifyParams p) {
+    __shared__ unsigned long long s_processed;
+    const StateParams& st = p.st;
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&st.kernel_run_counter[1], 1ULL);
+    if (*p.enable == 0) return;  // the same word for every thread: the whole grid leaves together
+    if (threadIdx.x == 0) s_processed = 0;
+    __syncthreads();
+    const i64 n = clamp64((i64)*p.verify_num_valid, 0, p.verify_capacity);
+    const bool token_on = (*st.check_flags & CHECK_VERIFY_TOKEN) != 0;
+    unsigned long long processed = 0;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 slot = p.verify_slot_indices[i];
+        if (slot == 0) continue;  // padding
+        ++processed;
+        const u64 ep = (u64)p.verify_expected_positions[i];
+        const u64 et = (u64)p.verify_expected_tokens[i];
+        if (slot < 0 || slot >= st.num_slots) {
+            append_row(st, (u64)slot, ep, 0, et, 0, 0, FAIL_SLOT_RANGE);
+            continue;
+        }
+        const i64 prev = p.verify_prev_slot_indices[i];
+        const u64* rec = slot_record(st, slot);
+        const u64 tok = rec[0], pos = rec[1], hash = rec[2], kvh = rec[3];
+        u64 bits = 0, expected = 0;
+        bool checked = true;
+        if (prev == -1) {
+            expected = ANCHOR_LINK;
+        } else if (prev > 0 && prev < st.num_slots) {
+            const u64* prec = slot_record(st, prev);
+            expected = mix3(prec[2], prec[0], prec[1]);
+        } else {
+            checked = false;  // 0: the predecessor page was freed (SWA); anything else is out of range
+            if (prev != 0) bits |= FAIL_SLOT_RANGE;
+        }
+        if (checked && hash != expected) bits |= FAIL_CHAIN;
+        if (pos != ep) bits |= FAIL_POSITION;
+        if (token_on && et != ~0ULL && tok != et) bits |= FAIL_VERIFY_TOKEN;
+        if (p.kv.num_sources > 0 && kvh != fold_slot(p.kv, slot)) bits |= FAIL_REAL_KV;
+        if (bits) append_row(st, (u64)slot, ep, tok, et, hash, expected, bits);
+    }
+    if (processed) atomicAdd(&s_processed, processed);
+    __syncthreads();
+    if (threadIdx.x == 0 && s_processed) atomicAdd(&st.slot_run_counter[1], s_processed);
+}
+
+// One block per batch row; threads stride over the row's tokens. Columns outside the pool are skipped.
+template <typename Token>
+__device__ void scatter(const ScatterParams& p) {
+    const i64 r = blockIdx.x;
+    if (r >= p.bs) return;
+    const i64 rp = p.req_pool_indices[r];
+    if (rp <= 0 || rp >= p.pool_rows) return;  // 0: padding row
+    const i64 start = clamp64(p.token_offsets[r], 0, p.num_tokens);
+    const i64 end = clamp64(p.token_offsets[r + 1], 0, p.num_tokens);
+    // Column arithmetic in u64: wraparound is the reference's int64 wraparound, without signed overflow.
+    const u64 col0 = (u64)p.column_starts[r] + (u64)p.column_offset;
+    const Token* tokens = static_cast<const Token*>(p.tokens);
+    int* row = p.pool + rp * p.pool_row_stride;
+    for (i64 j = threadIdx.x; j < end - start; j += blockDim.x) {
+        const i64 col = (i64)(col0 + (u64)j);
+        if (col >= 0 && col < p.pool_cols) row[col] = (int)tokens[start + j];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) canary_scatter_i64(const ScatterParams p) {
+    scatter<i64>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) canary_scatter_i32(const ScatterParams p) {
+    scatter<int>(p);
+}

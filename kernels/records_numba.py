@@ -1,0 +1,382 @@
+"""kv-canary write / verify / scatter kernels for Numba CUDA: the twin of ``kernels/records.cu`` (SPEC 4).
+
+Same kernels, same names, same structure as records.cu (``canary_write``: one block per request, entries staged
+``write_threads`` at a time, thread 0 walks only the serial running hash, then every thread checks, reports and
+stores its own entry (the last occurrence of a slot in a chunk stores it); ``canary_verify``: one
+thread per entry, grid-stride, processed entries summed per block; ``canary_scatter_*``: one block per batch
+row). Semantics: ``docs/records.md``; NumPy reference: ``canary/backends/reference/records.py``.
+
+Deliberate differences from records.cu (argument passing only; the outputs are the same bytes):
+
+- Arguments are arrays and scalars instead of one by-value struct, in the struct's order (``WRITE_PARAMS``,
+  ``VERIFY_PARAMS``, ``SCATTER_PARAMS``). Byte buffers arrive as flat ``uint64`` word arrays: the canary
+  buffer (slot stride in words), the ring (row stride in elements) and each real-KV source (row stride and
+  bytes per token in words); an absent source or optional input is a one-element dummy, with
+  ``num_sources`` / ``has_expected_*`` saying so (records.cu gets a null pointer or ``num_sources``).
+- Every data value is hashed, compared and stored as ``uint64`` (the ring and the canary words are ``uint64``
+  views of the caller's int64 memory): Numba, like NumPy, would promote a uint64 / int64 mix to float64.
+- Real-KV words are read one at a time (records.cu: 16-byte loads). The simulator, which CI runs, cannot do
+  vector loads, and the fold is not the bottleneck of this kernel.
+- Block sizes are the constants ``canary_kernels`` closes over (the simulator, one Python thread per CUDA
+  thread, runs the same code with small blocks).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import numpy as np
+from numba import cuda, int32, int64, uint32, uint64
+
+MAX_SOURCES = 4
+WRITE_THREADS = 128
+VERIFY_THREADS = 256
+SCATTER_THREADS = 128
+
+FAIL_CHAIN = 1
+FAIL_POSITION = 2
+FAIL_REAL_KV = 4
+FAIL_WRITE_TOKEN = 8
+FAIL_WRITE_POSITION = 16
+FAIL_VERIFY_TOKEN = 32
+FAIL_SLOT_RANGE = 64
+
+CHECK_WRITE_POSITION_CHAIN = 1
+CHECK_VERIFY_TOKEN = 2
+
+# u64 constants: a Python int literal would make Numba mix int64 into u64 arithmetic (float64 promotion).
+ANCHOR_LINK = np.uint64(0xDE7FAE23A9A1B716)  # splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890)
+ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)  # -1 as u64: "no expectation" / "no predecessor"
+U0 = np.uint64(0)
+U1 = np.uint64(1)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S27 = np.uint64(27)
+_S30 = np.uint64(30)
+_S31 = np.uint64(31)
+
+# Real-KV description per source, ``kvp[k * KV_FIELDS + field]`` (int64; strides in u64 words).
+KV_ROW_STRIDE_WORDS, KV_PAGE_SIZE, KV_WORDS_PER_TOKEN, KV_READ_WORDS = range(4)
+KV_FIELDS = 4
+
+_AU64, _AI64, _AI32, _AU32, _I64, _U64 = "uint64[::1]", "int64[::1]", "int32[::1]", "uint32[::1]", "int64", "uint64"
+STATE_PARAMS = (
+    ("canary", _AU64), ("num_slots", _I64), ("slot_stride_words", _I64), ("ring", _AU64),
+    ("ring_row_stride", _I64), ("ring_capacity", _I64), ("ring_write_index", _AU32),
+    ("slot_run_counter", _AU64), ("kernel_run_counter", _AU64), ("check_flags", _AI32), ("tag", _U64),
+)
+REAL_KV_PARAMS = (("kv0", _AU64), ("kv1", _AU64), ("kv2", _AU64), ("kv3", _AU64), ("kvp", _AI64),
+                  ("num_sources", _I64))
+WRITE_PARAMS = STATE_PARAMS + REAL_KV_PARAMS + (
+    ("write_offsets", _AI64), ("write_seed_slot_indices", _AI64), ("write_num_valid_reqs", _AI32),
+    ("write_req_capacity", _I64), ("out_cache_loc", _AI64), ("input_ids", _AI64), ("positions", _AI64),
+    ("num_entries", _I64), ("expected_input_ids", _AI64), ("expected_positions", _AI64),
+    ("has_expected_input_ids", _I64), ("has_expected_positions", _I64),
+)
+VERIFY_PARAMS = STATE_PARAMS + REAL_KV_PARAMS + (
+    ("verify_slot_indices", _AI64), ("verify_expected_tokens", _AI64), ("verify_expected_positions", _AI64),
+    ("verify_prev_slot_indices", _AI64), ("verify_capacity", _I64), ("verify_num_valid", _AI32),
+    ("enable", _AI32),
+)
+
+
+def scatter_params(token_type: str):
+    return (("pool", _AI32), ("pool_rows", _I64), ("pool_cols", _I64), ("pool_row_stride", _I64),
+            ("req_pool_indices", _AI64), ("bs", _I64), ("tokens", token_type), ("num_tokens", _I64),
+            ("token_offsets", _AI64), ("column_starts", _AI64), ("column_offset", _I64))
+
+
+def _signature(params) -> str:
+    return "void({})".format(", ".join(ty for _, ty in params))
+
+
+@cuda.jit(device=True)
+def splitmix64(x):
+    x = x ^ (x >> _S30)
+    x = x * _M1
+    x = x ^ (x >> _S27)
+    x = x * _M2
+    return x ^ (x >> _S31)
+
+
+@cuda.jit(device=True)
+def mix3(a, b, c):
+    return splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)
+
+
+@cuda.jit(device=True)
+def clamp64(v, lo, hi):
+    return lo if v < lo else (hi if v > hi else v)
+
+
+@cuda.jit(device=True)
+def fold_source(words, kvp, k, slot):
+    """One source's hash of ``slot``: ``h = s(h ^ w)`` over its words (docs/records.md 3)."""
+    b = k * KV_FIELDS
+    ps = kvp[b + KV_PAGE_SIZE]
+    at = (slot // ps) * kvp[b + KV_ROW_STRIDE_WORDS] + (slot % ps) * kvp[b + KV_WORDS_PER_TOKEN]
+    h = U0
+    for w in range(kvp[b + KV_READ_WORDS]):
+        h = splitmix64(h ^ words[at + w])
+    return h
+
+
+@cuda.jit(device=True)
+def fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot):
+    """SPEC 4's real-KV fold of a slot in [0, num_slots): ``acc = s(acc ^ h_source)`` over the sources."""
+    acc = U0
+    if num_sources > 0:
+        acc = splitmix64(acc ^ fold_source(kv0, kvp, 0, slot))
+    if num_sources > 1:
+        acc = splitmix64(acc ^ fold_source(kv1, kvp, 1, slot))
+    if num_sources > 2:
+        acc = splitmix64(acc ^ fold_source(kv2, kvp, 2, slot))
+    if num_sources > 3:
+        acc = splitmix64(acc ^ fold_source(kv3, kvp, 3, slot))
+    return acc
+
+
+@cuda.jit(device=True)
+def append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, slot, position, stored_token,
+               expected_token, stored_hash, expected_aux, reasons):
+    """Fill-once ring: claim an index (uint32, keeps counting past capacity); write the row iff it fits."""
+    k = int64(cuda.atomic.add(ring_write_index, 0, uint32(1)))
+    if k < ring_capacity:
+        at = k * ring_row_stride
+        ring[at] = tag
+        ring[at + 1] = slot
+        ring[at + 2] = position
+        ring[at + 3] = stored_token
+        ring[at + 4] = expected_token
+        ring[at + 5] = stored_hash
+        ring[at + 6] = expected_aux
+        ring[at + 7] = reasons
+
+
+def _jit_options(threads: int) -> dict:
+    try:
+        takes = "launch_bounds" in inspect.signature(cuda.jit).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        takes = False
+    return {"launch_bounds": (int(threads),)} if takes else {}
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = VERIFY_THREADS,
+                     scatter_threads: int = SCATTER_THREADS):
+    """The plain Python kernels ``(canary_write, canary_verify, canary_scatter)`` for the given block sizes
+    (constants to Numba: they size shared arrays)."""
+    WT = int(write_threads)
+
+    def canary_write(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity, ring_write_index,
+                     slot_run_counter, kernel_run_counter, check_flags, tag, kv0, kv1, kv2, kv3, kvp, num_sources,
+                     write_offsets, write_seed_slot_indices, write_num_valid_reqs, write_req_capacity,
+                     out_cache_loc, input_ids, positions, num_entries, expected_input_ids, expected_positions,
+                     has_expected_input_ids, has_expected_positions):
+        """Grid write_req_capacity, block WT: one request per block (records.cu's canary_write)."""
+        s_slot = cuda.shared.array(WT, int64)
+        s_tok = cuda.shared.array(WT, uint64)
+        s_pos = cuda.shared.array(WT, uint64)
+        s_run = cuda.shared.array(WT, uint64)
+        s_chain_exp = cuda.shared.array(WT, uint64)
+        s_processed = cuda.shared.array(1, uint64)
+        tid = cuda.threadIdx.x
+        if cuda.blockIdx.x == 0 and tid == 0:
+            cuda.atomic.add(kernel_run_counter, 0, U1)
+        nreq = clamp64(int64(write_num_valid_reqs[0]), int64(0), write_req_capacity)
+        r = int64(cuda.blockIdx.x)
+        if r >= nreq:
+            return
+        start = clamp64(write_offsets[r], int64(0), num_entries)
+        end = clamp64(write_offsets[r + 1], int64(0), num_entries)
+        chain_on = (check_flags[0] & CHECK_WRITE_POSITION_CHAIN) != 0
+
+        running = ANCHOR_LINK
+        prev_pos = ALL_ONES
+        if tid == 0:
+            s_processed[0] = U0
+            seed = write_seed_slot_indices[r]
+            if seed >= 0 and seed < num_slots:
+                at = seed * slot_stride_words
+                running = mix3(canary[at + 2], canary[at], canary[at + 1])
+                prev_pos = canary[at + 1]
+        processed = U0
+        base = start
+        while base < end:
+            i = base + tid
+            m = min(end - base, int64(WT))
+            slot = int64(-1)
+            tok = U0
+            pos = U0
+            et = ALL_ONES
+            ep = ALL_ONES
+            kvh = U0
+            if i < end:
+                slot = out_cache_loc[i]
+                tok = uint64(input_ids[i])
+                pos = uint64(positions[i])
+                if has_expected_input_ids != 0:
+                    et = uint64(expected_input_ids[i])
+                if has_expected_positions != 0:
+                    ep = uint64(expected_positions[i])
+                if slot >= 0 and slot < num_slots:
+                    kvh = fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot)
+                s_slot[tid] = slot
+                s_tok[tid] = tok
+                s_pos[tid] = pos
+            cuda.syncthreads()
+            if tid == 0:
+                for j in range(m):
+                    sj = s_slot[j]
+                    if sj < 0:
+                        continue  # "skip this write": chain unchanged
+                    s_run[j] = running
+                    s_chain_exp[j] = prev_pos + U1
+                    if sj < num_slots:  # out-of-range entries neither store nor advance the chain
+                        pj = s_pos[j]
+                        running = mix3(running, s_tok[j], pj)
+                        prev_pos = pj
+            cuda.syncthreads()
+            if i < end and slot >= 0:
+                processed += U1
+                stored = slot < num_slots
+                run = s_run[tid]
+                chain_exp = s_chain_exp[tid]
+                bits = 0 if stored else FAIL_SLOT_RANGE
+                if et != ALL_ONES and tok != et:
+                    bits |= FAIL_WRITE_TOKEN
+                arr_fail = ep != ALL_ONES and pos != ep
+                chain_fail = chain_on and pos != chain_exp
+                if arr_fail or chain_fail:
+                    bits |= FAIL_WRITE_POSITION
+                if arr_fail:
+                    aux = ep
+                elif chain_fail:
+                    aux = chain_exp
+                elif ep != ALL_ONES:
+                    aux = ep
+                elif chain_on:
+                    aux = chain_exp
+                else:
+                    aux = ALL_ONES
+                if bits != 0:
+                    append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), pos, tok, et,
+                               run, aux, uint64(bits))
+                last = stored
+                k = tid + 1
+                while last and k < m:
+                    last = s_slot[k] != slot
+                    k += 1
+                if last:
+                    at = slot * slot_stride_words
+                    canary[at] = tok
+                    canary[at + 1] = pos
+                    canary[at + 2] = run
+                    canary[at + 3] = kvh
+            cuda.syncthreads()  # the next chunk reuses the staging arrays
+            base += WT
+        if processed != U0:
+            cuda.atomic.add(s_processed, 0, processed)
+        cuda.syncthreads()
+        if tid == 0 and s_processed[0] != U0:
+            cuda.atomic.add(slot_run_counter, 0, s_processed[0])
+
+    def canary_verify(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity, ring_write_index,
+                      slot_run_counter, kernel_run_counter, check_flags, tag, kv0, kv1, kv2, kv3, kvp, num_sources,
+                      verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+                      verify_prev_slot_indices, verify_capacity, verify_num_valid, enable):
+        """Any grid: one thread per entry, grid-stride (records.cu's canary_verify)."""
+        s_processed = cuda.shared.array(1, uint64)
+        if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            cuda.atomic.add(kernel_run_counter, 1, U1)
+        if enable[0] == 0:
+            return
+        if cuda.threadIdx.x == 0:
+            s_processed[0] = U0
+        cuda.syncthreads()
+        n = clamp64(int64(verify_num_valid[0]), int64(0), verify_capacity)
+        token_on = (check_flags[0] & CHECK_VERIFY_TOKEN) != 0
+        processed = U0
+        i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+        stride = int64(cuda.gridDim.x) * cuda.blockDim.x
+        while i < n:
+            slot = verify_slot_indices[i]
+            if slot != 0:  # 0: padding
+                processed += U1
+                ep = uint64(verify_expected_positions[i])
+                et = uint64(verify_expected_tokens[i])
+                if slot < 0 or slot >= num_slots:
+                    append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), ep, U0, et,
+                               U0, U0, uint64(FAIL_SLOT_RANGE))
+                else:
+                    prev = verify_prev_slot_indices[i]
+                    at = slot * slot_stride_words
+                    tok = canary[at]
+                    pos = canary[at + 1]
+                    stored_hash = canary[at + 2]
+                    kvh = canary[at + 3]
+                    bits = 0
+                    expected = U0
+                    checked = True
+                    if prev == -1:
+                        expected = ANCHOR_LINK
+                    elif prev > 0 and prev < num_slots:
+                        pat = prev * slot_stride_words
+                        expected = mix3(canary[pat + 2], canary[pat], canary[pat + 1])
+                    else:
+                        checked = False  # 0: the predecessor page was freed (SWA); anything else is out of range
+                        if prev != 0:
+                            bits |= FAIL_SLOT_RANGE
+                    if checked and stored_hash != expected:
+                        bits |= FAIL_CHAIN
+                    if pos != ep:
+                        bits |= FAIL_POSITION
+                    if token_on and et != ALL_ONES and tok != et:
+                        bits |= FAIL_VERIFY_TOKEN
+                    if num_sources > 0 and kvh != fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot):
+                        bits |= FAIL_REAL_KV
+                    if bits != 0:
+                        append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), ep,
+                                   tok, et, stored_hash, expected, uint64(bits))
+            i += stride
+        if processed != U0:
+            cuda.atomic.add(s_processed, 0, processed)
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0 and s_processed[0] != U0:
+            cuda.atomic.add(slot_run_counter, 1, s_processed[0])
+
+    def canary_scatter(pool, pool_rows, pool_cols, pool_row_stride, req_pool_indices, bs, tokens, num_tokens,
+                       token_offsets, column_starts, column_offset):
+        """Grid bs (at least 1): one block per batch row (records.cu's scatter)."""
+        r = int64(cuda.blockIdx.x)
+        if r >= bs:
+            return
+        rp = req_pool_indices[r]
+        if rp <= 0 or rp >= pool_rows:
+            return  # 0: padding row
+        start = clamp64(token_offsets[r], int64(0), num_tokens)
+        end = clamp64(token_offsets[r + 1], int64(0), num_tokens)
+        # Column arithmetic in u64: the reference's int64 wraparound, without signed overflow.
+        col0 = uint64(column_starts[r]) + uint64(column_offset)
+        row = rp * pool_row_stride
+        j = int64(cuda.threadIdx.x)
+        while j < end - start:
+            col = int64(col0 + uint64(j))
+            if col >= 0 and col < pool_cols:
+                pool[row + col] = int32(tokens[start + j])
+            j += cuda.blockDim.x
+
+    return canary_write, canary_verify, canary_scatter
+
+
+@functools.lru_cache(maxsize=None)
+def canary_kernels(write_threads: int = WRITE_THREADS, verify_threads: int = VERIFY_THREADS,
+                   scatter_threads: int = SCATTER_THREADS):
+    """``(canary_write, canary_verify, canary_scatter_i64, canary_scatter_i32)``, compiled eagerly once per
+    process (records.cu's launch bounds)."""
+    write, verify, scatter = kernel_functions(int(write_threads), int(verify_threads), int(scatter_threads))
+    out = [cuda.jit(_signature(WRITE_PARAMS), **_jit_options(write_threads))(write),
+           cuda.jit(_signature(VERIFY_PARAMS), **_jit_options(verify_threads))(verify)]
+    for ty in ("int64[::1]", "int32[::1]"):
+        out.append(cuda.jit(_signature(scatter_params(ty)), **_jit_options(scatter_threads))(scatter))
+    return tuple(out)

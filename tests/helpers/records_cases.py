@@ -1,0 +1,497 @@
+"""Canary write / verify / scatter cases, run on any backend and compared with the reference (docs/canary.md 6).
+
+A :class:`CanaryCase` is an initial state (canary records, padding bytes, ring contents and write index, check
+flags, real-KV sources) and a sequence of launches. :func:`run_case` runs it on one backend with arrays placed
+by a ``place`` function (identity for host NumPy, ``cupy.asarray`` on a GPU, ...) and records, per launch, the
+write index before and after and the ring rows it claimed. :func:`assert_twin` compares a backend's run with
+the reference's under the byte-identity contract: canary buffer, padding bytes, counters and write indices
+byte for byte; each launch's ring rows as a multiset (GPU order is decided by atomics), or, when the launch
+overflowed the ring, a sub-multiset of the rows it would have written (:func:`all_rows`). Every buffer starts
+poisoned (random records, random padding, a sentinel ring) so that a missed or stray store shows.
+
+Random cases avoid the two documented races (docs/canary.md 6.3): within one write launch, different requests
+write disjoint slots, and no request's seed is written by another request of the launch.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from canary import VerifyPlan, WritePlan
+from canary.records.realkv import RealKVMode, real_kv
+from canary.records.ring import RING_ROW_WORDS, CheckFlags
+from canary.records.state import CanaryState
+from canary import CanaryRecords, scatter_expected_tokens
+
+I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
+RING_SENTINEL = 0x5A5A_5A5A_5A5A_5A5A
+ALL_FLAGS = int(CheckFlags.WRITE_POSITION_CHAIN | CheckFlags.VERIFY_TOKEN)
+
+
+@dataclass
+class Launch:
+    kind: str  # "write" or "verify"
+    args: dict  # NumPy arrays (and launch_tag)
+
+
+@dataclass
+class CanaryCase:
+    name: str
+    num_slots: int
+    launches: list[Launch]
+    slot_stride_bytes: int = 32
+    ring_capacity: int = 64
+    ring_row_stride: int = RING_ROW_WORDS
+    check_flags: int = ALL_FLAGS
+    write_index: int = 0  # the int32 word's initial value (negative: a uint32 count near 2**32)
+    records: np.ndarray | None = None  # [num_slots, 4] int64 initial fields; None: random
+    sources: list = field(default_factory=list)  # (array, page_size, num_bytes_per_token, read_bytes)
+    mode: RealKVMode = RealKVMode.ALL
+    seed: int = 0  # of the poison
+
+    def __repr__(self) -> str:
+        return f"CanaryCase({self.name})"
+
+
+def _initial_buffer(case: CanaryCase) -> np.ndarray:
+    rng = np.random.default_rng([case.seed, 7])
+    buf = rng.integers(0, 256, size=(case.num_slots, case.slot_stride_bytes), dtype=np.uint8)
+    if case.records is not None:
+        buf[:, :32] = np.ascontiguousarray(case.records, dtype=np.int64).view(np.uint8).reshape(case.num_slots, 32)
+    return buf
+
+
+def make_state(case: CanaryCase, place: Callable) -> tuple[CanaryState, object]:
+    """The case's state on the device of ``place``; also returns the wide ring array (row stride > 8 views)."""
+    wide = np.full((case.ring_capacity, case.ring_row_stride), RING_SENTINEL, dtype=np.int64)
+    dev_wide = place(wide)
+    state = CanaryState(
+        canary_buffer=place(_initial_buffer(case)),
+        ring=dev_wide[:, :RING_ROW_WORDS],
+        ring_write_index=place(np.array([case.write_index], dtype=np.int32)),
+        slot_run_counter=place(np.array([5, 7], dtype=np.int64)),
+        kernel_run_counter=place(np.array([11, 13], dtype=np.int64)),
+        check_flags=place(np.array([case.check_flags], dtype=np.int32)),
+    )
+    return state, dev_wide
+
+
+@dataclass
+class Run:
+    """What a backend left: per launch (kind, index before, index after, claimed rows); final buffers."""
+
+    launches: list[tuple[str, int, int, np.ndarray]]
+    canary_buffer: np.ndarray
+    ring: np.ndarray  # the wide ring, all columns
+    slot_runs: np.ndarray
+    kernel_runs: np.ndarray
+
+
+def _u32(word) -> int:
+    return int(np.asarray(word).reshape(-1)[0]) % (1 << 32)
+
+
+def run_case(case: CanaryCase, backend: str, place: Callable, to_host: Callable, *, sync: Callable = lambda: None,
+             ring_capacity: int | None = None, write_index: int | None = None, stream=None,
+             launch_config=None) -> Run:
+    """Run every launch of ``case`` through :class:`CanaryRecords` (``backend``), arrays placed with ``place``."""
+    if ring_capacity is not None or write_index is not None:
+        case = replace(case, ring_capacity=case.ring_capacity if ring_capacity is None else ring_capacity,
+                       write_index=case.write_index if write_index is None else write_index)
+    state, wide = make_state(case, place)
+    sources = [(place(a), ps, nb, rb) for a, ps, nb, rb in case.sources]
+    canary = CanaryRecords(state, real_kv(sources, case.mode) if sources else None, backend=backend,
+                           **({} if launch_config is None else {"launch_config": launch_config}))
+    out = []
+    for launch in case.launches:
+        placed = {k: (place(v) if isinstance(v, np.ndarray) else v) for k, v in launch.args.items()}
+        sync()
+        w0 = _u32(to_host(state.ring_write_index))
+        if launch.kind == "write":
+            plan = WritePlan(write_offsets=placed.pop("write_offsets"),
+                             write_seed_slot_indices=placed.pop("write_seed_slot_indices"),
+                             write_num_valid_reqs=placed.pop("write_num_valid_reqs"))
+            canary.write(plan, stream=stream, **placed)
+        else:
+            tag = placed.pop("launch_tag", 0)
+            plan = VerifyPlan(status=place(np.zeros(1, np.int32)), **placed)
+            canary.verify(plan, launch_tag=tag, stream=stream)
+        sync()
+        w1 = _u32(to_host(state.ring_write_index))
+        ring = to_host(wide)
+        cap = case.ring_capacity
+        idx = [k % (1 << 32) for k in range(w0, w0 + ((w1 - w0) % (1 << 32)))]
+        rows = np.array([ring[k, :RING_ROW_WORDS] for k in idx if k < cap], dtype=np.int64).reshape(-1, RING_ROW_WORDS)
+        out.append((launch.kind, w0, w1, rows))
+    return Run(out, to_host(state.canary_buffer), to_host(wide), to_host(state.slot_run_counter),
+               to_host(state.kernel_run_counter))
+
+
+def _sorted_rows(rows: np.ndarray) -> list:
+    return sorted(map(tuple, np.asarray(rows).tolist()))
+
+
+def all_rows(case: CanaryCase) -> list[list]:
+    """Every ring row each launch of ``case`` produces (the reference with a ring that never overflows)."""
+    total = 0
+    for _ in range(3):
+        big = max(64, 4 * total + 64)
+        run = run_case(case, "reference", lambda a: a.copy(), np.asarray, ring_capacity=big, write_index=0)
+        total = run.launches[-1][2] if run.launches else 0
+        if total < big:
+            return [_sorted_rows(r) for _, _, _, r in run.launches]
+    raise AssertionError("all_rows: the ring kept overflowing")
+
+
+def assert_twin(case: CanaryCase, got: Run, want: Run) -> None:
+    """``got`` (a GPU twin) against ``want`` (the reference) under docs/canary.md 6's contract."""
+    assert got.canary_buffer.tobytes() == want.canary_buffer.tobytes(), _first_diff(case, got, want)
+    assert got.slot_runs.tolist() == want.slot_runs.tolist(), (got.slot_runs, want.slot_runs)
+    assert got.kernel_runs.tolist() == want.kernel_runs.tolist(), (got.kernel_runs, want.kernel_runs)
+    full = None
+    cap = case.ring_capacity
+    touched = np.zeros(cap, dtype=bool)
+    for i, ((kind, g0, g1, grows), (_, w0, w1, wrows)) in enumerate(zip(got.launches, want.launches, strict=True)):
+        assert (g0, g1) == (w0, w1), f"launch {i} ({kind}): write index {g0}->{g1}, reference {w0}->{w1}"
+        claimed = (w1 - w0) % (1 << 32)
+        for k in range(claimed):
+            j = (w0 + k) % (1 << 32)
+            if j < cap:
+                touched[j] = True
+        if len(wrows) == claimed:  # every claimed row fitted: the same multiset
+            assert _sorted_rows(grows) == _sorted_rows(wrows), f"launch {i} ({kind}) ring rows differ"
+        else:  # overflow: a sub-multiset, of the right size, of what the launch produces
+            if full is None:
+                full = all_rows(case)
+            pool = list(full[i])
+            assert len(grows) == len(wrows)
+            for row in _sorted_rows(grows):
+                assert row in pool, f"launch {i} ({kind}): row {row} is not one the launch produces"
+                pool.remove(row)
+    # Rows no launch claimed keep the sentinel; columns past the row's 8 words too.
+    assert (got.ring[~touched] == RING_SENTINEL).all()
+    assert (got.ring[:, RING_ROW_WORDS:] == RING_SENTINEL).all()
+
+
+def _first_diff(case: CanaryCase, got: Run, want: Run) -> str:
+    a, b = got.canary_buffer, want.canary_buffer
+    slot, byte = (int(x[0]) for x in np.nonzero(a != b))
+    return (f"{case.name}: canary buffer differs first at slot {slot} byte {byte}: "
+            f"got {a[slot, :32].view(np.int64).tolist()}, reference {b[slot, :32].view(np.int64).tolist()}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Builders
+
+
+def _a(*v) -> np.ndarray:
+    return np.array(v, dtype=np.int64)
+
+
+def write_launch(offsets, seeds, loc, ids, pos, *, nreq=None, exp_ids=None, exp_pos=None, tag=0) -> Launch:
+    seeds = np.asarray(seeds, dtype=np.int64)
+    args = {
+        "write_offsets": np.asarray(offsets, dtype=np.int64), "write_seed_slot_indices": seeds,
+        "write_num_valid_reqs": np.array([len(seeds) if nreq is None else nreq], dtype=np.int32),
+        "out_cache_loc": np.asarray(loc, dtype=np.int64), "input_ids": np.asarray(ids, dtype=np.int64),
+        "positions": np.asarray(pos, dtype=np.int64), "launch_tag": tag,
+    }
+    if exp_ids is not None:
+        args["expected_input_ids"] = np.asarray(exp_ids, dtype=np.int64)
+    if exp_pos is not None:
+        args["expected_positions"] = np.asarray(exp_pos, dtype=np.int64)
+    return Launch("write", args)
+
+
+def verify_launch(slots, tokens, positions, prev, *, num_valid=None, enable=1, capacity=None, tag=0) -> Launch:
+    n = len(slots)
+    cap = n if capacity is None else capacity
+
+    def col(v, fill):
+        out = np.full(cap, fill, dtype=np.int64)
+        out[:n] = v
+        return out
+
+    return Launch("verify", {
+        "verify_slot_indices": col(slots, 0), "verify_expected_tokens": col(tokens, -1),
+        "verify_expected_positions": col(positions, 0), "verify_prev_slot_indices": col(prev, 0),
+        "verify_num_valid": np.array([n if num_valid is None else num_valid], dtype=np.int32),
+        "enable": np.array([enable], dtype=np.int32), "launch_tag": tag,
+    })
+
+
+def chain_then_verify(slots, *, tokens=None, start=0, seed=-1, tag=0) -> list[Launch]:
+    """One request writing ``slots`` at positions start.., then a verify of the same chain (clean)."""
+    n = len(slots)
+    tokens = np.arange(100, 100 + n) if tokens is None else np.asarray(tokens)
+    pos = np.arange(start, start + n)
+    prev = np.concatenate([[seed], slots[:-1]]) if n else np.zeros(0, np.int64)
+    return [write_launch([0, n], [seed], slots, tokens, pos, tag=tag),
+            verify_launch(slots, tokens, pos, prev, tag=tag + 1)]
+
+
+def _sources(rng, num_slots: int, kinds: str) -> list:
+    """Real-KV sources covering ``num_slots``: 'p' paged uint8 (page 4, 32 B/token), 't' token-major float16
+    (64 B/token, reads 48), 'w' wide rows with a row stride > row bytes (page 2, 16 B/token)."""
+    out = []
+    for k in kinds:
+        if k == "p":
+            pages = -(-num_slots // 4)
+            out.append((rng.integers(0, 256, size=(pages, 4, 32), dtype=np.uint8), 4, 32, 32))
+        elif k == "t":
+            out.append((rng.standard_normal((num_slots, 32)).astype(np.float16), 1, 64, 48))
+        elif k == "w":
+            rows = -(-num_slots // 2)
+            wide = rng.integers(0, 256, size=(rows, 48), dtype=np.uint8)
+            out.append((wide[:, :32], 2, 16, 16))
+    return out
+
+
+def hand_cases() -> list[CanaryCase]:
+    """Boundaries, padding rows, clamps, asserts, ring overflow and wrap, real-KV modes (named)."""
+    rng = np.random.default_rng(1234)
+    cases: list[CanaryCase] = []
+    S = 16
+
+    def add(name, launches, **kw):
+        kw.setdefault("num_slots", S)
+        cases.append(CanaryCase(name=name, launches=launches, seed=len(cases), **kw))
+
+    add("chain_clean", chain_then_verify(_a(3, 4, 9, 15, 1)))
+    add("chain_from_seed", [write_launch([0, 2], [5], _a(6, 7), _a(1, 2), _a(8, 9)),
+                            verify_launch(_a(6, 7), _a(1, 2), _a(8, 9), _a(5, 6))],
+        records=np.tile(_a(40, 7, 123, 0), (S, 1)))
+    add("seeds_padding_and_out_of_range", [write_launch([0, 1, 2, 3, 4], [0, S, -2, S - 1], _a(1, 2, 3, 4),
+                                                        _a(9, 9, 9, 9), _a(0, 0, 0, 5))])
+    add("skip_negative_and_out_of_range_slots", [
+        write_launch([0, 6], [-1], _a(2, -1, S, 3, -7, S + 4), _a(1, 2, 3, 4, 5, 6), _a(0, 1, 1, 1, 2, 2)),
+        verify_launch(_a(2, 3), _a(1, 4), _a(0, 1), _a(-1, 2))])
+    add("slot_written_twice_in_one_request", [write_launch([0, 4], [-1], _a(5, 6, 5, 7), _a(1, 2, 3, 4), _a(0, 1, 2, 3)),
+                                               verify_launch(_a(5, 6, 7), _a(3, 2, 4), _a(2, 1, 3), _a(6, -1, 5))])
+    add("own_seed_rewritten", [write_launch([0, 2], [4], _a(4, 5), _a(1, 2), _a(3, 4))],
+        records=np.tile(_a(1, 2, 3, 4), (S, 1)))
+    add("write_asserts", [write_launch([0, 6], [-1], _a(1, 2, 3, 4, 5, 6), _a(10, 11, 12, 13, 14, 15),
+                                       _a(0, 1, 5, 6, 6, 7), exp_ids=_a(10, -1, 99, 13, -1, 0),
+                                       exp_pos=_a(0, -1, 2, -1, 9, 7), tag=77)])
+    add("write_asserts_chain_off", [write_launch([0, 4], [-1], _a(1, 2, 3, 4), _a(1, 2, 3, 4), _a(0, 3, 5, 5),
+                                                 exp_pos=_a(-1, 3, -1, 6))],
+        check_flags=int(CheckFlags.VERIFY_TOKEN))
+    add("write_position_wraps_int64", [write_launch([0, 2], [3], _a(4, 5), _a(1, 1), _a(I64_MIN, I64_MIN + 1))],
+        records=np.tile(_a(0, I64_MAX, 0, 0), (S, 1)))
+    add("write_tokens_extreme", [write_launch([0, 3], [-1], _a(1, 2, 3), _a(I64_MIN, I64_MAX, -1), _a(0, 1, 2),
+                                              exp_ids=_a(I64_MAX, I64_MAX, -1))])
+    add("write_nreq_clamped_low", [write_launch([0, 2, 4], [-1, -1], _a(1, 2, 3, 4), _a(1, 2, 3, 4), _a(0, 1, 0, 1),
+                                                nreq=-1)])
+    add("write_nreq_clamped_high", [write_launch([0, 2, 4], [-1, -1], _a(1, 2, 3, 4), _a(1, 2, 3, 4), _a(0, 1, 0, 1),
+                                                 nreq=3)])
+    add("write_nreq_partial", [write_launch([0, 2, 4], [-1, -1], _a(1, 2, 3, 4), _a(1, 2, 3, 4), _a(0, 1, 0, 1),
+                                            nreq=1)])
+    add("write_offsets_garbage", [write_launch([3, 1, -5, 9, 2], [-1, -1, -1, -1], _a(1, 2, 3, 4, 5, 6),
+                                               _a(1, 2, 3, 4, 5, 6), _a(0, 1, 2, 3, 4, 5))])
+    add("write_empty", [write_launch(np.zeros(1), [], [], [], []), write_launch([0, 0], [-1], [], [], [])])
+    add("write_request_without_entries", [write_launch([0, 0, 2, 2], [-1, -1, -1], _a(1, 2), _a(1, 2), _a(0, 1))])
+    long_slots = rng.permutation(np.arange(1, 600))[:300]
+    add("long_request_many_chunks", chain_then_verify(long_slots, start=7), num_slots=600, ring_capacity=8)
+    add("verify_by_hand", [
+        write_launch([0, 3], [-1], _a(1, 2, 3), _a(10, 11, 12), _a(0, 1, 2)),
+        verify_launch(_a(1, 2, 3, 0, 2, 3, 3, 1, 2), _a(10, 11, -1, 5, 99, 12, 12, 10, 11),
+                      _a(0, 1, 2, 9, 1, 2, 7, 0, 1), _a(-1, 1, 2, 4, 1, 0, 2, 5, S), tag=5)])
+    add("verify_token_check_off", [write_launch([0, 2], [-1], _a(1, 2), _a(10, 11), _a(0, 1)),
+                                   verify_launch(_a(1, 2), _a(99, 98), _a(0, 1), _a(-1, 1))],
+        check_flags=int(CheckFlags.WRITE_POSITION_CHAIN))
+    add("verify_slots_out_of_range", [verify_launch(_a(-1, S, S + 3, -9, 0, S - 1), _a(1, -1, 3, 4, 5, 6),
+                                                    _a(0, 1, 2, 3, 4, 5), _a(-1, -1, -1, -1, -1, -2))])
+    add("verify_prev_out_of_range", [verify_launch(_a(1, 2, 3), _a(-1, -1, -1), _a(0, 0, 0), _a(S, -2, I64_MIN))])
+    add("verify_num_valid_clamps", [verify_launch(_a(1, 2, 3), _a(-1, -1, -1), _a(5, 5, 5), _a(0, 0, 0), num_valid=-3),
+                                    verify_launch(_a(1, 2, 3), _a(-1, -1, -1), _a(5, 5, 5), _a(0, 0, 0), num_valid=9),
+                                    verify_launch(_a(1, 2, 3), _a(-1, -1, -1), _a(5, 5, 5), _a(0, 0, 0), num_valid=2,
+                                                  capacity=8)])
+    add("verify_disabled_still_counts", [verify_launch(_a(1, 2, 3), _a(-1, -1, -1), _a(5, 5, 5), _a(0, 0, 0),
+                                                       enable=0)])
+    add("verify_capacity_zero", [verify_launch([], [], [], [], num_valid=4)])
+    add("verify_all_padding", [verify_launch(np.zeros(40, np.int64), np.zeros(40), np.zeros(40), np.zeros(40))])
+    bad = verify_launch(np.arange(1, 9), np.full(8, -1), np.full(8, 99), np.full(8, -1))  # 8 violations
+    add("ring_exactly_full", [bad], ring_capacity=8)
+    add("ring_overflow_by_one", [bad], ring_capacity=7)
+    add("ring_capacity_zero", [bad], ring_capacity=0)
+    add("ring_overflow_across_launches", [bad, bad], ring_capacity=12)
+    add("ring_index_wraps", [bad, bad], ring_capacity=6, write_index=-3)
+    add("ring_row_stride_wider", [bad], ring_row_stride=11, ring_capacity=9)
+    add("slot_stride_padding_untouched", chain_then_verify(_a(3, 4, 9, 15, 1)), slot_stride_bytes=56)
+    add("one_slot_canary", [write_launch([0, 2], [-1], _a(0, 1), _a(1, 2), _a(0, 1)),
+                            verify_launch(_a(0, 1), _a(1, 2), _a(0, 1), _a(-1, 0))], num_slots=1)
+    for kinds, mode in (("p", RealKVMode.ALL), ("pt", RealKVMode.ALL), ("ptw", RealKVMode.PARTIAL),
+                        ("tw", RealKVMode.NONE), ("ptwp", RealKVMode.ALL)):
+        launches = chain_then_verify(_a(3, 4, 9, 15, 1, 2))
+        launches.append(verify_launch(_a(3, 4, 9), _a(-1, -1, -1), _a(0, 1, 2), _a(-1, 3, 4)))
+        add(f"real_kv_{kinds}_{mode.name.lower()}", launches, sources=_sources(rng, S, kinds), mode=mode)
+    # A source changed after the write: verify reports REAL_KV for the changed slots only.
+    srcs = _sources(rng, S, "pt")
+    changed = [(a.copy(), ps, nb, rb) for a, ps, nb, rb in srcs]
+    changed[0][0][1, 0, 5] ^= 1  # slot 4's first K byte... page 1, token 0
+    changed[1][0][9, 3] += 1  # slot 9's V
+    case = CanaryCase(name="real_kv_flip_detected", num_slots=S, sources=changed, mode=RealKVMode.ALL,
+                      launches=[Launch("verify", {})], seed=99)
+    cases.append(_real_kv_flip(case, srcs))
+    return cases
+
+
+def _real_kv_flip(case: CanaryCase, written_sources: list) -> CanaryCase:
+    """Records as a write over ``written_sources`` would leave them, then a verify over changed sources."""
+    from canary.records.realkv import fold
+
+    kv = real_kv(written_sources, case.mode)
+    slots = np.arange(1, case.num_slots, dtype=np.int64)
+    records = np.zeros((case.num_slots, 4), dtype=np.int64)
+    records[:, 1] = np.arange(case.num_slots)
+    records[1:, 3] = fold(kv, slots)
+    case.records = records
+    case.launches = [verify_launch(slots, np.full(slots.size, -1), slots, np.zeros(slots.size))]
+    return case
+
+
+def random_case(seed: int, *, max_slots: int = 40, max_entries: int = 80) -> CanaryCase:
+    """A random sequence of write and verify launches, garbage included, free of the documented races."""
+    rng = np.random.default_rng(seed)
+    num_slots = int(rng.integers(1, max_slots))
+    kinds = "".join(rng.choice(list("ptw"), size=int(rng.integers(0, 5))))
+    case = CanaryCase(
+        name=f"random_{seed}", num_slots=num_slots, launches=[], seed=seed,
+        slot_stride_bytes=int(rng.choice([32, 40, 64])), ring_capacity=int(rng.choice([0, 3, 16, 256])),
+        ring_row_stride=int(rng.choice([8, 8, 9])), check_flags=int(rng.integers(0, 4)),
+        write_index=int(rng.choice([0, 0, 0, 5, -2])), sources=_sources(rng, num_slots, kinds),
+        mode=RealKVMode(int(rng.integers(0, 3))),
+    )
+    if rng.random() < 0.3:
+        case.records = rng.integers(-2, 6, size=(num_slots, 4))
+    written: list[int] = []
+    for _ in range(int(rng.integers(1, 5))):
+        if rng.random() < 0.55:
+            case.launches.append(_random_write(rng, num_slots, max_entries))
+            written += case.launches[-1].args["out_cache_loc"].tolist()
+        else:
+            case.launches.append(_random_verify(rng, num_slots, written, max_entries))
+    return case
+
+
+def _random_write(rng, num_slots: int, max_entries: int) -> Launch:
+    r_cap = int(rng.integers(0, 6))
+    owners = rng.integers(0, max(r_cap, 1), size=num_slots)  # disjoint slot sets per request
+    unowned = rng.random(num_slots) < 0.2  # slots nobody writes: safe seeds for anyone
+    counts = rng.integers(0, max_entries // max(r_cap, 1) + 1, size=r_cap)
+    loc, ids, pos, seeds = [], [], [], []
+    for r in range(r_cap):
+        mine = np.flatnonzero((owners == r) & ~unowned)
+        n = int(counts[r])
+        if mine.size:
+            s = rng.choice(mine, size=n)
+        else:
+            s = np.full(n, -1)
+        s = np.where(rng.random(n) < 0.1, rng.choice([-1, -3, num_slots, num_slots + 5], size=n), s)
+        p0 = int(rng.integers(-1, 4))
+        p = np.arange(p0, p0 + n)
+        p = np.where(rng.random(n) < 0.1, rng.integers(-2, 9, size=n), p)
+        loc.append(s)
+        ids.append(rng.integers(-2, 50, size=n))
+        pos.append(p)
+        seed_pool = np.concatenate([mine, np.flatnonzero(unowned), [-1, -1, -2, num_slots]])
+        seeds.append(int(rng.choice(seed_pool)))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    loc_a = np.concatenate(loc) if loc else np.zeros(0, np.int64)
+    n_all = loc_a.size
+    if rng.random() < 0.3 and r_cap:
+        # Garbage offsets that keep request ranges disjoint (overlapping ranges would race): a first start below
+        # 0 and a last end past N (both clamped), or a reversed (empty) first or last request.
+        offsets[0] -= int(rng.integers(0, 3))
+        offsets[-1] += int(rng.integers(0, 3))
+        if rng.random() < 0.3:
+            offsets[0] = offsets[1] + 1
+        elif rng.random() < 0.3:
+            offsets[-1] = offsets[-2] - 1
+    ids_a = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    pos_a = np.concatenate(pos) if pos else np.zeros(0, np.int64)
+    nreq = int(rng.choice([r_cap, r_cap, r_cap, -1, r_cap + 1, max(r_cap - 1, 0)]))
+    exp_ids = exp_pos = None
+    if rng.random() < 0.6:
+        exp_ids = np.where(rng.random(n_all) < 0.3, -1, np.where(rng.random(n_all) < 0.15, ids_a + 1, ids_a))
+    if rng.random() < 0.6:
+        exp_pos = np.where(rng.random(n_all) < 0.3, -1, np.where(rng.random(n_all) < 0.15, pos_a + 1, pos_a))
+    return write_launch(offsets, seeds, loc_a, ids_a, pos_a, nreq=nreq, exp_ids=exp_ids, exp_pos=exp_pos,
+                        tag=int(rng.integers(0, 1000)))
+
+
+def _random_verify(rng, num_slots: int, written: list[int], max_entries: int) -> Launch:
+    cap = int(rng.integers(0, max_entries))
+    pool = np.array(written + [0, 1, num_slots - 1], dtype=np.int64)
+    slots = np.where(rng.random(cap) < 0.8, rng.choice(pool, size=cap), rng.integers(-2, num_slots + 2, size=cap))
+    prev = np.where(rng.random(cap) < 0.6, np.roll(slots, 1), rng.choice([-1, 0, -2, num_slots, 1], size=cap))
+    toks = np.where(rng.random(cap) < 0.3, -1, rng.integers(-2, 50, size=cap))
+    pos = rng.integers(-1, 9, size=cap)
+    return verify_launch(slots, toks, pos, prev, num_valid=int(rng.choice([cap, cap, -1, cap + 3, cap // 2])),
+                         enable=int(rng.choice([1, 1, 1, 0])), tag=int(rng.integers(0, 1000)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scatter
+
+
+@dataclass
+class ScatterCase:
+    name: str
+    pool_shape: tuple[int, int]
+    pool_row_stride: int
+    req_pool_indices: np.ndarray
+    tokens: np.ndarray
+    token_offsets: np.ndarray
+    column_starts: np.ndarray
+    column_offset: int = 0
+
+    def __repr__(self) -> str:
+        return f"ScatterCase({self.name})"
+
+
+def scatter_cases() -> list[ScatterCase]:
+    out = [
+        ScatterCase("basic", (6, 10), 10, _a(1, 3, 0, 5), _a(1, 2, 3, 4, 5, 6, 7), _a(0, 2, 5, 6, 7), _a(0, 4, 0, 8)),
+        ScatterCase("padded_stride_and_offset", (5, 7), 9, _a(2, 4), _a(9, 8, 7, 6), _a(0, 3, 4), _a(1, -1), 2),
+        ScatterCase("columns_clipped", (4, 5), 5, _a(1, 2, 3), _a(1, 2, 3, 4, 5, 6, 7, 8, 9), _a(0, 3, 6, 9),
+                    _a(-2, 3, I64_MAX - 1), 1),
+        ScatterCase("bad_rows_and_offsets", (4, 8), 8, _a(-1, 4, 9, 2, 1), _a(5, 6, 7), _a(-3, 1, 2, 9, 1, 2),
+                    _a(0, 0, 0, 0, 2)),
+        ScatterCase("tokens_int32_and_wide_values", (3, 4), 4, _a(1, 2), np.array([7, -8, 2**31 - 1, 3], np.int32),
+                    _a(0, 2, 4), _a(0, 1)),
+        ScatterCase("tokens_low_32_bits", (3, 4), 4, _a(1,), _a(2**40 + 5, -(2**33) - 1), _a(0, 2), _a(1,)),
+        ScatterCase("empty_batch", (3, 4), 4, np.zeros(0, np.int64), np.zeros(0, np.int64), _a(0), np.zeros(0, np.int64)),
+        ScatterCase("long_row", (3, 700), 700, _a(2,), np.arange(650, dtype=np.int64), _a(0, 650), _a(20,), 3),
+    ]
+    return out
+
+
+def random_scatter_case(seed: int) -> ScatterCase:
+    """Random rows with distinct pool rows (two batch rows on one cell race on a GPU: docs/canary.md 6.4)."""
+    rng = np.random.default_rng(seed)
+    rows, cols = int(rng.integers(1, 9)), int(rng.integers(1, 40))
+    bs = int(rng.integers(0, rows + 2))
+    rpi = np.where(rng.random(bs) < 0.8, rng.permutation(np.arange(bs)) + 1, rng.choice([0, -1, rows], size=bs))
+    lens = rng.integers(0, cols + 3, size=bs)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    tokens = rng.integers(-(2**40), 2**40, size=int(offsets[-1])).astype(rng.choice([np.int64, np.int32]))
+    if rng.random() < 0.2 and bs:
+        offsets = offsets + rng.integers(-2, 3, size=offsets.size)
+    starts = rng.integers(-3, cols, size=bs)
+    return ScatterCase(f"random_scatter_{seed}", (rows, cols), cols + int(rng.integers(0, 3)), rpi.astype(np.int64),
+                       tokens, offsets, starts.astype(np.int64), int(rng.integers(-2, 3)))
+
+
+def run_scatter(case: ScatterCase, backend: str, place: Callable, to_host: Callable, stream=None) -> np.ndarray:
+    """The whole pool storage (row padding included: it must stay poisoned) after one scatter."""
+    rows, cols = case.pool_shape
+    storage = np.full((rows, case.pool_row_stride), -777, dtype=np.int32)
+    dev = place(storage)
+    scatter_expected_tokens(req_to_verify_expected_tokens=dev[:, :cols], req_pool_indices=place(case.req_pool_indices),
+                            tokens=place(case.tokens), token_offsets=place(case.token_offsets),
+                            column_starts=place(case.column_starts), column_offset=case.column_offset,
+                            backend=backend, stream=stream)
+    return to_host(dev)

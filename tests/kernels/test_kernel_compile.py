@@ -1,0 +1,112 @@
+"""CI has no GPU: NVRTC (through cuda.core) still compiles the CUDA C sources, so a broken kernel fails CI."""
+import re
+
+import pytest
+
+from canary.backends.sources import cuda_source
+
+cuda_core = pytest.importorskip("cuda.core", reason="cuda-core is part of the [test] extra")
+
+SPECIALIZATIONS = [(lut, pool) for lut in (False, True) for pool in (False, True)]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_plan_cu_compiles_every_specialization(arch):
+    from cuda.core import Program, ProgramOptions
+
+    # cubin, not PTX: cuda.core asks the (absent) driver whether it could load generated PTX.
+    cubin = Program(cuda_source("plan"), "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin").code
+    symbols = set(re.findall(rb"canary_plan_\w+", cubin))
+    for lut, pool in SPECIALIZATIONS:
+        sfx = f"lut{int(lut)}_pool{int(pool)}".encode()
+        for kernel in (b"fused", b"rows", b"entries"):
+            assert b"canary_plan_" + kernel + b"_" + sfx in symbols
+
+
+def test_plan_params_layout_matches_the_cuda_struct():
+    """The CuPy backend packs PlanParams word by word: its field list must be the struct's, in order."""
+    from canary.backends.plan_layout import CONSTANTS, PARAM_FIELDS
+
+    src = cuda_source("plan")
+    body = src[src.index("struct PlanParams {"):]
+    body = body[: body.index("};")]
+    fields = re.findall(r"\b(\w+);", body)
+    assert tuple(fields) == PARAM_FIELDS
+    for name, value in CONSTANTS.items():
+        assert re.search(rf"#define {name} {value}\b", src), name
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_canary_cu_compiles(arch):
+    from cuda.core import Program, ProgramOptions
+
+    cubin = Program(cuda_source("records"), "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin").code
+    for kernel in (b"canary_write", b"canary_verify", b"canary_scatter_i64", b"canary_scatter_i32"):
+        assert kernel in cubin
+
+
+def _struct_body(src: str, name: str) -> list[str]:
+    body = src[src.index(f"struct {name} {{") :]
+    body = body[body.index("{") + 1 : body.index("};")]
+    return [line.split("//")[0].strip() for line in body.splitlines() if line.split("//")[0].strip()]
+
+
+def _struct_fields(src: str, name: str, nested: dict) -> tuple:
+    """Field names in order (``x[MAX_SOURCES]`` expands to x0..x3; nested structs expand to their fields)."""
+    out: list = []
+    for decl in _struct_body(src, name):
+        m = re.fullmatch(r"(.*?)(\w+)(\[\w+\])?;", decl)
+        ty, field, array = m.group(1).strip(), m.group(2), m.group(3)
+        if ty in nested:
+            out += nested[ty]
+        elif array:
+            out += [f"{field}{k}" for k in range(4)]
+        else:
+            out.append(field)
+    return tuple(out)
+
+
+def test_canary_params_layout_matches_the_cuda_structs():
+    """The CuPy backend packs records.cu's structs word by word: the field lists must be the structs', in order,
+    and every field 8 bytes (a pointer, i64 or u64; nested structs of those)."""
+    from canary.backends import records_layout as L
+    from canary.records.hashes import ANCHOR_LINK
+    from canary.records.ring import CheckFlags, FailReason
+
+    src = cuda_source("records")
+    state = _struct_fields(src, "StateParams", {})
+    kv = _struct_fields(src, "RealKVParams", {})
+    assert state == L.STATE_FIELDS and kv == L.REAL_KV_FIELDS
+    nested = {"StateParams": state, "RealKVParams": kv}
+    assert _struct_fields(src, "WriteParams", nested) == L.WRITE_FIELDS
+    assert _struct_fields(src, "VerifyParams", nested) == L.VERIFY_FIELDS
+    assert _struct_fields(src, "ScatterParams", {}) == L.SCATTER_FIELDS
+    for name in ("StateParams", "RealKVParams", "WriteParams", "VerifyParams", "ScatterParams"):
+        for decl in _struct_body(src, name):
+            ty = re.fullmatch(r"(.*?)\w+(\[\w+\])?;", decl).group(1).strip()
+            assert "*" in ty or ty in ("i64", "u64", "StateParams", "RealKVParams"), f"{name}: {decl}"
+    for name, value in L.CONSTANTS.items():
+        assert re.search(rf"#define {name} {value}\b", src), name
+    for bit in FailReason:
+        if bit:
+            assert re.search(rf"#define FAIL_{bit.name} {int(bit)}\b", src), bit
+    for flag in CheckFlags:
+        if flag:
+            assert re.search(rf"#define CHECK_{flag.name} {int(flag)}\b", src), flag
+    assert f"#define ANCHOR_LINK 0x{ANCHOR_LINK & 0xFFFFFFFFFFFFFFFF:016X}ULL" in src
+
+
+def test_canary_numba_constants_match_canary_cu():
+    """The Numba twin's constants are records.cu's (read as text: no numba import needed)."""
+    import ast
+
+    from canary.backends.sources import kernels_dir
+
+    src = cuda_source("records")
+    tree = ast.parse(kernels_dir().joinpath("records_numba.py").read_text())
+    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
+    for name in ("MAX_SOURCES", "WRITE_THREADS", "VERIFY_THREADS", "SCATTER_THREADS", "FAIL_CHAIN", "FAIL_POSITION",
+                 "FAIL_REAL_KV", "FAIL_WRITE_TOKEN", "FAIL_WRITE_POSITION", "FAIL_VERIFY_TOKEN", "FAIL_SLOT_RANGE",
+                 "CHECK_WRITE_POSITION_CHAIN", "CHECK_VERIFY_TOKEN"):
+        assert re.search(rf"#define {name} {consts[name]}\b", src), name

@@ -1,0 +1,200 @@
+"""The Numba backend in CI, where there is no GPU.
+
+How the simulator suite runs (``tests/numba_sim_suite.py``): numba reads ``NUMBA_ENABLE_CUDASIM`` once, when
+``numba.cuda`` is first imported, and a plain ``pytest`` from the repository root (the README's command) may
+import numba earlier without it (this file's PTX check does, and so may any other test). So
+``test_simulator_suite`` starts a child ``python -m pytest tests/numba_sim_suite.py`` with
+``NUMBA_ENABLE_CUDASIM=1`` and fails with the child's report if any simulator test fails. The suite file is
+not collected by the parent (its name does not match ``test_*.py``). Both carry the ``sim`` marker:
+``pytest -m "not sim"`` skips the simulator (about a minute and a half on 2 cores).
+
+The other tests run in this process: the backend's install guards (numpy >= 2.5, numba-cuda missing), that
+``import canary`` stays free of numba, and an NVVM compile of every kernel for sm_90 (the simulator runs the
+kernels as Python; this catches Numba typing errors, which it cannot).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from canary import BackendUnavailableError
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE = Path(__file__).resolve().parent / "numba_sim_suite.py"
+IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None  # does not import numba
+INSTALL_HINT = "pip install 'kv-canary[numba]'"
+
+
+def _numpy_too_new() -> bool:
+    major, minor = (int(re.match(r"\d+", p).group()) for p in np.__version__.split(".")[:2])
+    return (major, minor) >= (2, 5)
+
+
+@pytest.mark.sim
+@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed (pip install 'kv-canary[numba]')")
+@pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
+def test_simulator_suite():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(SUITE)]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    elapsed = time.perf_counter() - start
+    report = (proc.stdout + proc.stderr)[-20000:]
+    assert proc.returncode == 0, f"simulator suite failed (rc {proc.returncode}, {elapsed:.0f} s):\n{report}"
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    passed = re.search(r"(\d+) passed", summary)
+    # A suite that skipped itself wholesale (e.g. the env var did not reach it) must not pass silently.
+    assert passed and int(passed.group(1)) >= 100, f"simulator suite ran too few tests: {summary!r}\n{report}"
+    print(f"numba simulator suite: {summary} ({elapsed:.0f} s)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Install guards (SPEC 3.3: a backend whose library is missing -> BackendUnavailableError with the install command)
+
+
+def _forget_numba_backend(monkeypatch):
+    """Make the next import of ``canary.backends.numba`` (and its ``plan``) run its guards anew."""
+    for name in ("canary.backends.numba", "canary.backends.numba.plan", "canary.backends.numba.records"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import canary.backends as pkg
+
+    monkeypatch.delattr(pkg, "numba", raising=False)
+
+
+def _fresh_import_backend(monkeypatch):
+    """Import the Numba planner backend anew through the backend loader (as the planner does)."""
+    from canary.backends import load
+
+    _forget_numba_backend(monkeypatch)
+    return load("numba")
+
+
+def _check_message(exc: BackendUnavailableError) -> None:
+    msg = str(exc)
+    assert msg.startswith("kv-canary:"), msg
+    assert INSTALL_HINT in msg, msg
+    assert "numba" in msg
+
+
+def test_numpy_25_is_refused_before_numba_is_imported(monkeypatch):
+    monkeypatch.setattr(np, "__version__", "2.5.2")
+    # With numba made unimportable too, only a check that runs before the numba import can name numpy.
+    monkeypatch.setitem(sys.modules, "numba", None)
+    monkeypatch.setitem(sys.modules, "numba.cuda", None)
+    with pytest.raises(BackendUnavailableError) as info:
+        _fresh_import_backend(monkeypatch)
+    _check_message(info.value)
+    assert "numpy 2.5.2" in str(info.value) and "row_stack" in str(info.value)
+
+
+@pytest.mark.parametrize("version", ["2.5.0", "2.5.0rc1", "3.0.0", "2.10.1"])
+def test_numpy_versions_refused(monkeypatch, version):
+    monkeypatch.setattr(np, "__version__", version)
+    monkeypatch.setitem(sys.modules, "numba", None)
+    with pytest.raises(BackendUnavailableError, match="cannot run with numpy"):
+        _fresh_import_backend(monkeypatch)
+
+
+def test_missing_numba_is_refused(monkeypatch):
+    monkeypatch.setattr(np, "__version__", "2.4.4")
+    monkeypatch.setitem(sys.modules, "numba", None)  # `from numba import cuda` now raises ImportError
+    monkeypatch.setitem(sys.modules, "numba.cuda", None)
+    with pytest.raises(BackendUnavailableError) as info:
+        _fresh_import_backend(monkeypatch)
+    _check_message(info.value)
+    assert "needs numba-cuda" in str(info.value)
+
+
+def test_missing_numba_through_resolve(monkeypatch):
+    from canary.backends import resolve
+
+    monkeypatch.setattr(np, "__version__", "2.4.4")
+    monkeypatch.setitem(sys.modules, "numba", None)
+    _forget_numba_backend(monkeypatch)
+    with pytest.raises(BackendUnavailableError) as info:
+        resolve("numba", 0)  # CUDA arrays on device 0: the backend module is imported, and refuses
+    _check_message(info.value)
+
+
+def test_import_canary_does_not_import_numba():
+    code = (
+        "import sys, canary, canary.backends, canary.plan.planner, canary.backends.reference.plan, canary.records.api\n"
+        "bad = sorted(m for m in sys.modules if m == 'numba' or m.startswith(('numba.', 'numba_cuda')))\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NVVM compile of every kernel (no GPU needed)
+
+
+@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+@pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
+@pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
+@pytest.mark.parametrize("has_lut,has_pool", [(False, False), (True, False), (False, True), (True, True)])
+def test_kernels_compile_for_sm90(monkeypatch, has_lut, has_pool):
+    from types import SimpleNamespace
+
+    from numba import cuda
+
+    import numba.cuda.dispatcher as dispatcher
+    from canary.backends.sources import numba_kernels
+
+    plan_numba = numba_kernels("plan_numba")
+
+    # Device functions compile for "the current device"; there is none here. Say it is an sm_90 (H200).
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: SimpleNamespace(compute_capability=(9, 0)))
+    sfx = plan_numba.suffix(has_lut, has_pool)
+    try:
+        for kernel in plan_numba.kernel_functions(has_lut, has_pool):
+            ptx, _ = cuda.compile_ptx(kernel, plan_numba.SIGNATURE, cc=(9, 0),
+                                      launch_bounds=plan_numba.launch_bounds(kernel.__name__))
+            assert ".maxntid" in ptx  # plan.cu's __launch_bounds__
+            assert kernel.__name__.endswith(sfx) and kernel.__name__ in ptx  # plan.cu's kernel name, mangled
+            assert ".local" not in ptx, f"{kernel.__name__}: local memory (spills or local arrays)"
+    except Exception as exc:  # NVVM (libnvvm) missing: an environment problem, not a kernel one
+        if "Nvvm" in type(exc).__name__:
+            pytest.skip(f"NVVM unavailable: {exc}")
+        raise
+
+
+@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+@pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
+@pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
+def test_canary_kernels_compile_for_sm90(monkeypatch):
+    """The canary twin (kernels/records_numba.py): every kernel types and compiles, in u64 arithmetic only."""
+    from types import SimpleNamespace
+
+    from numba import cuda
+
+    import numba.cuda.dispatcher as dispatcher
+    from canary.backends.sources import numba_kernels
+
+    cn = numba_kernels("records_numba")
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: SimpleNamespace(compute_capability=(9, 0)))
+    write, verify, scatter = cn.kernel_functions()
+    sigs = [(write, cn.WRITE_PARAMS), (verify, cn.VERIFY_PARAMS), (scatter, cn.scatter_params("int64[::1]")),
+            (scatter, cn.scatter_params("int32[::1]"))]
+    try:
+        for kernel, params in sigs:
+            ptx, _ = cuda.compile_ptx(kernel, cn._signature(params), cc=(9, 0))
+            assert kernel.__name__ in ptx  # records.cu's kernel name, mangled
+            # A float anywhere means Numba promoted a u64 / i64 mix to float64: wrong bits, silently.
+            assert not re.search(r"\bcvt\.rn\.f64|\.f64\b", ptx), f"{kernel.__name__}: float64 arithmetic in the PTX"
+            assert ".local" not in ptx, f"{kernel.__name__}: local memory (spills or local arrays)"
+    except Exception as exc:  # NVVM (libnvvm) missing: an environment problem, not a kernel one
+        if "Nvvm" in type(exc).__name__:
+            pytest.skip(f"NVVM unavailable: {exc}")
+        raise

@@ -1,0 +1,490 @@
+"""The reference write / verify / scatter (docs/canary.md): against a naive oracle, by hand, and end to end.
+
+End to end: the simulated engine (canary/engine.py) plans every step of the replay scheduler with the
+``CanaryPlanner`` (reference backend), verifies, stores KV bytes, writes the canary records and drains the
+ring; a clean replay has zero violations, and each fault of canary/faults.py is detected with the right bits
+and tags.
+"""
+from __future__ import annotations
+
+from helpers import naive_records as naive
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from canary import VerifyPlan, WritePlan
+from canary.backends.reference import records as reference_canary
+from canary.sim.engine import Engine
+from canary.errors import BackendUnavailableError
+from canary.sim.faults import Fault, Injector
+from canary.records.hashes import ANCHOR_LINK, mix3
+from canary.records.realkv import RealKVMode, real_kv
+from canary.records.ring import CheckFlags, FailReason, KernelTag
+from canary.records.state import CanaryState, bind_state
+from canary import CanaryRecords, scatter_expected_tokens
+
+F = FailReason
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Against the naive oracle: random launches, including garbage (skips, out-of-range slots, reversed offsets,
+# clamped counts, a ring that overflows and a write index that wraps).
+
+
+def _random_sources(rng, num_slots):
+    a = rng.integers(0, 256, size=(num_slots, 32), dtype=np.uint8)
+    b = rng.integers(0, 256, size=((num_slots + 1) // 2, 48), dtype=np.uint8)
+    specs = [(a, 1, 32, int(rng.choice([16, 32]))), (b, 2, 16, 16)][: int(rng.integers(0, 3))]
+    mode = RealKVMode(int(rng.integers(0, 3)))
+    kv = real_kv(specs, mode)
+    srcs = [naive.Source(arr.tobytes(), arr.shape[1], ps, nb, rb) for arr, ps, nb, rb in specs]
+    return kv, srcs, int(kv.mode)
+
+
+def _naive_state(views) -> naive.NaiveState:
+    return naive.NaiveState(
+        fields=[[int(x) for x in row] for row in views.fields],
+        ring=[[int(x) for x in row] for row in views.ring.host],
+        write_index=int(views.ring_write_index.host[0]) % (1 << 32),
+        slot_runs=[int(x) for x in views.slot_run_counter.host],
+        kernel_runs=[int(x) for x in views.kernel_run_counter.host],
+        check_flags=int(views.check_flags.host[0]),
+    )
+
+
+def _assert_same(views, ns: naive.NaiveState) -> None:
+    assert views.fields.tolist() == ns.fields
+    assert views.ring.host.tolist() == ns.ring
+    assert int(views.ring_write_index.host[0]) % (1 << 32) == ns.write_index
+    assert views.slot_run_counter.host.tolist() == ns.slot_runs
+    assert views.kernel_run_counter.host.tolist() == ns.kernel_runs
+
+
+def _pick(rng, choices, p=None):
+    return int(rng.choice(choices, p=p))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_reference_matches_naive_oracle(seed):
+    rng = np.random.default_rng(seed)
+    num_slots = int(rng.integers(1, 10))
+    state = CanaryState.allocate(num_slots=num_slots, slot_stride_bytes=_pick(rng, [32, 40, 48]),
+                                 ring_capacity=int(rng.integers(0, 6)), check_flags=int(rng.integers(0, 4)))
+    views = bind_state(state)
+    views.fields[:] = rng.integers(-1, 4, size=views.fields.shape)
+    state.ring_write_index[0] = _pick(rng, [0, 0, 3, -2])  # -2: the uint32 count 2**32 - 2, about to wrap
+    kv, srcs, mode = _random_sources(rng, num_slots)
+    ns = _naive_state(views)
+    ns.sources, ns.mode = srcs, mode
+
+    for _ in range(2):  # write, then write again over the same slots
+        r_cap = int(rng.integers(0, 5))
+        n = int(rng.integers(0, 12))
+        offsets = np.sort(rng.integers(0, n + 1, size=r_cap + 1))
+        if rng.random() < 0.2:
+            offsets = rng.integers(-2, n + 3, size=r_cap + 1)  # garbage: reversed and out-of-range ranges
+        seeds = rng.integers(-2, num_slots + 2, size=r_cap)
+        nreq = np.array([rng.integers(-1, r_cap + 2)], dtype=np.int32)
+        loc = rng.integers(-2, num_slots + 2, size=n)
+        ids = rng.integers(-1, 4, size=n)
+        pos = np.arange(n) + rng.integers(-1, 2)  # consecutive: chain-position checks mostly pass
+        pos = np.where(rng.random(n) < 0.2, rng.integers(-1, 5, size=n), pos)
+        exp_ids = None if rng.random() < 0.3 else np.where(rng.random(n) < 0.2, -1, np.where(rng.random(n) < 0.2, ids + 1, ids))
+        exp_pos = None if rng.random() < 0.3 else np.where(rng.random(n) < 0.2, -1, np.where(rng.random(n) < 0.2, pos + 1, pos))
+        reference_canary.write(views, write_offsets=offsets, write_seed_slot_indices=seeds, write_num_valid_reqs=nreq,
+                               out_cache_loc=loc, input_ids=ids, positions=pos, expected_input_ids=exp_ids,
+                               expected_positions=exp_pos, real_kv=kv, launch_tag=3)
+        naive.write(ns, offsets=offsets.tolist(), seeds=seeds.tolist(), num_valid_reqs=int(nreq[0]), loc=loc.tolist(),
+                    ids=ids.tolist(), positions=pos.tolist(), exp_ids=None if exp_ids is None else exp_ids.tolist(),
+                    exp_pos=None if exp_pos is None else exp_pos.tolist(), tag=(3 << 8) | 1)
+        _assert_same(views, ns)
+
+    # Verify entries mostly follow the written slots, so that chains and positions often match.
+    cap = int(rng.integers(0, 12))
+    slots = np.where(rng.random(cap) < 0.7, rng.choice(np.append(loc, 0), size=cap) if n else 0,
+                     rng.integers(-2, num_slots + 2, size=cap))
+    prev = np.where(rng.random(cap) < 0.5, np.roll(slots, 1), rng.integers(-2, num_slots + 2, size=cap))
+    exp_pos = views.fields[np.clip(slots, 0, num_slots - 1), 1] + (rng.random(cap) < 0.2)
+    exp_tok = views.fields[np.clip(slots, 0, num_slots - 1), 0] + (rng.random(cap) < 0.2)
+    exp_tok = np.where(rng.random(cap) < 0.3, -1, exp_tok)
+    num_valid = np.array([rng.integers(-1, cap + 2)], dtype=np.int32)
+    enable = np.array([_pick(rng, [0, 1, 1, 1])], dtype=np.int32)
+    reference_canary.verify(views, verify_slot_indices=slots, verify_expected_tokens=exp_tok,
+                            verify_expected_positions=exp_pos, verify_prev_slot_indices=prev,
+                            verify_num_valid=num_valid, enable=enable, real_kv=kv)
+    naive.verify(ns, slots=slots.tolist(), exp_tokens=exp_tok.tolist(), exp_positions=exp_pos.tolist(),
+                 prev_slots=prev.tolist(), num_valid=int(num_valid[0]), enable=int(enable[0]))
+    _assert_same(views, ns)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# By hand.
+
+
+def _canary(num_slots=16, ring_capacity=16, flags=CheckFlags.WRITE_POSITION_CHAIN | CheckFlags.VERIFY_TOKEN, kv=None):
+    state = CanaryState.allocate(num_slots=num_slots, ring_capacity=ring_capacity, check_flags=flags)
+    return state, CanaryRecords(state, kv)
+
+
+def _write_plan(offsets, seeds):
+    wp = WritePlan.allocate(write_req_capacity=len(seeds))
+    wp.write_offsets[:] = offsets
+    wp.write_seed_slot_indices[:] = seeds
+    wp.write_num_valid_reqs[0] = len(seeds)
+    return wp
+
+
+def _verify_plan(slots, tokens, positions, prev, capacity=None, enable=1):
+    n = len(slots)
+    vp = VerifyPlan.allocate(verify_capacity=capacity or n)
+    vp.verify_slot_indices[:n] = slots
+    vp.verify_expected_tokens[:n] = tokens
+    vp.verify_expected_positions[:n] = positions
+    vp.verify_prev_slot_indices[:n] = prev
+    vp.verify_num_valid[0] = n
+    vp.enable[0] = enable
+    return vp
+
+
+def _a(*v):
+    return np.array(v, dtype=np.int64)
+
+
+def test_write_chain_by_hand():
+    _state, c = _canary()
+    c.write(_write_plan([0, 3, 5], [-1, 2]), out_cache_loc=_a(1, 2, 3, 7, 8), input_ids=_a(10, 11, 12, 20, 21),
+            positions=_a(0, 1, 2, 3, 4))
+    f = c.views.fields
+    h1 = int(mix3(ANCHOR_LINK, 10, 0))
+    h2 = int(mix3(h1, 11, 1))
+    assert f[1, :3].tolist() == [10, 0, ANCHOR_LINK]
+    assert f[2, :3].tolist() == [11, 1, h1]
+    assert f[3, :3].tolist() == [12, 2, h2]
+    # Request 1 is seeded by slot 2, written by request 0 in the same launch: seeds are read first (all zero).
+    assert f[7, :3].tolist() == [20, 3, int(mix3(0, 0, 0))]
+    rep = c.drain()
+    # ... so its chain-position check expects 0 + 1 at position 3.
+    assert [(v.kernel, v.slot, v.position, v.reasons, v.expected_aux) for v in rep] == [
+        (KernelTag.WRITE, 7, 3, F.WRITE_POSITION, 1)]
+    assert rep.health.write_slots == 5 and rep.health.write_launches == 1
+
+
+def test_write_skips_negative_slots_and_flags_out_of_range():
+    _state, c = _canary(num_slots=8)
+    c.write(_write_plan([0, 4], [-1]), out_cache_loc=_a(1, -1, 9, 2), input_ids=_a(5, 6, 7, 8),
+            positions=_a(0, 1, 1, 1), expected_input_ids=_a(5, 0, 7, -1))
+    f = c.views.fields
+    h1 = int(mix3(ANCHOR_LINK, 5, 0))
+    assert f[1, :3].tolist() == [5, 0, ANCHOR_LINK]
+    assert f[2, :3].tolist() == [8, 1, h1]  # the skipped and the out-of-range entry did not advance the chain
+    rep = c.drain()
+    assert [(v.slot, v.position, v.reasons, v.stored_chain_hash, v.expected_aux) for v in rep] == [
+        (9, 1, F.SLOT_RANGE, h1, 1)]
+    assert rep.health.write_slots == 3  # the slot -1 entry is not processed
+
+
+def test_write_asserts():
+    state, c = _canary()
+    c.write(_write_plan([0, 3], [-1]), out_cache_loc=_a(1, 2, 3), input_ids=_a(5, 6, 7), positions=_a(0, 2, 3),
+            expected_input_ids=_a(5, 9, -1), expected_positions=_a(0, 1, 3))
+    rows = [(v.slot, v.position, v.stored_token, v.expected_token, v.reasons, v.expected_aux) for v in c.drain()]
+    # Entry 1: wrong token and a position that fails both the array assert and the chain (aux: the array's).
+    # Entry 2: position 3 follows the stored 2, and matches the array: no violation.
+    assert rows == [(2, 2, 6, 9, F.WRITE_TOKEN | F.WRITE_POSITION, 1)]
+    state.set_check_flags(CheckFlags.NONE)
+    c.write(_write_plan([0, 2], [3]), out_cache_loc=_a(4, 5), input_ids=_a(1, 1), positions=_a(9, 9))
+    assert len(c.drain()) == 0  # chain-position check off, no arrays: nothing to assert
+
+
+def test_verify_by_hand():
+    state, c = _canary(num_slots=8)
+    c.write(_write_plan([0, 3], [-1]), out_cache_loc=_a(1, 2, 3), input_ids=_a(5, 6, 7), positions=_a(0, 1, 2))
+    vp = _verify_plan(slots=[1, 2, 3, 0, 3, 2], tokens=[5, -1, 8, 1, 7, 6], positions=[0, 1, 2, 0, 2, 1],
+                      prev=[-1, 1, 2, 5, 0, 1], capacity=8)
+    c.verify(vp, launch_tag=7)
+    rep = c.drain()
+    # Entry 2: wrong expected token. Entry 3: slot 0 is skipped. Entry 4: prev_slot 0 skips the chain check.
+    assert [(v.kernel, v.launch_tag, v.slot, v.position, v.reasons, v.expected_token, v.stored_token) for v in rep] == [
+        (KernelTag.VERIFY, 7, 3, 2, F.VERIFY_TOKEN, 8, 7)]
+    assert rep.health.verify_slots == 5 and rep.health.verify_launches == 1
+    state.set_check_flags(CheckFlags.NONE)  # token check off
+    c.verify(vp)
+    assert len(c.drain()) == 0
+    # Chain and position faults, a prev_slot outside the buffer, a slot outside the buffer.
+    c.verify(_verify_plan(slots=[2, 3, 9], tokens=[-1, -1, -1], positions=[5, 2, 0], prev=[3, 12, 1]))
+    rows = [(v.slot, v.position, v.reasons, v.expected_aux) for v in c.drain()]
+    want_chain = int(mix3(c.views.fields[3, 2], 7, 2))
+    assert rows == [(2, 5, F.CHAIN | F.POSITION, want_chain), (3, 2, F.SLOT_RANGE, 0), (9, 0, F.SLOT_RANGE, 0)]
+
+
+def test_disabled_verify_still_counts_a_launch():
+    state, c = _canary()
+    vp = _verify_plan(slots=[1, 2], tokens=[3, 3], positions=[9, 9], prev=[4, 4], enable=0)
+    c.verify(vp)
+    c.verify(vp)
+    rep = c.drain()
+    assert rep.total == 0
+    assert (rep.health.verify_launches, rep.health.verify_slots) == (2, 0)
+    vp.verify_num_valid[0] = 7  # clamped to the capacity (2)
+    vp.enable[0] = 1
+    c.verify(vp)
+    assert c.drain().total == 2 and state.health().verify_slots == 2
+
+
+def test_real_kv_in_write_and_verify():
+    kvbytes = np.random.default_rng(0).integers(0, 256, size=(16, 32), dtype=np.uint8)
+    _state, c = _canary(kv=real_kv([(kvbytes, 1, 32)], "all"))
+    c.write(_write_plan([0, 2], [-1]), out_cache_loc=_a(4, 5), input_ids=_a(1, 2), positions=_a(0, 1))
+    vp = _verify_plan(slots=[4, 5], tokens=[-1, -1], positions=[0, 1], prev=[-1, 4])
+    c.verify(vp)
+    assert c.drain().total == 0
+    kvbytes[5, 31] ^= 0x80
+    c.verify(vp)
+    assert [(v.slot, v.reasons) for v in c.drain()] == [(5, F.REAL_KV)]
+
+
+def test_ring_overflow_keeps_counting():
+    state, c = _canary(ring_capacity=3)
+    vp = _verify_plan(slots=list(range(1, 9)), tokens=[-1] * 8, positions=[1] * 8, prev=[0] * 8)
+    c.verify(vp)
+    c.verify(vp)
+    assert int(state.ring_write_index[0]) == 16  # all slots hold position 0: 8 POSITION rows a launch
+    rep = c.drain()
+    assert (rep.total, len(rep), rep.dropped) == (16, 3, 13)
+    assert [v.slot for v in rep] == [1, 2, 3]  # fill-once: the first three rows stay
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The expected-token scatter.
+
+
+def test_scatter_expected_tokens():
+    pool = np.full((4, 6), -7, dtype=np.int32)
+    scatter_expected_tokens(
+        req_to_verify_expected_tokens=pool,
+        req_pool_indices=_a(2, 0, 3, 9, 1),  # row 0: padding; 9: outside the pool
+        tokens=_a(10, 11, 12, 99, 20, 21, 30, 40, 41),
+        token_offsets=_a(0, 3, 4, 6, 7, 9),
+        column_starts=_a(4, 0, -1, 0, 1),
+        column_offset=1,
+    )
+    assert pool.tolist() == [
+        [-7] * 6,
+        [-7, -7, 40, 41, -7, -7],  # row 1: columns 1 + 1 + [0, 1]
+        [-7, -7, -7, -7, -7, 10],  # row 2: columns 5, 6, 7: only 5 is inside
+        [20, 21, -7, -7, -7, -7],  # row 3: columns 0, 1
+    ]
+    scatter_expected_tokens(req_to_verify_expected_tokens=pool, req_pool_indices=_a(3),
+                            tokens=np.array([(1 << 32) + 5], dtype=np.int64), token_offsets=_a(0, 1),
+                            column_starts=_a(2))
+    assert pool[3, 2] == 5  # low 32 bits
+    scatter_expected_tokens(req_to_verify_expected_tokens=pool, req_pool_indices=_a(3),
+                            tokens=np.array([8], dtype=np.int32), token_offsets=_a(0, 1, 5), column_starts=_a(3))
+    assert pool[3, :4].tolist() == [20, 21, 5, 8]
+
+
+def test_scatter_validation():
+    pool = np.zeros((4, 6), dtype=np.int32)
+    kw = {"req_to_verify_expected_tokens": pool, "req_pool_indices": _a(1), "tokens": _a(1), "token_offsets": _a(0, 1),
+              "column_starts": _a(0)}
+    for bad, exc, msg in [
+        ({"req_to_verify_expected_tokens": pool.astype(np.int64)}, TypeError,
+         "req_to_verify_expected_tokens: expected dtype int32, got int64"),
+        ({"tokens": np.array([1.0])}, TypeError, "tokens: expected dtype int64 or int32, got float64"),
+        ({"token_offsets": _a(0)}, ValueError, "token_offsets: expected length >= bs \\+ 1 = 2, got 1"),
+        ({"column_starts": _a(0, 1)}, ValueError, "column_starts: expected length 1, got 2"),
+        ({"column_offset": 1.5}, TypeError, "column_offset: expected an int, got float"),
+        ({"backend": "cupy"}, ValueError, r"backend: expected a backend for the records arrays in host memory \('reference' or 'auto'\), got 'cupy'"),
+    ]:
+        with pytest.raises(exc, match="kv-canary: " + msg):
+            scatter_expected_tokens(**{**kw, **bad})
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Host validation of the entry points.
+
+
+def test_write_verify_validation():
+    _state, c = _canary(num_slots=8)
+    wp = _write_plan([0, 1], [-1])
+    ok = {"out_cache_loc": _a(1), "input_ids": _a(1), "positions": _a(0)}
+    for bad, exc, msg in [
+        ({"out_cache_loc": np.array([1], np.int32)}, TypeError, "out_cache_loc: expected dtype int64, got int32"),
+        ({"input_ids": _a(1, 2)}, ValueError, "input_ids: expected length 1, got 2"),
+        ({"positions": np.zeros((1, 1), np.int64)}, ValueError, "positions: expected a 1-D array"),
+        ({"expected_positions": _a()}, ValueError, "expected_positions: expected length 1, got 0"),
+        ({"launch_tag": -1}, ValueError, "launch_tag: expected an int in"),
+    ]:
+        with pytest.raises(exc, match="kv-canary: " + msg):
+            c.write(wp, **{**ok, **bad})
+    with pytest.raises(TypeError, match="kv-canary: write_plan: expected a WritePlan, got VerifyPlan"):
+        c.write(VerifyPlan.allocate(verify_capacity=1), **ok)
+    wp.write_offsets = _a(0, 1, 2)
+    with pytest.raises(ValueError, match="kv-canary: write_plan.write_offsets: expected length write_req_capacity "
+                                         "\\+ 1 = 2, got 3"):
+        c.write(wp, **ok)
+    vp = VerifyPlan.allocate(verify_capacity=4)
+    vp.verify_prev_slot_indices = _a(0, 0)
+    with pytest.raises(ValueError, match="kv-canary: verify_plan.verify_prev_slot_indices: expected capacity 4"):
+        c.verify(vp)
+    vp = VerifyPlan.allocate(verify_capacity=4)
+    vp.enable = np.zeros(1, np.int64)
+    with pytest.raises(TypeError, match="kv-canary: verify_plan.enable: expected dtype int32, got int64"):
+        c.verify(vp)
+
+
+def test_kvcanary_binding_validation():
+    state = CanaryState.allocate(num_slots=8)
+    small = np.zeros((4, 32), np.uint8)
+    with pytest.raises(ValueError, match="kv-canary: real_kv_sources\\[0\\]: expected rows \\* page_size >= the 8 "
+                                         "slots of state.canary_buffer, got 4 \\* 1 = 4"):
+        CanaryRecords(state, real_kv([(small, 1, 32)]))
+    with pytest.raises(ValueError, match="kv-canary: backend: expected a backend for the records arrays in host memory.*got 'numba', which runs on a CUDA device"):
+        CanaryRecords(state, backend="numba")
+    with pytest.raises(ValueError, match="kv-canary: backend: expected one of auto, reference, cupy, numba, got 'x'"):
+        CanaryRecords(state, backend="x")
+    c = CanaryRecords(state, [(np.zeros((8, 32), np.uint8), 1, 32)])  # a plain source list: mode ALL
+    assert c.real_kv.mode == RealKVMode.ALL and c.backend == "reference"
+    assert issubclass(BackendUnavailableError, ImportError)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# End to end over the replay scheduler.
+
+
+def _rows_of(log):
+    return [(v.kernel, v.slot, v.position, v.reasons) for v in log.report]
+
+
+def test_clean_replay_1000_steps():
+    e = Engine(requests=80)
+    logs = e.run(1000)
+    assert len(logs) == 1000
+    assert all(log.report.total == 0 for log in logs), [str(v) for log in logs for v in log.report][:5]
+    assert any(log.bs > log.num_active for log in logs)  # CUDA-graph padding rows with garbage lens
+    h = e.state.health()
+    assert (h.write_launches, h.verify_launches) == (1000, 1000)
+    assert h.verify_slots == sum(log.verify_entries for log in logs) > 1_000_000
+    assert h.write_slots == sum(log.write_entries for log in logs)
+    assert all(log.enable == 1 for log in logs)
+
+
+@pytest.mark.parametrize("kw", [{"swa_window": 64, "with_pool": False, "requests": 60},
+                                {"trace": "code", "mode": "partial", "requests": 30, "chunk_size": 256}])
+def test_clean_replay_variants(kw):
+    e = Engine(**kw)
+    logs = e.run(300)
+    assert len(logs) >= 150 and all(log.report.total == 0 for log in logs)
+    assert e.state.health().verify_slots == sum(log.verify_entries for log in logs) > 0
+
+
+def _inject(e: Engine, kind: str, min_step=10, max_steps=300):
+    """Run clean steps until the package's injector applies ``kind`` (at step >= min_step); return (fault,
+    injection log, next log)."""
+    fault = Fault(kind, min_step)
+    inj = Injector([fault])
+    for _ in range(max_steps):
+        log = e.step(inj.before_write, inj.after_write)
+        assert log is not None, "trace ended before the fault could be injected"
+        if fault.applied:
+            assert fault.applied_step == log.index >= min_step
+            return fault, log, e.step()
+        assert log.report.total == 0, [str(v) for v in log.report]
+    raise AssertionError("no step accepted the fault")
+
+
+def test_fault_flipped_kv_byte():
+    f, _, nxt = _inject(Engine(requests=40), "kv-flip")
+    assert _rows_of(nxt) == [(KernelTag.VERIFY, f.slot, f.position, F.REAL_KV)]
+
+
+def test_fault_slot_overwritten_by_another_request():
+    e = Engine(requests=40)
+    f, _, nxt = _inject(e, "overwrite")
+    hits = [v for v in nxt.report if v.slot == f.slot and v.kernel == KernelTag.VERIFY]
+    assert len(hits) == 1 and hits[0].position == f.position
+    want = (F.CHAIN | (F.POSITION if f.written_position != f.position else F.NONE)
+            | (F.VERIFY_TOKEN if f.written_token != f.expected_token else F.NONE))
+    assert hits[0].reasons == want and hits[0].stored_token == f.written_token
+    assert hits[0].expected_token == f.expected_token  # the pool's token, scattered when it was written
+    assert len(f.requests) == 2 and f.slots[0] == f.slot != f.slots[1]
+
+
+def test_fault_wrong_position():
+    f, log, nxt = _inject(Engine(requests=40), "position")
+    slot, q = f.slot, f.position
+    assert f.written_position == q + 1
+    assert [(v.kernel, v.slot, v.position, v.reasons, v.expected_aux) for v in log.report] == [
+        (KernelTag.WRITE, slot, q + 1, F.WRITE_POSITION, q)]
+    assert (KernelTag.VERIFY, slot, q, F.POSITION) in _rows_of(nxt)
+
+
+def test_fault_wrong_token_with_expected_token_pool():
+    f, log, nxt = _inject(Engine(requests=40), "token")
+    slot, q, tok = f.slot, f.position, f.expected_token
+    assert f.written_token == (tok + 1) & 0x7FFF
+    assert [(v.kernel, v.slot, v.position, v.reasons, v.expected_token, v.stored_token) for v in log.report] == [
+        (KernelTag.WRITE, slot, q, F.WRITE_TOKEN, tok, (tok + 1) & 0x7FFF)]
+    # Chain, position and real KV are self-consistent: only the expected-token pool catches it on verify.
+    assert [(v.kernel, v.slot, v.position, v.reasons, v.expected_token) for v in nxt.report] == [
+        (KernelTag.VERIFY, slot, q, F.VERIFY_TOKEN, tok)]
+
+
+def test_fault_stale_req_to_token_row():
+    e = Engine(requests=40)
+    f, _, nxt = _inject(e, "stale-row")
+    assert f.slots[0] == f.slot != f.slots[1]
+    hits = [v for v in nxt.report if v.slot == f.slot and v.position == f.position]
+    assert len(hits) == 1 and hits[0].kernel == KernelTag.VERIFY and F.CHAIN in hits[0].reasons
+
+
+def test_injector_waits_for_an_applicable_step():
+    e = Engine(requests=40)
+    faults = [Fault("stale-row", 0), Fault("token", 0), Fault("kv-flip", 3)]
+    inj = Injector(faults)
+    for _ in range(200):
+        e.step(inj.before_write, inj.after_write)
+    assert faults[1].applied_step == 0  # a running request is there at once
+    assert faults[2].applied_step == 3
+    assert faults[0].applied_step > 0  # no row has been reused at step 0
+    touched = [set(f.requests) for f in faults]
+    assert all(not (a & b) for i, a in enumerate(touched) for b in touched[i + 1:])  # one fault per request
+
+
+def test_ring_overflow_end_to_end():
+    e = Engine(requests=40, ring_capacity=4)
+    hit = {}
+
+    def smash(kv, data):
+        if data.step.index < 10 or hit:
+            return
+        for i in range(len(data.rows)):
+            p_end = int(data.prefix[i] + data.extend[i])
+            if p_end >= 10 and data.continues[i]:
+                slots = kv.r2t[data.rows[i], :p_end].astype(np.int64)
+                for s in slots:
+                    kv.kv_token_bytes(int(s))[0] ^= 1
+                hit["slots"] = set(slots.tolist())
+                return
+
+    for _ in range(300):
+        log = e.step(after_write=smash)
+        if hit:
+            break
+        assert log.report.total == 0
+    slots, rep = hit["slots"], e.step().report
+    assert rep.total >= len(slots) >= 10 and len(rep) == 4 and rep.dropped == rep.total - 4
+    assert all(v.kernel == KernelTag.VERIFY and v.reasons == F.REAL_KV and v.slot in slots for v in rep)
+
+
+def test_disabled_verify_end_to_end():
+    e = Engine(requests=40, verify_capacity=2048)
+    logs = e.run(120)
+    disabled = [log for log in logs if log.enable == 0]
+    assert disabled and len(disabled) < len(logs)
+    assert all(log.report.total == 0 for log in logs)
+    h = e.state.health()
+    assert h.verify_launches == len(logs)  # disabled launches count
+    assert h.verify_slots == sum(log.verify_entries for log in logs)

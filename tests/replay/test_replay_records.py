@@ -1,0 +1,152 @@
+"""``kv-canary replay --canary`` / ``--inject``: the canary end to end over the replay (host, reference backend)."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import canary.sim.engine
+import canary.sim.replay
+from canary.sim import cli
+from canary.sim.engine import _splitmix64, kv_bytes, token_of
+from canary.sim.faults import KINDS
+from canary.records.hashes import splitmix64
+
+# Small runs: rows are reused (8 of them for 24 requests), so stale-row faults have a finished request's slots.
+SMALL = ["replay", "--backend", "reference", "--max-requests", "24", "--max-batch-size", "8", "--chunk-size", "512"]
+
+
+def _replay(tmp_path, *extra: str) -> tuple[int, dict]:
+    out = tmp_path / "summary.json"
+    rc = cli.main([*SMALL, *extra, "--json", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+def test_xp_content_matches_the_package_hashes():
+    x = np.arange(-50, 5000, 7, dtype=np.int64)
+    assert np.array_equal(_splitmix64(x, np), splitmix64(x))
+    assert int(token_of(3, 5)) == int(splitmix64((3 << 32) | 5)) & 0x7FFF
+    assert kv_bytes(np.array([1, 2]), np.array([3, 4])).shape == (2, 96)
+
+
+def test_clean_canary_run(tmp_path, capsys):
+    rc, s = _replay(tmp_path, "--canary", "--check-every", "5")
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    c = s["canary"]
+    assert c["violations"] == c["dropped"] == c["unattributed_violations"] == 0 and not c["failed"]
+    assert c["faults"] == [] and c["drain_every_steps"] == 1 and c["real_kv_mode"] == "ALL"
+    h = c["health"]
+    assert h["verify_launches"] == h["write_launches"] == s["steps"] > 100
+    assert h["verify_slots"] > h["write_slots"] > 0
+    assert set(c["time_us"]) == {"p50", "p99", "max"}
+    assert s["mismatches"] == 0 and s["checked_steps"] > 0  # the reference plans with the same expected-token pool
+    assert "canary violations (unattributed)" in text and "injected faults" not in text
+
+
+def test_clean_canary_run_sliding_window(tmp_path):
+    rc, s = _replay(tmp_path, "--canary", "--swa-window", "128", "--check-every", "7")
+    assert rc == 0 and s["canary"]["violations"] == 0 and s["mismatches"] == 0
+
+
+# Per kind: the kernels and reasons at the first detection step, the delay, and reasons seen later.
+EXPECTED = {
+    "kv-flip": (["verify"], {"REAL_KV"}, 1, {"REAL_KV"}),
+    "overwrite": (["write", "verify"], {"CHAIN"}, 1, {"CHAIN"}),
+    "position": (["write"], {"WRITE_POSITION"}, 0, {"POSITION"}),
+    "token": (["write"], {"WRITE_TOKEN"}, 0, {"VERIFY_TOKEN"}),
+    "stale-row": (["verify"], {"CHAIN"}, 1, {"CHAIN"}),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_fault_is_detected(tmp_path, capsys, kind):
+    rc, s = _replay(tmp_path, "--inject", f"{kind}@20")
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    c = s["canary"]
+    (f,) = c["faults"]
+    kernels, reasons, delay, later = EXPECTED[kind]
+    assert f["kind"] == kind and f["requested_step"] == 20 and f["applied_step"] >= 20 and f["detected"]
+    assert f["first_violation_step"] == f["applied_step"] + delay == f["applied_step"] + f["steps_to_detection"]
+    assert set(kernels) <= set(f["kernels"]) and reasons <= set(f["reasons"]) and later <= set(f["all_reasons"])
+    if kind in ("kv-flip", "position", "token"):  # one precise bit: nothing else fails
+        assert f["kernels"] == kernels and set(f["reasons"]) == reasons
+    assert f["slot"] > 0 and f["position"] >= 0 and f["requests"] and f["violations"] >= 1
+    assert c["violations"] == f["violations"] and c["unattributed_violations"] == 0  # all attributed to it
+    assert "kv-canary replay: injected faults" in text and f"FAULT {kind}@20: slot {f['slot']}" in text
+
+
+def test_all_faults_at_once_and_in_a_sliding_window(tmp_path):
+    args = [a for k in KINDS for a in ("--inject", f"{k}@30")]
+    for extra in ([], ["--swa-window", "256"]):
+        rc, s = _replay(tmp_path, *args, *extra)
+        faults = s["canary"]["faults"]
+        assert rc == 0 and [f["kind"] for f in faults] == list(KINDS)
+        assert all(f["detected"] and f["steps_to_detection"] <= 1 for f in faults), faults
+        requests = [r for f in faults for r in f["requests"]]
+        assert len(requests) == len(set(requests))  # each fault on its own requests
+        assert s["canary"]["unattributed_violations"] == 0
+
+
+def test_stale_row_waits_for_a_reused_row(tmp_path):
+    rc, s = _replay(tmp_path, "--inject", "stale-row@0")
+    (f,) = s["canary"]["faults"]
+    assert rc == 0 and f["applied_step"] > 0 and f["detected"]  # no row is reused at step 0
+
+
+def test_a_fault_never_applied_fails_the_run(tmp_path, capsys):
+    rc, s = _replay(tmp_path, "--inject", "token@100000")
+    (f,) = s["canary"]["faults"]
+    assert rc == 1 and s["canary"]["failed"]
+    assert f["applied_step"] is None and not f["detected"] and f["first_violation_step"] is None
+    assert "NOT DETECTED" in capsys.readouterr().out
+
+
+def test_a_clean_run_with_violations_fails(tmp_path, monkeypatch, capsys):
+    real = canary.sim.engine.EngineKV.run
+
+    def run(self, step, *args, **kw):  # a stray kernel flips every V byte after step 10
+        log = real(self, step, *args, **kw)
+        if step.index == 10:
+            self.v ^= 1
+        return log
+
+    monkeypatch.setattr(canary.sim.engine.EngineKV, "run", run)
+    rc, s = _replay(tmp_path, "--canary")
+    text = capsys.readouterr().out
+    c = s["canary"]
+    assert rc == 1 and c["failed"] and c["violations"] == c["unattributed_violations"] + c["dropped"] > 0
+    assert "VIOLATION step 11: verify slot" in text and ": REAL_KV, token" in text
+
+
+@pytest.mark.parametrize("value", ["bogus@3", "kv-flip", "kv-flip@x", "kv-flip@-1", "@4"])
+def test_bad_inject_values(capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["replay", "--inject", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --inject: expected KIND@STEP with KIND one of kv-flip, overwrite, position, token, stale-row" in err
+    assert f"got {value!r}" in err
+
+
+def test_canary_on_numba_arrays_needs_cupy(monkeypatch, capsys):
+    monkeypatch.setattr(canary.sim.replay, "_placement", lambda backend: "numba")
+    assert cli.main(["replay", "--max-requests", "2", "--canary"]) == 2
+    assert "kv-canary: --canary: expected CuPy" in capsys.readouterr().out
+
+
+def test_readme_replay_canary_command(tmp_path, capsys):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## The replay"):readme.index("## Performance")]
+    commands = [line.strip("`") for line in re.findall(r"`kv-canary replay [^`]*--inject[^`]*`", section)]
+    assert len(commands) == 1, commands
+    argv = shlex.split(commands[0])[1:]
+    out = tmp_path / "readme.json"
+    assert cli.main([*argv, "--json", str(out)]) == 0, capsys.readouterr().out
+    faults = json.loads(out.read_text())["canary"]["faults"]
+    assert faults and all(f["detected"] for f in faults)

@@ -1,0 +1,46 @@
+"""The examples run as a user would run them (the GPU one only where there is a GPU)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _run(name: str) -> str:
+    done = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_quickstart():
+    out = _run("quickstart.py")
+    assert "status: OK enable: 1" in out
+    assert "verify slots:     [108 109 110 116 117]" in out
+    assert "write seed slots: [110 117  -1]" in out
+
+
+@pytest.mark.gpu
+def test_torch_cuda_graph_example():
+    pytest.importorskip("torch")
+    out = _run("torch_cuda_graph.py")
+    assert out.count("enable=1") == 3
+
+
+def _check_detection(out: str) -> None:
+    assert "clean steps: 0 violations" in out
+    assert "after the flip: 1 violation(s)" in out
+    assert "verify slot 118 pos 2: REAL_KV" in out
+
+
+def test_detect_corruption():
+    _check_detection(_run("detect_corruption.py"))
+
+
+@pytest.mark.gpu
+def test_detect_corruption_on_gpu():
+    done = subprocess.run([sys.executable, str(EXAMPLES / "detect_corruption.py"), "--device", "cuda"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    _check_detection(done.stdout)
