@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import BackendUnavailableError, fail
+from .streams import is_capturing
 
 HOST = -1  # device_id of host memory
 
@@ -180,6 +181,11 @@ def as_view(obj: Any, name: str, *, stream_ptr: int = -1, launch_stream: int | N
         fast = _fast_device_view(obj, name, launch_stream, ordered_lib)
         if fast is not None:
             return fast
+        if stream_ptr not in (-1, None) and is_capturing(launch_stream):
+            # Inside a graph capture the producer cannot be asked to order its stream against ours: it would
+            # record an event on a stream outside the capture, which invalidates it. The captured graph's own
+            # dependencies order the work; ask for no synchronization.
+            stream_ptr = -1
     if isinstance(obj, np.ma.MaskedArray):
         raise fail(TypeError, f"{name}: expected a plain array, got a masked array (its mask would be ignored)")
     if isinstance(obj, np.ndarray):

@@ -113,3 +113,43 @@ def zero_fill(obj: Any) -> None:
         obj.copy_to_device(np.zeros(obj.shape, dtype=obj.dtype))
     else:
         obj[...] = 0
+
+
+class on_device_of:  # noqa: N801 - used as a context manager, like the libraries' own device guards
+    """Make the device holding ``obj`` (a CuPy, Numba or torch array) current while host code operates on it.
+
+    CuPy and Numba launch their fills and copies on the *current* device, so a state allocated on cuda:1 while
+    cuda:0 is current would fail (or touch the wrong device) without this; torch tensors carry their device.
+    Host arrays: nothing to do.
+    """
+
+    def __init__(self, obj: Any):
+        self._guard = None
+        module = type(obj).__module__.split(".")[0]
+        if module == "cupy":
+            import cupy
+
+            self._guard = cupy.cuda.Device(obj.device.id)
+        elif hasattr(obj, "copy_to_host") and hasattr(obj, "__cuda_array_interface__"):  # numba device arrays
+            from numba import cuda
+
+            self._guard = cuda.gpus[_numba_device_id(obj)]
+
+    def __enter__(self):
+        if self._guard is not None:
+            self._guard.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._guard is not None:
+            return self._guard.__exit__(*exc)
+        return False
+
+
+def _numba_device_id(obj: Any) -> int:
+    """The ordinal of the device holding a Numba device array (through the CUDA driver's pointer attributes)."""
+    from cuda.bindings import driver
+
+    ptr = obj.__cuda_array_interface__["data"][0]
+    err, ordinal = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+    return int(ordinal) if err == driver.CUresult.CUDA_SUCCESS else 0

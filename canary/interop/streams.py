@@ -28,6 +28,35 @@ def stream_handle(stream: Any) -> int:
     )
 
 
+def is_capturing(handle: int) -> bool:
+    """Whether the stream ``handle`` is capturing a CUDA graph (driver query; no sync). False without a driver."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # pragma: no cover - no CUDA bindings: nothing can be capturing through us
+        return False
+    err, status = driver.cuStreamIsCapturing(handle)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return False
+    return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def _capturing_elsewhere(owner_lib: str, device_id: int) -> str | None:
+    """The name of an imported library other than ``owner_lib`` whose current stream is capturing a graph."""
+    torch = sys.modules.get("torch")
+    if owner_lib != "torch" and torch is not None and torch.cuda.is_initialized():
+        if torch.cuda.is_current_stream_capturing():
+            return "torch"
+    cupy = sys.modules.get("cupy")
+    if owner_lib != "cupy" and cupy is not None:
+        try:
+            ptr = cupy.cuda.get_current_stream(device_id).ptr
+        except Exception:  # noqa: BLE001 - CuPy without a usable device: it captures nothing
+            return None
+        if ptr not in (0, 1, 2) and is_capturing(ptr):
+            return "cupy"
+    return None
+
+
 def current_stream(owner: Any, device_id: int) -> int:
     """The current stream of the array library that owns ``owner`` (an output array), on ``device_id``.
 
@@ -54,4 +83,14 @@ def launch_stream(device_id: int, stream: Any, owner: Any) -> tuple[int, str | N
         return 0, None
     if stream is not None:
         return stream_handle(stream), None
-    return current_stream(owner, device_id), type(owner).__module__.split(".")[0]
+    lib = type(owner).__module__.split(".")[0]
+    handle = current_stream(owner, device_id)
+    if lib not in ("torch", "cupy") or not is_capturing(handle):
+        # No stream given and the owner's default stream is not capturing: a graph capture running on
+        # another library's stream would silently miss this launch (a stale graph on every replay).
+        other = _capturing_elsewhere(lib, device_id)
+        if other is not None:
+            raise fail(RuntimeError, f"stream: expected the stream of the {other} graph capture in progress, got "
+                                     f"stream=None, which launches on the current stream of the outputs' library "
+                                     f"({lib}), outside the capture; pass stream={other}'s current stream")
+    return handle, lib

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import fail
 from ..interop.adapter import HOST, ArrayView, as_view, check_disjoint, check_same_device, check_view
-from ..interop.devices import allocator, zero_fill
+from ..interop.devices import allocator, on_device_of, zero_fill
 from ..interop.hostcopy import to_host
 from ..interop.memview import host_view
 from .ring import (
@@ -45,8 +45,12 @@ class CanaryState:
         ring_capacity: int = 1024,
         device: Any = "cpu",
         check_flags: CheckFlags | int = DEFAULT_CHECK_FLAGS,
+        library: str | None = None,
     ) -> CanaryState:
-        """Allocate zeroed state: NumPy for ``device="cpu"``, CuPy for a CUDA ordinal or ``"cuda:N"``."""
+        """Allocate zeroed state: NumPy for ``device="cpu"``; for a CUDA ordinal or ``"cuda:N"``, arrays of
+        ``library`` (``"cupy"``, ``"torch"``, ``"numba"``; default CuPy, else Numba), so that later calls run on
+        that library's current stream by default. Raises ``TypeError`` / ``ValueError`` for bad sizes, an unknown
+        device or library, :class:`~canary.BackendUnavailableError` when the library is not installed."""
         for name, value, low in (("num_slots", num_slots, 1), ("slot_stride_bytes", slot_stride_bytes,
                                                                  MIN_SLOT_STRIDE_BYTES),
                                  ("ring_capacity", ring_capacity, 0)):
@@ -57,10 +61,11 @@ class CanaryState:
         if int(slot_stride_bytes) % 8:
             raise fail(ValueError, f"slot_stride_bytes: expected a multiple of 8, got {slot_stride_bytes}")
         flag_value = int(coerce_check_flags(check_flags))
-        empty = allocator(device)
+        empty = allocator(device, library)
         n, stride, cap = int(num_slots), int(slot_stride_bytes), int(ring_capacity)
         flags = empty(1, np.int32)
-        flags[0] = flag_value
+        with on_device_of(flags):
+            flags[0] = flag_value
         return cls(
             canary_buffer=empty(n * stride, np.uint8).reshape(n, stride),
             ring=empty(cap * RING_ROW_WORDS, np.int64).reshape(cap, RING_ROW_WORDS),
@@ -75,17 +80,20 @@ class CanaryState:
         :func:`coerce_check_flags` takes them."""
         value = int(coerce_check_flags(flags, "flags"))
         try:
-            self.check_flags[0] = value
+            with on_device_of(self.check_flags):
+                self.check_flags[0] = value
         except ValueError as exc:  # a read-only array
             raise fail(ValueError, f"state.check_flags: expected a writable array, got a read-only one ({exc})") from exc
 
     def health(self) -> Health:
         """Copy the counters to the host (a sync for device arrays)."""
-        return Health.from_counters(to_host(self.slot_run_counter), to_host(self.kernel_run_counter))
+        with on_device_of(self.slot_run_counter):
+            return Health.from_counters(to_host(self.slot_run_counter), to_host(self.kernel_run_counter))
 
     def read(self) -> RingReport:
         """Decode the ring without resetting it (a sync for device arrays)."""
-        return decode(to_host(self.ring), int(to_host(self.ring_write_index)[0]), self.health())
+        with on_device_of(self.ring):
+            return decode(to_host(self.ring), int(to_host(self.ring_write_index)[0]), self.health())
 
     def drain(self) -> RingReport:
         """Decode the ring, then reset it (write index and used rows to 0) so that new violations are kept.
@@ -95,9 +103,10 @@ class CanaryState:
         """
         report = self.read()
         used = min(report.total, report.capacity)
-        if used:
-            zero_fill(self.ring[:used])
-        zero_fill(self.ring_write_index)
+        with on_device_of(self.ring):
+            if used:
+                zero_fill(self.ring[:used])
+            zero_fill(self.ring_write_index)
         return report
 
 
