@@ -22,7 +22,7 @@ def backend(request):
     from canary.backends import load
 
     try:
-        load(request.param, "canary")
+        load(request.param, "records")
     except BackendUnavailableError as exc:
         pytest.skip(str(exc))
     return request.param
