@@ -161,6 +161,17 @@ def _copy_into(dst, src: np.ndarray, xp: str) -> None:
         dst[...] = cupy.asarray(src)
 
 
+def _sync_device(xp: str) -> None:
+    if xp == "torch_cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    else:
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+
+
 def _graph_roundtrip(backend: str, xp: str, capture):
     case = _graph_case(1)
     conv = lambda a: to_xp(a, xp)  # noqa: E731
@@ -181,6 +192,7 @@ def _graph_roundtrip(backend: str, xp: str, capture):
         poisoned = poisoned_outputs(case)
         for k in OUTPUTS:
             _copy_into(raw[k], poisoned[k], xp)
+        _sync_device(xp)  # the refills ran on the library's current stream; the replay's stream may not wait
         replay()
         assert_same({k: to_numpy(raw[k]) for k in OUTPUTS}, expected_outputs(new), new)
 

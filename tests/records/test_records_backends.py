@@ -199,6 +199,8 @@ def test_graph_capture_and_replay_after_refill(backend):
             if isinstance(v, np.ndarray):
                 v_args[k][...] = cupy.asarray(v)
         pool[...] = 0
+        # The refills ran on CuPy's current stream, which a non-blocking stream does not wait for.
+        cupy.cuda.Device().synchronize()
         graph.launch(stream)
         stream.synchronize()
         want = cc.run_case(dataclasses.replace(case, launches=[case.launches[1], case.launches[0]]),
