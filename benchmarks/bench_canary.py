@@ -1,4 +1,4 @@
-"""Time the canary write and verify kernels per step on the GPU, CuPy and Numba (method: GPU.md).
+"""Time the canary write and verify kernels per step on the GPU, CuPy and Numba (method: docs/performance.md).
 
     python benchmarks/bench_canary.py [--out benchmarks/results] [--backends cupy numba]
 

@@ -1,4 +1,4 @@
-"""Build, check and time every plan implementation on the GPU in one run (issue 6; method: GPU.md).
+"""Build, check and time every plan implementation on the GPU in one run (method: docs/performance.md).
 
     python benchmarks/bench_plan.py [--quick] [--out benchmarks/results]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before any jax import (GPU.md)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before any jax import: JAX would take 75% of GPU memory
 os.environ.setdefault("JAX_ENABLE_X64", "1")  # int64 arrays, not silently int32
 
 import numpy as np

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before any jax import (GPU.md)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before any jax import: JAX would take 75% of GPU memory
 
 import time  # noqa: E402
 
