@@ -85,12 +85,12 @@ def launch_stream(device_id: int, stream: Any, owner: Any) -> tuple[int, str | N
         return stream_handle(stream), None
     lib = type(owner).__module__.split(".")[0]
     handle = current_stream(owner, device_id)
-    if lib not in ("torch", "cupy") or not is_capturing(handle):
-        # No stream given and the owner's default stream is not capturing: a graph capture running on
-        # another library's stream would silently miss this launch (a stale graph on every replay).
-        other = _capturing_elsewhere(lib, device_id)
-        if other is not None:
-            raise fail(RuntimeError, f"stream: expected the stream of the {other} graph capture in progress, got "
-                                     f"stream=None, which launches on the current stream of the outputs' library "
-                                     f"({lib}), outside the capture; pass stream={other}'s current stream")
+    # No stream given: a graph capture running on another library's current stream would silently miss this
+    # launch (a stale graph on every replay). Only other libraries are asked, so the common eager call costs
+    # no driver query when the owner's library is the only one in use.
+    other = _capturing_elsewhere(lib, device_id)
+    if other is not None:
+        raise fail(RuntimeError, f"stream: expected the stream of the {other} graph capture in progress, got "
+                                 f"stream=None, which launches on the current stream of the outputs' library "
+                                 f"({lib}), outside the capture; pass stream={other}'s current stream")
     return handle, lib
