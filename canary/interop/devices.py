@@ -24,9 +24,11 @@ def cuda_ordinal(device: Any) -> int | None:
         return None
     if isinstance(device, str) and device.startswith("cuda"):
         tail = device.partition(":")[2]
-        if device not in ("cuda", f"cuda:{tail}") or (tail and not tail.isdigit()):
+        if device == "cuda":
+            return 0
+        if device != f"cuda:{tail}" or not tail.isdigit():
             raise fail(ValueError, f"device: {_DEVICE_HELP}, got {device!r}")
-        return int(tail or 0)
+        return int(tail)
     if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
         return device
     raise fail(ValueError, f"device: {_DEVICE_HELP}, got {device!r}")
