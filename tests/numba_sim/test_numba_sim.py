@@ -48,6 +48,7 @@ def _numpy_too_new() -> bool:
 @pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
 def test_simulator_suite():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env.pop("KV_CANARY_REQUIRE_GPU", None)  # the simulator run is a CPU run, even inside a GPU run
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(SUITE)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
