@@ -1,9 +1,9 @@
 """The Numba backend in CI, where there is no GPU.
 
-How the simulator suite runs (``tests/numba_sim_suite.py``): numba reads ``NUMBA_ENABLE_CUDASIM`` once, when
+How the simulator suite runs (``tests/numba_sim/numba_sim_suite.py``): numba reads ``NUMBA_ENABLE_CUDASIM`` once, when
 ``numba.cuda`` is first imported, and a plain ``pytest`` from the repository root (the README's command) may
 import numba earlier without it (this file's PTX check does, and so may any other test). So
-``test_simulator_suite`` starts a child ``python -m pytest tests/numba_sim_suite.py`` with
+``test_simulator_suite`` starts a child ``python -m pytest tests/numba_sim/numba_sim_suite.py`` with
 ``NUMBA_ENABLE_CUDASIM=1`` and fails with the child's report if any simulator test fails. The suite file is
 not collected by the parent (its name does not match ``test_*.py``). Both carry the ``sim`` marker:
 ``pytest -m "not sim"`` skips the simulator (about a minute and a half on 2 cores).

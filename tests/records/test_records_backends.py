@@ -322,7 +322,7 @@ def test_engine_detects_each_fault_on_gpu(backend, kind):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The device hash functions themselves, on the frozen vectors of tests/test_hashes.py
+# The device hash functions themselves, on the frozen vectors of tests/records/test_hashes.py (helpers/hash_vectors.py)
 
 
 def test_cuda_hashes_match_frozen_vectors():
@@ -348,7 +348,7 @@ def test_cuda_hashes_match_frozen_vectors():
 
 
 def test_numba_hashes_match_frozen_vectors():
-    from numba_hash_vectors import check_numba_hashes
+    from helpers.numba_hash_vectors import check_numba_hashes
 
     check_numba_hashes()
 
