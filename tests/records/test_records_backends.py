@@ -322,11 +322,11 @@ def test_engine_detects_each_fault_on_gpu(backend, kind):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The device hash functions themselves, on the frozen vectors of tests/records/test_hashes.py (helpers/hash_vectors.py)
+# The device hash functions themselves, on the frozen vectors (helpers/hash_vectors.py, pinned by test_hashes.py)
 
 
 def test_cuda_hashes_match_frozen_vectors():
-    from test_hashes import MIX3_VECTORS, SPLITMIX64_VECTORS
+    from helpers.hash_vectors import MIX3_VECTORS, SPLITMIX64_VECTORS
 
     from canary.backends.sources import cuda_source
 
