@@ -1,9 +1,9 @@
 """Plan cases as plain data, and one runner that plays them on any backend and array library.
 
 Shared by the reference tests (CPU) and the GPU backend test matrix. Import it from any file under
-``tests/`` (pytest puts this folder on ``sys.path``)::
+``tests/`` (pytest puts ``tests/`` on ``sys.path``)::
 
-    from cases import POISON, hand_cases, random_case, run_case, expected_outputs, assert_same
+    from helpers.plan_cases import POISON, hand_cases, random_case, run_case, expected_outputs, assert_same
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("case", hand_cases(), ids=lambda c: c.name)

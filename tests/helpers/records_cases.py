@@ -21,13 +21,14 @@ import numpy as np
 
 from canary import VerifyPlan, WritePlan
 from canary.records.realkv import RealKVMode, real_kv
-from canary.records.ring import RING_ROW_WORDS, CheckFlags
+from canary.records.ring import RING_ROW_WORDS, CheckFlags, FailReason
 from canary.records.state import CanaryState
 from canary import CanaryRecords, scatter_expected_tokens
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 RING_SENTINEL = 0x5A5A_5A5A_5A5A_5A5A
 ALL_FLAGS = int(CheckFlags.WRITE_POSITION_CHAIN | CheckFlags.VERIFY_TOKEN)
+F = FailReason
 
 
 @dataclass
@@ -50,6 +51,8 @@ class CanaryCase:
     sources: list = field(default_factory=list)  # (array, page_size, num_bytes_per_token, read_bytes)
     mode: RealKVMode = RealKVMode.ALL
     seed: int = 0  # of the poison
+    # Worked out by hand (some hand cases): the (slot, reasons) of the last launch's ring rows, in entry order.
+    expect: list[tuple[int, FailReason]] | None = None
 
     def __repr__(self) -> str:
         return f"CanaryCase({self.name})"
@@ -333,9 +336,29 @@ def hand_cases() -> list[CanaryCase]:
     changed[0][0][1, 0, 5] ^= 1  # slot 4's first K byte... page 1, token 0
     changed[1][0][9, 3] += 1  # slot 9's V
     case = CanaryCase(name="real_kv_flip_detected", num_slots=S, sources=changed, mode=RealKVMode.ALL,
-                      launches=[Launch("verify", {})], seed=99)
+                      launches=[Launch("verify", {})], seed=99, expect=[(4, F.REAL_KV), (9, F.REAL_KV)])
     cases.append(_real_kv_flip(case, srcs))
+    # Mode PARTIAL hashes the first 16 bytes of each token only: a byte flipped at offset 15 of a token is seen, one
+    # at offset 16 is not. Mode ALL hashes read_bytes: it sees both, but not a flip past read_bytes. Sources: 'p'
+    # (32 B per token, reads 32) and 't' (64 B per token, reads 48). Flips: (source, slot, byte of the token).
+    srcs = _sources(rng, S, "pt")
+    flips = [(0, 5, 15), (0, 6, 16), (1, 9, 3), (1, 11, 40), (1, 12, 50)]
+    for mode, seen in ((RealKVMode.PARTIAL, (5, 9)), (RealKVMode.ALL, (5, 6, 9, 11))):
+        case = CanaryCase(name=f"real_kv_{mode.name.lower()}_byte_flips", num_slots=S, sources=_flip(srcs, flips),
+                          mode=mode, launches=[], seed=100 + int(mode), expect=[(slot, F.REAL_KV) for slot in seen])
+        cases.append(_real_kv_flip(case, srcs))
     return cases
+
+
+def _flip(sources: list, flips: list[tuple[int, int, int]]) -> list:
+    """Copies of ``sources`` with bit 0 of one byte flipped per ``(source index, slot, byte offset in the token)``."""
+    out = [(np.ascontiguousarray(a).copy(), ps, nb, rb) for a, ps, nb, rb in sources]
+    for k, slot, byte in flips:
+        arr, ps, nb, _ = out[k]
+        assert 0 <= byte < nb
+        row_bytes = arr.view(np.uint8).reshape(arr.shape[0], -1)  # a view: the flip lands in ``arr``
+        row_bytes[slot // ps, (slot % ps) * nb + byte] ^= 1
+    return out
 
 
 def _real_kv_flip(case: CanaryCase, written_sources: list) -> CanaryCase:

@@ -83,12 +83,22 @@ def test_numpy_non_unit_inner_stride(make, msg):
         check_view(as_view(make(), "x"), dtype=np.int64, ndim=make().ndim)
 
 
-def test_degenerate_shapes_accepted():
-    check_view(as_view(np.zeros(1, np.int64)[::1], "x"), dtype=np.int64, ndim=1, length=1, writable=True)
-    check_view(as_view(np.zeros(0, np.int64), "x"), dtype=np.int64, ndim=1, length=0, writable=True)
-    check_view(as_view(np.zeros((1, 5), np.int32), "x"), dtype=np.int32, ndim=2)
-    check_view(as_view(np.zeros((5, 1), np.int32), "x"), dtype=np.int32, ndim=2)
-    check_view(as_view(np.zeros((3, 0), np.int32), "x"), dtype=np.int32, ndim=2)
+@pytest.mark.parametrize("make,shape,strides", [
+    (lambda: np.zeros(1, np.int64)[::1], (1,), (1,)),
+    (lambda: np.zeros(0, np.int64), (0,), None),  # zero-size: NumPy's strides (version-dependent), in elements
+    (lambda: np.zeros((1, 5), np.int32), (1, 5), (5, 1)),
+    (lambda: np.zeros((5, 1), np.int32), (5, 1), (1, 1)),
+    (lambda: np.zeros((3, 0), np.int32), (3, 0), None),
+], ids=["len1", "len0", "1x5", "5x1", "3x0"])
+def test_degenerate_shapes_accepted(make, shape, strides):
+    a = make()
+    length = a.shape[0] if a.ndim == 1 else None
+    v = check_view(as_view(a, "x"), dtype=a.dtype, ndim=a.ndim, length=length, writable=True)
+    if strides is None:
+        strides = tuple(s // a.itemsize for s in a.strides)
+    assert v.ptr == a.ctypes.data and v.host is a and v.owner is a
+    assert (v.name, v.shape, v.strides, v.dtype, v.device_id, v.readonly) == ("x", shape, strides, a.dtype, HOST,
+                                                                              False)
 
 
 def test_check_view_type_and_shape_errors():

@@ -1,19 +1,22 @@
 """The Numba backend in CI, where there is no GPU.
 
-How the simulator suite runs (``tests/numba_sim_suite.py``): numba reads ``NUMBA_ENABLE_CUDASIM`` once, when
+How the simulator suite runs (``tests/numba_sim/numba_sim_suite.py``): numba reads ``NUMBA_ENABLE_CUDASIM`` once, when
 ``numba.cuda`` is first imported, and a plain ``pytest`` from the repository root (the README's command) may
 import numba earlier without it (this file's PTX check does, and so may any other test). So
-``test_simulator_suite`` starts a child ``python -m pytest tests/numba_sim_suite.py`` with
+``test_simulator_suite`` starts a child ``python -m pytest tests/numba_sim/numba_sim_suite.py`` with
 ``NUMBA_ENABLE_CUDASIM=1`` and fails with the child's report if any simulator test fails. The suite file is
 not collected by the parent (its name does not match ``test_*.py``). Both carry the ``sim`` marker:
 ``pytest -m "not sim"`` skips the simulator (about a minute and a half on 2 cores).
 
 The other tests run in this process: the backend's install guards (numpy >= 2.5, numba-cuda missing), that
 ``import canary`` stays free of numba, and an NVVM compile of every kernel for sm_90 (the simulator runs the
-kernels as Python; this catches Numba typing errors, which it cannot).
+kernels as Python; this catches Numba typing errors, which it cannot). The compile tests skip only when libNVVM
+or libdevice is missing, decided by a probe that compiles nothing (``nvvm`` fixture); once it passes, any
+exception from compiling our kernels is a failure.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -45,6 +48,7 @@ def _numpy_too_new() -> bool:
 @pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
 def test_simulator_suite():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env.pop("KV_CANARY_REQUIRE_GPU", None)  # the simulator run is a CPU run, even inside a GPU run
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(SUITE)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -140,11 +144,41 @@ def test_import_canary_does_not_import_numba():
 # NVVM compile of every kernel (no GPU needed)
 
 
+@functools.lru_cache(maxsize=None)
+def nvvm_missing() -> str | None:
+    """Why numba-cuda cannot use libNVVM here (``None``: it can), found without compiling any kernel.
+
+    Asks numba's own ``nvvm.is_available()``, then loads the library for real (``NVVM().get_version()`` calls
+    into libNVVM) and looks for libdevice. Only those errors mean "NVVM unavailable"; an ImportError of numba-cuda
+    itself is a broken install and propagates.
+    """
+    from numba.cuda.cudadrv import nvvm
+
+    if not nvvm.is_available():
+        return "numba.cuda.cudadrv.nvvm.is_available() is False (cuda.bindings.nvvm or libNVVM missing)"
+    load_errors = (nvvm.NvvmSupportError, OSError, RuntimeError) + ((nvvm.nvvmError,) if nvvm.nvvmError else ())
+    try:
+        version = nvvm.NVVM().get_version()
+    except load_errors as exc:  # RuntimeError covers cuda.bindings' NotSupportedError / FunctionNotFoundError
+        return f"libNVVM does not load: {type(exc).__name__}: {exc}"
+    if not nvvm.get_libdevice():
+        return f"libNVVM {version} found, libdevice not found"
+    return None
+
+
+@pytest.fixture
+def nvvm():
+    """Skip (before compiling anything) where libNVVM is genuinely unavailable."""
+    reason = nvvm_missing()
+    if reason is not None:
+        pytest.skip(f"NVVM unavailable: {reason}")
+
+
 @pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
 @pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
 @pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
 @pytest.mark.parametrize("has_lut,has_pool", [(False, False), (True, False), (False, True), (True, True)])
-def test_kernels_compile_for_sm90(monkeypatch, has_lut, has_pool):
+def test_kernels_compile_for_sm90(monkeypatch, nvvm, has_lut, has_pool):
     from types import SimpleNamespace
 
     from numba import cuda
@@ -157,23 +191,18 @@ def test_kernels_compile_for_sm90(monkeypatch, has_lut, has_pool):
     # Device functions compile for "the current device"; there is none here. Say it is an sm_90 (H200).
     monkeypatch.setattr(dispatcher, "get_current_device", lambda: SimpleNamespace(compute_capability=(9, 0)))
     sfx = plan_numba.suffix(has_lut, has_pool)
-    try:
-        for kernel in plan_numba.kernel_functions(has_lut, has_pool):
-            ptx, _ = cuda.compile_ptx(kernel, plan_numba.SIGNATURE, cc=(9, 0),
-                                      launch_bounds=plan_numba.launch_bounds(kernel.__name__))
-            assert ".maxntid" in ptx  # plan.cu's __launch_bounds__
-            assert kernel.__name__.endswith(sfx) and kernel.__name__ in ptx  # plan.cu's kernel name, mangled
-            assert ".local" not in ptx, f"{kernel.__name__}: local memory (spills or local arrays)"
-    except Exception as exc:  # NVVM (libnvvm) missing: an environment problem, not a kernel one
-        if "Nvvm" in type(exc).__name__:
-            pytest.skip(f"NVVM unavailable: {exc}")
-        raise
+    for kernel in plan_numba.kernel_functions(has_lut, has_pool):
+        ptx, _ = cuda.compile_ptx(kernel, plan_numba.SIGNATURE, cc=(9, 0),
+                                  launch_bounds=plan_numba.launch_bounds(kernel.__name__))
+        assert ".maxntid" in ptx  # plan.cu's __launch_bounds__
+        assert kernel.__name__.endswith(sfx) and kernel.__name__ in ptx  # plan.cu's kernel name, mangled
+        assert ".local" not in ptx, f"{kernel.__name__}: local memory (spills or local arrays)"
 
 
 @pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
 @pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
 @pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
-def test_canary_kernels_compile_for_sm90(monkeypatch):
+def test_canary_kernels_compile_for_sm90(monkeypatch, nvvm):
     """The canary twin (kernels/records_numba.py): every kernel types and compiles, in u64 arithmetic only."""
     from types import SimpleNamespace
 
@@ -187,14 +216,50 @@ def test_canary_kernels_compile_for_sm90(monkeypatch):
     write, verify, scatter = cn.kernel_functions()
     sigs = [(write, cn.WRITE_PARAMS), (verify, cn.VERIFY_PARAMS), (scatter, cn.scatter_params("int64[::1]")),
             (scatter, cn.scatter_params("int32[::1]"))]
-    try:
-        for kernel, params in sigs:
-            ptx, _ = cuda.compile_ptx(kernel, cn._signature(params), cc=(9, 0))
-            assert kernel.__name__ in ptx  # records.cu's kernel name, mangled
-            # A float anywhere means Numba promoted a u64 / i64 mix to float64: wrong bits, silently.
-            assert not re.search(r"\bcvt\.rn\.f64|\.f64\b", ptx), f"{kernel.__name__}: float64 arithmetic in the PTX"
-            assert ".local" not in ptx, f"{kernel.__name__}: local memory (spills or local arrays)"
-    except Exception as exc:  # NVVM (libnvvm) missing: an environment problem, not a kernel one
-        if "Nvvm" in type(exc).__name__:
-            pytest.skip(f"NVVM unavailable: {exc}")
-        raise
+    for kernel, params in sigs:
+        ptx, _ = cuda.compile_ptx(kernel, cn._signature(params), cc=(9, 0))
+        assert kernel.__name__ in ptx  # records.cu's kernel name, mangled
+        # A float anywhere means Numba promoted a u64 / i64 mix to float64: wrong bits, silently.
+        assert not re.search(r"\bcvt\.rn\.f64|\.f64\b", ptx), f"{kernel.__name__}: float64 arithmetic in the PTX"
+        assert ".local" not in ptx, f"{kernel.__name__}: local memory (spills or local arrays)"
+
+
+@pytest.fixture
+def fresh_probe():
+    nvvm_missing.cache_clear()
+    yield nvvm_missing
+    nvvm_missing.cache_clear()
+
+
+@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+@pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
+def test_nvvm_probe_skips_only_for_a_missing_library(monkeypatch, fresh_probe):
+    from numba.cuda.cudadrv import nvvm
+
+    class Broken:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def __call__(self):
+            return self
+
+        def get_version(self):
+            raise self.exc
+
+    monkeypatch.setattr(nvvm, "is_available", lambda: False)
+    assert "is_available() is False" in fresh_probe()
+    fresh_probe.cache_clear()
+    monkeypatch.setattr(nvvm, "is_available", lambda: True)
+    monkeypatch.setattr(nvvm, "NVVM", Broken(nvvm.NvvmSupportError("libNVVM is not available")))
+    assert fresh_probe() == "libNVVM does not load: NvvmSupportError: libNVVM is not available"
+    fresh_probe.cache_clear()
+    monkeypatch.setattr(nvvm, "NVVM", Broken(OSError("libnvvm.so.4: cannot open shared object file")))
+    assert fresh_probe().startswith("libNVVM does not load: OSError: libnvvm.so.4")
+    fresh_probe.cache_clear()
+    monkeypatch.setattr(nvvm, "NVVM", Broken(ValueError("a bug, not a missing library")))
+    with pytest.raises(ValueError, match="a bug"):  # not turned into a skip
+        fresh_probe()
+    fresh_probe.cache_clear()
+    monkeypatch.setattr(nvvm, "NVVM", lambda: type("Ok", (), {"get_version": lambda self: (2, 0)})())
+    monkeypatch.setattr(nvvm, "get_libdevice", lambda: None)
+    assert fresh_probe() == "libNVVM (2, 0) found, libdevice not found"

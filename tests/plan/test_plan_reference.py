@@ -1,8 +1,6 @@
 """The NumPy reference planner (SPEC 3.2, 3.4) against the naive oracle, hand-read values, and properties."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from helpers.plan_cases import (
@@ -376,10 +374,8 @@ def test_million_entry_plan():
                     verify_capacity=C, write_req_capacity=bs)
     vp, wp, raw = make_plans(case)
     planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, req_to_token=r2t)
-    t0 = time.perf_counter()
-    planner.plan(**case.step_kwargs())
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 5.0, f"a 1M-entry reference plan took {elapsed:.2f} s"
+    # Correctness only: its time on this workload is benchmarks/bench_reference.py's (the same 256 x 4096 step).
+    assert planner.plan(**case.step_kwargs()) is None
     assert raw["verify_num_valid"][0] == C == 1 << 20 and raw["enable"][0] == 1
     np.testing.assert_array_equal(raw["verify_slot_indices"], r2t[rpi].reshape(-1))
     np.testing.assert_array_equal(raw["verify_expected_positions"], np.tile(np.arange(L), bs))

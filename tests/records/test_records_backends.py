@@ -324,11 +324,11 @@ def test_engine_detects_each_fault_on_gpu(backend, kind):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The device hash functions themselves, on the frozen vectors of tests/test_hashes.py
+# The device hash functions themselves, on the frozen vectors (helpers/hash_vectors.py, pinned by test_hashes.py)
 
 
 def test_cuda_hashes_match_frozen_vectors():
-    from test_hashes import MIX3_VECTORS, SPLITMIX64_VECTORS
+    from helpers.hash_vectors import MIX3_VECTORS, SPLITMIX64_VECTORS
 
     from canary.backends.sources import cuda_source
 
@@ -361,7 +361,8 @@ def test_torch_bfloat16_source_zero_copy(backend):
     from canary import CanaryState, FailReason, CanaryRecords, VerifyPlan, WritePlan, real_kv
 
     dev = "cuda"
-    kv = torch.randn(32, 2, 64, dtype=torch.bfloat16, device=dev)  # [slots, heads, head_dim]: 256 B per token
+    gen = torch.Generator().manual_seed(6)  # drawn on the host: the same values on every GPU
+    kv = torch.randn(32, 2, 64, dtype=torch.bfloat16, generator=gen).to(dev)  # [slots, heads, head_dim]: 256 B
     state = CanaryState(canary_buffer=torch.zeros(32, 32, dtype=torch.uint8, device=dev),
                         ring=torch.zeros(8, 8, dtype=torch.int64, device=dev),
                         ring_write_index=torch.zeros(1, dtype=torch.int32, device=dev),

@@ -8,6 +8,7 @@ and tags.
 from __future__ import annotations
 
 from helpers import naive_records as naive
+from helpers import records_cases as cc
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -243,6 +244,43 @@ def test_real_kv_in_write_and_verify():
     kvbytes[5, 31] ^= 0x80
     c.verify(vp)
     assert [(v.slot, v.reasons) for v in c.drain()] == [(5, F.REAL_KV)]
+
+
+# Real-KV modes, by hand (hand cases of helpers/records_cases.py: records as a write over the clean KV bytes left
+# them, then a verify of slots 1..15 over bytes with some flipped; only REAL_KV can fire). Flips, as (source, slot,
+# byte of the token): (p, 5, 15), (p, 6, 16), (t, 9, 3), (t, 11, 40), (t, 12, 50); p reads 32 of 32 bytes per token
+# in mode ALL, t 48 of 64; mode PARTIAL reads the first 16 of each.
+REAL_KV_BY_HAND = {
+    "real_kv_partial_byte_flips": [(5, F.REAL_KV), (9, F.REAL_KV)],  # bytes 15 and 3: inside the first 16
+    "real_kv_all_byte_flips": [(5, F.REAL_KV), (6, F.REAL_KV), (9, F.REAL_KV), (11, F.REAL_KV)],  # not 12: byte 50
+    "real_kv_flip_detected": [(4, F.REAL_KV), (9, F.REAL_KV)],  # mode ALL: slot 4's K byte 5, slot 9's V bytes 6-7
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_KV_BY_HAND))
+def test_real_kv_hand_cases_fail_reasons(name):
+    case = next(c for c in cc.hand_cases() if c.name == name)
+    want = REAL_KV_BY_HAND[name]
+    assert case.expect == want  # the case states the same (the GPU twins are compared with this reference)
+    run = cc.run_case(case, "reference", lambda a: a.copy(), np.asarray)
+    ((kind, w0, w1, rows),) = run.launches
+    assert (kind, w0, w1) == ("verify", 0, len(want))
+    assert [(int(row[1]), F(int(row[7]))) for row in rows] == want
+
+
+def test_partial_mode_reads_exactly_the_first_16_bytes():
+    """The same bytes under PARTIAL: every byte of a token's first 16 changes the slot's hash, none after them."""
+    kvbytes = np.random.default_rng(4).integers(0, 256, size=(4, 48), dtype=np.uint8)
+    _state, c = _canary(num_slots=4, kv=real_kv([(kvbytes, 1, 48)], "partial"))
+    c.write(_write_plan([0, 3], [-1]), out_cache_loc=_a(1, 2, 3), input_ids=_a(1, 2, 3), positions=_a(0, 1, 2))
+    vp = _verify_plan(slots=[1, 2, 3], tokens=[-1, -1, -1], positions=[0, 1, 2], prev=[-1, 1, 2])
+    c.verify(vp)
+    assert c.drain().total == 0
+    for byte in range(48):
+        kvbytes[2, byte] ^= 0x80
+        c.verify(vp)
+        assert [(v.slot, v.reasons) for v in c.drain()] == ([(2, F.REAL_KV)] if byte < 16 else []), byte
+        kvbytes[2, byte] ^= 0x80
 
 
 def test_ring_overflow_keeps_counting():

@@ -8,13 +8,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import naive_records as naive
 
 import canary.sim.engine
 import canary.sim.replay
 from canary.sim import cli
 from canary.sim.engine import _splitmix64, kv_bytes, token_of
 from canary.sim.faults import KINDS
-from canary.records.hashes import splitmix64
+from canary import splitmix64  # the public hash
+
+M64 = (1 << 64) - 1
 
 # Small runs: rows are reused (8 of them for 24 requests), so stale-row faults have a finished request's slots.
 SMALL = ["replay", "--backend", "reference", "--max-requests", "24", "--max-batch-size", "8", "--chunk-size", "512"]
@@ -29,8 +32,47 @@ def _replay(tmp_path, *extra: str) -> tuple[int, dict]:
 def test_xp_content_matches_the_package_hashes():
     x = np.arange(-50, 5000, 7, dtype=np.int64)
     assert np.array_equal(_splitmix64(x, np), splitmix64(x))
-    assert int(token_of(3, 5)) == int(splitmix64((3 << 32) | 5)) & 0x7FFF
-    assert kv_bytes(np.array([1, 2]), np.array([3, 4])).shape == (2, 96)
+
+
+# (request, position, splitmix64(request << 32 | position) as an unsigned 64-bit int, its low 15 bits): worked
+# out once with the pure-Python tests/helpers/naive_records.splitmix64 and frozen here.
+TOKEN_VECTORS = [
+    (0, 0, 0x0000000000000000, 0),
+    (0, 1, 0x5692161D100B05E5, 1509),
+    (1, 0, 0xD820B7E910B0F93F, 31039),
+    (3, 5, 0x6DEC7181156CD6C8, 22216),
+    (7, 1000, 0xAA083087D5A8F21C, 29212),
+    (123456, 4095, 0x132270C306C2BD6F, 15727),
+]
+
+
+@pytest.mark.parametrize("req,pos,mixed,token", TOKEN_VECTORS)
+def test_token_of_is_the_low_15_bits_of_splitmix64(req, pos, mixed, token):
+    assert mixed & 0x7FFF == token  # the table is self-consistent
+    assert naive.splitmix64((req << 32) | pos) == mixed  # ... and right
+    assert int(splitmix64((req << 32) | pos)) & M64 == mixed  # the library's public hash
+    assert int(token_of(req, pos)) == token
+
+
+def test_token_of_vectorized():
+    req, pos, _, tokens = (list(col) for col in zip(*TOKEN_VECTORS))
+    got = token_of(np.array(req), np.array(pos))
+    assert got.tolist() == tokens
+
+
+def test_kv_bytes_are_little_endian_splitmix64_words_of_the_key():
+    """canary/sim/engine.py: token (r, p) has the key ``(r << 24 | p) * 16``; its 96 KV bytes are the 12 words
+    ``splitmix64(key + j)``, j = 0..11, each as 8 little-endian bytes (K: words 0-3, V: words 4-11)."""
+    pairs = [(1, 3), (2, 4), (0, 0), (300, 65535)]
+    got = kv_bytes(np.array([r for r, _ in pairs]), np.array([p for _, p in pairs]))
+    assert got.dtype == np.uint8 and got.shape == (len(pairs), 96)
+    for row, (r, p) in zip(got, pairs):
+        key = ((r << 24) | p) * 16
+        want = b"".join(naive.splitmix64(key + j).to_bytes(8, "little") for j in range(12))
+        assert row.tobytes() == want, (r, p)
+    # Frozen: (1, 3) has key 0x10000030; splitmix64 of it is 0x9A10F8845795A6AF and of key + 1 0x633E3263CCC9283F.
+    assert got[0, :16].tobytes().hex() == "afa6955784f8109a3f28c9cc63323e63"
+    assert not got[2, :8].any()  # key 0: splitmix64(0) == 0
 
 
 def test_clean_canary_run(tmp_path, capsys):

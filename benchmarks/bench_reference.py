@@ -1,0 +1,114 @@
+"""Time the NumPy reference planner on the host (no GPU, no CuPy): one step of ``--bs`` full-length decode rows.
+
+    python benchmarks/bench_reference.py [--bs 256] [--seq-len 4096] [--repeats 5] [--budget-s 5.0]
+
+The default workload is 256 rows of 4096 cached tokens (2**20 verify entries), the size the reference is expected
+to plan in well under ``--budget-s`` seconds on one CPU core (it is the host fallback and the tests' oracle).
+Each repeat plans the same step through ``CanaryPlanner.plan`` into fresh poisoned outputs; the first repeat's
+outputs are checked (verify entries and write seeds, read off ``req_to_token``) before anything is timed. Prints
+one JSON object: the workload, per-repeat seconds, min / median, entries per second, the budget and whether the
+median is within it. The exit status is 0 when the check passes, else 1 (a slow run still exits 0: judging a
+timing is the reader's, not a test's).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from canary import CanaryPlanner, VerifyPlan, WritePlan  # noqa: E402
+
+POISON64 = 0x5A5A5A5A5A5A5A5A
+
+
+def workload(bs: int, seq_len: int, seed: int) -> dict:
+    """``bs`` rows, each with ``seq_len`` cached tokens and one new one; row ``i`` uses pool row ``rpi[i]``."""
+    rng = np.random.default_rng(seed)
+    return dict(
+        req_to_token=rng.integers(1, 1 << 31, size=(bs + 1, seq_len), dtype=np.int32),
+        req_pool_indices=rng.permutation(np.arange(1, bs + 1)).astype(np.int64),
+        prefix_lens=np.full(bs, seq_len, dtype=np.int64),
+        extend_seq_lens=np.ones(bs, dtype=np.int64),
+    )
+
+
+def plans(bs: int, entries: int) -> tuple[VerifyPlan, WritePlan]:
+    i64 = lambda n: np.full(n, POISON64, dtype=np.int64)  # noqa: E731
+    i32 = lambda: np.full(1, 0x5A5A5A5A, dtype=np.int32)  # noqa: E731
+    vp = VerifyPlan(verify_slot_indices=i64(entries), verify_expected_tokens=i64(entries),
+                    verify_expected_positions=i64(entries), verify_prev_slot_indices=i64(entries),
+                    verify_num_valid=i32(), enable=i32(), status=i32())
+    wp = WritePlan(write_offsets=i64(bs + 1), write_seed_slot_indices=i64(bs), write_num_valid_reqs=i32())
+    return vp, wp
+
+
+def check(w: dict, vp: VerifyPlan, wp: WritePlan) -> str | None:
+    """What is wrong with the plan of ``w`` (``None``: nothing)."""
+    r2t, rpi = w["req_to_token"], w["req_pool_indices"]
+    bs, seq_len = rpi.size, r2t.shape[1]
+    rows = r2t[rpi]
+    want = {
+        "status": (int(vp.status[0]), 0), "enable": (int(vp.enable[0]), 1),
+        "verify_num_valid": (int(vp.verify_num_valid[0]), bs * seq_len),
+        "write_num_valid_reqs": (int(wp.write_num_valid_reqs[0]), bs),
+    }
+    for name, (got, expected) in want.items():
+        if got != expected:
+            return f"{name}: expected {expected}, got {got}"
+    prev = np.concatenate([np.full((bs, 1), -1), rows[:, :-1]], axis=1).reshape(-1)
+    arrays = [("verify_slot_indices", vp.verify_slot_indices, rows.reshape(-1)),
+              ("verify_expected_positions", vp.verify_expected_positions, np.tile(np.arange(seq_len), bs)),
+              ("verify_prev_slot_indices", vp.verify_prev_slot_indices, prev),
+              ("write_offsets", wp.write_offsets, np.arange(bs + 1)),
+              ("write_seed_slot_indices", wp.write_seed_slot_indices, rows[:, -1])]
+    for name, got, expected in arrays:
+        if not np.array_equal(got, expected):
+            return f"{name}: differs from req_to_token at {int(np.flatnonzero(got != expected)[0])}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bs", type=int, default=256, help="batch rows (default 256)")
+    ap.add_argument("--seq-len", type=int, default=4096, help="cached tokens per row (default 4096)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed plans (default 5)")
+    ap.add_argument("--budget-s", type=float, default=5.0, help="the median a healthy host stays under (default 5)")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    w = workload(args.bs, args.seq_len, args.seed)
+    entries = args.bs * args.seq_len
+    seconds, error = [], None
+    for i in range(max(1, args.repeats)):
+        vp, wp = plans(args.bs, entries)
+        planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, req_to_token=w["req_to_token"])
+        step = {k: w[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")}
+        t0 = time.perf_counter()
+        planner.plan(**step)
+        seconds.append(time.perf_counter() - t0)
+        if i == 0:
+            error = check(w, vp, wp)
+            if error:
+                break
+    median = statistics.median(seconds)
+    result = dict(
+        benchmark="reference_plan", bs=args.bs, seq_len=args.seq_len, entries=entries, repeats=len(seconds),
+        seconds=[round(s, 6) for s in seconds], min_s=round(min(seconds), 6), median_s=round(median, 6),
+        entries_per_s=round(entries / median), budget_s=args.budget_s, within_budget=median < args.budget_s,
+        correct=error is None, error=error, python=platform.python_version(), numpy=np.__version__,
+        machine=platform.machine(), date=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+    print(json.dumps(result))
+    return 0 if error is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
