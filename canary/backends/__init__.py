@@ -34,7 +34,7 @@ def load(name: str, family: str = "plan"):
 
 
 def _placement_message(name: str, what: str, where: str, fits: str) -> str:
-    runs = "on the host" if name == "reference" else "on a CUDA device"
+    runs = "on the host" if name == "reference" or (name == "numba" and _numba_simulator()) else "on a CUDA device"
     return f"backend: expected a backend for {what} in {where} ({fits}), got {name!r}, which runs {runs}"
 
 

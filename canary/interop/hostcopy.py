@@ -7,7 +7,8 @@ import numpy as np
 
 
 def to_host(obj: Any) -> np.ndarray:
-    """Return a NumPy copy of ``obj``: a sync for device arrays, so never call this on the hot path."""
+    """``obj`` as a NumPy array: a NumPy array is returned as it is (no copy), anything else is copied to the host
+    with its own library (a sync for device arrays, so never call this on the hot path)."""
     if isinstance(obj, np.ndarray):
         return obj
     module = type(obj).__module__.split(".")[0]
