@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -72,6 +73,9 @@ class StaticArgs:
     write_req_capacity: int
     max_batch_size: int
     device_id: int  # -1 for host
+    # The outputs' byte ranges (adapter.Spans: addresses and names, no arrays): per-step inputs are checked
+    # against them when first seen.
+    output_spans: Any = None
 
     @property
     def max_reqs(self) -> int:

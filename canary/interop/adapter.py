@@ -8,6 +8,7 @@ and ``owner`` keeps the exporter alive for as long as the view lives.
 from __future__ import annotations
 
 import sys
+from bisect import bisect_left
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -60,17 +61,29 @@ def _is_jax(obj: Any) -> bool:
     return type(obj).__module__.split(".")[0] in ("jax", "jaxlib")
 
 
+def negative_strides(name: str, strides: tuple[int, ...]) -> Exception:
+    """The one refusal of negative strides, worded the same on the host and device paths.
+
+    Spans, row strides and the kernels' address arithmetic all assume memory grows with the index; a flipped
+    array would make them read and write below the base pointer.
+    """
+    return fail(ValueError, f"{name}: expected non-negative strides, got element strides {tuple(strides)}")
+
+
 def _host_view(name: str, obj: Any, arr: np.ndarray) -> ArrayView:
     itemsize = arr.dtype.itemsize
     if itemsize == 0:
         raise fail(TypeError, f"{name}: expected an array of sized elements, got dtype {arr.dtype}")
     if any(s % itemsize for s in arr.strides):
         raise fail(ValueError, f"{name}: expected strides that are whole elements, got byte strides {arr.strides}")
+    strides = tuple(int(s) // itemsize for s in arr.strides)
+    if strides and min(strides) < 0:
+        raise negative_strides(name, strides)
     return ArrayView(
         name=name,
         ptr=int(arr.__array_interface__["data"][0]),
         shape=tuple(int(n) for n in arr.shape),
-        strides=tuple(int(s) // itemsize for s in arr.strides),
+        strides=strides,
         dtype=arr.dtype,
         device_id=HOST,
         readonly=(not arr.flags.writeable) or _is_jax(obj),
@@ -93,37 +106,73 @@ def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
         stream_ptr = 1
     try:
         smv = StridedMemoryView.from_any_interface(obj, stream_ptr=stream_ptr)
-    except (BufferError, TypeError, ValueError) as exc:
-        raise fail(ValueError, f"{name}: expected an array viewable through DLPack or the CUDA Array Interface, "
-                               f"got {type(obj).__name__} that refused: {exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - e.g. the CUDA driver library missing on this machine
+        ptr, shape, raw_strides = int(smv.ptr), tuple(int(n) for n in smv.shape), smv.strides
+        dtype, device_id, readonly = np.dtype(smv.dtype), int(smv.device_id), bool(smv.readonly)
+    except Exception as exc:  # noqa: BLE001 - sorted below
+        # cuda.core raises SystemError on negative strides (a flipped CuPy array), and an exporter may refuse
+        # them itself: word that as the host path does, whatever was raised.
+        declared = _declared_strides(obj)
+        if declared and min(declared) < 0:
+            raise negative_strides(name, declared) from exc
+        if isinstance(exc, (BufferError, TypeError, ValueError, SystemError)):
+            raise fail(ValueError, f"{name}: expected an array viewable through DLPack or the CUDA Array Interface, "
+                                   f"got {type(obj).__name__} that refused: {type(exc).__name__}: {exc}") from exc
+        # e.g. the CUDA driver library missing on this machine
         raise BackendUnavailableError(f"kv-canary: {name}: a CUDA array needs a working CUDA driver to be viewed, "
                                       f"got {type(exc).__name__}: {exc}") from exc
-    shape = tuple(int(n) for n in smv.shape)
-    if smv.strides is None:
+    if raw_strides is None:
         strides, acc = [], 1
         for n in reversed(shape):
             strides.append(acc)
             acc *= max(n, 1)
         strides = tuple(reversed(strides))
     else:
-        strides = tuple(int(s) for s in smv.strides)
+        strides = tuple(int(s) for s in raw_strides)
+    if strides and min(strides) < 0:
+        raise negative_strides(name, strides)
     return ArrayView(
         name=name,
-        ptr=int(smv.ptr),
+        ptr=ptr,
         shape=shape,
         strides=strides,
-        dtype=np.dtype(smv.dtype),
-        device_id=int(smv.device_id),
-        readonly=bool(smv.readonly) or _is_jax(obj),
+        dtype=dtype,
+        device_id=device_id,
+        readonly=readonly or _is_jax(obj),
         owner=obj,
     )
+
+
+def _declared_strides(obj: Any) -> tuple[int, ...] | None:
+    """Element strides an exporter states without exporting anything (CUDA Array Interface, or the
+    ``strides`` / ``stride()`` of CuPy, Numba and torch arrays); ``None`` when it states none."""
+    try:
+        cai = getattr(obj, "__cuda_array_interface__", None)
+        if isinstance(cai, dict) and cai.get("strides") is not None:
+            itemsize = np.dtype(cai["typestr"]).itemsize
+            return tuple(int(s) // itemsize for s in cai["strides"])
+        if type(obj).__module__.split(".")[0] == "torch":
+            return tuple(int(s) for s in obj.stride())
+        strides, itemsize = getattr(obj, "strides", None), getattr(obj, "itemsize", None)
+        if strides is not None and itemsize:
+            return tuple(int(s) // int(itemsize) for s in strides)
+    except Exception:  # noqa: BLE001 - only a diagnosis: the caller words a generic refusal instead
+        return None
+    return None
+
+
+def check_layout(obj: Any, name: str) -> None:
+    """Refuse torch tensors that are not dense (sparse, MKLDNN...): they have no data pointer and no strides."""
+    if type(obj).__module__ == "torch" and "torch" in sys.modules:
+        layout = getattr(obj, "layout", None)
+        if layout is not None and layout is not sys.modules["torch"].strided:
+            raise fail(ValueError, f"{name}: expected a dense tensor (layout torch.strided), got layout {layout}: "
+                                   f"pass tensor.to_dense()")
 
 
 _TORCH_DTYPES: dict = {}
 
 
-def _fast_device_view(obj: Any, name: str, launch_stream: int, ordered_lib: str | None) -> ArrayView | None:
+def fast_device_view(obj: Any, name: str, launch_stream: int, ordered_lib: str | None) -> ArrayView | None:
     """CuPy arrays and torch tensors whose library's current stream is the launch stream, by attribute reads.
 
     DLPack's stream handshake would add no ordering there (producer and consumer stream are the same), so
@@ -136,8 +185,10 @@ def _fast_device_view(obj: Any, name: str, launch_stream: int, ordered_lib: str 
         if ordered_lib != "cupy" and sys.modules["cupy"].cuda.get_current_stream(dev).ptr != launch_stream:
             return None
         itemsize = obj.itemsize
-        return ArrayView(name, obj.data.ptr, obj.shape, tuple(s // itemsize for s in obj.strides), obj.dtype, dev,
-                         False, obj)
+        strides = tuple(s // itemsize for s in obj.strides)
+        if strides and min(strides) < 0:
+            raise negative_strides(name, strides)
+        return ArrayView(name, obj.data.ptr, obj.shape, strides, obj.dtype, dev, False, obj)
     if module == "torch" and type(obj).__name__ == "Tensor" and obj.is_cuda:
         torch = sys.modules["torch"]
         if not _TORCH_DTYPES:
@@ -146,7 +197,10 @@ def _fast_device_view(obj: Any, name: str, launch_stream: int, ordered_lib: str 
         dev = obj.device.index
         if dtype is None or (ordered_lib != "torch" and torch.cuda.current_stream(dev).cuda_stream != launch_stream):
             return None
-        return ArrayView(name, obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), dtype, dev, False, obj)
+        try:
+            return ArrayView(name, obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()), dtype, dev, False, obj)
+        except RuntimeError:  # a sparse or other non-strided tensor: the general path words the refusal
+            return None
     return None
 
 
@@ -160,7 +214,10 @@ def identity(obj: Any) -> tuple | None:
     if module.startswith("cupy") and type(obj).__name__ == "ndarray":
         return obj.data.ptr, obj.shape
     if module == "torch" and type(obj).__name__ == "Tensor":
-        return obj.data_ptr(), obj.shape
+        try:
+            return obj.data_ptr(), obj.shape
+        except RuntimeError:  # no storage (a sparse tensor): never cached, as_view refuses it
+            return None
     return None
 
 
@@ -178,7 +235,7 @@ def as_view(obj: Any, name: str, *, stream_ptr: int = -1, launch_stream: int | N
     if isinstance(obj, ArrayView):
         return obj
     if launch_stream is not None:
-        fast = _fast_device_view(obj, name, launch_stream, ordered_lib)
+        fast = fast_device_view(obj, name, launch_stream, ordered_lib)
         if fast is not None:
             return fast
         if stream_ptr not in (-1, None) and is_capturing(launch_stream):
@@ -190,6 +247,7 @@ def as_view(obj: Any, name: str, *, stream_ptr: int = -1, launch_stream: int | N
         raise fail(TypeError, f"{name}: expected a plain array, got a masked array (its mask would be ignored)")
     if isinstance(obj, np.ndarray):
         return _host_view(name, obj, obj)
+    check_layout(obj, name)
     try:
         dev = _dlpack_device(obj)
     except (ValueError, TypeError, RuntimeError) as exc:  # e.g. torch's meta device
@@ -243,8 +301,43 @@ def check_view(
             f"{view.name}: expected a row stride >= the row length {view.shape[1]}, got {view.strides[0]} elements",
         )
     if writable and view.readonly:
-        raise fail(ValueError, f"{view.name}: expected a writable output array, got a read-only one")
+        raise fail(ValueError, f"{view.name}: expected a writable output array, got a read-only one"
+                               f"{_readonly_reason(view)}")
     return view
+
+
+def _dlpack_versioned(obj: Any) -> bool:
+    """Whether ``obj.__dlpack__`` hands out a versioned capsule (DLPack >= 1.0, which carries a read-only flag).
+
+    Asked only to explain a refusal: the capsule made here is never consumed, and its exporter frees it.
+    """
+    import ctypes
+
+    try:
+        capsule = obj.__dlpack__(max_version=(1, 0))
+    except Exception:  # noqa: BLE001 - TypeError from exporters without max_version, anything else alike
+        return False
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    try:
+        return get_name(capsule) == b"dltensor_versioned"
+    except Exception:  # noqa: BLE001 - not a capsule at all
+        return False
+
+
+def _readonly_reason(view: ArrayView) -> str:
+    """Why a view is read-only, when that is not the caller's own flag (appended to the refusal)."""
+    owner = view.owner
+    if _is_jax(owner):
+        return " (JAX arrays are immutable: pass a CuPy, torch, Numba or NumPy array)"
+    if view.host is None or isinstance(owner, np.ndarray) or not hasattr(owner, "__dlpack__"):
+        return ""
+    if _dlpack_versioned(owner):
+        return ""  # the exporter itself flagged the memory read-only
+    return (f" (it came through an unversioned DLPack capsule: {type(owner).__name__}.__dlpack__ hands out no "
+            "DLPack >= 1.0 capsule, and an unversioned one carries no writable flag, so NumPy imports it read-only; "
+            "pass an object whose __dlpack__ supports max_version >= (1, 0), or the NumPy, CuPy or torch array "
+            "itself)")
 
 
 def check_same_device(views: list[ArrayView]) -> int:
@@ -262,7 +355,8 @@ def check_same_device(views: list[ArrayView]) -> int:
 def span_bytes(view: ArrayView) -> int:
     """Bytes from ``view.ptr`` to one past the last element the view reaches (0 when empty).
 
-    Strides are taken as they are (non-negative: ``check_view`` refuses others before any span is asked for).
+    Strides are non-negative (``as_view`` refuses others), so the span starts at ``view.ptr``. A 2-D array's
+    span covers the gaps between its rows: memory there is treated as the array's own.
     """
     if 0 in view.shape or not view.shape:
         return view.dtype.itemsize if not view.shape else 0
@@ -270,18 +364,67 @@ def span_bytes(view: ArrayView) -> int:
     return (last + 1) * view.dtype.itemsize
 
 
-def check_disjoint(spans: list[tuple[ArrayView, int]]) -> None:
-    """Refuse memory shared between arrays that must be separate: ``(view, byte length)`` pairs on one device.
+def spans(views) -> list[tuple[ArrayView, int]]:
+    """``(view, span_bytes(view))`` of each view that is not ``None``."""
+    return [(v, span_bytes(v)) for v in views if v is not None]
+
+
+def _overlap(name: str, at: int, other: str, start: int, end: int) -> Exception:
+    return fail(ValueError, f"{name}: expected memory separate from {other}, got an overlap at {at:#x} "
+                            f"({other} spans [{start:#x}, {end:#x}))")
+
+
+def check_disjoint(outputs: list[tuple[ArrayView, int]], inputs: list[tuple[ArrayView, int]] = ()) -> None:
+    """Refuse shared memory: ``(view, byte length)`` pairs. ``outputs`` must be separate from each other and from
+    every input; inputs may share memory with each other (both are only read).
 
     An output overlapping another output or an input would make a kernel read its own writes or clobber an
     input mid-launch (SPEC 3.3). Raises ``ValueError`` naming both arrays.
     """
-    ranges = sorted((v.device_id, v.ptr, v.ptr + n, v.name) for v, n in spans if n > 0)
-    reach = None  # the range reaching furthest so far on the current device
+    ranges = sorted([(v.device_id, v.ptr, v.ptr + n, v.name, True) for v, n in outputs if n > 0]
+                    + [(v.device_id, v.ptr, v.ptr + n, v.name, False) for v, n in inputs if n > 0])
+    # Sweeping by start address, a range overlaps an earlier one iff it starts before that one's end: keep the
+    # furthest-reaching earlier output (what an input must clear) and earlier range of any kind (what an output
+    # must clear), per device.
+    reach_out = reach_any = None
     for r in ranges:
-        if reach is not None and reach[0] == r[0] and r[1] < reach[2]:
-            _, a0, a1, an = reach
-            raise fail(ValueError, f"{r[3]}: expected memory separate from {an}, got an overlap at {r[1]:#x} "
-                                   f"({an} spans [{a0:#x}, {a1:#x}))")
-        if reach is None or reach[0] != r[0] or r[2] > reach[2]:
-            reach = r
+        if reach_any is not None and reach_any[0] != r[0]:
+            reach_out = reach_any = None
+        other = reach_any if r[4] else reach_out
+        if other is not None and r[1] < other[2]:
+            raise _overlap(r[3], r[1], other[3], other[1], other[2])
+        if r[4] and (reach_out is None or r[2] > reach_out[2]):
+            reach_out = r
+        if reach_any is None or r[2] > reach_any[2]:
+            reach_any = r
+
+
+class Spans:
+    """Byte ranges of arrays on one device already checked to be pairwise disjoint (``check_disjoint``), sorted
+    so that another array is checked against all of them with one bisection.
+
+    Holds addresses and names only, never the arrays. Used for what is bound once (plan outputs, canary state)
+    against what arrives per call.
+    """
+
+    __slots__ = ("device_id", "_starts", "_ends", "_names")
+
+    def __init__(self, pairs: list[tuple[ArrayView, int]], device_id: int):
+        ranges = sorted((v.ptr, v.ptr + n, v.name) for v, n in pairs if n > 0)
+        self.device_id = device_id
+        self._starts = [r[0] for r in ranges]
+        self._ends = [r[1] for r in ranges]
+        self._names = [r[2] for r in ranges]
+
+    def check_range(self, name: str, device_id: int, ptr: int, nbytes: int) -> None:
+        """Refuse ``[ptr, ptr + nbytes)`` on ``device_id`` if it overlaps a range here (``ValueError`` naming both)."""
+        if device_id != self.device_id or nbytes <= 0:
+            return  # another device: the device check words that
+        # Disjoint and sorted by start, so also by end: the last range starting before our end reaches furthest.
+        i = bisect_left(self._starts, ptr + nbytes) - 1
+        if i >= 0 and self._ends[i] > ptr:
+            start = self._starts[i]
+            raise _overlap(name, max(ptr, start), self._names[i], start, self._ends[i])
+
+    def check(self, view: ArrayView) -> None:
+        self.check_range(view.name, view.device_id, view.ptr, span_bytes(view))

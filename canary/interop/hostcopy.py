@@ -1,4 +1,5 @@
-"""Copy a (small) caller array to host memory, with the array's own library. Used by ``check()`` only."""
+"""Copy a (small) caller array, or part of one, to host memory with the array's own library. Used by ``check()``
+and ``check=True`` only."""
 from __future__ import annotations
 
 from typing import Any
@@ -31,3 +32,22 @@ def to_host(obj: Any) -> np.ndarray:
         from numba import cuda
 
         return cuda.as_cuda_array(obj).copy_to_host()
+
+
+def part_to_host(obj: Any, index: tuple) -> np.ndarray:
+    """A NumPy copy of ``obj[index]``, indexed by the array's own library so that only that part is copied.
+
+    Objects that only expose an interface (no indexing of their own) are wrapped zero-copy by CuPy or Numba first.
+    """
+    if isinstance(obj, np.ndarray):
+        return obj[index]
+    if not hasattr(obj, "__getitem__"):
+        try:
+            import cupy
+
+            obj = cupy.asarray(obj)
+        except ImportError:
+            from numba import cuda
+
+            obj = cuda.as_cuda_array(obj)
+    return to_host(obj[index])

@@ -78,8 +78,14 @@ def dlpack_stream(handle: int) -> int:
 def launch_stream(device_id: int, stream: Any, owner: Any) -> tuple[int, str | None]:
     """``(handle, ordered_lib)`` of a launch on ``device_id`` (-1: host, ``(0, None)``): ``stream`` if given, else
     the current stream of the library owning ``owner`` (an output array), whose arrays are then known to be
-    ordered on it (``ordered_lib``: that library's name, for the adapter's fast path)."""
+    ordered on it (``ordered_lib``: that library's name, for the adapter's fast path). ``ValueError`` for a
+    stream with host arrays: nothing would run on it, and silently dropping it would hide a caller's mix-up."""
     if device_id < 0:
+        if stream is not None:
+            shown = repr(stream) if isinstance(stream, int) else type(stream).__name__
+            raise fail(ValueError, f"stream: expected None for host arrays (host arrays take no stream: the work "
+                                   f"runs on the host, in the call), got {shown}; pass CUDA arrays to run on a "
+                                   f"stream, or drop stream=")
         return 0, None
     if stream is not None:
         return stream_handle(stream), None

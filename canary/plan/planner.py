@@ -1,6 +1,8 @@
 """The public entry points: ``CanaryPlanner`` (bind once, plan every step) and ``launch_canary_plan_kernels``."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections import OrderedDict
 from typing import Any
 
@@ -9,14 +11,16 @@ import numpy as np
 from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 from ..errors import PlanStatus, fail
-from ..interop.adapter import ArrayView, as_view, check_same_device, check_view, identity
-from ..interop.hostcopy import to_host
+from ..interop.adapter import (
+    ArrayView, Spans, as_view, check_disjoint, check_same_device, check_view, identity, spans,
+)
+from ..interop.hostcopy import part_to_host, to_host
 from ..interop.streams import dlpack_stream, launch_stream
 from .plans import (
     INT64, VERIFY_ENTRY_FIELDS, VERIFY_SCALAR_FIELDS, WRITE_FIELDS, VerifyPlan, WritePlan, raise_for_status,
     view_verify_plan, view_write_plan,
 )
-from .rows import first_bad_row, row_checks
+from .rows import bad_slot_rows, first_bad_row, row_checks
 
 
 def _int_arg(name: str, value: Any) -> int:
@@ -68,8 +72,11 @@ def bind_static(
     mbs = r_cap if max_batch_size is None else _int_arg("max_batch_size", max_batch_size)
     if mbs < 0:
         raise fail(ValueError, f"max_batch_size: expected >= 0, got {mbs}")
-    views = vp.all() + wp.all() + [r2t] + [v for v in (lut, pool) if v is not None]
-    device_id = check_same_device(views)
+    outputs = vp.all() + wp.all()
+    inputs = [v for v in (r2t, lut, pool) if v is not None]
+    device_id = check_same_device(outputs + inputs)
+    out_spans = spans(outputs)
+    check_disjoint(out_spans, spans(inputs))
     return StaticArgs(
         req_to_token=r2t,
         full_to_swa_index_mapping=lut,
@@ -82,7 +89,27 @@ def bind_static(
         write_req_capacity=r_cap,
         max_batch_size=mbs,
         device_id=device_id,
+        output_spans=Spans(out_spans, device_id),
     )
+
+
+_BIND_PARAMETERS = inspect.signature(bind_static).parameters
+_REQUIRED = tuple(k for k, p in _BIND_PARAMETERS.items() if p.default is p.empty)
+
+
+def _check_keywords(args: tuple, static: dict) -> None:
+    """Word CanaryPlanner's call errors itself: Python's own would name the internal ``bind_static``."""
+    accepted = ("backend", "launch_config", *_BIND_PARAMETERS)
+    if args:
+        raise fail(TypeError, f"CanaryPlanner: expected keyword arguments only ({', '.join(accepted)}), got "
+                              f"{len(args)} positional argument(s)")
+    for key in static:
+        if key not in _BIND_PARAMETERS:
+            raise fail(TypeError, f"CanaryPlanner: unexpected keyword argument {key!r}; expected one of: "
+                                  f"{', '.join(accepted)}")
+    for key in _REQUIRED:
+        if key not in static:
+            raise fail(TypeError, f"CanaryPlanner: missing required keyword argument {key!r}")
 
 
 class CanaryPlanner:
@@ -104,29 +131,38 @@ class CanaryPlanner:
     - ``launch_config``: :class:`~canary.LaunchConfig` (the fused kernel's batch limit, simulator block sizes);
       engines keep the default, tests and benchmarks vary it.
 
-    Raises ``ValueError`` / ``TypeError`` for bad arguments (SPEC 3.3), :class:`BackendUnavailableError` when
-    the backend's library is missing.
+    Raises ``ValueError`` / ``TypeError`` for bad arguments (SPEC 3.3: among them outputs sharing memory with
+    each other or with an input, named both), ``TypeError`` naming ``CanaryPlanner`` for an unknown or missing
+    keyword, :class:`BackendUnavailableError` when the backend's library is missing.
     """
 
-    def __init__(self, *, backend: str = "auto", launch_config: LaunchConfig = DEFAULT_LAUNCH, **static: Any):
+    def __init__(self, *args: Any, backend: str = "auto", launch_config: LaunchConfig = DEFAULT_LAUNCH,
+                 **static: Any):
+        _check_keywords(args, static)
         self._bind(bind_static(**static), backend, launch_config)
 
     @classmethod
-    def _from_static(cls, static: StaticArgs, backend: str) -> "CanaryPlanner":
-        """A planner over arguments ``bind_static`` already checked (the one-shot entry point's cache miss)."""
+    def _from_static(cls, static: StaticArgs, module, bound) -> "CanaryPlanner":
+        """A planner over arguments ``bind_static`` already checked, on ``module`` with ``bound`` (``None``: bind
+        now): the one-shot entry point's planner of one call."""
         planner = cls.__new__(cls)
-        planner._bind(static, backend, DEFAULT_LAUNCH)
+        planner._bind(static, module.NAME, DEFAULT_LAUNCH, module, bound)
         return planner
 
-    def _bind(self, static: StaticArgs, backend: str, launch_config: LaunchConfig) -> None:
+    def _bind(self, static: StaticArgs, backend: str, launch_config: LaunchConfig, module=None, bound=None) -> None:
         if not isinstance(launch_config, LaunchConfig):
             raise fail(TypeError, f"launch_config: expected a LaunchConfig, got {type(launch_config).__name__}")
         self.static = static
         self.launch_config = launch_config
-        self._module = backends.resolve(backend, static.device_id)
+        self._module = module if module is not None else backends.resolve(backend, static.device_id)
         self.backend = self._module.NAME
-        self._bound = self._module.bind(static, launch_config)
+        self._bound = bound if bound is not None else self._module.bind(static, launch_config)
         self._step_views: dict = {}  # name -> (object, launch stream, (pointer, shape), view) of the last step
+        # Host outputs' NumPy arrays: a caller may clear their writeable flag after binding, and the reference
+        # would then fail half-way through a plan; plan() reads the flags first (a few attribute reads).
+        self._host_outputs = tuple(
+            (v.name, v.host) for f in _OUTPUT_FIELDS if (v := getattr(static, f)).device_id < 0 and v.host is not None
+        )
 
     @property
     def verify_capacity(self) -> int:
@@ -150,14 +186,16 @@ class CanaryPlanner:
         stream_ptr = -1 if launch_stream is None else dlpack_stream(launch_stream)
 
         cache = self._step_views
+        out_spans = s.output_spans
 
         def view(obj, name, length=None):
             ident = identity(obj)
             hit = cache.get(name)
             if hit is not None and hit[0] is obj and hit[1] == launch_stream and hit[2] == ident:
-                v = hit[3]  # the same buffer as last step: its view is still right
+                v = hit[3]  # the same buffer as last step: its view and its overlap check still hold
             else:
                 v = as_view(obj, name, stream_ptr=stream_ptr, launch_stream=launch_stream, ordered_lib=ordered_lib)
+                out_spans.check(v)  # a new buffer: the kernels must not write what they read (one bisection)
                 if ident is not None:
                     cache[name] = (obj, launch_stream, ident, v)
             shape = v.shape
@@ -210,12 +248,21 @@ class CanaryPlanner:
     ) -> PlanStatus | None:
         """Build one step's plan into the bound buffers.
 
-        Per-step arrays: ``[bs]`` int64 each, on the plan's device. ``stream``: where the kernels run (default:
-        the current stream of the library that owns the outputs). Never syncs unless ``check=True``, which
-        syncs and raises :class:`CanaryInputError` on input-fault status bits, else returns the status.
+        Per-step arrays: ``[bs]`` int64 each, on the plan's device, not sharing memory with any output (checked
+        when a buffer is first seen; the same buffer as last step is not checked again). ``stream``: where the
+        kernels run (default: the current stream of the library that owns the outputs); host arrays take none
+        (``ValueError``). Host outputs made read-only after binding are refused before anything is written.
+        Never syncs unless ``check=True``, which syncs and raises :class:`CanaryInputError` on input-fault status
+        bits, naming the first offending batch row (recomputed on the host from the inputs), else returns the
+        status.
         """
         on_device = self.static.device_id >= 0
         handle, ordered_lib = launch_stream(self.static.device_id, stream, self.static.verify_slot_indices.owner)
+        for name, arr in self._host_outputs:
+            if not arr.flags.writeable:
+                raise fail(ValueError, f"{name}: expected a writable output array, got a read-only "
+                                       f"one (its writeable flag was cleared after the planner was bound); set "
+                                       f"flags.writeable = True again, or bind writable buffers")
         step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens,
                           handle if on_device else None, ordered_lib)
         self._bound.launch(step, handle)
@@ -223,27 +270,69 @@ class CanaryPlanner:
             return None
         status = PlanStatus(int(to_host(self.static.status.owner)[0]))
         if status & ~PlanStatus.OVERFLOW:
-            raise_for_status(status, self._first_bad_row(req_pool_indices, prefix_lens,
+            raise_for_status(status, self._first_bad_row(status, req_pool_indices, prefix_lens, extend_seq_lens,
                                                          req_to_verify_expected_tokens_valid_lens))
         return status
 
-    def _first_bad_row(self, rpi, prefix, valid_lens) -> int | None:
+    def _first_bad_row(self, status: PlanStatus, rpi, prefix, ext, valid_lens) -> int | None:
+        """The first batch row the plan flagged, recomputed on the host from the step's inputs (a sync)."""
         s = self.static
-        pool = s.req_to_verify_expected_tokens
+        pool, lut = s.req_to_verify_expected_tokens, s.full_to_swa_index_mapping
+        rpi, prefix, ext = to_host(rpi), to_host(prefix), to_host(ext)
         c = row_checks(
-            to_host(rpi), to_host(prefix), None if valid_lens is None else to_host(valid_lens),
+            rpi, prefix, None if valid_lens is None else to_host(valid_lens),
             rp_bound=s.req_pool_index_bound, max_seq_len=s.max_seq_len,
             pool_cols=None if pool is None else pool.shape[1],
         )
-        return first_bad_row(c)
+        bad_slot = None
+        if status & PlanStatus.BAD_SLOT and lut is not None:
+            row_bits = PlanStatus.OVERFLOW | PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | \
+                PlanStatus.BAD_VALID_LEN
+            r2t = s.req_to_token
+            source = r2t.host if r2t.host is not None else r2t.owner
+            bad_slot = bad_slot_rows(c, rpi, prefix, ext, window=s.swa_window_size, lut_len=lut.shape[0],
+                                     verify_ran=not status & row_bits,
+                                     read_row=lambda rp, lo, hi: part_to_host(source, (rp, slice(lo, hi))))
+        return first_bad_row(c, bad_slot)
 
 
-_PLANNERS: "OrderedDict[tuple, CanaryPlanner]" = OrderedDict()
-_PLANNER_CACHE_SIZE = 8
+_OUTPUT_FIELDS = VERIFY_ENTRY_FIELDS + VERIFY_SCALAR_FIELDS + WRITE_FIELDS
+
+
+# The one-shot entry's cache: device backends' bound launchers, which are costly to make (scratch allocation,
+# argument packing) and are made here over views stripped of their arrays (addresses, layouts and device only).
+# An entry therefore holds nothing of the caller's: the caller's arrays die when the caller drops them. The key
+# is everything such a launcher is made of, so an entry found for new arrays at the same addresses and layouts
+# is exactly the launcher a fresh bind would make (its scratch is re-armed by every launch). Host backends bind
+# nothing worth keeping, and their binding holds the caller's arrays: they bind per call.
+_BOUND: "OrderedDict[tuple, tuple]" = OrderedDict()
+_BOUND_CACHE_SIZE = 8
+_VIEW_FIELDS = ("req_to_token", "full_to_swa_index_mapping", "req_to_verify_expected_tokens") + _OUTPUT_FIELDS
 
 
 def _view_key(v: ArrayView | None) -> tuple:
-    return () if v is None else (v.ptr, v.shape, v.strides, v.device_id)
+    return () if v is None else (v.ptr, v.shape, v.strides, v.dtype.str, v.device_id)
+
+
+def _bare(v: ArrayView | None) -> ArrayView | None:
+    return None if v is None else v._replace(owner=None, host=None)
+
+
+def _one_shot_planner(static: StaticArgs, backend: str) -> CanaryPlanner:
+    if static.device_id < 0:
+        return CanaryPlanner._from_static(static, backends.resolve(backend, static.device_id), None)
+    key = (backend, static.swa_window_size, static.kv_token_id_vs_position_offset, static.max_batch_size) + tuple(
+        _view_key(getattr(static, f)) for f in _VIEW_FIELDS)
+    hit = _BOUND.get(key)
+    if hit is None:
+        module = backends.resolve(backend, static.device_id)
+        bare = dataclasses.replace(static, **{f: _bare(getattr(static, f)) for f in _VIEW_FIELDS})
+        hit = _BOUND[key] = (module, module.bind(bare, DEFAULT_LAUNCH))
+        while len(_BOUND) > _BOUND_CACHE_SIZE:
+            _BOUND.popitem(last=False)
+    else:
+        _BOUND.move_to_end(key)
+    return CanaryPlanner._from_static(static, *hit)
 
 
 def launch_canary_plan_kernels(
@@ -270,9 +359,12 @@ def launch_canary_plan_kernels(
     ``extend_seq_lens`` (``[bs]`` int64, row 0 of ``req_to_token`` = padding) and
     ``req_to_verify_expected_tokens_valid_lens`` (``[bs]`` int64, with the expected-token pool only).
     ``verify_capacity`` must equal ``verify_plan_out.verify_slot_indices.shape[0]`` (``ValueError`` naming
-    both). Validates everything on the host each call and keeps up to 8 bound planners keyed by the static
-    buffers, so repeated calls on the same buffers reuse compiled kernels and scratch; a serving loop should
-    hold a :class:`CanaryPlanner` instead.
+    both). Validates everything on the host each call; on a GPU backend it keeps up to 8 bound launchers keyed
+    by the static buffers' addresses and layouts (never the arrays themselves), so repeated calls on the same
+    buffers reuse scratch and packed arguments. The call keeps no reference to any argument once it returns:
+    like any stream-ordered library call, the caller keeps the arrays alive (or frees them stream-ordered, as
+    torch's and CuPy's allocators do) until the stream has run the plan. A serving loop should hold a
+    :class:`CanaryPlanner` instead.
     """
     static = bind_static(
         verify_plan_out=verify_plan_out,
@@ -284,21 +376,7 @@ def launch_canary_plan_kernels(
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
         verify_capacity=verify_capacity,
     )
-    key = (backend, static.swa_window_size, static.kv_token_id_vs_position_offset) + tuple(
-        _view_key(getattr(static, name))
-        for name in (
-            "req_to_token", "full_to_swa_index_mapping", "req_to_verify_expected_tokens", "verify_slot_indices",
-            "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices", "verify_num_valid",
-            "enable", "status", "write_offsets", "write_seed_slot_indices", "write_num_valid_reqs",
-        )
-    )
-    planner = _PLANNERS.get(key)
-    if planner is None:
-        planner = CanaryPlanner._from_static(static, backend)
-        _PLANNERS[key] = planner
-        while len(_PLANNERS) > _PLANNER_CACHE_SIZE:
-            _PLANNERS.popitem(last=False)
-    _PLANNERS.move_to_end(key)
+    planner = _one_shot_planner(static, backend)
     return planner.plan(
         req_pool_indices=req_pool_indices,
         prefix_lens=prefix_lens,

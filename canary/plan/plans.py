@@ -73,10 +73,13 @@ class VerifyPlan:
         """Sync, then raise :class:`CanaryInputError` if the last plan flagged an input fault.
 
         Returns the status otherwise (``OVERFLOW`` alone is a sizing signal, not an error: ``enable`` is 0
-        and ``verify_num_valid`` holds the capacity).
+        and ``verify_num_valid`` holds the capacity). The plan keeps only the status word, not the step's
+        inputs, so the error's ``first_bad_row`` is ``None`` and its message says so: to have the first
+        offending batch row named, plan with ``check=True`` (:meth:`CanaryPlanner.plan` or
+        :func:`launch_canary_plan_kernels`), which recomputes it on the host from the inputs.
         """
         status = self.read_status()
-        raise_for_status(status)
+        raise_for_status(status, row_unknown=ROW_UNKNOWN_CHECK)
         return status
 
 
@@ -109,12 +112,21 @@ class WritePlan:
         )
 
 
-def raise_for_status(status: PlanStatus, first_bad_row: int | None = None) -> None:
+ROW_UNKNOWN_CHECK = ("unknown (VerifyPlan.check() sees only the status word, not the step's inputs: plan with "
+                     "check=True to have the row named)")
+ROW_UNKNOWN_PLAN = ("unknown (the step's inputs, read back now, show no offending row: were they changed after the "
+                    "plan was launched?)")
+
+
+def raise_for_status(status: PlanStatus, first_bad_row: int | None = None, *, row_unknown: str = ROW_UNKNOWN_PLAN
+                     ) -> None:
+    """Raise :class:`CanaryInputError` for input-error bits; the message names ``first_bad_row``, or says why
+    it is unknown (``row_unknown``)."""
     bad = PlanStatus(status & INPUT_ERROR_BITS)
     if not bad:
         return
     names = "|".join(b.name for b in PlanStatus if b and b in status)
-    where = f"; first offending batch row: {first_bad_row}" if first_bad_row is not None else ""
+    where = f"; first offending batch row: {first_bad_row if first_bad_row is not None else row_unknown}"
     raise CanaryInputError(
         f"kv-canary: status: expected no input-error bits, got {int(status)} ({names}){where}",
         status,

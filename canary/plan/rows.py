@@ -1,10 +1,12 @@
 """The per-row rules of SPEC 3.4 on host arrays: which batch rows are active, and which are flagged.
 
-Shared by the NumPy reference planner and by ``check()``'s search for the first offending batch row.
+Shared by the NumPy reference planner and by ``check=True``'s search for the first offending batch row, which
+recomputes on the host, from the step's inputs, what the device flagged (the status word only has bits).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -31,7 +33,36 @@ def row_checks(rpi, prefix, valid_lens, *, rp_bound, max_seq_len, pool_cols) -> 
     return RowChecks(active, bad_rp, bad_p, bad_vl)
 
 
-def first_bad_row(checks: RowChecks) -> int | None:
-    """The first batch row flagged by a per-row check, or ``None``."""
-    bad = np.flatnonzero(checks.bad_req_pool_index | checks.bad_prefix_len | checks.bad_valid_len)
+def bad_slot_rows(checks: RowChecks, rpi, prefix, ext, *, window: int, lut_len: int, verify_ran: bool,
+                  read_row: Callable[[int, int, int], np.ndarray]) -> np.ndarray:
+    """Rows that set ``BAD_SLOT`` (SPEC 3.4): a slot of theirs that the LUT is asked to translate is outside it.
+
+    ``verify_ran``: whether the plan built its verify entries (no ``OVERFLOW`` and no row-level bit), so that each
+    good row's window slots and their predecessors were translated; seeds are translated in every plan.
+    ``read_row(rp, lo, hi)`` returns ``req_to_token[rp, lo:hi]`` on the host. Only good rows are read (their
+    request index and prefix are in range), and only the columns the plan itself read.
+    """
+    bad = np.zeros(checks.active.shape, dtype=bool)
+    for r in np.flatnonzero(checks.good):
+        p, e = int(prefix[r]), int(ext[r])
+        if p <= 0:
+            continue  # no window, no predecessor, no seed
+        if verify_ran:
+            start = max(p - window, 0) if window > 0 else 0
+            lo = max(start - 1, 0)  # the first entry's predecessor; the seed (column p - 1) is inside too
+        elif e > 0:
+            lo = p - 1  # the seed alone
+        else:
+            continue
+        values = np.asarray(read_row(int(rpi[r]), lo, p))
+        bad[r] = bool((values >= lut_len).any())  # negatives pass the LUT untranslated
+    return bad
+
+
+def first_bad_row(checks: RowChecks, bad_slot: np.ndarray | None = None) -> int | None:
+    """The first batch row flagged by a per-row check (``bad_slot``: :func:`bad_slot_rows`), or ``None``."""
+    flagged = checks.bad_req_pool_index | checks.bad_prefix_len | checks.bad_valid_len
+    if bad_slot is not None:
+        flagged = flagged | bad_slot
+    bad = np.flatnonzero(flagged)
     return int(bad[0]) if bad.size else None

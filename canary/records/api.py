@@ -18,7 +18,9 @@ import numpy as np
 from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
 from ..errors import fail
-from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check_view
+from ..interop.adapter import (
+    HOST, ArrayView, Spans, as_view, check_same_device, check_view, fast_device_view, identity, spans,
+)
 from ..interop.streams import dlpack_stream, launch_stream
 from ..plan.plans import VerifyPlan, WritePlan, view_verify_plan, view_write_plan
 from .realkv import RealKV
@@ -38,19 +40,44 @@ def _same_device(views: list[ArrayView], device_id: int, what: str) -> None:
 
 
 class _Launch:
-    """Where a call runs: the raw stream handle, and how to view the call's arrays ordered on it."""
+    """Where a call runs: the raw stream handle, and how to view the call's arrays ordered on it.
 
-    __slots__ = ("handle", "stream_ptr", "launch_stream", "ordered_lib")
+    ``written``: byte ranges the call's kernels write (the canary state, the pool); every array viewed here
+    is refused if it shares memory with them. ``cache``: a dict kept across calls: a CuPy array or torch tensor
+    that is the same object as last call's (same pointer and shape), viewed by attributes on the launch stream,
+    reuses that call's view, checks included. Views that needed a DLPack stream handshake are never reused: the
+    handshake orders the producer's writes before this call's launch, every call.
+    """
 
-    def __init__(self, device_id: int, stream: Any, owner: Any):
+    __slots__ = ("handle", "stream_ptr", "launch_stream", "ordered_lib", "written", "cache")
+
+    def __init__(self, device_id: int, stream: Any, owner: Any, written: Spans | None = None,
+                 cache: dict | None = None):
         self.handle, self.ordered_lib = launch_stream(device_id, stream, owner)
         on_device = device_id != HOST
         self.stream_ptr = dlpack_stream(self.handle) if on_device else -1
         self.launch_stream = self.handle if on_device else None
+        self.written = written
+        self.cache = cache
 
     def view(self, obj: Any, name: str) -> ArrayView:
-        return as_view(obj, name, stream_ptr=self.stream_ptr, launch_stream=self.launch_stream,
-                       ordered_lib=self.ordered_lib)
+        cache, stream = self.cache, self.launch_stream
+        v = ident = None
+        if cache is not None and stream is not None:
+            ident = identity(obj)
+            if ident is not None:
+                hit = cache.get(name)
+                if hit is not None and hit[0] is obj and hit[1] == stream and hit[2] == ident:
+                    return hit[3]
+                v = fast_device_view(obj, name, stream, self.ordered_lib)
+        if v is None:
+            ident = None
+            v = as_view(obj, name, stream_ptr=self.stream_ptr, launch_stream=stream, ordered_lib=self.ordered_lib)
+        if self.written is not None:
+            self.written.check(v)  # the kernels write there: an input sharing it would change under them
+        if ident is not None:
+            cache[name] = (obj, stream, ident, v)
+        return v
 
     def vec(self, obj: Any, name: str, dtype, length: int | None = None, writable: bool = False) -> ArrayView:
         return check_view(self.view(obj, name), dtype=dtype, ndim=1, length=length, writable=writable)
@@ -64,7 +91,8 @@ class CanaryRecords:
     ``launch_config``: :class:`~canary.LaunchConfig` (block sizes under Numba's simulator; engines keep the
     default).
 
-    Binding validates the state and the sources once and, on a GPU backend, packs their pointers: the caller's
+    Binding validates the state and the sources once (a source sharing memory with the state is refused: its
+    hash would cover bytes the kernels rewrite) and, on a GPU backend, packs their pointers: the caller's
     arrays must stay alive and in place while the canary is used (the canary keeps references to them).
     Raises ``ValueError`` / ``TypeError`` for bad arguments (including sources that do not cover every slot),
     :class:`~canary.errors.BackendUnavailableError` when the backend's library is missing.
@@ -86,6 +114,17 @@ class CanaryRecords:
             raise fail(ValueError, f"{real_kv.sources[0].name}: expected the canary buffer's device "
                                    f"({where(self.views.device_id)}), got {where(real_kv.device_id)}")
         real_kv.check_covers(self.views.num_slots, "state.canary_buffer")
+        for src in real_kv.sources:
+            # A source inside the state would hash bytes the kernels rewrite: false REAL_KV violations.
+            self.views.spans.check_range(f"{src.name}.array", src.device_id, src.ptr,
+                                         (src.rows - 1) * src.row_stride_bytes + src.row_bytes)
+        v = self.views
+        # Host state's NumPy arrays: a caller may clear their writeable flag after binding, and the reference
+        # would then fail half-way through a launch; each call reads the flags first.
+        self._host_state = tuple((a.name, a.host) for a in (v.canary_buffer, v.ring, v.ring_write_index,
+                                                             v.slot_run_counter, v.kernel_run_counter)
+                                 if a.host is not None)
+        self._views: dict = {}  # name -> (object, launch stream, (pointer, shape), view) of the last call
         self._module = backends.resolve(backend, self.views.device_id, family="records")
         self.backend = self._module.NAME
         if not isinstance(launch_config, LaunchConfig):
@@ -119,11 +158,15 @@ class CanaryRecords:
         token; slot < 0 = skip). ``expected_input_ids`` / ``expected_positions``: optional ``[N]`` int64 asserts
         (-1 = no expectation). ``launch_tag``: call-site id recorded in ring rows, in [0, 2**55). ``stream``:
         where the kernel runs (a CuPy / torch / cuda.core / Numba stream or a raw handle; default: the current
-        stream of the library that owns ``state.canary_buffer``). Never syncs. Raises ``TypeError`` /
-        ``ValueError`` (``kv-canary:``, naming the argument) before anything is launched.
+        stream of the library that owns ``state.canary_buffer``; host arrays take none). Never syncs. Raises
+        ``TypeError`` / ``ValueError`` (``kv-canary:``, naming the argument) before anything is launched, among
+        them for an array sharing memory with the state (which the kernels write) and, on the host, for state
+        made read-only after binding.
         """
         encode_tag(KernelTag.WRITE, launch_tag)
-        go = _Launch(self.views.device_id, stream, self.state.canary_buffer)
+        go = _Launch(self.views.device_id, stream, self.state.canary_buffer, self.views.spans, self._views)
+        if self._host_state:
+            self._check_host_state()
         _vec = go.vec
         wp = view_write_plan(write_plan, go.view, name="write_plan", writable=False)
         offsets, seeds, num_reqs = wp.write_offsets, wp.write_seed_slot_indices, wp.write_num_valid_reqs
@@ -143,10 +186,18 @@ class CanaryRecords:
         ``[1]`` int32 ``verify_num_valid`` and ``enable``. ``launch_tag`` and ``stream`` as in :meth:`write`.
         Never syncs; errors as in :meth:`write`."""
         encode_tag(KernelTag.VERIFY, launch_tag)
-        go = _Launch(self.views.device_id, stream, self.state.canary_buffer)
+        go = _Launch(self.views.device_id, stream, self.state.canary_buffer, self.views.spans, self._views)
+        if self._host_state:
+            self._check_host_state()
         vp = view_verify_plan(verify_plan, go.view, name="verify_plan", writable=False, status=False)
         _same_device(vp.all(), self.views.device_id, "state.canary_buffer")
         self._bound.verify(RecordVerifyArgs(*vp.entries, vp.verify_num_valid, vp.enable, int(launch_tag)), go.handle)
+
+    def _check_host_state(self) -> None:
+        for name, arr in self._host_state:
+            if not arr.flags.writeable:
+                raise fail(ValueError, f"{name}: expected a writable array, got a read-only one (its writeable flag "
+                                       f"was cleared after the canary was bound); set flags.writeable = True again")
 
     def drain(self) -> RingReport:
         """Read and reset the violation ring (syncs): see :meth:`CanaryState.drain`."""
@@ -175,8 +226,9 @@ def scatter_expected_tokens(
     ``token_offsets`` ``[>= bs+1]`` int64 (a :class:`WritePlan`'s ``write_offsets`` fits: ``tokens`` is then the
     step's ``input_ids``), ``column_starts`` ``[bs]`` int64 (``prefix_lens`` fits), ``column_offset`` (the
     ``kv_token_id_vs_position_offset``). ``backend`` and ``stream`` as for :class:`CanaryRecords` (default stream:
-    the current stream of the library that owns the pool). Never syncs. Two batch rows scattering to the same
-    cell race on a GPU (the reference keeps the later row).
+    the current stream of the library that owns the pool; host arrays take none). Never syncs. Two batch rows
+    scattering to the same cell race on a GPU (the reference keeps the later row). An input sharing memory with
+    the pool is refused (``ValueError`` naming both).
     """
     pool_view = as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens")
     go = _Launch(pool_view.device_id, stream, req_to_verify_expected_tokens)
@@ -200,5 +252,8 @@ def scatter_expected_tokens(
     if not -(1 << 63) <= int(column_offset) < (1 << 63):
         raise fail(ValueError, f"column_offset: expected an int64, got {column_offset}")
     device = check_same_device([pool, rpi, tok, offs, starts])
+    written = Spans(spans([pool]), device)
+    for v in (rpi, tok, offs, starts):
+        written.check(v)  # the kernel writes the pool while it reads these
     module = backends.resolve(backend, device, family="records")
     module.scatter(ScatterArgs(pool, rpi, tok, offs, starts, int(column_offset)), go.handle)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import fail
-from ..interop.adapter import HOST, ArrayView, as_view
+from ..interop.adapter import HOST, ArrayView, as_view, check_layout
 from ..interop.memview import host_view
 from .hashes import splitmix64_inplace
 
@@ -110,6 +110,7 @@ def _positive_int(name: str, value: Any, *, multiple: int = 1) -> int:
 
 
 def _as_byte_view(array: Any, name: str) -> ArrayView:
+    check_layout(array, name)  # before the byte view below, which a sparse tensor fails with a misleading error
     if type(array).__module__ == "torch":
         # torch dtypes NumPy lacks (bfloat16, float8) do not cross DLPack into NumPy: view the bytes first.
         try:

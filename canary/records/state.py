@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import fail
-from ..interop.adapter import HOST, ArrayView, as_view, check_disjoint, check_same_device, check_view
+from ..interop.adapter import HOST, ArrayView, Spans, as_view, check_disjoint, check_same_device, check_view, spans
 from ..interop.devices import allocator, on_device_of, zero_fill
 from ..interop.hostcopy import to_host
 from ..interop.memview import host_view
@@ -125,6 +125,7 @@ class StateViews:
     ring_capacity: int
     device_id: int
     fields: np.ndarray | None  # host only
+    spans: Spans | None = None  # the state arrays' byte ranges: what per-call arrays and sources must not touch
 
     def host(self, name: str) -> np.ndarray:
         return getattr(self, name).host
@@ -162,11 +163,10 @@ def bind_state(state: CanaryState) -> StateViews:
                              length=NUM_COUNTERS, writable=True)
     flags = check_view(as_view(state.check_flags, "state.check_flags"), dtype=np.int32, ndim=1, length=1)
     device = check_same_device([buf, ring, widx, slot_runs, kernel_runs, flags])
-    check_disjoint([(buf, (num_slots - 1) * stride + width if num_slots else 0),
-                     (ring, (ring.shape[0] - 1) * ring.strides[0] * 8 + RING_ROW_WORDS * 8 if ring.shape[0] else 0),
-                     (widx, 4), (slot_runs, 8 * NUM_COUNTERS), (kernel_runs, 8 * NUM_COUNTERS), (flags, 4)])
+    state_spans = spans([buf, ring, widx, slot_runs, kernel_runs, flags])
+    check_disjoint(state_spans)
     fields = None
     if device == HOST:
         fields = host_view(buf.ptr, (num_slots, len(CANARY_FIELDS)), (stride, 8), np.int64, buf.host)
     return StateViews(buf, ring, widx, slot_runs, kernel_runs, flags, num_slots, stride, ring.shape[0], device,
-                      fields)
+                      fields, Spans(state_spans, device))

@@ -1,6 +1,7 @@
 """Host-side validation (SPEC 3.3) and the status checks (SPEC 3.4): exception types and messages."""
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 
@@ -344,8 +345,8 @@ def test_row_strides():
     assert r2t.strides[0] > 4 * r2t.shape[1]  # a strided view is accepted (setup's default)
     plan_with(static, step)
     assert raw["status"][0] == 0
-    raises(ValueError, plan_with, "req_to_token", "row stride", static=static, step=step,
-           req_to_token=np.ascontiguousarray(r2t)[::-1])  # negative row stride
+    raises(ValueError, plan_with, "req_to_token: expected non-negative strides, got element strides (-8, 1)",
+           static=static, step=step, req_to_token=np.ascontiguousarray(r2t)[::-1])  # negative row stride
     overlapping = np.lib.stride_tricks.as_strided(np.ascontiguousarray(r2t), shape=r2t.shape, strides=(16, 4))
     raises(ValueError, plan_with, "req_to_token", "row stride >= the row length 8", "got 4", static=static,
            step=step, req_to_token=overlapping)
@@ -401,9 +402,12 @@ def test_missing_cupy_gives_install_command(monkeypatch):
     assert issubclass(BackendUnavailableError, ImportError)
 
 
+_FAKE_ADDRESSES = itertools.count(0x7F0000000000, 1 << 20)
+
+
 def _fake_device_view(a: np.ndarray, name: str, device_id: int = 0) -> ArrayView:
-    """A view claiming CUDA memory (never dereferenced: validation fails first)."""
-    return ArrayView(name=name, ptr=0x7F0000000000, shape=a.shape,
+    """A view claiming CUDA memory (never dereferenced: validation fails first), apart from every other fake."""
+    return ArrayView(name=name, ptr=next(_FAKE_ADDRESSES), shape=a.shape,
                      strides=tuple(s // a.itemsize for s in a.strides), dtype=a.dtype, device_id=device_id,
                      readonly=False, owner=None)
 

@@ -1,0 +1,91 @@
+"""Call errors of the planner worded by kv-canary, raised before anything is written: an output made read-only
+after binding, a stream with host arrays, a wrong keyword to CanaryPlanner."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers.plan_cases import OUTPUTS, VERIFY_FIELDS, make_case, make_plans
+
+from canary import CanaryPlanner, launch_canary_plan_kernels
+
+
+def _setup():
+    case = make_case("v", ((1, 3, 1, 8), (2, 2, 1, 8)), pool=True, W=2, C=8, R=4)
+    vp, wp, raw = make_plans(case)
+    return case, dict(verify_plan_out=vp, write_plan_out=wp, **case.static_kwargs()), raw
+
+
+def _bytes(raw: dict) -> dict:
+    return {k: v.tobytes() for k, v in raw.items()}
+
+
+@pytest.mark.parametrize("planned_before", [False, True], ids=["fresh", "after_a_plan"])
+@pytest.mark.parametrize("field", OUTPUTS)
+def test_output_made_read_only_after_binding(field, planned_before):
+    case, static, raw = _setup()
+    planner = CanaryPlanner(**static)
+    if planned_before:
+        planner.plan(**case.step_kwargs())
+    step = case.step_kwargs()
+    step["prefix_lens"] = np.array([2, 1], np.int64)  # a plan that would change every output
+    raw[field].flags.writeable = False
+    before = _bytes(raw)
+    with pytest.raises(ValueError) as info:
+        planner.plan(**step)
+    plan = "verify_plan_out" if field in VERIFY_FIELDS else "write_plan_out"
+    assert str(info.value) == (f"kv-canary: {plan}.{field}: expected a writable output array, got a read-only one "
+                               f"(its writeable flag was cleared after the planner was bound); set "
+                               f"flags.writeable = True again, or bind writable buffers")
+    assert _bytes(raw) == before  # no output byte changed
+    raw[field].flags.writeable = True
+    planner.plan(**step)
+    assert raw["verify_num_valid"][0] == 3
+
+
+_STREAM_MESSAGE = ("kv-canary: stream: expected None for host arrays (host arrays take no stream: the work runs on "
+                   "the host, in the call), got {}; pass CUDA arrays to run on a stream, or drop stream=")
+
+
+class _StreamLike:
+    def __cuda_stream__(self):
+        return (0, 12345)
+
+
+@pytest.mark.parametrize("stream, shown", [(12345, "12345"), (0, "0"), (_StreamLike(), "_StreamLike")])
+@pytest.mark.parametrize("api", ["planner", "launch"])
+def test_stream_with_host_arrays_is_refused(api, stream, shown):
+    case, static, raw = _setup()
+    before = _bytes(raw)
+    with pytest.raises(ValueError) as info:
+        if api == "planner":
+            CanaryPlanner(**static).plan(**case.step_kwargs(), stream=stream)
+        else:
+            launch_canary_plan_kernels(**static, **case.step_kwargs(), stream=stream)
+    assert str(info.value) == _STREAM_MESSAGE.format(shown)
+    assert _bytes(raw) == before
+
+
+_ACCEPTED = ("backend, launch_config, verify_plan_out, write_plan_out, req_to_token, swa_window_size, "
+             "full_to_swa_index_mapping, req_to_verify_expected_tokens, kv_token_id_vs_position_offset, "
+             "verify_capacity, max_batch_size")
+
+
+def test_unknown_keyword_to_the_planner():
+    _case, static, _raw = _setup()
+    with pytest.raises(TypeError) as info:
+        CanaryPlanner(**static, x=1)
+    assert str(info.value) == f"kv-canary: CanaryPlanner: unexpected keyword argument 'x'; expected one of: {_ACCEPTED}"
+    with pytest.raises(TypeError, match="^kv-canary: CanaryPlanner: unexpected keyword argument 'req_pool_indices'"):
+        CanaryPlanner(**static, req_pool_indices=np.zeros(1, np.int64))  # a per-step argument
+
+
+def test_missing_keyword_and_positional_arguments_to_the_planner():
+    _case, static, _raw = _setup()
+    del static["req_to_token"]
+    with pytest.raises(TypeError) as info:
+        CanaryPlanner(**static)
+    assert str(info.value) == "kv-canary: CanaryPlanner: missing required keyword argument 'req_to_token'"
+    with pytest.raises(TypeError) as info:
+        CanaryPlanner(static["verify_plan_out"])
+    assert str(info.value) == (f"kv-canary: CanaryPlanner: expected keyword arguments only ({_ACCEPTED}), got 1 "
+                               f"positional argument(s)")
