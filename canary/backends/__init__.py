@@ -33,8 +33,8 @@ def load(name: str, family: str = "plan"):
     return importlib.import_module(f"{__name__}.{name}.{family}")
 
 
-def _placement_message(name: str, what: str, where: str, fits: str) -> str:
-    runs = "on the host" if name == "reference" or (name == "numba" and _numba_simulator()) else "on a CUDA device"
+def _placement_message(name: str, what: str, where: str, fits: str, on_device: bool) -> str:
+    runs = "on a CUDA device" if on_device else "on the host"
     return f"backend: expected a backend for {what} in {where} ({fits}), got {name!r}, which runs {runs}"
 
 
@@ -61,10 +61,11 @@ def resolve(name: str, device_id: int, family: str = "plan"):
     if device_id < 0 and (name == "cupy" or (name == "numba" and not _numba_simulator())):
         # A caller error whatever is installed: say so before importing the backend's library. (Numba's CUDA
         # simulator runs on host memory: there the numba backend takes host arrays.)
-        raise fail(ValueError, _placement_message(name, what, "host memory", "'reference' or 'auto'"))
+        raise fail(ValueError, _placement_message(name, what, "host memory", "'reference' or 'auto'", True))
     module = load(name, family)
     if module.ON_DEVICE and device_id < 0:
-        raise fail(ValueError, _placement_message(name, what, "host memory", "'reference' or 'auto'"))
+        raise fail(ValueError, _placement_message(name, what, "host memory", "'reference' or 'auto'", True))
     if not module.ON_DEVICE and device_id >= 0:
-        raise fail(ValueError, _placement_message(name, what, f"cuda:{device_id}", "'cupy', 'numba' or 'auto'"))
+        raise fail(ValueError, _placement_message(name, what, f"cuda:{device_id}", "'cupy', 'numba' or 'auto'",
+                                                  False))
     return module

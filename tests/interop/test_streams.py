@@ -98,10 +98,11 @@ def _owner_of(module: str):
     return type("FakeArray", (), {"__module__": module})()
 
 
-def test_host_launch_ignores_the_stream():
+def test_host_launch_takes_no_stream():
     assert launch_stream(-1, None, np.zeros(1)) == (0, None)
-    assert launch_stream(-1, 0xABC, np.zeros(1)) == (0, None)
-    assert launch_stream(-1, SimpleNamespace(ptr=5), np.zeros(1)) == (0, None)
+    for stream in (0xABC, 0, SimpleNamespace(ptr=5)):
+        with pytest.raises(ValueError, match=r"^kv-canary: stream: expected None for host arrays"):
+            launch_stream(-1, stream, np.zeros(1))
 
 
 def test_explicit_stream_wins_and_orders_no_library():
