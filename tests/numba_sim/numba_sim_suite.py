@@ -261,6 +261,6 @@ def test_canary_read_only_inputs():
 
 
 def test_canary_hashes_match_frozen_vectors():
-    from numba_hash_vectors import check_numba_hashes
+    from helpers.numba_hash_vectors import check_numba_hashes
 
     check_numba_hashes()
