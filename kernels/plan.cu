@@ -14,8 +14,9 @@
 #define CANARY_BAD_PREFIX_LEN 4
 #define CANARY_BAD_SLOT 8
 #define CANARY_BAD_VALID_LEN 16
+#define CANARY_BAD_EXTEND_LEN 32
 // The per-row lengths cannot be trusted: no verify entry is written.
-#define CANARY_NO_ENTRIES (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN)
+#define CANARY_NO_ENTRIES (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN | CANARY_BAD_EXTEND_LEN)
 
 #define ROWS_THREADS 1024   // canary_plan_rows_*: one block owns every row
 #define ENTRY_THREADS 256   // canary_plan_fused_* and canary_plan_entries_*
@@ -94,11 +95,14 @@ __device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64
     if (rp == 0) return f;  // padding row
     f.rp = rp;
     f.len = len;
-    f.wlen = e > 0 ? e : 0;
     if (rp < 0 || rp >= p.rp_bound) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
     if (len < 0 || len > p.max_seq_len) f.flags |= CANARY_BAD_PREFIX_LEN;
     if (HAS_POOL && vl > p.pool_cols) f.flags |= CANARY_BAD_VALID_LEN;
-    if (!(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)))
+    // The new tokens must fit the row: e > room, never len + e, which garbage such as 2^62 would wrap.
+    const i64 room = p.max_seq_len - (len < 0 ? 0 : (len > p.max_seq_len ? p.max_seq_len : len));
+    if (e > 0 && e > room) f.flags |= CANARY_BAD_EXTEND_LEN;
+    else f.wlen = e > 0 ? e : 0;
+    if (!(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_EXTEND_LEN)))
         f.vcount = (p.window > 0 && len > p.window) ? p.window : len;
     return f;
 }

@@ -60,8 +60,9 @@ CANARY_BAD_REQ_POOL_INDEX = 2
 CANARY_BAD_PREFIX_LEN = 4
 CANARY_BAD_SLOT = 8
 CANARY_BAD_VALID_LEN = 16
+CANARY_BAD_EXTEND_LEN = 32
 # The per-row lengths cannot be trusted: no verify entry is written.
-CANARY_NO_ENTRIES = CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN
+CANARY_NO_ENTRIES = CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN | CANARY_BAD_EXTEND_LEN
 
 ROWS_THREADS = 1024  # canary_plan_rows: one block owns every row
 ENTRY_THREADS = 256  # canary_plan_fused and canary_plan_entries
@@ -162,7 +163,6 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         A padding row (rp == 0) has none: its lengths may be stale garbage."""
         if rp == 0:
             return int64(0), int64(0), int64(0)
-        wlen = e if e > 0 else int64(0)
         flags = int64(0)
         if rp < 0 or rp >= rp_bound:
             flags |= CANARY_BAD_REQ_POOL_INDEX
@@ -171,8 +171,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         if HAS_POOL:
             if vl > pool_cols:
                 flags |= CANARY_BAD_VALID_LEN
+        # The new tokens must fit the row: e > room, never length + e, which garbage such as 2^62 would wrap.
+        room = max_seq_len - min(max(length, int64(0)), max_seq_len)
+        wlen = int64(0)
+        if e > 0 and e > room:
+            flags |= CANARY_BAD_EXTEND_LEN
+        elif e > 0:
+            wlen = e
         vcount = int64(0)
-        if (flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) == 0:
+        if (flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_EXTEND_LEN)) == 0:
             vcount = window if (window > 0 and length > window) else length
         return vcount, wlen, flags
 

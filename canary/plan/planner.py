@@ -223,15 +223,15 @@ class CanaryPlanner:
             return None
         status = PlanStatus(int(to_host(self.static.status.owner)[0]))
         if status & ~PlanStatus.OVERFLOW:
-            raise_for_status(status, self._first_bad_row(req_pool_indices, prefix_lens,
+            raise_for_status(status, self._first_bad_row(req_pool_indices, prefix_lens, extend_seq_lens,
                                                          req_to_verify_expected_tokens_valid_lens))
         return status
 
-    def _first_bad_row(self, rpi, prefix, valid_lens) -> int | None:
+    def _first_bad_row(self, rpi, prefix, ext, valid_lens) -> int | None:
         s = self.static
         pool = s.req_to_verify_expected_tokens
         c = row_checks(
-            to_host(rpi), to_host(prefix), None if valid_lens is None else to_host(valid_lens),
+            to_host(rpi), to_host(prefix), to_host(ext), None if valid_lens is None else to_host(valid_lens),
             rp_bound=s.req_pool_index_bound, max_seq_len=s.max_seq_len,
             pool_cols=None if pool is None else pool.shape[1],
         )

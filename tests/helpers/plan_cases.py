@@ -22,8 +22,8 @@ The pieces:
 - :func:`random_case`: a random case from a ``numpy.random.Generator``, an int seed, or a Hypothesis
   ``draw`` (inside ``@st.composite``; structure is drawn so Hypothesis shrinks it, bulk slot values come
   from a drawn seed). Knobs: batch size range, SWA, LUT, pool, token offsets, padding fraction, fault
-  probability, capacity tightness, strided ``req_to_token``. :func:`plan_cases` wraps it as a Hypothesis
-  strategy.
+  probability (bad rp / P / E / valid_len / slot), capacity tightness, strided ``req_to_token``.
+  :func:`plan_cases` wraps it as a Hypothesis strategy.
 - :func:`run_case`: converts the case to an array library (``xp`` = ``"numpy"``, ``"torch"`` (CPU),
   ``"cupy"``, ``"torch_cuda"``, ``"numba"``; the last three put every array on the current CUDA device, and
   keep ``req_to_token``'s row stride), fills the 10 output buffers with the ``poison`` pattern, runs the
@@ -55,7 +55,7 @@ WRITE_FIELDS = OUTPUTS[7:]
 _INT32_OUTPUTS = ("verify_num_valid", "enable", "status", "write_num_valid_reqs")
 
 # Bits of the status word (SPEC 3.4), repeated here as plain ints so that cases stay plain data.
-OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN = 1, 2, 4, 8, 16
+OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN = 1, 2, 4, 8, 16, 32
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ def make_case(
     if pool is not None:
         vl = _i64([r[3] if len(r) > 3 else pool.shape[1] for r in rows])
     if C is None:
-        C = count_entries(rpi, P, W, r2t.shape, None if pool is None else pool.shape[0])
+        C = count_entries(rpi, P, W, r2t.shape, None if pool is None else pool.shape[0], E=E)
     return PlanCase(
         name=name, req_to_token=r2t, req_pool_indices=rpi, prefix_lens=P, extend_seq_lens=E,
         verify_capacity=int(C), write_req_capacity=int(len(rows) + 2 if R is None else R),
@@ -252,13 +252,17 @@ def make_case(
     )
 
 
-def count_entries(rpi, P, W, r2t_shape, pool_rows=None) -> int:
-    """Number of verify entries (``total``): rows that are active with a valid rp and P, window-clipped."""
+def count_entries(rpi, P, W, r2t_shape, pool_rows=None, *, E=None) -> int:
+    """Number of verify entries (``total``): rows that are active with a valid rp and P (and, when ``E`` is
+    given, new tokens that fit the row: SPEC 3.4 bit 32), window-clipped."""
     max_reqs, max_seq_len = r2t_shape
     bound = max_reqs if pool_rows is None else min(max_reqs, pool_rows)
     total = 0
-    for rp, p in zip(np.asarray(rpi).tolist(), np.asarray(P).tolist()):
+    E = [0] * len(np.asarray(rpi)) if E is None else np.asarray(E).tolist()
+    for rp, p, e in zip(np.asarray(rpi).tolist(), np.asarray(P).tolist(), E):
         if rp == 0 or rp < 0 or rp >= bound or p < 0 or p > max_seq_len:
+            continue
+        if e > 0 and min(max(p, 0), max_seq_len) + e > max_seq_len:
             continue
         total += p - (max(0, p - W) if W > 0 else 0)
     return total
@@ -282,7 +286,8 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("bs1_decode", [(1, 3, 1)], notes="entries p=0,1,2 of row 1; seed r2t[1,2]"))
     add(make_case("bs1_prefill_p0", [(2, 0, 5)], C=2, notes="P=0: no entries, seed -1, offsets [0,5]"))
     add(make_case("p1", [(1, 1, 1)], notes="one entry at p=0, prev -1"))
-    add(make_case("p_full_row", [(3, 8, 1)], notes="P = max_seq_len: the last column is read"))
+    add(make_case("p_full_row", [(3, 8, 0)], notes="P = max_seq_len: the last column is read (E must be 0: the "
+                                                   "row has no room left)"))
     add(make_case("contiguous_r2t", [(1, 4, 2), (2, 2, 1)], r2t=std_r2t(pad=0)))
     add(make_case("duplicate_rp", [(2, 3, 1), (2, 5, 1)], notes="two batch rows on the same req_to_token row"))
     add(make_case("R_equals_bs", [(1, 2, 1), (2, 1, 3)], R=2))
@@ -294,7 +299,8 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("swa_p_lt_w", [(1, 2, 1)], W=3, notes="window_start 0"))
     add(make_case("swa_p_eq_w", [(1, 3, 1)], W=3, notes="window_start 0, first prev -1"))
     add(make_case("swa_p_eq_w_plus_1", [(1, 4, 1)], W=3, notes="window starts at p=1; its prev is T(r2t[rp,0])"))
-    add(make_case("swa_p_full", [(2, 8, 2), (1, 0, 1), (3, 5, 1)], W=3))
+    add(make_case("swa_p_full", [(2, 8, 2), (1, 0, 1), (3, 5, 1)], W=3, r2t=std_r2t(max_seq_len=10),
+                  notes="max_seq_len 10: room for the first row's 2 new tokens"))
     add(make_case("swa_w1", [(1, 5, 1), (2, 1, 1)], W=1, notes="only p=P-1, prev T(r2t[rp,P-2])"))
     add(make_case("swa_w_huge", [(1, 5, 1)], W=100, notes="window larger than the row"))
     add(make_case("lut_without_swa", [(1, 3, 1), (2, 2, 2)], lut=True, notes="W=0 with a LUT: still translated"))
@@ -309,7 +315,7 @@ def hand_cases() -> list[PlanCase]:
                   notes="total 5 > C 4: entries untouched, num_valid 4, enable 0"))
     add(make_case("cap_zero_total_zero", [(1, 0, 1), (0, 9, 9)], C=0))
     add(make_case("cap_zero_overflow", [(1, 1, 1)], C=0, expect_status=OVERFLOW))
-    add(make_case("swa_cap_overflow", [(1, 8, 1), (2, 8, 1)], W=3, C=5, expect_status=OVERFLOW))
+    add(make_case("swa_cap_overflow", [(1, 8, 0), (2, 8, 0)], W=3, C=5, expect_status=OVERFLOW))
 
     # ---- padding rows (rp == 0) with garbage P/E/valid_len
     add(make_case("padding_garbage", [(1, 2, 1), (0, HUGE, HUGE), (0, -5, -HUGE), (2, 1, 2), (0, 3, 7)],
@@ -335,7 +341,7 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("expected_off_minus1", [(1, 3, 1, 8)], pool=True, off=-1, notes="p=0 -> col -1 -> -1"))
     add(make_case("expected_valid_len0", [(1, 3, 1, 0)], pool=True))
     add(make_case("expected_valid_len_negative", [(1, 3, 1, -2)], pool=True))
-    add(make_case("expected_valid_len_eq_cols", [(1, 8, 1, 8), (2, 8, 1, 8)], pool=True, off=0))
+    add(make_case("expected_valid_len_eq_cols", [(1, 8, 0, 8), (2, 8, 0, 8)], pool=True, off=0))
     add(make_case("expected_narrow_pool", [(1, 7, 1, 5), (2, 3, 1, 5)], pool=std_pool(6, 5),
                   notes="p+off >= pool_cols: -1"))
     add(make_case("expected_narrow_pool_off1", [(1, 7, 1, 5)], pool=std_pool(6, 5), off=1))
@@ -344,7 +350,7 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("expected_pool_zero_cols", [(1, 3, 1, 0), (2, 1, 1, -1)], pool=std_pool(6, 0),
                   notes="a pool with no columns: every expected token is -1, nothing read"))
     add(make_case("expected_swa", [(1, 6, 1, 6), (2, 5, 1, 4)], pool=True, W=3, off=1))
-    add(make_case("expected_valid_len_int64_min", [(1, 8, 1, -(1 << 63)), (5, 8, 1, 8)], pool=True, off=1,
+    add(make_case("expected_valid_len_int64_min", [(1, 8, 0, -(1 << 63)), (5, 8, 0, 8)], pool=True, off=1,
                   notes="an active row's valid_len of INT64_MIN with offset +1: no token valid, no wrap, no read"))
     add(make_case("expected_strided_pool", [(1, 4, 1, 6), (2, 2, 1, 8)], pool=strided(std_pool(), 5)))
 
@@ -356,10 +362,11 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("bad_rp_ge_pool_rows", [(1, 2, 1, 4), (4, 2, 1, 4)], pool=std_pool(4, 8),
                   expect_status=BAD_REQ_POOL_INDEX, notes="rp 4 < max_reqs 6 but >= pool_rows 4"))
     add(make_case("bad_prefix_negative", [(1, 2, 1), (2, -1, 1)], expect_status=BAD_PREFIX_LEN))
-    add(make_case("bad_prefix_gt_max_seq_len", [(1, 9, 1), (2, 2, 3)], expect_status=BAD_PREFIX_LEN))
-    add(make_case("bad_prefix_huge_swa", [(1, HUGE, 1), (2, 2, 3)], W=3, expect_status=BAD_PREFIX_LEN))
+    add(make_case("bad_prefix_gt_max_seq_len", [(1, 9, 0), (2, 2, 3)], expect_status=BAD_PREFIX_LEN))
+    add(make_case("bad_prefix_huge_swa", [(1, HUGE, 1), (2, 2, 3)], W=3, expect_status=BAD_PREFIX_LEN | BAD_EXTEND_LEN,
+                  notes="P clamped to max_seq_len leaves no room: E = 1 is flagged too"))
     add(make_case("bad_prefix_min_int64_swa", [(1, -(1 << 63), 1), (2, 4, 3)], W=3, expect_status=BAD_PREFIX_LEN))
-    add(make_case("bad_rp_and_prefix", [(-3, -3, 1), (1, 100, 1), (2, 1, 1)],
+    add(make_case("bad_rp_and_prefix", [(-3, -3, 1), (1, 100, 0), (2, 1, 1)],
                   expect_status=BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN))
     add(make_case("bad_valid_len", [(1, 3, 2, 5), (2, 2, 1, 9)], pool=True, expect_status=BAD_VALID_LEN,
                   notes="valid_len 9 > pool_cols 8: entries not written, seeds written"))
@@ -396,7 +403,44 @@ def hand_cases() -> list[PlanCase]:
                   expect_status=OVERFLOW, notes="overflow: entries (and their bad slot) not read, E=0: no seed"))
     add(make_case("all_bits", [(1, 2, 1, 3), (9, 1, 1, 0), (2, 99, 1, 0), (3, 1, 1, 100), (1, 3, 1, 0)],
                   r2t=r2t_bad, lut=lut_small, pool=True, C=1,
-                  expect_status=OVERFLOW | BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_SLOT | BAD_VALID_LEN))
+                  expect_status=OVERFLOW | BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_SLOT | BAD_VALID_LEN
+                  | BAD_EXTEND_LEN, notes="(2, 99, 1): P > max_seq_len leaves no room for E = 1"))
+
+    # ---- extend lengths (bit 32): the new tokens must fit the row, max_seq_len 8
+    X = BAD_EXTEND_LEN
+    add(make_case("extend_fits_exactly", [(1, 5, 3), (2, 0, 8), (3, 7, 1)],
+                  notes="P + E = max_seq_len: not flagged; seeds r2t[1,4], -1, r2t[3,6]"))
+    add(make_case("extend_over_by_one", [(1, 5, 4), (2, 3, 1)], expect_status=X,
+                  notes="5 + 4 = 9 > 8: no entries, wlen 0, seed -1; the other row's entries are not written, "
+                        "its seed is"))
+    add(make_case("extend_2_62_twice", [(1, 2, HUGE), (2, 1, HUGE), (3, 1, 2)], expect_status=X,
+                  notes="summed, the two would wrap write_offsets to INT64_MIN; flagged, they count 0"))
+    add(make_case("extend_int64_max", [(1, 0, (1 << 63) - 1), (2, 8, 0)], expect_status=X,
+                  notes="E = INT64_MAX with P = 0: room 8, no wrap in the comparison"))
+    add(make_case("extend_padding_not_flagged", [(0, 3, HUGE), (0, 9, (1 << 63) - 1), (1, 2, 1), (0, -HUGE, 9)],
+                  notes="padding rows: E is never trusted, never flagged"))
+    add(make_case("extend_e_nonpositive_full_row", [(1, 8, 0), (2, 8, -HUGE), (3, 9, -1)],
+                  expect_status=BAD_PREFIX_LEN, notes="E <= 0 is never flagged, even with P > max_seq_len"))
+    add(make_case("extend_negative_prefix_clamped_fits", [(1, -(1 << 63), 8), (2, 1, 1)], expect_status=BAD_PREFIX_LEN,
+                  notes="P clamped to 0: 0 + 8 fits; only bit 4, and the row's E still counts"))
+    add(make_case("extend_negative_prefix_clamped_over", [(1, -1, 9), (2, 1, 1)],
+                  expect_status=BAD_PREFIX_LEN | X, notes="P clamped to 0: 0 + 9 > 8"))
+    add(make_case("extend_prefix_over_max_seq_len", [(1, 9, 1), (2, 2, 3)], expect_status=BAD_PREFIX_LEN | X,
+                  notes="P clamped to 8 leaves no room: both bits, wlen 0"))
+    add(make_case("extend_and_bad_rp", [(-1, 2, 7), (1, 1, 1), (9, 1, 2)], expect_status=BAD_REQ_POOL_INDEX | X,
+                  notes="bit 2 alone keeps wlen = E (row 2); with bit 32 too, wlen 0 (row 0)"))
+    add(make_case("extend_overflow", [(1, 4, 5), (2, 3, 1)], C=2, expect_status=OVERFLOW | X,
+                  notes="the flagged row gives no entries: total 3 > C 2"))
+    add(make_case("extend_excluded_from_total", [(1, 4, 5), (2, 3, 1)], C=3, expect_status=X,
+                  notes="total 3 = C without the flagged row's 4: no OVERFLOW; num_valid 3, entries untouched"))
+    add(make_case("extend_and_bad_valid_len", [(1, 3, 6, 9), (2, 2, 1, 4), (3, 2, 7, 2)], pool=True,
+                  expect_status=BAD_VALID_LEN | X))
+    add(make_case("extend_bad_seed_not_read", [(1, 2, 7), (2, 1, 1)], r2t=r2t_bad, lut=lut_small, expect_status=X,
+                  notes="the flagged row's seed r2t[1,1] = 5000 is outside the LUT but never read: no bit 8"))
+    add(make_case("extend_bad_seed_read", [(1, 2, 6), (2, 8, 1)], r2t=r2t_bad, lut=lut_small,
+                  expect_status=X | B, notes="row 0 fits (2 + 6 = 8): its seed r2t[1,1] is read and out of range"))
+    add(make_case("extend_swa", [(1, 6, 3), (2, 4, 1), (3, 8, 0)], W=3, expect_status=X))
+    add(make_case("extend_swa_fits", [(1, 6, 2), (2, 4, 4), (3, 8, 0)], W=3))
 
     # ---- big batches
     add(_big_batch("big_batch_5000", 5000, seed=5000))
@@ -413,7 +457,7 @@ def _big_batch(name: str, bs: int, *, seed: int, W: int = 0, pool: bool = False,
     rpi = rng.integers(1, max_reqs, size=bs)
     rpi[rng.random(bs) < 0.1] = 0
     P = rng.integers(0, max_seq_len + 1, size=bs)
-    E = rng.integers(-1, 6, size=bs)
+    E = np.minimum(rng.integers(-1, 6, size=bs), max_seq_len - P)  # the new tokens fit their row
     P[rpi == 0] = rng.integers(-HUGE, HUGE, size=int((rpi == 0).sum()))
     pool_arr = vl = None
     if pool:
@@ -513,7 +557,7 @@ def random_case(
     ``rng_or_draw``: a ``numpy.random.Generator``, an int seed (or None), or a Hypothesis ``draw``.
     Knobs: ``bs`` (inclusive range), ``swa`` / ``lut`` / ``pool`` / ``strided_r2t`` (True, False, or None for a
     coin flip; SWA implies a LUT), ``offsets`` (token-offset choices), ``padding_fraction`` (chance a row is
-    padding, with garbage P/E/valid_len), ``fault_prob`` (per-row chance of a bad rp / P / valid_len, and a
+    padding, with garbage P/E/valid_len), ``fault_prob`` (per-row chance of a bad rp / P / E / valid_len, and a
     tenth of it per slot value of one beyond the LUT), ``capacity``: ``"tight"`` (total-1, total or total+1),
     ``"loose"`` (total .. total+16), ``"any"`` (0 .. 2*total+2).
     """
@@ -573,14 +617,21 @@ def random_case(
         p = src.pick([0, 1, seq_len, max(W, 0), W + 1, src.int(0, seq_len), src.int(0, seq_len)])
         p = min(p, seq_len)
         e = src.pick([-1, 0, 1, 1, src.int(-3, 9)])
+        if e > seq_len - p:  # the new tokens must fit the row (SPEC 3.4 bit 32): a shorter prefix or E
+            if e <= seq_len and src.chance(0.5):
+                p = seq_len - e
+            else:
+                e = seq_len - p
         vl = src.pick([0, pool_cols, p, p + off, src.int(-2, pool_cols)])
         vl = min(vl, pool_cols)
         if src.chance(fault_prob):
-            kind = src.int(0, 2 if use_pool else 1)
+            kind = src.int(0, 3 if use_pool else 2)
             if kind == 0:
                 rp = src.pick([-1, n_reqs, rp_bound, src.int(rp_bound, max(rp_bound, n_reqs - 1)), -(1 << 62), 1 << 40])
             elif kind == 1:
                 p = src.pick([-1, seq_len + 1, HUGE, -HUGE])
+            elif kind == 2:  # too long by one, or garbage that would wrap write_offsets if it were summed
+                e = src.pick([seq_len - max(p, 0) + 1, seq_len + 1, HUGE, (1 << 63) - 1])
             else:
                 vl = src.pick([pool_cols + 1, 1 << 40])
         rpi.append(rp)
@@ -589,7 +640,7 @@ def random_case(
         VL.append(vl)
 
     rpi_a, P_a, E_a = _i64(rpi), _i64(P), _i64(E)
-    total = count_entries(rpi_a, P_a, W, r2t.shape, pool_rows if use_pool else None)
+    total = count_entries(rpi_a, P_a, W, r2t.shape, pool_rows if use_pool else None, E=E_a)
     if capacity == "tight":
         C = max(0, total + src.int(-1, 1))
     elif capacity == "loose":
