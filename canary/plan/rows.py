@@ -35,12 +35,17 @@ def extend_too_long(prefix, ext, max_seq_len: int) -> np.ndarray:
     return (ext > 0) & (ext > room)
 
 
-def row_checks(rpi, prefix, ext, valid_lens, *, rp_bound, max_seq_len, pool_cols) -> RowChecks:
+def row_checks(rpi, prefix, ext, valid_lens, *, rp_bound, max_seq_len, pool_cols,
+               padding_rows_carry_tokens: bool = False) -> RowChecks:
+    """The checks of every batch row. With ``padding_rows_carry_tokens``, a padding row's ``E`` is trusted
+    (it counts in ``write_offsets``), so it is checked too, as a row with ``P = 0`` (its ``P`` is never read)."""
     active = rpi != 0
     bad_rp = active & ((rpi < 0) | (rpi >= rp_bound))
     bad_p = active & ((prefix < 0) | (prefix > max_seq_len))
     bad_vl = active & (valid_lens > pool_cols) if valid_lens is not None else np.zeros_like(active)
     bad_e = active & extend_too_long(prefix, ext, max_seq_len)
+    if padding_rows_carry_tokens:
+        bad_e |= ~active & extend_too_long(np.zeros_like(ext), ext, max_seq_len)
     return RowChecks(active, bad_rp, bad_p, bad_vl, bad_e)
 
 

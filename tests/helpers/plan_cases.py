@@ -17,8 +17,9 @@ The pieces:
   view whose row stride exceeds its width; ``lut`` int64 or None; ``pool`` int32 2-D or None; the ``[bs]``
   int64 step arrays; ``valid_lens`` int64 iff ``pool`` is given), the capacities, and a ``name``.
   ``expect_status`` (hand cases only) is the status the case was built to produce.
-- :func:`hand_cases`: named cases covering every rule of SPEC 3.2-3.4 (boundaries, padding, SWA, seeds,
-  expected-token edges, each status bit, bs = 0, 1 and 5000). :func:`hand_case` picks one by name.
+- :func:`hand_cases`: named cases covering every rule of SPEC 3.2-3.4 (boundaries, padding rows in both
+  conventions of ``padding_rows_carry_tokens``, SWA, seeds, expected-token edges, each status bit, bs = 0, 1
+  and 5000). :func:`hand_case` picks one by name.
 - :func:`random_case`: a random case from a ``numpy.random.Generator``, an int seed, or a Hypothesis
   ``draw`` (inside ``@st.composite``; structure is drawn so Hypothesis shrinks it, bulk slot values come
   from a drawn seed). Knobs: batch size range, SWA, LUT, pool, token offsets, padding fraction, fault
@@ -56,6 +57,7 @@ _INT32_OUTPUTS = ("verify_num_valid", "enable", "status", "write_num_valid_reqs"
 
 # Bits of the status word (SPEC 3.4), repeated here as plain ints so that cases stay plain data.
 OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN = 1, 2, 4, 8, 16, 32
+SKIP_SEED = -(1 << 63)  # the write seed of a padding row that carries tokens (canary.SKIP_SEED)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class PlanCase:
     valid_lens: np.ndarray | None = None  # [bs] int64, iff pool is given
     swa_window_size: int = 0
     token_offset: int = 0  # kv_token_id_vs_position_offset
+    padding_rows_carry_tokens: bool = False  # planner option (SPEC 3.2): padding rows' E counts in write_offsets
     max_batch_size: int | None = None  # planner option (None: write_req_capacity)
     expect_status: int | None = None  # what a hand case was built to produce
     notes: str = ""
@@ -133,6 +136,7 @@ class PlanCase:
             full_to_swa_index_mapping=None if self.lut is None else conv(self.lut),
             req_to_verify_expected_tokens=None if self.pool is None else conv(self.pool),
             kv_token_id_vs_position_offset=self.token_offset,
+            padding_rows_carry_tokens=self.padding_rows_carry_tokens,
         )
 
     def step_kwargs(self, conv: Callable[[np.ndarray], Any] = lambda a: a) -> dict[str, Any]:
@@ -147,7 +151,8 @@ class PlanCase:
     def describe(self) -> str:
         lines = [
             f"PlanCase {self.name!r}: bs={self.bs} C={self.verify_capacity} R={self.write_req_capacity} "
-            f"W={self.swa_window_size} off={self.token_offset} r2t={self.req_to_token.shape} "
+            f"W={self.swa_window_size} off={self.token_offset} carry={self.padding_rows_carry_tokens} "
+            f"r2t={self.req_to_token.shape} "
             f"(row stride {self.req_to_token.strides[0] // 4}) lut={None if self.lut is None else self.lut.shape} "
             f"pool={None if self.pool is None else self.pool.shape}",
             f"  rp={self.req_pool_indices.tolist()[:32]}",
@@ -221,6 +226,7 @@ def make_case(
     C: int | None = None,
     R: int | None = None,
     max_batch_size: int | None = None,
+    carry: bool = False,
     expect_status: int | None = 0,
     notes: str = "",
 ) -> PlanCase:
@@ -228,7 +234,8 @@ def make_case(
 
     Defaults: :func:`std_r2t`; ``lut=True`` / ``pool=True`` take :func:`std_lut` / :func:`std_pool`; ``C``
     defaults to the exact number of verify entries (rows with a bad rp or P counted as 0), ``R`` to bs + 2
-    (so that the untouched seed tail and the zeroed offsets tail are visible).
+    (so that the untouched seed tail and the zeroed offsets tail are visible). ``carry``: the planner's
+    ``padding_rows_carry_tokens``.
     """
     r2t = std_r2t() if r2t is None else r2t
     lut = std_lut() if lut is True else (None if lut is False else lut)
@@ -248,7 +255,7 @@ def make_case(
         name=name, req_to_token=r2t, req_pool_indices=rpi, prefix_lens=P, extend_seq_lens=E,
         verify_capacity=int(C), write_req_capacity=int(len(rows) + 2 if R is None else R),
         lut=lut, pool=pool, valid_lens=vl, swa_window_size=W, token_offset=off,
-        max_batch_size=max_batch_size, expect_status=expect_status, notes=notes,
+        max_batch_size=max_batch_size, padding_rows_carry_tokens=carry, expect_status=expect_status, notes=notes,
     )
 
 
@@ -442,14 +449,53 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("extend_swa", [(1, 6, 3), (2, 4, 1), (3, 8, 0)], W=3, expect_status=X))
     add(make_case("extend_swa_fits", [(1, 6, 2), (2, 4, 4), (3, 8, 0)], W=3))
 
+    # ---- padding rows that carry tokens (planner bound with padding_rows_carry_tokens, SPEC 3.2), first, in the
+    # middle and last, and the same rows in SGLang's convention (the default): the write side differs
+    K = SKIP_SEED
+    first = [(0, 99, 2), (1, 3, 1), (2, 2, 2)]
+    middle = [(1, 3, 1), (0, -5, 3), (2, 2, 2)]
+    last = [(1, 3, 1), (2, 2, 2), (0, 7, 1), (0, 0, 4)]
+    add(make_case("padding_first", first, notes="offsets [0, 0, 1, 3], seeds [-1, 103, 202]"))
+    add(make_case("padding_middle", middle, notes="offsets [0, 1, 1, 3], seeds [103, -1, 202]"))
+    add(make_case("padding_last", last, notes="offsets [0, 1, 3, 3, 3], seeds [103, 202, -1, -1]"))
+    add(make_case("padding_tokens_first", first, carry=True,
+                  notes="the padding row's 2 tokens come first: offsets [0, 2, 3, 5], seeds [SKIP, 103, 202]"))
+    add(make_case("padding_tokens_middle", middle, carry=True,
+                  notes="offsets [0, 1, 4, 6], seeds [103, SKIP, 202]; the padding row's P is never read"))
+    add(make_case("padding_tokens_last", last, carry=True,
+                  notes="offsets [0, 1, 3, 4, 8], seeds [103, 202, SKIP, SKIP]"))
+    add(make_case("padding_tokens_e_nonpositive", [(0, 3, 0), (1, 2, 1), (0, 5, -3), (0, HUGE, -HUGE)], carry=True,
+                  notes="a padding row with E <= 0 carries nothing: wlen 0, seed -1 (not SKIP)"))
+    add(make_case("padding_tokens_e_max_seq_len", [(0, HUGE, 8), (1, 2, 1)], carry=True,
+                  notes="E = max_seq_len fits (P is garbage and not read: taken as 0)"))
+    add(make_case("padding_tokens_e_too_long", [(1, 2, 1), (0, 3, 9), (2, 1, 1), (0, -1, HUGE)], carry=True,
+                  expect_status=BAD_EXTEND_LEN,
+                  notes="no row holds 9 tokens: the padding row is flagged 32, wlen 0, seed -1"))
+    add(make_case("padding_tokens_garbage_default", [(1, 2, 1), (0, 3, 9), (2, 1, 1), (0, -1, HUGE)],
+                  notes="the same rows without carry: padding E is never read, nothing flagged"))
+    add(make_case("padding_tokens_swa_pool", [(0, 4, 2, 1 << 40), (1, 6, 1, 8), (0, -1, 1, -9), (2, 5, 2, 3)],
+                  W=3, pool=True, off=1, carry=True,
+                  notes="padding rows' valid_len is never read (no bit 16); SKIP seeds bypass the LUT"))
+    add(make_case("padding_tokens_lut_small", [(0, 1, 3), (1, 1, 1)], lut=std_lut(lut_len=150), carry=True,
+                  notes="SKIP is never translated: no BAD_SLOT from a padding row"))
+    add(make_case("padding_tokens_overflow", [(1, 4, 1), (0, 2, 3), (2, 3, 1)], C=5, carry=True,
+                  expect_status=OVERFLOW, notes="the write side is built anyway, SKIP included"))
+    add(make_case("padding_tokens_with_bad_rows", [(0, 1, 2), (-1, 2, 1), (1, 9, 1), (0, 1, 1), (2, 6, 3)],
+                  carry=True, expect_status=BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_EXTEND_LEN,
+                  notes="offsets [0, 2, 3, 3, 4, 4]: bit 2 keeps E, bits 4+32 and 32 drop it; padding rows carry"))
+    add(make_case("padding_tokens_only", [(0, 1, 2), (0, 1, 1), (0, 0, 0)], carry=True))
+    add(_big_batch("big_batch_4500_padding_tokens", 4500, seed=4500, carry=True))
+
     # ---- big batches
     add(_big_batch("big_batch_5000", 5000, seed=5000))
     add(_big_batch("big_batch_4097_swa_pool", 4097, seed=4097, W=5, pool=True, off=1))
     return cases
 
 
-def _big_batch(name: str, bs: int, *, seed: int, W: int = 0, pool: bool = False, off: int = 0) -> PlanCase:
-    """More rows than SGLang's 4096 lanes: mixed decode/prefill/padding rows, exact capacity."""
+def _big_batch(name: str, bs: int, *, seed: int, W: int = 0, pool: bool = False, off: int = 0,
+               carry: bool = False) -> PlanCase:
+    """More rows than SGLang's 4096 lanes: mixed decode/prefill/padding rows, exact capacity. ``carry``: the
+    padding rows carry tokens (their E in [0, 5]), anywhere in the batch."""
     rng = np.random.default_rng(seed)
     max_reqs, max_seq_len = 301, 24
     r2t = strided(rng.integers(1, 1 << 20, size=(max_reqs, max_seq_len), dtype=np.int32), 2)
@@ -459,6 +505,8 @@ def _big_batch(name: str, bs: int, *, seed: int, W: int = 0, pool: bool = False,
     P = rng.integers(0, max_seq_len + 1, size=bs)
     E = np.minimum(rng.integers(-1, 6, size=bs), max_seq_len - P)  # the new tokens fit their row
     P[rpi == 0] = rng.integers(-HUGE, HUGE, size=int((rpi == 0).sum()))
+    if carry:
+        E[rpi == 0] = rng.integers(0, 6, size=int((rpi == 0).sum()))
     pool_arr = vl = None
     if pool:
         pool_arr = rng.integers(0, 1 << 31, size=(max_reqs, max_seq_len), dtype=np.int32)
@@ -467,7 +515,7 @@ def _big_batch(name: str, bs: int, *, seed: int, W: int = 0, pool: bool = False,
     return PlanCase(name=name, req_to_token=r2t, req_pool_indices=_i64(rpi), prefix_lens=_i64(P),
                     extend_seq_lens=_i64(E), verify_capacity=C, write_req_capacity=bs + 3, lut=lut,
                     pool=pool_arr, valid_lens=None if vl is None else _i64(vl), swa_window_size=W,
-                    token_offset=off, expect_status=0)
+                    token_offset=off, padding_rows_carry_tokens=carry, expect_status=0)
 
 
 def hand_case(name: str) -> PlanCase:
@@ -545,6 +593,7 @@ def random_case(
     pool: bool | None = None,
     offsets: Sequence[int] = (0, 1, -1),
     padding_fraction: float = 0.25,
+    padding_rows_carry_tokens: bool | None = None,
     fault_prob: float = 0.0,
     capacity: str = "any",
     strided_r2t: bool | None = None,
@@ -557,7 +606,9 @@ def random_case(
     ``rng_or_draw``: a ``numpy.random.Generator``, an int seed (or None), or a Hypothesis ``draw``.
     Knobs: ``bs`` (inclusive range), ``swa`` / ``lut`` / ``pool`` / ``strided_r2t`` (True, False, or None for a
     coin flip; SWA implies a LUT), ``offsets`` (token-offset choices), ``padding_fraction`` (chance a row is
-    padding, with garbage P/E/valid_len), ``fault_prob`` (per-row chance of a bad rp / P / E / valid_len, and a
+    padding, with garbage P/E/valid_len), ``padding_rows_carry_tokens`` (the planner option, True, False or
+    None for a coin flip; when on, padding rows get token counts that fit a row, E too long being a fault),
+    ``fault_prob`` (per-row chance of a bad rp / P / E / valid_len, and a
     tenth of it per slot value of one beyond the LUT), ``capacity``: ``"tight"`` (total-1, total or total+1),
     ``"loose"`` (total .. total+16), ``"any"`` (0 .. 2*total+2).
     """
@@ -569,6 +620,7 @@ def random_case(
     use_swa = _maybe(src, swa)
     use_lut = use_swa or _maybe(src, lut)
     use_pool = _maybe(src, pool)
+    carry = _maybe(src, padding_rows_carry_tokens)
     W = src.int(1, seq_len + 2) if use_swa else 0
     off = int(src.pick(list(offsets)))
     lut_len = src.int(1, 4 * n_reqs * seq_len + 8) if use_lut else 0
@@ -610,7 +662,13 @@ def random_case(
         if src.chance(padding_fraction) or rp_bound <= 1:
             rpi.append(0)
             P.append(src.pick(garbage + [src.int(-5, seq_len + 5)]))
-            E.append(src.pick(garbage + [src.int(-5, 9)]))
+            if carry:  # a real token count (a finished request's last step), or too long as a fault
+                e = src.pick([-1, 0, 1, 1, src.int(0, seq_len)])
+                if src.chance(fault_prob):
+                    e = src.pick([seq_len + 1, HUGE, (1 << 63) - 1])
+                E.append(e)
+            else:
+                E.append(src.pick(garbage + [src.int(-5, 9)]))
             VL.append(src.pick(garbage + [pool_cols + 1]))
             continue
         rp = src.int(1, rp_bound - 1)
@@ -654,6 +712,7 @@ def random_case(
         name=name, req_to_token=r2t, req_pool_indices=rpi_a, prefix_lens=P_a, extend_seq_lens=E_a,
         verify_capacity=C, write_req_capacity=R, lut=lut_arr, pool=pool_arr,
         valid_lens=_i64(VL) if use_pool else None, swa_window_size=W, token_offset=off,
+        padding_rows_carry_tokens=carry,
     )
 
 
@@ -681,6 +740,7 @@ RULE_KNOBS = [
     dict(pool=True, offsets=(0,)),
     dict(pool=True, offsets=(1,)),
     dict(padding_fraction=0.6),
+    dict(padding_fraction=0.6, padding_rows_carry_tokens=True, fault_prob=0.1),
     dict(capacity="tight"),
     dict(fault_prob=0.15),
 ]
@@ -689,6 +749,8 @@ GPU_RANDOM_KNOBS = RULE_KNOBS + [
     dict(bs=(1, 300), max_seq_len=(1, 600), capacity="loose"),
     dict(bs=(900, 1100), max_seq_len=(1, 40), max_reqs=(50, 400), capacity="tight"),
     dict(bs=(4000, 5000), max_seq_len=(1, 30), max_reqs=(50, 400)),
+    dict(bs=(2000, 2500), max_seq_len=(1, 30), max_reqs=(50, 400), padding_fraction=0.3,
+         padding_rows_carry_tokens=True),
     dict(swa=True, pool=True, fault_prob=0.05, strided_r2t=True),
 ]
 
@@ -839,6 +901,7 @@ def expected_outputs(case: PlanCase, poison: Poison = POISON) -> dict[str, np.nd
         req_to_token=case.req_to_token, lut=case.lut, pool=case.pool, swa_window_size=case.swa_window_size,
         token_offset=case.token_offset, req_pool_indices=case.req_pool_indices, prefix_lens=case.prefix_lens,
         extend_seq_lens=case.extend_seq_lens, valid_lens=case.valid_lens, out=out,
+        padding_rows_carry_tokens=case.padding_rows_carry_tokens,
     )
     return out
 

@@ -14,6 +14,7 @@ from helpers.plan_cases import (
     OVERFLOW,
     POISON,
     POISON_ALT,
+    SKIP_SEED,
     PlanCase,
     assert_same,
     count_entries,
@@ -486,6 +487,9 @@ def test_random_case_generator_is_varied():
     assert any(c.req_to_token.strides[0] > 4 * c.max_seq_len for c in cases)
     assert any(c.swa_window_size > 0 for c in cases) and any(c.pool is not None for c in cases)
     assert any((c.req_pool_indices == 0).any() for c in cases)
+    carried = [c for c in cases if c.padding_rows_carry_tokens]
+    assert 0 < len(carried) < len(cases)
+    assert any((expected_outputs(c)["write_seed_slot_indices"][: c.bs] == SKIP_SEED).any() for c in carried)
     # no faults: no input-error bits
     clean = [random_case(rng, fault_prob=0.0) for _ in range(200)]
     assert all(int(expected_outputs(c)["status"][0]) & ~OVERFLOW == 0 for c in clean)

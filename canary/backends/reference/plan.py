@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import PlanStatus
+from ...plan.plans import SKIP_SEED
 from ...plan.rows import row_checks
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 
@@ -43,6 +44,7 @@ def plan_arrays(
     extend_seq_lens: np.ndarray,
     valid_lens: np.ndarray | None,
     out: dict[str, np.ndarray],
+    padding_rows_carry_tokens: bool = False,
 ) -> None:
     """Build one plan into the arrays of ``out`` (keys: the field names of ``VerifyPlan`` and ``WritePlan``)."""
     rpi = np.asarray(req_pool_indices, dtype=np.int64)
@@ -55,7 +57,7 @@ def plan_arrays(
     rp_bound = max_reqs if pool is None else min(max_reqs, pool.shape[0])
     checks = row_checks(
         rpi, prefix, ext, valid_lens, rp_bound=rp_bound, max_seq_len=max_seq_len,
-        pool_cols=None if pool is None else pool.shape[1],
+        pool_cols=None if pool is None else pool.shape[1], padding_rows_carry_tokens=padding_rows_carry_tokens,
     )
     good = checks.good
 
@@ -102,8 +104,10 @@ def plan_arrays(
         out["verify_prev_slot_indices"][:total] = prev
 
     # Write side: offsets count every active row with E > 0 except those flagged 32 (their E would wrap the
-    # offsets); seeds need a trustworthy row, prefix and extend length.
-    wlen = np.where(checks.active & (ext > 0) & ~checks.bad_extend_len, ext, 0)
+    # offsets), and the padding rows' E when their tokens sit among the step's tokens; seeds need a
+    # trustworthy row, prefix and extend length.
+    counted = checks.active | padding_rows_carry_tokens
+    wlen = np.where(counted & (ext > 0) & ~checks.bad_extend_len, ext, 0)
     offsets = out["write_offsets"]
     offsets[: r_cap + 1] = 0
     offsets[1 : bs + 1] = np.cumsum(wlen)
@@ -113,6 +117,7 @@ def plan_arrays(
     seeds, bad_seed = translate(raw_seed, lut)
     if bad_seed:
         status |= PlanStatus.BAD_SLOT
+    seeds[~checks.active & (wlen > 0)] = SKIP_SEED  # padding tokens in the step's arrays: not to be written
     out["write_seed_slot_indices"][:bs] = seeds
     out["write_num_valid_reqs"][0] = bs
 
@@ -147,6 +152,7 @@ class Bound:
             extend_seq_lens=step.extend_seq_lens.host,
             valid_lens=None if step.valid_lens is None else step.valid_lens.host,
             out=self.out,
+            padding_rows_carry_tokens=s.padding_rows_carry_tokens,
         )
 
     def warmup(self) -> None:
