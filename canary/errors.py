@@ -17,10 +17,12 @@ class PlanStatus(enum.IntFlag):
     BAD_PREFIX_LEN = 4
     BAD_SLOT = 8
     BAD_VALID_LEN = 16
+    BAD_EXTEND_LEN = 32
 
 
 INPUT_ERROR_BITS = (
     PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | PlanStatus.BAD_SLOT | PlanStatus.BAD_VALID_LEN
+    | PlanStatus.BAD_EXTEND_LEN
 )
 
 

@@ -14,8 +14,13 @@
 #define CANARY_BAD_PREFIX_LEN 4
 #define CANARY_BAD_SLOT 8
 #define CANARY_BAD_VALID_LEN 16
+#define CANARY_BAD_EXTEND_LEN 32
+// Seed of a padding row whose tokens sit among the step's tokens (padding_rows_carry_tokens): the canary write
+// skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
+#define CANARY_SKIP_SEED (-0x7fffffffffffffffLL - 1)
 // The per-row lengths cannot be trusted: no verify entry is written.
-#define CANARY_NO_ENTRIES (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN)
+#define CANARY_NO_ENTRIES \
+    (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN | CANARY_BAD_EXTEND_LEN)
 
 #define ROWS_THREADS 1024   // canary_plan_rows_*: one block owns every row
 #define ENTRY_THREADS 256   // canary_plan_fused_* and canary_plan_entries_*
@@ -55,6 +60,7 @@ struct PlanParams {
     i64 pool_cols;
     i64 token_offset;
     i64 window;
+    i64 padding_rows_carry_tokens;  // 0 or 1 (SPEC 3.2): a padding row's E counts in write_offsets
     i64 verify_capacity;
     i64 write_req_capacity;
     i64* slots;
@@ -91,14 +97,23 @@ struct Row {
 template <bool HAS_POOL>
 __device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64 len, i64 vl) {
     Row f = {0, 0, 0, 0, 0};
-    if (rp == 0) return f;  // padding row
+    if (rp == 0) {  // padding row: only its E is ever trusted, and only when its tokens are among the step's
+        if (p.padding_rows_carry_tokens && e > 0) {
+            if (e > p.max_seq_len) f.flags |= CANARY_BAD_EXTEND_LEN;  // no row holds that many tokens
+            else f.wlen = e;
+        }
+        return f;
+    }
     f.rp = rp;
     f.len = len;
-    f.wlen = e > 0 ? e : 0;
     if (rp < 0 || rp >= p.rp_bound) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
     if (len < 0 || len > p.max_seq_len) f.flags |= CANARY_BAD_PREFIX_LEN;
     if (HAS_POOL && vl > p.pool_cols) f.flags |= CANARY_BAD_VALID_LEN;
-    if (!(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)))
+    // The new tokens must fit the row: e > room, never len + e, which garbage such as 2^62 would wrap.
+    const i64 room = p.max_seq_len - (len < 0 ? 0 : (len > p.max_seq_len ? p.max_seq_len : len));
+    if (e > 0 && e > room) f.flags |= CANARY_BAD_EXTEND_LEN;
+    else f.wlen = e > 0 ? e : 0;
+    if (!(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_EXTEND_LEN)))
         f.vcount = (p.window > 0 && len > p.window) ? p.window : len;
     return f;
 }
@@ -174,8 +189,9 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
         for (int k = 0; k < ROW_BATCH; ++k) {
             f[k] = row_facts<HAS_POOL>(p, rp[k], e[k], len[k], vl[k]);
             seed[k] = -1;
-            if (WRITE_SIDE && f[k].wlen > 0 && f[k].len > 0 &&
-                !(f[k].flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)))
+            if (WRITE_SIDE && f[k].wlen > 0 && rp[k] == 0) seed[k] = CANARY_SKIP_SEED;
+            else if (WRITE_SIDE && f[k].wlen > 0 && f[k].len > 0 &&
+                     !(f[k].flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)))
                 seed[k] = (i64)p.req_to_token[f[k].rp * p.r2t_row_stride + (f[k].len - 1)];
         }
 #pragma unroll

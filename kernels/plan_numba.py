@@ -60,8 +60,12 @@ CANARY_BAD_REQ_POOL_INDEX = 2
 CANARY_BAD_PREFIX_LEN = 4
 CANARY_BAD_SLOT = 8
 CANARY_BAD_VALID_LEN = 16
+CANARY_BAD_EXTEND_LEN = 32
+# Seed of a padding row whose tokens sit among the step's tokens (padding_rows_carry_tokens): the canary write
+# skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
+CANARY_SKIP_SEED = -(1 << 63)
 # The per-row lengths cannot be trusted: no verify entry is written.
-CANARY_NO_ENTRIES = CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN
+CANARY_NO_ENTRIES = CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN | CANARY_BAD_EXTEND_LEN
 
 ROWS_THREADS = 1024  # canary_plan_rows: one block owns every row
 ENTRY_THREADS = 256  # canary_plan_fused and canary_plan_entries
@@ -95,7 +99,8 @@ PARAMS = (
     ("req_pool_indices", _A64), ("prefix_lens", _A64), ("extend_seq_lens", _A64), ("valid_lens", _A64),
     ("bs", _I64), ("req_to_token", _A32), ("r2t_row_stride", _I64), ("rp_bound", _I64), ("max_seq_len", _I64),
     ("lut", _A64), ("lut_len", _I64), ("pool", _A32), ("pool_row_stride", _I64), ("pool_cols", _I64),
-    ("token_offset", _I64), ("window", _I64), ("verify_capacity", _I64), ("write_req_capacity", _I64),
+    ("token_offset", _I64), ("window", _I64), ("padding_rows_carry_tokens", _I64), ("verify_capacity", _I64),
+    ("write_req_capacity", _I64),
     ("slots", _A64), ("expected", _A64), ("positions", _A64), ("prevs", _A64), ("num_valid", _A32),
     ("enable", _A32), ("status", _A32), ("write_offsets", _A64), ("seeds", _A64),
     ("write_num_valid_reqs", _A32), ("scratch", _A64),
@@ -157,12 +162,16 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return lut[raw], int64(0)
 
     @cuda.jit(device=True)
-    def row_facts(rp, e, length, vl, rp_bound, max_seq_len, pool_cols, window):
+    def row_facts(rp, e, length, vl, rp_bound, max_seq_len, pool_cols, window, padding_rows_carry_tokens):
         """plan.cu's Row: ``(vcount, wlen, flags)``: verify entries, write entries, status bits the row raises.
-        A padding row (rp == 0) has none: its lengths may be stale garbage."""
+        A padding row (rp == 0) has none, except its write entries when its tokens are among the step's (its
+        lengths may be stale garbage otherwise)."""
         if rp == 0:
+            if padding_rows_carry_tokens != 0 and e > 0:
+                if e > max_seq_len:  # no row holds that many tokens
+                    return int64(0), int64(0), int64(CANARY_BAD_EXTEND_LEN)
+                return int64(0), e, int64(0)
             return int64(0), int64(0), int64(0)
-        wlen = e if e > 0 else int64(0)
         flags = int64(0)
         if rp < 0 or rp >= rp_bound:
             flags |= CANARY_BAD_REQ_POOL_INDEX
@@ -171,8 +180,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         if HAS_POOL:
             if vl > pool_cols:
                 flags |= CANARY_BAD_VALID_LEN
+        # The new tokens must fit the row: e > room, never length + e, which garbage such as 2^62 would wrap.
+        room = max_seq_len - min(max(length, int64(0)), max_seq_len)
+        wlen = int64(0)
+        if e > 0 and e > room:
+            flags |= CANARY_BAD_EXTEND_LEN
+        elif e > 0:
+            wlen = e
         vcount = int64(0)
-        if (flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) == 0:
+        if (flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_EXTEND_LEN)) == 0:
             vcount = window if (window > 0 and length > window) else length
         return vcount, wlen, flags
 
@@ -218,7 +234,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         @cuda.jit(device=True)
         def scan_rows(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                       r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window,
-                      write_req_capacity, write_offsets, seeds, write_num_valid_reqs, tab, t0, tn, write_side):
+                      padding_rows_carry_tokens, write_req_capacity, write_offsets, seeds, write_num_valid_reqs,
+                      tab, t0, tn, write_side):
             """Scan all rows with THREADS threads, ROW_BATCH consecutive rows per thread per batch, carrying
             the running sums across batches; a batch's loads (then its seeds) are issued together.
 
@@ -260,14 +277,17 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                 vsum = int64(0)
                 wsum = int64(0)
                 for k in range(ROW_BATCH):
-                    v, w, f = row_facts(rp[k], e[k], ln[k], vl[k], rp_bound, max_seq_len, pool_cols, window)
+                    v, w, f = row_facts(rp[k], e[k], ln[k], vl[k], rp_bound, max_seq_len, pool_cols, window,
+                                        padding_rows_carry_tokens)
                     vc[k] = v
                     wl[k] = w
                     vsum += v
                     wsum += w
                     flags |= f
                     seed[k] = -1
-                    if (write_side and w > 0 and ln[k] > 0
+                    if write_side and w > 0 and rp[k] == 0:
+                        seed[k] = CANARY_SKIP_SEED
+                    elif (write_side and w > 0 and ln[k] > 0
                             and (f & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) == 0):
                         seed[k] = int64(req_to_token[rp[k] * r2t_row_stride + (ln[k] - 1)])
                 voff, woff, vtot, wtot = block_scan2(vsum, wsum)
@@ -436,14 +456,16 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
     def canary_plan_fused(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                           r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
-                          token_offset, window, verify_capacity, write_req_capacity, slots, expected, positions,
-                          prevs, num_valid, enable, status, write_offsets, seeds, write_num_valid_reqs, scratch):
+                          token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
+                          slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
+                          write_num_valid_reqs, scratch):
         """bs <= FUSED_MAX_BS; any grid of ENTRY_THREADS-thread blocks."""
         tab = cuda.shared.array(FUSED_TABLE, int64)  # off, base, pdelta (, pbase, vlim), stride FUSED_MAX_BS + 1
         total, row_flags, seed_bad = scan_rows_entry(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
-            rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, write_req_capacity,
-            write_offsets, seeds, write_num_valid_reqs, tab, 0, _FUSED_STRIDE, cuda.blockIdx.x == 0)
+            rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
+            write_req_capacity, write_offsets, seeds, write_num_valid_reqs, tab, 0, _FUSED_STRIDE,
+            cuda.blockIdx.x == 0)
         if not HAS_LUT:
             if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
                 write_status(status, enable, num_valid, verify_capacity, row_flags, total)
@@ -456,13 +478,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
     def canary_plan_rows(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                          r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
-                         token_offset, window, verify_capacity, write_req_capacity, slots, expected, positions,
-                         prevs, num_valid, enable, status, write_offsets, seeds, write_num_valid_reqs, scratch):
+                         token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
+                         slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
+                         write_num_valid_reqs, scratch):
         """Grid 1, block ROWS_THREADS: scans, seeds, row table and row flags into the scratch."""
         total, row_flags, seed_bad = scan_rows_rows(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
-            rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, write_req_capacity,
-            write_offsets, seeds, write_num_valid_reqs, scratch, SCRATCH_TABLE, write_req_capacity + 1, True)
+            rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
+            write_req_capacity, write_offsets, seeds, write_num_valid_reqs, scratch, SCRATCH_TABLE,
+            write_req_capacity + 1, True)
         if cuda.threadIdx.x == 0:
             scratch[SCRATCH_ROW_FLAGS] = row_flags | (CANARY_BAD_SLOT if seed_bad != 0 else 0)
             scratch[SCRATCH_TOTAL] = total
@@ -471,8 +495,9 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
     def canary_plan_entries(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                             r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
-                            token_offset, window, verify_capacity, write_req_capacity, slots, expected, positions,
-                            prevs, num_valid, enable, status, write_offsets, seeds, write_num_valid_reqs, scratch):
+                            token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
+                            slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
+                            write_num_valid_reqs, scratch):
         """After canary_plan_rows; any grid of ENTRY_THREADS-thread blocks."""
         s_samples = cuda.shared.array(_SAMPLES_LEN, int64)
         row_flags = scratch[SCRATCH_ROW_FLAGS]

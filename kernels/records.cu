@@ -29,6 +29,9 @@ typedef unsigned long long u64;
 #define CHECK_VERIFY_TOKEN 2
 
 #define ANCHOR_LINK 0xDE7FAE23A9A1B716ULL  // splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890)
+// A request whose seed is INT64_MIN writes nothing: a padding row whose tokens sit among the step's tokens
+// (planner bound with padding_rows_carry_tokens; canary/plan/plans.py SKIP_SEED). Its slots may be stale.
+#define SKIP_SEED (-0x7fffffffffffffffLL - 1)
 
 // Where violations and health go; shared by write and verify. Fixed at bind except `tag`.
 struct StateParams {
@@ -175,6 +178,7 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
     const i64 nreq = clamp64((i64)*p.write_num_valid_reqs, 0, p.write_req_capacity);
     const i64 r = blockIdx.x;
     if (r >= nreq) return;
+    if (p.write_seed_slot_indices[r] == SKIP_SEED) return;  // the whole block leaves: no barrier is pending
     const i64 n = p.num_entries;
     const i64 start = clamp64(p.write_offsets[r], 0, n);
     const i64 end = clamp64(p.write_offsets[r + 1], 0, n);

@@ -44,6 +44,10 @@ FAIL_SLOT_RANGE = 64
 CHECK_WRITE_POSITION_CHAIN = 1
 CHECK_VERIFY_TOKEN = 2
 
+# A request whose seed is INT64_MIN writes nothing: a padding row whose tokens sit among the step's tokens
+# (planner bound with padding_rows_carry_tokens; canary/plan/plans.py SKIP_SEED). Its slots may be stale.
+SKIP_SEED = np.int64(-(1 << 63))
+
 # u64 constants: a Python int literal would make Numba mix int64 into u64 arithmetic (float64 promotion).
 ANCHOR_LINK = np.uint64(0xDE7FAE23A9A1B716)  # splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890)
 ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)  # -1 as u64: "no expectation" / "no predecessor"
@@ -186,6 +190,8 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
         nreq = clamp64(int64(write_num_valid_reqs[0]), int64(0), write_req_capacity)
         r = int64(cuda.blockIdx.x)
         if r >= nreq:
+            return
+        if write_seed_slot_indices[r] == SKIP_SEED:  # the whole block leaves: no barrier is pending
             return
         start = clamp64(write_offsets[r], int64(0), num_entries)
         end = clamp64(write_offsets[r + 1], int64(0), num_entries)

@@ -59,6 +59,7 @@ class StaticArgs:
     req_to_verify_expected_tokens: ArrayView | None  # [pool_rows, pool_cols] int32
     swa_window_size: int
     kv_token_id_vs_position_offset: int
+    padding_rows_carry_tokens: bool  # SPEC 3.2: padding rows' E counts in write_offsets (their seed: SKIP_SEED)
     verify_slot_indices: ArrayView  # [C] int64
     verify_expected_tokens: ArrayView
     verify_expected_positions: ArrayView

@@ -15,7 +15,8 @@ CONSTANTS = dict(ROWS_THREADS=ROWS_THREADS, ENTRY_THREADS=ENTRY_THREADS, FUSED_M
 PARAM_FIELDS = (
     "req_pool_indices", "prefix_lens", "extend_seq_lens", "valid_lens", "bs",
     "req_to_token", "r2t_row_stride", "rp_bound", "max_seq_len", "lut", "lut_len",
-    "pool", "pool_row_stride", "pool_cols", "token_offset", "window", "verify_capacity", "write_req_capacity",
+    "pool", "pool_row_stride", "pool_cols", "token_offset", "window", "padding_rows_carry_tokens",
+    "verify_capacity", "write_req_capacity",
     "slots", "expected", "positions", "prevs", "num_valid", "enable", "status",
     "write_offsets", "seeds", "write_num_valid_reqs", "scratch",
 )

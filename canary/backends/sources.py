@@ -8,13 +8,21 @@ from importlib import resources
 from pathlib import Path
 
 
+def _checkout_kernels() -> Path | None:
+    """``kernels/`` beside the ``canary/`` package in use, when that package is a source checkout.
+
+    Looked at first: an editable install of another checkout maps ``canary.kernels`` to *its* folder, so a
+    checkout whose ``canary`` shadows it (``PYTHONPATH``, ``python -m canary`` from the root) would otherwise
+    run the other checkout's kernels with its own Python code.
+    """
+    here = Path(__file__).resolve().parents[2] / "kernels"
+    return here if (here / "plan.cu").is_file() else None
+
+
 def kernels_dir():
-    """``kernels/``: the package ``canary.kernels`` once installed, or the folder beside ``canary/`` in a checkout
-    whose ``canary`` shadows the installed one (``python -m canary`` from the repository root)."""
-    try:
-        return resources.files("canary.kernels")
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "kernels"
+    """``kernels/`` of this checkout (see ``_checkout_kernels``), else the installed package ``canary.kernels``."""
+    local = _checkout_kernels()
+    return local if local is not None else resources.files("canary.kernels")
 
 
 def cuda_source(name: str) -> str:
@@ -22,19 +30,26 @@ def cuda_source(name: str) -> str:
     return kernels_dir().joinpath(f"{name}.cu").read_text()
 
 
+def _load_file(full: str, path) -> object:
+    spec = importlib.util.spec_from_file_location(full, str(path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[full] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def numba_kernels(name: str):
-    """Import ``kernels/<name>.py`` (``"plan_numba"`` or ``"records_numba"``) as ``canary.kernels.<name>``."""
+    """Import ``kernels/<name>.py`` (``"plan_numba"`` or ``"records_numba"``) as ``canary.kernels.<name>``,
+    from the same folder as :func:`kernels_dir`."""
     full = f"canary.kernels.{name}"
+    if full in sys.modules:
+        return sys.modules[full]
+    local = _checkout_kernels()
+    if local is not None:
+        return _load_file(full, local / f"{name}.py")
     try:
         return importlib.import_module(full)
     except ModuleNotFoundError as exc:
         if exc.name not in (full, "canary.kernels"):
             raise  # a library the kernels need is missing, not the kernels
-        if full in sys.modules:
-            return sys.modules[full]
-        path = kernels_dir().joinpath(f"{name}.py")
-        spec = importlib.util.spec_from_file_location(full, str(path))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[full] = module
-        spec.loader.exec_module(module)
-        return module
+        return _load_file(full, kernels_dir().joinpath(f"{name}.py"))

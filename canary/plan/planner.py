@@ -38,6 +38,7 @@ def bind_static(
     full_to_swa_index_mapping: Any = None,
     req_to_verify_expected_tokens: Any = None,
     kv_token_id_vs_position_offset: int = 0,
+    padding_rows_carry_tokens: bool = False,
     verify_capacity: int | None = None,
     max_batch_size: int | None = None,
 ) -> StaticArgs:
@@ -68,6 +69,9 @@ def bind_static(
         pool = check_view(as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens"), dtype=np.int32,
                           ndim=2)
     offset = _int_arg("kv_token_id_vs_position_offset", kv_token_id_vs_position_offset)
+    if not isinstance(padding_rows_carry_tokens, (bool, np.bool_)):
+        raise fail(TypeError, f"padding_rows_carry_tokens: expected a bool, got "
+                              f"{type(padding_rows_carry_tokens).__name__} {padding_rows_carry_tokens!r}")
 
     mbs = r_cap if max_batch_size is None else _int_arg("max_batch_size", max_batch_size)
     if mbs < 0:
@@ -83,6 +87,7 @@ def bind_static(
         req_to_verify_expected_tokens=pool,
         swa_window_size=window,
         kv_token_id_vs_position_offset=offset,
+        padding_rows_carry_tokens=bool(padding_rows_carry_tokens),
         **{f: getattr(vp, f) for f in VERIFY_ENTRY_FIELDS + VERIFY_SCALAR_FIELDS},
         **{f: getattr(wp, f) for f in WRITE_FIELDS},
         verify_capacity=cap,
@@ -125,6 +130,14 @@ class CanaryPlanner:
     - ``req_to_verify_expected_tokens``: ``[pool_rows, pool_cols]`` int32 expected token ids, or ``None``.
     - ``kv_token_id_vs_position_offset``: added to a position before indexing the expected-token row
       (0 for a target model, +1 for an EAGLE draft).
+    - ``padding_rows_carry_tokens``: where the step's token arrays (``out_cache_loc``, ``input_ids``,
+      ``positions``) put the tokens of padding rows (``req_pool_indices == 0``), SPEC 3.2. ``False`` (default,
+      SGLang's convention): nowhere among the active rows' tokens (padding rows add no write entries; any
+      padding tokens lie past ``write_offsets[bs]``). ``True`` (a fixed-shape batch that keeps finished
+      requests' rows in place, anywhere in the batch, tokens and all): a padding row's ``E`` tokens sit at its
+      place in batch order, so ``write_offsets`` counts them and the row's seed is
+      :data:`~canary.plan.plans.SKIP_SEED`, which makes the canary write skip them. The wrong choice shifts
+      every later row's tokens: the canary then reports violations on a clean run.
     - ``verify_capacity``: optional; must equal ``C`` when given.
     - ``max_batch_size``: largest ``bs`` accepted (default ``R``); sizes the planner's scratch.
     - ``backend``: ``"auto"``, ``"reference"``, ``"cupy"`` or ``"numba"`` (SPEC 3.5).
@@ -280,14 +293,14 @@ class CanaryPlanner:
         pool, lut = s.req_to_verify_expected_tokens, s.full_to_swa_index_mapping
         rpi, prefix, ext = to_host(rpi), to_host(prefix), to_host(ext)
         c = row_checks(
-            rpi, prefix, None if valid_lens is None else to_host(valid_lens),
+            rpi, prefix, ext, None if valid_lens is None else to_host(valid_lens),
             rp_bound=s.req_pool_index_bound, max_seq_len=s.max_seq_len,
-            pool_cols=None if pool is None else pool.shape[1],
+            pool_cols=None if pool is None else pool.shape[1], padding_rows_carry_tokens=s.padding_rows_carry_tokens,
         )
         bad_slot = None
         if status & PlanStatus.BAD_SLOT and lut is not None:
             row_bits = PlanStatus.OVERFLOW | PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | \
-                PlanStatus.BAD_VALID_LEN
+                PlanStatus.BAD_VALID_LEN | PlanStatus.BAD_EXTEND_LEN
             r2t = s.req_to_token
             source = r2t.host if r2t.host is not None else r2t.owner
             bad_slot = bad_slot_rows(c, rpi, prefix, ext, window=s.swa_window_size, lut_len=lut.shape[0],
@@ -321,7 +334,8 @@ def _bare(v: ArrayView | None) -> ArrayView | None:
 def _one_shot_planner(static: StaticArgs, backend: str) -> CanaryPlanner:
     if static.device_id < 0:
         return CanaryPlanner._from_static(static, backends.resolve(backend, static.device_id), None)
-    key = (backend, static.swa_window_size, static.kv_token_id_vs_position_offset, static.max_batch_size) + tuple(
+    key = (backend, static.swa_window_size, static.kv_token_id_vs_position_offset, static.max_batch_size,
+           static.padding_rows_carry_tokens) + tuple(
         _view_key(getattr(static, f)) for f in _VIEW_FIELDS)
     hit = _BOUND.get(key)
     if hit is None:
@@ -349,6 +363,7 @@ def launch_canary_plan_kernels(
     req_to_verify_expected_tokens: Any = None,
     req_to_verify_expected_tokens_valid_lens: Any = None,
     kv_token_id_vs_position_offset: int = 0,
+    padding_rows_carry_tokens: bool = False,
     backend: str = "auto",
     stream: Any = None,
     check: bool = False,
@@ -375,6 +390,7 @@ def launch_canary_plan_kernels(
         req_to_verify_expected_tokens=req_to_verify_expected_tokens,
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
         verify_capacity=verify_capacity,
+        padding_rows_carry_tokens=padding_rows_carry_tokens,
     )
     planner = _one_shot_planner(static, backend)
     return planner.plan(

@@ -18,6 +18,10 @@ VERIFY_ENTRY_FIELDS = (
 )
 VERIFY_SCALAR_FIELDS = ("verify_num_valid", "enable", "status")
 WRITE_FIELDS = ("write_offsets", "write_seed_slot_indices", "write_num_valid_reqs")
+# write_seed_slot_indices of a padding row whose tokens sit among the step's tokens (a planner bound with
+# padding_rows_carry_tokens=True, SPEC 3.2): the canary write skips the row's entries. INT64_MIN, because every
+# other negative seed already means "chain from the anchor" and can come from req_to_token (int32) itself.
+SKIP_SEED = -(1 << 63)
 
 
 def _capacity(name: str, value: Any) -> int:
@@ -85,10 +89,10 @@ class VerifyPlan:
 
 @dataclass(kw_only=True)
 class WritePlan:
-    """Write side of a plan; capacity ``R = write_seed_slot_indices.shape[0]``.
+    """Write side of a plan; capacity ``R = write_req_capacity = write_seed_slot_indices.shape[0]``.
 
-    Fields: ``write_offsets`` ``[R+1]`` int64, ``write_seed_slot_indices`` ``[R]`` int64,
-    ``write_num_valid_reqs`` ``[1]`` int32.
+    Fields: ``write_offsets`` ``[R+1]`` int64, ``write_seed_slot_indices`` ``[R]`` int64 (a slot, -1 for none,
+    or :data:`SKIP_SEED` for a padding row whose entries the write skips), ``write_num_valid_reqs`` ``[1]`` int32.
     """
 
     write_offsets: Any

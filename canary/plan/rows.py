@@ -19,18 +19,36 @@ class RowChecks:
     bad_req_pool_index: np.ndarray
     bad_prefix_len: np.ndarray
     bad_valid_len: np.ndarray
+    bad_extend_len: np.ndarray
 
     @property
     def good(self) -> np.ndarray:
-        return self.active & ~self.bad_req_pool_index & ~self.bad_prefix_len
+        """Rows whose prefix can be trusted: they give verify entries and a seed."""
+        return self.active & ~self.bad_req_pool_index & ~self.bad_prefix_len & ~self.bad_extend_len
 
 
-def row_checks(rpi, prefix, valid_lens, *, rp_bound, max_seq_len, pool_cols) -> RowChecks:
+def extend_too_long(prefix, ext, max_seq_len: int) -> np.ndarray:
+    """SPEC 3.4 bit 32: ``E > 0`` and ``min(max(P, 0), max_seq_len) + E > max_seq_len``.
+
+    Compared as ``E > max_seq_len - clamped P``: both sides stay in int64 whatever the garbage in ``P`` and ``E``
+    (``E = 2**62`` is flagged, never wrapped).
+    """
+    room = max_seq_len - np.clip(prefix, 0, max_seq_len)
+    return (ext > 0) & (ext > room)
+
+
+def row_checks(rpi, prefix, ext, valid_lens, *, rp_bound, max_seq_len, pool_cols,
+               padding_rows_carry_tokens: bool = False) -> RowChecks:
+    """The checks of every batch row. With ``padding_rows_carry_tokens``, a padding row's ``E`` is trusted
+    (it counts in ``write_offsets``), so it is checked too, as a row with ``P = 0`` (its ``P`` is never read)."""
     active = rpi != 0
     bad_rp = active & ((rpi < 0) | (rpi >= rp_bound))
     bad_p = active & ((prefix < 0) | (prefix > max_seq_len))
     bad_vl = active & (valid_lens > pool_cols) if valid_lens is not None else np.zeros_like(active)
-    return RowChecks(active, bad_rp, bad_p, bad_vl)
+    bad_e = active & extend_too_long(prefix, ext, max_seq_len)
+    if padding_rows_carry_tokens:
+        bad_e |= ~active & extend_too_long(np.zeros_like(ext), ext, max_seq_len)
+    return RowChecks(active, bad_rp, bad_p, bad_vl, bad_e)
 
 
 def bad_slot_rows(checks: RowChecks, rpi, prefix, ext, *, window: int, lut_len: int, verify_ran: bool,
@@ -61,7 +79,7 @@ def bad_slot_rows(checks: RowChecks, rpi, prefix, ext, *, window: int, lut_len: 
 
 def first_bad_row(checks: RowChecks, bad_slot: np.ndarray | None = None) -> int | None:
     """The first batch row flagged by a per-row check (``bad_slot``: :func:`bad_slot_rows`), or ``None``."""
-    flagged = checks.bad_req_pool_index | checks.bad_prefix_len | checks.bad_valid_len
+    flagged = checks.bad_req_pool_index | checks.bad_prefix_len | checks.bad_valid_len | checks.bad_extend_len
     if bad_slot is not None:
         flagged = flagged | bad_slot
     bad = np.flatnonzero(flagged)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN = 1, 2, 4, 8, 16
+OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN = 1, 2, 4, 8, 16, 32
+SKIP_SEED = -(1 << 63)
 
 
 def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -16,9 +17,12 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     Choices beyond the SPEC text, as decided for the project:
 
     - a row flagged BAD_REQ_POOL_INDEX or BAD_PREFIX_LEN contributes no verify entries (``total`` excludes it);
-    - the four entry arrays are written only when ``total <= C`` and none of bits 2, 4, 16 is set;
+      one flagged BAD_EXTEND_LEN neither (SPEC 3.4 says so), nor write entries, nor a seed;
+    - the four entry arrays are written only when ``total <= C`` and none of bits 2, 4, 16, 32 is set;
     - BAD_SLOT is raised only by values actually read: slots and predecessors of written entries, and seeds;
-    - ``verify_num_valid = min(total, C)`` whatever the status.
+    - ``verify_num_valid = min(total, C)`` whatever the status;
+    - with ``case.padding_rows_carry_tokens``, a padding row with ``E > 0`` counts ``E`` write entries and gets
+      the seed SKIP_SEED, unless ``E > max_seq_len`` (flagged BAD_EXTEND_LEN, wlen 0, seed -1): SPEC 3.2, 3.4.
     """
     out = {k: np.array(v, copy=True) for k, v in outputs.items()}
     r2t = case.req_to_token
@@ -27,6 +31,7 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     pool = case.pool
     W = int(case.swa_window_size)
     off = int(case.token_offset)
+    carry = bool(getattr(case, "padding_rows_carry_tokens", False))
     C = int(out["verify_slot_indices"].shape[0])
     R = int(out["write_seed_slot_indices"].shape[0])
     bs = len(case.req_pool_indices)
@@ -48,10 +53,15 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     # Pass 1: per-row checks and the entry list (row, position). Inactive rows: only rp, P, E are looked at.
     entries: list[tuple[int, int]] = []
     row_ok: list[bool] = []
+    bad_extend = [False] * bs
     for r in range(bs):
         rp = int(case.req_pool_indices[r])
         P = int(case.prefix_lens[r])
+        E = int(case.extend_seq_lens[r])
         if rp == 0:
+            if carry and E > max_seq_len:  # the row's tokens are counted: P taken as 0 (never read)
+                status |= BAD_EXTEND_LEN
+                bad_extend[r] = True
             row_ok.append(False)
             continue
         ok = True
@@ -63,6 +73,11 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             ok = False
         if pool is not None and int(case.valid_lens[r]) > pool.shape[1]:
             status |= BAD_VALID_LEN
+        # Python ints do not wrap: the SPEC's formula as written.
+        if E > 0 and min(max(P, 0), max_seq_len) + E > max_seq_len:
+            status |= BAD_EXTEND_LEN
+            bad_extend[r] = True
+            ok = False
         row_ok.append(ok)
         if not ok:
             continue
@@ -75,7 +90,7 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         status |= OVERFLOW
 
     # Pass 2: the entries, only when they are to be written.
-    if total <= C and not status & (BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_VALID_LEN):
+    if total <= C and not status & (BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_VALID_LEN | BAD_EXTEND_LEN):
         for i, (r, p) in enumerate(entries):
             rp = int(case.req_pool_indices[r])
             slot = T(read_slot(rp, p))
@@ -100,11 +115,13 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         P = int(case.prefix_lens[r])
         E = int(case.extend_seq_lens[r])
         out["write_offsets"][r] = running
-        wlen = E if rp != 0 and E > 0 else 0
+        wlen = E if (rp != 0 or carry) and E > 0 and not bad_extend[r] else 0
         running += wlen
         seed = -1
         if rp != 0 and row_ok[r] and E > 0 and P > 0:
             seed = T(read_slot(rp, P - 1))
+        elif rp == 0 and wlen > 0:
+            seed = SKIP_SEED
         out["write_seed_slot_indices"][r] = seed
     out["write_offsets"][bs] = running
     out["write_num_valid_reqs"][0] = bs

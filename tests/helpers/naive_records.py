@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 M64 = 0xFFFF_FFFF_FFFF_FFFF
 ANCHOR = 0xC0FFEE1234567890
+SKIP_SEED = -(1 << 63)  # a request seeded so writes nothing (a padding row's tokens)
 
 
 def s64(x: int) -> int:
@@ -99,6 +100,8 @@ def write(st: NaiveState, *, offsets, seeds, num_valid_reqs, loc, ids, positions
             seed_link.append(LINK_NONE)
             seed_pos.append(-1)
     for r in range(nreq):
+        if seeds[r] == SKIP_SEED:  # a padding row's tokens (docs/records.md 4): nothing of them is looked at
+            continue
         running, prev = seed_link[r], seed_pos[r]
         for i in range(clamp(offsets[r], 0, n), clamp(offsets[r + 1], 0, n)):
             slot = loc[i]

@@ -17,13 +17,14 @@ The pieces:
   view whose row stride exceeds its width; ``lut`` int64 or None; ``pool`` int32 2-D or None; the ``[bs]``
   int64 step arrays; ``valid_lens`` int64 iff ``pool`` is given), the capacities, and a ``name``.
   ``expect_status`` (hand cases only) is the status the case was built to produce.
-- :func:`hand_cases`: named cases covering every rule of SPEC 3.2-3.4 (boundaries, padding, SWA, seeds,
-  expected-token edges, each status bit, bs = 0, 1 and 5000). :func:`hand_case` picks one by name.
+- :func:`hand_cases`: named cases covering every rule of SPEC 3.2-3.4 (boundaries, padding rows in both
+  conventions of ``padding_rows_carry_tokens``, SWA, seeds, expected-token edges, each status bit, bs = 0, 1
+  and 5000). :func:`hand_case` picks one by name.
 - :func:`random_case`: a random case from a ``numpy.random.Generator``, an int seed, or a Hypothesis
   ``draw`` (inside ``@st.composite``; structure is drawn so Hypothesis shrinks it, bulk slot values come
   from a drawn seed). Knobs: batch size range, SWA, LUT, pool, token offsets, padding fraction, fault
-  probability, capacity tightness, strided ``req_to_token``. :func:`plan_cases` wraps it as a Hypothesis
-  strategy.
+  probability (bad rp / P / E / valid_len / slot), capacity tightness, strided ``req_to_token``.
+  :func:`plan_cases` wraps it as a Hypothesis strategy.
 - :func:`run_case`: converts the case to an array library (``xp`` = ``"numpy"``, ``"torch"`` (CPU),
   ``"cupy"``, ``"torch_cuda"``, ``"numba"``; the last three put every array on the current CUDA device, and
   keep ``req_to_token``'s row stride), fills the 10 output buffers with the ``poison`` pattern, runs the
@@ -55,7 +56,8 @@ WRITE_FIELDS = OUTPUTS[7:]
 _INT32_OUTPUTS = ("verify_num_valid", "enable", "status", "write_num_valid_reqs")
 
 # Bits of the status word (SPEC 3.4), repeated here as plain ints so that cases stay plain data.
-OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN = 1, 2, 4, 8, 16
+OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN = 1, 2, 4, 8, 16, 32
+SKIP_SEED = -(1 << 63)  # the write seed of a padding row that carries tokens (canary.SKIP_SEED)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class PlanCase:
     valid_lens: np.ndarray | None = None  # [bs] int64, iff pool is given
     swa_window_size: int = 0
     token_offset: int = 0  # kv_token_id_vs_position_offset
+    padding_rows_carry_tokens: bool = False  # planner option (SPEC 3.2): padding rows' E counts in write_offsets
     max_batch_size: int | None = None  # planner option (None: write_req_capacity)
     expect_status: int | None = None  # what a hand case was built to produce
     notes: str = ""
@@ -133,6 +136,7 @@ class PlanCase:
             full_to_swa_index_mapping=None if self.lut is None else conv(self.lut),
             req_to_verify_expected_tokens=None if self.pool is None else conv(self.pool),
             kv_token_id_vs_position_offset=self.token_offset,
+            padding_rows_carry_tokens=self.padding_rows_carry_tokens,
         )
 
     def step_kwargs(self, conv: Callable[[np.ndarray], Any] = lambda a: a) -> dict[str, Any]:
@@ -147,7 +151,8 @@ class PlanCase:
     def describe(self) -> str:
         lines = [
             f"PlanCase {self.name!r}: bs={self.bs} C={self.verify_capacity} R={self.write_req_capacity} "
-            f"W={self.swa_window_size} off={self.token_offset} r2t={self.req_to_token.shape} "
+            f"W={self.swa_window_size} off={self.token_offset} carry={self.padding_rows_carry_tokens} "
+            f"r2t={self.req_to_token.shape} "
             f"(row stride {self.req_to_token.strides[0] // 4}) lut={None if self.lut is None else self.lut.shape} "
             f"pool={None if self.pool is None else self.pool.shape}",
             f"  rp={self.req_pool_indices.tolist()[:32]}",
@@ -221,6 +226,7 @@ def make_case(
     C: int | None = None,
     R: int | None = None,
     max_batch_size: int | None = None,
+    carry: bool = False,
     expect_status: int | None = 0,
     notes: str = "",
 ) -> PlanCase:
@@ -228,7 +234,8 @@ def make_case(
 
     Defaults: :func:`std_r2t`; ``lut=True`` / ``pool=True`` take :func:`std_lut` / :func:`std_pool`; ``C``
     defaults to the exact number of verify entries (rows with a bad rp or P counted as 0), ``R`` to bs + 2
-    (so that the untouched seed tail and the zeroed offsets tail are visible).
+    (so that the untouched seed tail and the zeroed offsets tail are visible). ``carry``: the planner's
+    ``padding_rows_carry_tokens``.
     """
     r2t = std_r2t() if r2t is None else r2t
     lut = std_lut() if lut is True else (None if lut is False else lut)
@@ -243,22 +250,26 @@ def make_case(
     if pool is not None:
         vl = _i64([r[3] if len(r) > 3 else pool.shape[1] for r in rows])
     if C is None:
-        C = count_entries(rpi, P, W, r2t.shape, None if pool is None else pool.shape[0])
+        C = count_entries(rpi, P, W, r2t.shape, None if pool is None else pool.shape[0], E=E)
     return PlanCase(
         name=name, req_to_token=r2t, req_pool_indices=rpi, prefix_lens=P, extend_seq_lens=E,
         verify_capacity=int(C), write_req_capacity=int(len(rows) + 2 if R is None else R),
         lut=lut, pool=pool, valid_lens=vl, swa_window_size=W, token_offset=off,
-        max_batch_size=max_batch_size, expect_status=expect_status, notes=notes,
+        max_batch_size=max_batch_size, padding_rows_carry_tokens=carry, expect_status=expect_status, notes=notes,
     )
 
 
-def count_entries(rpi, P, W, r2t_shape, pool_rows=None) -> int:
-    """Number of verify entries (``total``): rows that are active with a valid rp and P, window-clipped."""
+def count_entries(rpi, P, W, r2t_shape, pool_rows=None, *, E=None) -> int:
+    """Number of verify entries (``total``): rows that are active with a valid rp and P (and, when ``E`` is
+    given, new tokens that fit the row: SPEC 3.4 bit 32), window-clipped."""
     max_reqs, max_seq_len = r2t_shape
     bound = max_reqs if pool_rows is None else min(max_reqs, pool_rows)
     total = 0
-    for rp, p in zip(np.asarray(rpi).tolist(), np.asarray(P).tolist()):
+    E = [0] * len(np.asarray(rpi)) if E is None else np.asarray(E).tolist()
+    for rp, p, e in zip(np.asarray(rpi).tolist(), np.asarray(P).tolist(), E):
         if rp == 0 or rp < 0 or rp >= bound or p < 0 or p > max_seq_len:
+            continue
+        if e > 0 and min(max(p, 0), max_seq_len) + e > max_seq_len:
             continue
         total += p - (max(0, p - W) if W > 0 else 0)
     return total
@@ -282,7 +293,8 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("bs1_decode", [(1, 3, 1)], notes="entries p=0,1,2 of row 1; seed r2t[1,2]"))
     add(make_case("bs1_prefill_p0", [(2, 0, 5)], C=2, notes="P=0: no entries, seed -1, offsets [0,5]"))
     add(make_case("p1", [(1, 1, 1)], notes="one entry at p=0, prev -1"))
-    add(make_case("p_full_row", [(3, 8, 1)], notes="P = max_seq_len: the last column is read"))
+    add(make_case("p_full_row", [(3, 8, 0)], notes="P = max_seq_len: the last column is read (E must be 0: the "
+                                                   "row has no room left)"))
     add(make_case("contiguous_r2t", [(1, 4, 2), (2, 2, 1)], r2t=std_r2t(pad=0)))
     add(make_case("duplicate_rp", [(2, 3, 1), (2, 5, 1)], notes="two batch rows on the same req_to_token row"))
     add(make_case("R_equals_bs", [(1, 2, 1), (2, 1, 3)], R=2))
@@ -294,7 +306,8 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("swa_p_lt_w", [(1, 2, 1)], W=3, notes="window_start 0"))
     add(make_case("swa_p_eq_w", [(1, 3, 1)], W=3, notes="window_start 0, first prev -1"))
     add(make_case("swa_p_eq_w_plus_1", [(1, 4, 1)], W=3, notes="window starts at p=1; its prev is T(r2t[rp,0])"))
-    add(make_case("swa_p_full", [(2, 8, 2), (1, 0, 1), (3, 5, 1)], W=3))
+    add(make_case("swa_p_full", [(2, 8, 2), (1, 0, 1), (3, 5, 1)], W=3, r2t=std_r2t(max_seq_len=10),
+                  notes="max_seq_len 10: room for the first row's 2 new tokens"))
     add(make_case("swa_w1", [(1, 5, 1), (2, 1, 1)], W=1, notes="only p=P-1, prev T(r2t[rp,P-2])"))
     add(make_case("swa_w_huge", [(1, 5, 1)], W=100, notes="window larger than the row"))
     add(make_case("lut_without_swa", [(1, 3, 1), (2, 2, 2)], lut=True, notes="W=0 with a LUT: still translated"))
@@ -309,7 +322,7 @@ def hand_cases() -> list[PlanCase]:
                   notes="total 5 > C 4: entries untouched, num_valid 4, enable 0"))
     add(make_case("cap_zero_total_zero", [(1, 0, 1), (0, 9, 9)], C=0))
     add(make_case("cap_zero_overflow", [(1, 1, 1)], C=0, expect_status=OVERFLOW))
-    add(make_case("swa_cap_overflow", [(1, 8, 1), (2, 8, 1)], W=3, C=5, expect_status=OVERFLOW))
+    add(make_case("swa_cap_overflow", [(1, 8, 0), (2, 8, 0)], W=3, C=5, expect_status=OVERFLOW))
 
     # ---- padding rows (rp == 0) with garbage P/E/valid_len
     add(make_case("padding_garbage", [(1, 2, 1), (0, HUGE, HUGE), (0, -5, -HUGE), (2, 1, 2), (0, 3, 7)],
@@ -335,7 +348,7 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("expected_off_minus1", [(1, 3, 1, 8)], pool=True, off=-1, notes="p=0 -> col -1 -> -1"))
     add(make_case("expected_valid_len0", [(1, 3, 1, 0)], pool=True))
     add(make_case("expected_valid_len_negative", [(1, 3, 1, -2)], pool=True))
-    add(make_case("expected_valid_len_eq_cols", [(1, 8, 1, 8), (2, 8, 1, 8)], pool=True, off=0))
+    add(make_case("expected_valid_len_eq_cols", [(1, 8, 0, 8), (2, 8, 0, 8)], pool=True, off=0))
     add(make_case("expected_narrow_pool", [(1, 7, 1, 5), (2, 3, 1, 5)], pool=std_pool(6, 5),
                   notes="p+off >= pool_cols: -1"))
     add(make_case("expected_narrow_pool_off1", [(1, 7, 1, 5)], pool=std_pool(6, 5), off=1))
@@ -344,7 +357,7 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("expected_pool_zero_cols", [(1, 3, 1, 0), (2, 1, 1, -1)], pool=std_pool(6, 0),
                   notes="a pool with no columns: every expected token is -1, nothing read"))
     add(make_case("expected_swa", [(1, 6, 1, 6), (2, 5, 1, 4)], pool=True, W=3, off=1))
-    add(make_case("expected_valid_len_int64_min", [(1, 8, 1, -(1 << 63)), (5, 8, 1, 8)], pool=True, off=1,
+    add(make_case("expected_valid_len_int64_min", [(1, 8, 0, -(1 << 63)), (5, 8, 0, 8)], pool=True, off=1,
                   notes="an active row's valid_len of INT64_MIN with offset +1: no token valid, no wrap, no read"))
     add(make_case("expected_strided_pool", [(1, 4, 1, 6), (2, 2, 1, 8)], pool=strided(std_pool(), 5)))
 
@@ -356,10 +369,11 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("bad_rp_ge_pool_rows", [(1, 2, 1, 4), (4, 2, 1, 4)], pool=std_pool(4, 8),
                   expect_status=BAD_REQ_POOL_INDEX, notes="rp 4 < max_reqs 6 but >= pool_rows 4"))
     add(make_case("bad_prefix_negative", [(1, 2, 1), (2, -1, 1)], expect_status=BAD_PREFIX_LEN))
-    add(make_case("bad_prefix_gt_max_seq_len", [(1, 9, 1), (2, 2, 3)], expect_status=BAD_PREFIX_LEN))
-    add(make_case("bad_prefix_huge_swa", [(1, HUGE, 1), (2, 2, 3)], W=3, expect_status=BAD_PREFIX_LEN))
+    add(make_case("bad_prefix_gt_max_seq_len", [(1, 9, 0), (2, 2, 3)], expect_status=BAD_PREFIX_LEN))
+    add(make_case("bad_prefix_huge_swa", [(1, HUGE, 1), (2, 2, 3)], W=3, expect_status=BAD_PREFIX_LEN | BAD_EXTEND_LEN,
+                  notes="P clamped to max_seq_len leaves no room: E = 1 is flagged too"))
     add(make_case("bad_prefix_min_int64_swa", [(1, -(1 << 63), 1), (2, 4, 3)], W=3, expect_status=BAD_PREFIX_LEN))
-    add(make_case("bad_rp_and_prefix", [(-3, -3, 1), (1, 100, 1), (2, 1, 1)],
+    add(make_case("bad_rp_and_prefix", [(-3, -3, 1), (1, 100, 0), (2, 1, 1)],
                   expect_status=BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN))
     add(make_case("bad_valid_len", [(1, 3, 2, 5), (2, 2, 1, 9)], pool=True, expect_status=BAD_VALID_LEN,
                   notes="valid_len 9 > pool_cols 8: entries not written, seeds written"))
@@ -396,7 +410,81 @@ def hand_cases() -> list[PlanCase]:
                   expect_status=OVERFLOW, notes="overflow: entries (and their bad slot) not read, E=0: no seed"))
     add(make_case("all_bits", [(1, 2, 1, 3), (9, 1, 1, 0), (2, 99, 1, 0), (3, 1, 1, 100), (1, 3, 1, 0)],
                   r2t=r2t_bad, lut=lut_small, pool=True, C=1,
-                  expect_status=OVERFLOW | BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_SLOT | BAD_VALID_LEN))
+                  expect_status=OVERFLOW | BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_SLOT | BAD_VALID_LEN
+                  | BAD_EXTEND_LEN, notes="(2, 99, 1): P > max_seq_len leaves no room for E = 1"))
+
+    # ---- extend lengths (bit 32): the new tokens must fit the row, max_seq_len 8
+    X = BAD_EXTEND_LEN
+    add(make_case("extend_fits_exactly", [(1, 5, 3), (2, 0, 8), (3, 7, 1)],
+                  notes="P + E = max_seq_len: not flagged; seeds r2t[1,4], -1, r2t[3,6]"))
+    add(make_case("extend_over_by_one", [(1, 5, 4), (2, 3, 1)], expect_status=X,
+                  notes="5 + 4 = 9 > 8: no entries, wlen 0, seed -1; the other row's entries are not written, "
+                        "its seed is"))
+    add(make_case("extend_2_62_twice", [(1, 2, HUGE), (2, 1, HUGE), (3, 1, 2)], expect_status=X,
+                  notes="summed, the two would wrap write_offsets to INT64_MIN; flagged, they count 0"))
+    add(make_case("extend_int64_max", [(1, 0, (1 << 63) - 1), (2, 8, 0)], expect_status=X,
+                  notes="E = INT64_MAX with P = 0: room 8, no wrap in the comparison"))
+    add(make_case("extend_padding_not_flagged", [(0, 3, HUGE), (0, 9, (1 << 63) - 1), (1, 2, 1), (0, -HUGE, 9)],
+                  notes="padding rows: E is never trusted, never flagged"))
+    add(make_case("extend_e_nonpositive_full_row", [(1, 8, 0), (2, 8, -HUGE), (3, 9, -1)],
+                  expect_status=BAD_PREFIX_LEN, notes="E <= 0 is never flagged, even with P > max_seq_len"))
+    add(make_case("extend_negative_prefix_clamped_fits", [(1, -(1 << 63), 8), (2, 1, 1)], expect_status=BAD_PREFIX_LEN,
+                  notes="P clamped to 0: 0 + 8 fits; only bit 4, and the row's E still counts"))
+    add(make_case("extend_negative_prefix_clamped_over", [(1, -1, 9), (2, 1, 1)],
+                  expect_status=BAD_PREFIX_LEN | X, notes="P clamped to 0: 0 + 9 > 8"))
+    add(make_case("extend_prefix_over_max_seq_len", [(1, 9, 1), (2, 2, 3)], expect_status=BAD_PREFIX_LEN | X,
+                  notes="P clamped to 8 leaves no room: both bits, wlen 0"))
+    add(make_case("extend_and_bad_rp", [(-1, 2, 7), (1, 1, 1), (9, 1, 2)], expect_status=BAD_REQ_POOL_INDEX | X,
+                  notes="bit 2 alone keeps wlen = E (row 2); with bit 32 too, wlen 0 (row 0)"))
+    add(make_case("extend_overflow", [(1, 4, 5), (2, 3, 1)], C=2, expect_status=OVERFLOW | X,
+                  notes="the flagged row gives no entries: total 3 > C 2"))
+    add(make_case("extend_excluded_from_total", [(1, 4, 5), (2, 3, 1)], C=3, expect_status=X,
+                  notes="total 3 = C without the flagged row's 4: no OVERFLOW; num_valid 3, entries untouched"))
+    add(make_case("extend_and_bad_valid_len", [(1, 3, 6, 9), (2, 2, 1, 4), (3, 2, 7, 2)], pool=True,
+                  expect_status=BAD_VALID_LEN | X))
+    add(make_case("extend_bad_seed_not_read", [(1, 2, 7), (2, 1, 1)], r2t=r2t_bad, lut=lut_small, expect_status=X,
+                  notes="the flagged row's seed r2t[1,1] = 5000 is outside the LUT but never read: no bit 8"))
+    add(make_case("extend_bad_seed_read", [(1, 2, 6), (2, 8, 1)], r2t=r2t_bad, lut=lut_small,
+                  expect_status=X | B, notes="row 0 fits (2 + 6 = 8): its seed r2t[1,1] is read and out of range"))
+    add(make_case("extend_swa", [(1, 6, 3), (2, 4, 1), (3, 8, 0)], W=3, expect_status=X))
+    add(make_case("extend_swa_fits", [(1, 6, 2), (2, 4, 4), (3, 8, 0)], W=3))
+
+    # ---- padding rows that carry tokens (planner bound with padding_rows_carry_tokens, SPEC 3.2), first, in the
+    # middle and last, and the same rows in SGLang's convention (the default): the write side differs
+    K = SKIP_SEED
+    first = [(0, 99, 2), (1, 3, 1), (2, 2, 2)]
+    middle = [(1, 3, 1), (0, -5, 3), (2, 2, 2)]
+    last = [(1, 3, 1), (2, 2, 2), (0, 7, 1), (0, 0, 4)]
+    add(make_case("padding_first", first, notes="offsets [0, 0, 1, 3], seeds [-1, 103, 202]"))
+    add(make_case("padding_middle", middle, notes="offsets [0, 1, 1, 3], seeds [103, -1, 202]"))
+    add(make_case("padding_last", last, notes="offsets [0, 1, 3, 3, 3], seeds [103, 202, -1, -1]"))
+    add(make_case("padding_tokens_first", first, carry=True,
+                  notes="the padding row's 2 tokens come first: offsets [0, 2, 3, 5], seeds [SKIP, 103, 202]"))
+    add(make_case("padding_tokens_middle", middle, carry=True,
+                  notes="offsets [0, 1, 4, 6], seeds [103, SKIP, 202]; the padding row's P is never read"))
+    add(make_case("padding_tokens_last", last, carry=True,
+                  notes="offsets [0, 1, 3, 4, 8], seeds [103, 202, SKIP, SKIP]"))
+    add(make_case("padding_tokens_e_nonpositive", [(0, 3, 0), (1, 2, 1), (0, 5, -3), (0, HUGE, -HUGE)], carry=True,
+                  notes="a padding row with E <= 0 carries nothing: wlen 0, seed -1 (not SKIP)"))
+    add(make_case("padding_tokens_e_max_seq_len", [(0, HUGE, 8), (1, 2, 1)], carry=True,
+                  notes="E = max_seq_len fits (P is garbage and not read: taken as 0)"))
+    add(make_case("padding_tokens_e_too_long", [(1, 2, 1), (0, 3, 9), (2, 1, 1), (0, -1, HUGE)], carry=True,
+                  expect_status=BAD_EXTEND_LEN,
+                  notes="no row holds 9 tokens: the padding row is flagged 32, wlen 0, seed -1"))
+    add(make_case("padding_tokens_garbage_default", [(1, 2, 1), (0, 3, 9), (2, 1, 1), (0, -1, HUGE)],
+                  notes="the same rows without carry: padding E is never read, nothing flagged"))
+    add(make_case("padding_tokens_swa_pool", [(0, 4, 2, 1 << 40), (1, 6, 1, 8), (0, -1, 1, -9), (2, 5, 2, 3)],
+                  W=3, pool=True, off=1, carry=True,
+                  notes="padding rows' valid_len is never read (no bit 16); SKIP seeds bypass the LUT"))
+    add(make_case("padding_tokens_lut_small", [(0, 1, 3), (1, 1, 1)], lut=std_lut(lut_len=150), carry=True,
+                  notes="SKIP is never translated: no BAD_SLOT from a padding row"))
+    add(make_case("padding_tokens_overflow", [(1, 4, 1), (0, 2, 3), (2, 3, 1)], C=5, carry=True,
+                  expect_status=OVERFLOW, notes="the write side is built anyway, SKIP included"))
+    add(make_case("padding_tokens_with_bad_rows", [(0, 1, 2), (-1, 2, 1), (1, 9, 1), (0, 1, 1), (2, 6, 3)],
+                  carry=True, expect_status=BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_EXTEND_LEN,
+                  notes="offsets [0, 2, 3, 3, 4, 4]: bit 2 keeps E, bits 4+32 and 32 drop it; padding rows carry"))
+    add(make_case("padding_tokens_only", [(0, 1, 2), (0, 1, 1), (0, 0, 0)], carry=True))
+    add(_big_batch("big_batch_4500_padding_tokens", 4500, seed=4500, carry=True))
 
     # ---- big batches
     add(_big_batch("big_batch_5000", 5000, seed=5000))
@@ -404,8 +492,10 @@ def hand_cases() -> list[PlanCase]:
     return cases
 
 
-def _big_batch(name: str, bs: int, *, seed: int, W: int = 0, pool: bool = False, off: int = 0) -> PlanCase:
-    """More rows than SGLang's 4096 lanes: mixed decode/prefill/padding rows, exact capacity."""
+def _big_batch(name: str, bs: int, *, seed: int, W: int = 0, pool: bool = False, off: int = 0,
+               carry: bool = False) -> PlanCase:
+    """More rows than SGLang's 4096 lanes: mixed decode/prefill/padding rows, exact capacity. ``carry``: the
+    padding rows carry tokens (their E in [0, 5]), anywhere in the batch."""
     rng = np.random.default_rng(seed)
     max_reqs, max_seq_len = 301, 24
     r2t = strided(rng.integers(1, 1 << 20, size=(max_reqs, max_seq_len), dtype=np.int32), 2)
@@ -413,8 +503,10 @@ def _big_batch(name: str, bs: int, *, seed: int, W: int = 0, pool: bool = False,
     rpi = rng.integers(1, max_reqs, size=bs)
     rpi[rng.random(bs) < 0.1] = 0
     P = rng.integers(0, max_seq_len + 1, size=bs)
-    E = rng.integers(-1, 6, size=bs)
+    E = np.minimum(rng.integers(-1, 6, size=bs), max_seq_len - P)  # the new tokens fit their row
     P[rpi == 0] = rng.integers(-HUGE, HUGE, size=int((rpi == 0).sum()))
+    if carry:
+        E[rpi == 0] = rng.integers(0, 6, size=int((rpi == 0).sum()))
     pool_arr = vl = None
     if pool:
         pool_arr = rng.integers(0, 1 << 31, size=(max_reqs, max_seq_len), dtype=np.int32)
@@ -423,7 +515,7 @@ def _big_batch(name: str, bs: int, *, seed: int, W: int = 0, pool: bool = False,
     return PlanCase(name=name, req_to_token=r2t, req_pool_indices=_i64(rpi), prefix_lens=_i64(P),
                     extend_seq_lens=_i64(E), verify_capacity=C, write_req_capacity=bs + 3, lut=lut,
                     pool=pool_arr, valid_lens=None if vl is None else _i64(vl), swa_window_size=W,
-                    token_offset=off, expect_status=0)
+                    token_offset=off, padding_rows_carry_tokens=carry, expect_status=0)
 
 
 def hand_case(name: str) -> PlanCase:
@@ -501,6 +593,7 @@ def random_case(
     pool: bool | None = None,
     offsets: Sequence[int] = (0, 1, -1),
     padding_fraction: float = 0.25,
+    padding_rows_carry_tokens: bool | None = None,
     fault_prob: float = 0.0,
     capacity: str = "any",
     strided_r2t: bool | None = None,
@@ -513,7 +606,9 @@ def random_case(
     ``rng_or_draw``: a ``numpy.random.Generator``, an int seed (or None), or a Hypothesis ``draw``.
     Knobs: ``bs`` (inclusive range), ``swa`` / ``lut`` / ``pool`` / ``strided_r2t`` (True, False, or None for a
     coin flip; SWA implies a LUT), ``offsets`` (token-offset choices), ``padding_fraction`` (chance a row is
-    padding, with garbage P/E/valid_len), ``fault_prob`` (per-row chance of a bad rp / P / valid_len, and a
+    padding, with garbage P/E/valid_len), ``padding_rows_carry_tokens`` (the planner option, True, False or
+    None for a coin flip; when on, padding rows get token counts that fit a row, E too long being a fault),
+    ``fault_prob`` (per-row chance of a bad rp / P / E / valid_len, and a
     tenth of it per slot value of one beyond the LUT), ``capacity``: ``"tight"`` (total-1, total or total+1),
     ``"loose"`` (total .. total+16), ``"any"`` (0 .. 2*total+2).
     """
@@ -525,6 +620,7 @@ def random_case(
     use_swa = _maybe(src, swa)
     use_lut = use_swa or _maybe(src, lut)
     use_pool = _maybe(src, pool)
+    carry = _maybe(src, padding_rows_carry_tokens)
     W = src.int(1, seq_len + 2) if use_swa else 0
     off = int(src.pick(list(offsets)))
     lut_len = src.int(1, 4 * n_reqs * seq_len + 8) if use_lut else 0
@@ -566,21 +662,34 @@ def random_case(
         if src.chance(padding_fraction) or rp_bound <= 1:
             rpi.append(0)
             P.append(src.pick(garbage + [src.int(-5, seq_len + 5)]))
-            E.append(src.pick(garbage + [src.int(-5, 9)]))
+            if carry:  # a real token count (a finished request's last step), or too long as a fault
+                e = src.pick([-1, 0, 1, 1, src.int(0, seq_len)])
+                if src.chance(fault_prob):
+                    e = src.pick([seq_len + 1, HUGE, (1 << 63) - 1])
+                E.append(e)
+            else:
+                E.append(src.pick(garbage + [src.int(-5, 9)]))
             VL.append(src.pick(garbage + [pool_cols + 1]))
             continue
         rp = src.int(1, rp_bound - 1)
         p = src.pick([0, 1, seq_len, max(W, 0), W + 1, src.int(0, seq_len), src.int(0, seq_len)])
         p = min(p, seq_len)
         e = src.pick([-1, 0, 1, 1, src.int(-3, 9)])
+        if e > seq_len - p:  # the new tokens must fit the row (SPEC 3.4 bit 32): a shorter prefix or E
+            if e <= seq_len and src.chance(0.5):
+                p = seq_len - e
+            else:
+                e = seq_len - p
         vl = src.pick([0, pool_cols, p, p + off, src.int(-2, pool_cols)])
         vl = min(vl, pool_cols)
         if src.chance(fault_prob):
-            kind = src.int(0, 2 if use_pool else 1)
+            kind = src.int(0, 3 if use_pool else 2)
             if kind == 0:
                 rp = src.pick([-1, n_reqs, rp_bound, src.int(rp_bound, max(rp_bound, n_reqs - 1)), -(1 << 62), 1 << 40])
             elif kind == 1:
                 p = src.pick([-1, seq_len + 1, HUGE, -HUGE])
+            elif kind == 2:  # too long by one, or garbage that would wrap write_offsets if it were summed
+                e = src.pick([seq_len - max(p, 0) + 1, seq_len + 1, HUGE, (1 << 63) - 1])
             else:
                 vl = src.pick([pool_cols + 1, 1 << 40])
         rpi.append(rp)
@@ -589,7 +698,7 @@ def random_case(
         VL.append(vl)
 
     rpi_a, P_a, E_a = _i64(rpi), _i64(P), _i64(E)
-    total = count_entries(rpi_a, P_a, W, r2t.shape, pool_rows if use_pool else None)
+    total = count_entries(rpi_a, P_a, W, r2t.shape, pool_rows if use_pool else None, E=E_a)
     if capacity == "tight":
         C = max(0, total + src.int(-1, 1))
     elif capacity == "loose":
@@ -603,6 +712,7 @@ def random_case(
         name=name, req_to_token=r2t, req_pool_indices=rpi_a, prefix_lens=P_a, extend_seq_lens=E_a,
         verify_capacity=C, write_req_capacity=R, lut=lut_arr, pool=pool_arr,
         valid_lens=_i64(VL) if use_pool else None, swa_window_size=W, token_offset=off,
+        padding_rows_carry_tokens=carry,
     )
 
 
@@ -630,6 +740,7 @@ RULE_KNOBS = [
     dict(pool=True, offsets=(0,)),
     dict(pool=True, offsets=(1,)),
     dict(padding_fraction=0.6),
+    dict(padding_fraction=0.6, padding_rows_carry_tokens=True, fault_prob=0.1),
     dict(capacity="tight"),
     dict(fault_prob=0.15),
 ]
@@ -638,6 +749,8 @@ GPU_RANDOM_KNOBS = RULE_KNOBS + [
     dict(bs=(1, 300), max_seq_len=(1, 600), capacity="loose"),
     dict(bs=(900, 1100), max_seq_len=(1, 40), max_reqs=(50, 400), capacity="tight"),
     dict(bs=(4000, 5000), max_seq_len=(1, 30), max_reqs=(50, 400)),
+    dict(bs=(2000, 2500), max_seq_len=(1, 30), max_reqs=(50, 400), padding_fraction=0.3,
+         padding_rows_carry_tokens=True),
     dict(swa=True, pool=True, fault_prob=0.05, strided_r2t=True),
 ]
 
@@ -788,6 +901,7 @@ def expected_outputs(case: PlanCase, poison: Poison = POISON) -> dict[str, np.nd
         req_to_token=case.req_to_token, lut=case.lut, pool=case.pool, swa_window_size=case.swa_window_size,
         token_offset=case.token_offset, req_pool_indices=case.req_pool_indices, prefix_lens=case.prefix_lens,
         extend_seq_lens=case.extend_seq_lens, valid_lens=case.valid_lens, out=out,
+        padding_rows_carry_tokens=case.padding_rows_carry_tokens,
     )
     return out
 

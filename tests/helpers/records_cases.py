@@ -295,6 +295,14 @@ def hand_cases() -> list[CanaryCase]:
                                                _a(1, 2, 3, 4, 5, 6), _a(0, 1, 2, 3, 4, 5))])
     add("write_empty", [write_launch(np.zeros(1), [], [], [], []), write_launch([0, 0], [-1], [], [], [])])
     add("write_request_without_entries", [write_launch([0, 0, 2, 2], [-1, -1, -1], _a(1, 2), _a(1, 2), _a(0, 1))])
+    # Requests seeded SKIP_SEED (padding rows whose tokens sit among the step's): stale slots (another request's,
+    # out of range), wrong tokens and positions, none of it processed, counted, asserted or stored.
+    add("write_skip_seed", [
+        write_launch([0, 2, 5, 7, 9, 11], [I64_MIN, -1, I64_MIN, 9, I64_MIN], _a(4, 5, 1, 2, 3, 2, S, 6, -1, 7, 1),
+                     _a(7, 7, 10, 11, 12, 99, 98, 13, 97, 96, 95), _a(9, 9, 0, 1, 2, 40, -5, 4, 0, 8, 8),
+                     exp_ids=_a(0, 0, 10, 11, 12, 0, 0, 13, 0, 0, 0), exp_pos=_a(0, 0, 0, 1, 2, 0, 0, 4, 0, 0, 0)),
+        verify_launch(_a(1, 2, 3, 6, 4, 7), _a(10, 11, 12, 13, -1, -1), _a(0, 1, 2, 4, 3, 3), _a(-1, 1, 2, 9, 0, 0))],
+        records=np.tile(_a(0, 3, 0, 0), (S, 1)))
     long_slots = rng.permutation(np.arange(1, 600))[:300]
     add("long_request_many_chunks", chain_then_verify(long_slots, start=7), num_slots=600, ring_capacity=8)
     add("verify_by_hand", [
@@ -419,7 +427,7 @@ def _random_write(rng, num_slots: int, max_entries: int) -> Launch:
         loc.append(s)
         ids.append(rng.integers(-2, 50, size=n))
         pos.append(p)
-        seed_pool = np.concatenate([mine, np.flatnonzero(unowned), [-1, -1, -2, num_slots]])
+        seed_pool = np.concatenate([mine, np.flatnonzero(unowned), [-1, -1, -2, num_slots, I64_MIN]])
         seeds.append(int(rng.choice(seed_pool)))
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     loc_a = np.concatenate(loc) if loc else np.zeros(0, np.int64)

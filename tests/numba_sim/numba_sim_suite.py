@@ -82,6 +82,14 @@ def test_simulator_mode():
     assert load("numba") is nb
 
 
+def test_kernel_arguments_are_plan_cu_params():
+    """The twin's kernels take PlanParams' fields in plan.cu's order (pinned against the source by
+    tests/kernels/test_kernel_compile.py)."""
+    from canary.backends.plan_layout import PARAM_FIELDS
+
+    assert nb.plan_numba.PARAM_FIELDS == PARAM_FIELDS
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Byte-identical to the reference
 

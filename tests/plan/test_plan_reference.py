@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.plan_cases import (
+    BAD_EXTEND_LEN,
     BAD_PREFIX_LEN,
     BAD_REQ_POOL_INDEX,
     BAD_SLOT,
@@ -11,6 +12,7 @@ from helpers.plan_cases import (
     OVERFLOW,
     POISON,
     POISON_ALT,
+    SKIP_SEED,
     PlanCase,
     assert_same,
     count_entries,
@@ -57,7 +59,7 @@ def test_hand_case_reference_matches_naive(case):
 
 def test_hand_cases_cover_every_status_bit_and_size():
     statuses = [int(expected_outputs(c)["status"][0]) for c in HAND]
-    for bit in (OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN):
+    for bit in (OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN):
         assert any(s & bit for s in statuses), bit
     sizes = {c.bs for c in HAND}
     assert {0, 1}.issubset(sizes) and max(sizes) > 4096
@@ -110,10 +112,10 @@ def test_p1_and_full_row():
     o = out_of("p1")
     assert o["verify_slot_indices"].tolist() == [101] and o["verify_prev_slot_indices"].tolist() == [-1]
     assert o["write_seed_slot_indices"][0] == 101
-    o = out_of("p_full_row")  # rp 3, P 8 = max_seq_len
+    o = out_of("p_full_row")  # rp 3, P 8 = max_seq_len, E 0 (no room left)
     assert o["verify_slot_indices"].tolist() == list(range(301, 309))
     assert o["verify_prev_slot_indices"].tolist() == [-1] + list(range(301, 308))
-    assert o["write_seed_slot_indices"][0] == 308
+    assert o["write_seed_slot_indices"][0] == -1
 
 
 def test_empty_batch():
@@ -137,7 +139,7 @@ def test_swa_window_keeps_real_predecessor():
     assert o["verify_expected_positions"].tolist() == [4, 0]
     assert o["verify_slot_indices"].tolist() == [10105, 10201]
     assert o["verify_prev_slot_indices"].tolist() == [10104, -1]
-    o = out_of("swa_p_full")  # (2, 8, 2), (1, 0, 1), (3, 5, 1), W 3
+    o = out_of("swa_p_full")  # (2, 8, 2), (1, 0, 1), (3, 5, 1), W 3, max_seq_len 10
     assert o["verify_expected_positions"].tolist() == [5, 6, 7, 2, 3, 4]
     assert o["verify_prev_slot_indices"].tolist() == [10205, 10206, 10207, 10302, 10303, 10304]
     assert o["write_offsets"].tolist()[:4] == [0, 2, 3, 4]
@@ -235,10 +237,13 @@ def test_bad_req_pool_index():
 
 
 def test_bad_prefix_len():
-    o = out_of("bad_prefix_gt_max_seq_len")  # (1, 9, 1) with max_seq_len 8, (2, 2, 3)
+    o = out_of("bad_prefix_gt_max_seq_len")  # (1, 9, 0) with max_seq_len 8, (2, 2, 3)
     assert (o["verify_num_valid"][0], o["enable"][0], o["status"][0]) == (2, 0, BAD_PREFIX_LEN)
-    assert o["write_offsets"].tolist()[:3] == [0, 1, 4]
+    assert o["write_offsets"].tolist()[:3] == [0, 0, 3]
     assert o["write_seed_slot_indices"].tolist()[:2] == [-1, 202]
+    o = out_of("extend_negative_prefix_clamped_fits")  # (1, INT64_MIN, 8), (2, 1, 1): bit 4 alone
+    assert o["write_offsets"].tolist()[:3] == [0, 8, 9]  # the flagged row's E still counts
+    assert o["write_seed_slot_indices"].tolist()[:2] == [-1, 201]
     o = out_of("bad_rp_and_prefix")
     assert o["status"][0] == BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN
     assert o["write_seed_slot_indices"].tolist()[:3] == [-1, -1, 201]
@@ -278,6 +283,46 @@ def test_bad_slot():
     o = out_of("bad_slot_negative_ok")
     assert o["verify_slot_indices"].tolist()[:2] == [-9, 10302] and o["status"][0] == 0
     assert out_of("bad_slot_overflow_no_seed")["status"][0] == OVERFLOW
+
+
+def test_bad_extend_len():
+    # max_seq_len 8: a row is flagged when E > 0 and min(max(P, 0), 8) + E > 8
+    o = out_of("extend_fits_exactly")  # (1,5,3) (2,0,8) (3,7,1): P + E = 8 everywhere
+    assert (o["verify_num_valid"][0], o["enable"][0], o["status"][0]) == (12, 1, 0)
+    assert o["write_offsets"].tolist() == [0, 3, 11, 12, 0, 0]
+    assert o["write_seed_slot_indices"].tolist()[:3] == [105, -1, 307]
+    o = out_of("extend_over_by_one")  # (1,5,4) (2,3,1); C 3: the flagged row's 5 entries are not counted
+    assert o["verify_slot_indices"].tolist() == [P64] * 3  # the good row's entries are not written either
+    assert (o["verify_num_valid"][0], o["enable"][0], o["status"][0]) == (3, 0, BAD_EXTEND_LEN)
+    assert o["write_offsets"].tolist() == [0, 0, 1, 0, 0]  # wlen 0 for the flagged row
+    assert o["write_seed_slot_indices"].tolist() == [-1, 203, P64, P64]
+    o = out_of("extend_2_62_twice")  # (1,2,2^62) (2,1,2^62) (3,1,2): no wrap to INT64_MIN
+    assert o["write_offsets"].tolist() == [0, 0, 0, 2, 0, 0]
+    assert o["write_seed_slot_indices"].tolist()[:3] == [-1, -1, 301]
+    assert (o["enable"][0], o["status"][0]) == (0, BAD_EXTEND_LEN)
+    o = out_of("extend_padding_not_flagged")
+    assert (o["enable"][0], o["status"][0]) == (1, 0)
+    assert o["write_offsets"].tolist()[:5] == [0, 0, 0, 1, 1]
+    o = out_of("extend_excluded_from_total")  # (1,4,5) (2,3,1), C 3: total 3 without the flagged row
+    assert (o["verify_num_valid"][0], o["status"][0]) == (3, BAD_EXTEND_LEN)
+    assert out_of("extend_overflow")["status"][0] == BAD_EXTEND_LEN | OVERFLOW
+    o = out_of("extend_and_bad_rp")  # (-1,2,7) (1,1,1) (9,1,2): bit 2 alone keeps wlen, with bit 32 it is 0
+    assert o["write_offsets"].tolist()[:4] == [0, 0, 1, 3]
+    assert o["status"][0] == BAD_REQ_POOL_INDEX | BAD_EXTEND_LEN
+    assert out_of("extend_bad_seed_not_read")["status"][0] == BAD_EXTEND_LEN
+    assert out_of("extend_bad_seed_read")["status"][0] == BAD_EXTEND_LEN | BAD_SLOT
+
+
+def test_bad_extend_len_on_the_first_offending_row():
+    from canary import CanaryInputError
+
+    case = make_case("x", [(1, 2, 1), (0, 1, 1 << 62), (2, 5, 4), (3, 9, 1)])
+    vp, wp, _raw = make_plans(case)
+    planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, **case.static_kwargs())
+    with pytest.raises(CanaryInputError, match="BAD_EXTEND_LEN") as info:
+        planner.plan(**case.step_kwargs(), check=True)
+    assert info.value.first_bad_row == 2  # the padding row's garbage E is not an error
+    assert info.value.status == PlanStatus.BAD_EXTEND_LEN | PlanStatus.BAD_PREFIX_LEN
 
 
 def test_strided_req_to_token_junk_is_never_read():
@@ -365,7 +410,7 @@ def test_more_than_4096_rows():
 def test_million_entry_plan():
     rng = np.random.default_rng(1)
     bs, L = 256, 4096
-    r2t = rng.integers(1, 1 << 31, size=(bs + 1, L), dtype=np.int32)
+    r2t = rng.integers(1, 1 << 31, size=(bs + 1, L + 1), dtype=np.int32)  # a column of room for the decode token
     rpi = rng.permutation(np.arange(1, bs + 1)).astype(np.int64)
     P = np.full(bs, L, dtype=np.int64)
     E = np.ones(bs, dtype=np.int64)
@@ -377,9 +422,9 @@ def test_million_entry_plan():
     # Correctness only: its time on this workload is benchmarks/bench_reference.py's (the same 256 x 4096 step).
     assert planner.plan(**case.step_kwargs()) is None
     assert raw["verify_num_valid"][0] == C == 1 << 20 and raw["enable"][0] == 1
-    np.testing.assert_array_equal(raw["verify_slot_indices"], r2t[rpi].reshape(-1))
+    np.testing.assert_array_equal(raw["verify_slot_indices"], r2t[rpi, :L].reshape(-1))
     np.testing.assert_array_equal(raw["verify_expected_positions"], np.tile(np.arange(L), bs))
-    prev = np.concatenate([np.full((bs, 1), -1), r2t[rpi][:, :-1]], axis=1).reshape(-1)
+    prev = np.concatenate([np.full((bs, 1), -1), r2t[rpi, : L - 1]], axis=1).reshape(-1)
     np.testing.assert_array_equal(raw["verify_prev_slot_indices"], prev)
     assert (raw["verify_expected_tokens"] == -1).all()
     np.testing.assert_array_equal(raw["write_offsets"], np.arange(bs + 1))
@@ -407,7 +452,8 @@ def test_random_faulty_cases_match_naive(case):
     assert want["enable"][0] == (1 if status == 0 else 0)
     assert want["verify_num_valid"][0] == min(count_entries(case.req_pool_indices, case.prefix_lens,
                                                             case.swa_window_size, case.req_to_token.shape,
-                                                            None if case.pool is None else case.pool.shape[0]),
+                                                            None if case.pool is None else case.pool.shape[0],
+                                                            E=case.extend_seq_lens),
                                               case.verify_capacity)
 
 
@@ -428,7 +474,7 @@ def test_random_case_generator_is_varied():
     rng = np.random.default_rng(0)
     cases = [random_case(rng, fault_prob=0.3) for _ in range(300)]
     statuses = {int(expected_outputs(c)["status"][0]) for c in cases}
-    for bit in (OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN):
+    for bit in (OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN):
         assert any(s & bit for s in statuses), bit
     assert 0 in statuses
     slots = np.concatenate([c.req_to_token.reshape(-1) for c in cases])
@@ -437,6 +483,9 @@ def test_random_case_generator_is_varied():
     assert any(c.req_to_token.strides[0] > 4 * c.max_seq_len for c in cases)
     assert any(c.swa_window_size > 0 for c in cases) and any(c.pool is not None for c in cases)
     assert any((c.req_pool_indices == 0).any() for c in cases)
+    carried = [c for c in cases if c.padding_rows_carry_tokens]
+    assert 0 < len(carried) < len(cases)
+    assert any((expected_outputs(c)["write_seed_slot_indices"][: c.bs] == SKIP_SEED).any() for c in carried)
     # no faults: no input-error bits
     clean = [random_case(rng, fault_prob=0.0) for _ in range(200)]
     assert all(int(expected_outputs(c)["status"][0]) & ~OVERFLOW == 0 for c in clean)

@@ -452,7 +452,7 @@ def test_allocate():
 
 
 def test_check_true_raises_with_bits_and_first_row():
-    _, static, step, raw = setup(rows=[(1, 2, 1, 8), (2, 1, 1, 8), (-4, 2, 1, 8), (3, 99, 1, 8)])
+    _, static, step, raw = setup(rows=[(1, 2, 1, 8), (2, 1, 1, 8), (-4, 2, 1, 8), (3, 99, 0, 8)])
     with pytest.raises(CanaryInputError) as info:
         plan_with(static, step, check=True)
     e = info.value

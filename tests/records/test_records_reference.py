@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canary import VerifyPlan, WritePlan
+from canary import SKIP_SEED, VerifyPlan, WritePlan
 from canary.backends.reference import records as reference_canary
 from canary.sim.engine import Engine
 from canary.errors import BackendUnavailableError
@@ -87,6 +87,7 @@ def test_reference_matches_naive_oracle(seed):
         if rng.random() < 0.2:
             offsets = rng.integers(-2, n + 3, size=r_cap + 1)  # garbage: reversed and out-of-range ranges
         seeds = rng.integers(-2, num_slots + 2, size=r_cap)
+        seeds = np.where(rng.random(r_cap) < 0.15, SKIP_SEED, seeds)  # padding rows' tokens: skipped
         nreq = np.array([rng.integers(-1, r_cap + 2)], dtype=np.int32)
         loc = rng.integers(-2, num_slots + 2, size=n)
         ids = rng.integers(-1, 4, size=n)
@@ -184,6 +185,22 @@ def test_write_skips_negative_slots_and_flags_out_of_range():
     assert [(v.slot, v.position, v.reasons, v.stored_chain_hash, v.expected_aux) for v in rep] == [
         (9, 1, F.SLOT_RANGE, h1, 1)]
     assert rep.health.write_slots == 3  # the slot -1 entry is not processed
+
+
+def test_write_skips_requests_seeded_skip_seed():
+    _state, c = _canary(num_slots=8)
+    before = c.views.fields.copy()
+    # Request 1 is a padding row's tokens: a stale slot of request 0, an out-of-range slot, a wrong token.
+    c.write(_write_plan([0, 2, 5, 6], [-1, SKIP_SEED, SKIP_SEED]), out_cache_loc=_a(1, 2, 2, 9, 3, 4),
+            input_ids=_a(5, 6, 77, 78, 79, 80), positions=_a(0, 1, 40, 41, 42, 43),
+            expected_input_ids=_a(5, 6, 0, 0, 0, 0), expected_positions=_a(0, 1, 0, 0, 0, 0))
+    f = c.views.fields
+    assert f[1, :3].tolist() == [5, 0, ANCHOR_LINK]
+    assert f[2, :3].tolist() == [6, 1, int(mix3(ANCHOR_LINK, 5, 0))]  # request 0's write stands
+    np.testing.assert_array_equal(f[3:], before[3:])  # the skipped requests stored nothing
+    rep = c.drain()
+    assert len(rep) == 0  # nor asserted anything
+    assert rep.health.write_slots == 2 and rep.health.write_launches == 1  # nor counted anything
 
 
 def test_write_asserts():

@@ -62,7 +62,7 @@ def _occupancy(kernel, threads: int) -> int:
 class _FastLaunch:
     """A pre-specialized kernel launched through ``cuda.core.launch`` with its arguments marshalled once.
 
-    Numba's ``kernel[grid, block, stream](*args)`` types and converts all 29 arguments on every call; here the
+    Numba's ``kernel[grid, block, stream](*args)`` types and converts all 30 arguments on every call; here the
     static ones are converted once (by the kernel's own ``_prepare_args``) and a call only lays out the five
     per-step words. Built only when the layout of a 1-D int64 device array argument is the one this class
     writes (checked at bind); otherwise the backend keeps numba's ordinary launch.
@@ -176,7 +176,8 @@ class Bound:
             max_seq_len=s.max_seq_len, lut=lut_a, lut_len=0 if lut is None else lut.shape[0], pool=pool_a,
             pool_row_stride=0 if pool is None else pool.strides[0], pool_cols=0 if pool is None else pool.shape[1],
             token_offset=s.kv_token_id_vs_position_offset, window=s.swa_window_size,
-            verify_capacity=s.verify_capacity, write_req_capacity=s.write_req_capacity,
+            padding_rows_carry_tokens=int(s.padding_rows_carry_tokens), verify_capacity=s.verify_capacity,
+            write_req_capacity=s.write_req_capacity,
             slots=out["verify_slot_indices"], expected=out["verify_expected_tokens"],
             positions=out["verify_expected_positions"], prevs=out["verify_prev_slot_indices"],
             num_valid=out["verify_num_valid"], enable=out["enable"], status=out["status"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import PlanStatus
+from ...plan.plans import SKIP_SEED
 from ...plan.rows import row_checks
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 
@@ -43,6 +44,7 @@ def plan_arrays(
     extend_seq_lens: np.ndarray,
     valid_lens: np.ndarray | None,
     out: dict[str, np.ndarray],
+    padding_rows_carry_tokens: bool = False,
 ) -> None:
     """Build one plan into the arrays of ``out`` (keys: the field names of ``VerifyPlan`` and ``WritePlan``)."""
     rpi = np.asarray(req_pool_indices, dtype=np.int64)
@@ -54,8 +56,8 @@ def plan_arrays(
     max_reqs, max_seq_len = req_to_token.shape
     rp_bound = max_reqs if pool is None else min(max_reqs, pool.shape[0])
     checks = row_checks(
-        rpi, prefix, valid_lens, rp_bound=rp_bound, max_seq_len=max_seq_len,
-        pool_cols=None if pool is None else pool.shape[1],
+        rpi, prefix, ext, valid_lens, rp_bound=rp_bound, max_seq_len=max_seq_len,
+        pool_cols=None if pool is None else pool.shape[1], padding_rows_carry_tokens=padding_rows_carry_tokens,
     )
     good = checks.good
 
@@ -66,15 +68,19 @@ def plan_arrays(
         status |= PlanStatus.BAD_PREFIX_LEN
     if checks.bad_valid_len.any():
         status |= PlanStatus.BAD_VALID_LEN
+    if checks.bad_extend_len.any():
+        status |= PlanStatus.BAD_EXTEND_LEN
+    no_entries = (PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | PlanStatus.BAD_VALID_LEN
+                  | PlanStatus.BAD_EXTEND_LEN)
 
-    # Verify side. Rows flagged 2 or 4 contribute no entries: their prefix cannot be trusted.
+    # Verify side. Rows flagged 2, 4 or 32 contribute no entries: their lengths cannot be trusted.
     w = int(swa_window_size)
     start = np.maximum(prefix - w, 0) if w > 0 else np.zeros_like(prefix)
     count = np.where(good, prefix - start, 0)
     total = int(count.sum())
     if total > cap:
         status |= PlanStatus.OVERFLOW
-    if total <= cap and not (status & (PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | PlanStatus.BAD_VALID_LEN)):
+    if total <= cap and not (status & no_entries):
         row = np.repeat(np.arange(bs, dtype=np.int64), count)
         first = np.cumsum(count) - count
         pos = start[row] + (np.arange(total, dtype=np.int64) - first[row])
@@ -97,8 +103,11 @@ def plan_arrays(
         out["verify_expected_positions"][:total] = pos
         out["verify_prev_slot_indices"][:total] = prev
 
-    # Write side: offsets count every active row with E > 0; seeds need a trustworthy row and prefix.
-    wlen = np.where(checks.active & (ext > 0), ext, 0)
+    # Write side: offsets count every active row with E > 0 except those flagged 32 (their E would wrap the
+    # offsets), and the padding rows' E when their tokens sit among the step's tokens; seeds need a
+    # trustworthy row, prefix and extend length.
+    counted = checks.active | padding_rows_carry_tokens
+    wlen = np.where(counted & (ext > 0) & ~checks.bad_extend_len, ext, 0)
     offsets = out["write_offsets"]
     offsets[: r_cap + 1] = 0
     offsets[1 : bs + 1] = np.cumsum(wlen)
@@ -108,6 +117,7 @@ def plan_arrays(
     seeds, bad_seed = translate(raw_seed, lut)
     if bad_seed:
         status |= PlanStatus.BAD_SLOT
+    seeds[~checks.active & (wlen > 0)] = SKIP_SEED  # padding tokens in the step's arrays: not to be written
     out["write_seed_slot_indices"][:bs] = seeds
     out["write_num_valid_reqs"][0] = bs
 
@@ -142,6 +152,7 @@ class Bound:
             extend_seq_lens=step.extend_seq_lens.host,
             valid_lens=None if step.valid_lens is None else step.valid_lens.host,
             out=self.out,
+            padding_rows_carry_tokens=s.padding_rows_carry_tokens,
         )
 
     def warmup(self) -> None:

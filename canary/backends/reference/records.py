@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...plan.plans import SKIP_SEED
 from ...records.hashes import ANCHOR_LINK, as_u64, mix3, splitmix64_inplace
 from ...records.realkv import RealKV, fold
 from ...records.state import StateViews
@@ -181,9 +182,11 @@ def write(
     n_entries = out_cache_loc.shape[0]
     flags = CheckFlags(int(state.host("check_flags")[0]) & int(CheckFlags.WRITE_POSITION_CHAIN | CheckFlags.VERIFY_TOKEN))
 
-    # Request r owns entries [start, end) clamped to [0, n_entries); a reversed range is empty.
+    # Request r owns entries [start, end) clamped to [0, n_entries); a reversed range is empty, and so is the
+    # range of a request seeded SKIP_SEED (a padding row's tokens: its slots may belong to someone else now).
     starts = np.clip(write_offsets[:nreq], 0, n_entries)
     ends = np.clip(write_offsets[1 : nreq + 1], 0, n_entries)
+    ends = np.where(write_seed_slot_indices[:nreq] == SKIP_SEED, starts, ends)
     idx, req = _ranges(starts, ends - starts)
     slot = out_cache_loc[idx]
     keep = slot >= 0  # slot < 0: "skip this write", not processed
