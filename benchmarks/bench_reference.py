@@ -31,10 +31,11 @@ POISON64 = 0x5A5A5A5A5A5A5A5A
 
 
 def workload(bs: int, seq_len: int, seed: int) -> dict:
-    """``bs`` rows, each with ``seq_len`` cached tokens and one new one; row ``i`` uses pool row ``rpi[i]``."""
+    """``bs`` rows, each with ``seq_len`` cached tokens and one new one (a column left for it in its
+    ``req_to_token`` row, which must hold it: SPEC 3.4 bit 32); row ``i`` uses pool row ``rpi[i]``."""
     rng = np.random.default_rng(seed)
     return dict(
-        req_to_token=rng.integers(1, 1 << 31, size=(bs + 1, seq_len), dtype=np.int32),
+        req_to_token=rng.integers(1, 1 << 31, size=(bs + 1, seq_len + 1), dtype=np.int32),
         req_pool_indices=rng.permutation(np.arange(1, bs + 1)).astype(np.int64),
         prefix_lens=np.full(bs, seq_len, dtype=np.int64),
         extend_seq_lens=np.ones(bs, dtype=np.int64),
@@ -54,8 +55,8 @@ def plans(bs: int, entries: int) -> tuple[VerifyPlan, WritePlan]:
 def check(w: dict, vp: VerifyPlan, wp: WritePlan) -> str | None:
     """What is wrong with the plan of ``w`` (``None``: nothing)."""
     r2t, rpi = w["req_to_token"], w["req_pool_indices"]
-    bs, seq_len = rpi.size, r2t.shape[1]
-    rows = r2t[rpi]
+    bs, seq_len = rpi.size, r2t.shape[1] - 1
+    rows = r2t[rpi, :seq_len]
     want = {
         "status": (int(vp.status[0]), 0), "enable": (int(vp.enable[0]), 1),
         "verify_num_valid": (int(vp.verify_num_valid[0]), bs * seq_len),

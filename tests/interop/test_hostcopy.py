@@ -94,8 +94,9 @@ def test_check_true_with_torch_cpu_ok_and_overflow(torch, api):
 
 @pytest.mark.parametrize("api", ["planner", "launch"])
 def test_check_true_with_torch_cpu_names_the_row(torch, api):
-    # Row 2 has a req_pool_index past req_to_token's 6 rows; row 3 a prefix past its 8 columns.
-    case = make_case("bad", [(1, 2, 1), (2, 1, 1), (6, 2, 1), (3, 99, 1)], expect_status=None)
+    # Row 2 has a req_pool_index past req_to_token's 6 rows; row 3 a prefix past its 8 columns (and no new
+    # tokens, which would also set BAD_EXTEND_LEN).
+    case = make_case("bad", [(1, 2, 1), (2, 1, 1), (6, 2, 1), (3, 99, 0)], expect_status=None)
     msg = (r"^kv-canary: status: expected no input-error bits, got 6 \(BAD_REQ_POOL_INDEX\|BAD_PREFIX_LEN\); "
            r"first offending batch row: 2$")
     with pytest.raises(CanaryInputError, match=msg):

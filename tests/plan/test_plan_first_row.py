@@ -26,18 +26,18 @@ def r2t_with(**cells) -> np.ndarray:
 
 # (name, rows (rp, P, E[, valid_len]), make_case keywords, expected status, expected first row)
 CASES = [
-    ("bad_req_pool_index", [(1, 2, 1, 8), (2, 1, 1, 8), (-4, 2, 1, 8), (3, 99, 1, 8)], {"pool": True},
+    ("bad_req_pool_index", [(1, 2, 1, 8), (2, 1, 1, 8), (-4, 2, 1, 8), (3, 99, 0, 8)], {"pool": True},
      B.BAD_REQ_POOL_INDEX | B.BAD_PREFIX_LEN, 2),
-    ("bad_prefix_len", [(1, 2, 1, 8), (2, 1, 1, 8), (3, 99, 1, 8)], {"pool": True}, B.BAD_PREFIX_LEN, 2),
+    ("bad_prefix_len", [(1, 2, 1, 8), (2, 1, 1, 8), (3, 99, 0, 8)], {"pool": True}, B.BAD_PREFIX_LEN, 2),
     ("bad_valid_len", [(1, 2, 1, 8), (0, 2, 1, 99), (2, 1, 1, 9)], {"pool": True}, B.BAD_VALID_LEN, 2),
     ("bad_slot_in_the_window", [(1, 3, 1), (2, 3, 0)], {"r2t": r2t_with(r2_p1=5000), "lut": LUT}, B.BAD_SLOT, 1),
     ("bad_slot_predecessor_only", [(1, 3, 1), (2, 4, 0)], {"r2t": r2t_with(r2_p1=5000), "lut": LUT, "W": 2},
      B.BAD_SLOT, 1),
     ("bad_slot_seed_only", [(1, 3, 1), (2, 4, 1)], {"r2t": r2t_with(r2_p3=5000), "lut": LUT, "C": 1},
      B.OVERFLOW | B.BAD_SLOT, 1),
-    ("bad_slot_before_a_bad_prefix", [(2, 4, 1), (1, 99, 1)], {"r2t": r2t_with(r2_p3=5000), "lut": LUT},
+    ("bad_slot_before_a_bad_prefix", [(2, 4, 1), (1, 99, 0)], {"r2t": r2t_with(r2_p3=5000), "lut": LUT},
      B.BAD_PREFIX_LEN | B.BAD_SLOT, 0),
-    ("bad_prefix_before_a_bad_slot", [(1, 99, 1), (2, 4, 1)], {"r2t": r2t_with(r2_p3=5000), "lut": LUT},
+    ("bad_prefix_before_a_bad_slot", [(1, 99, 0), (2, 4, 1)], {"r2t": r2t_with(r2_p3=5000), "lut": LUT},
      B.BAD_PREFIX_LEN | B.BAD_SLOT, 0),
     ("negative_slots_pass_the_lut", [(1, 3, 1), (2, 2, 1), (2, 3, 0)],
      {"r2t": r2t_with(r1_p0=-1, r2_p2=300), "lut": LUT}, B.BAD_SLOT, 2),
