@@ -31,6 +31,7 @@ import cupy  # noqa: E402
 
 from canary import CanaryPlanner, LaunchConfig, VerifyPlan, WritePlan  # noqa: E402
 from canary.backends.reference.plan import plan_arrays  # noqa: E402
+from canary.interop.callviews import CallViews  # noqa: E402
 
 OUTPUTS = (
     "verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
@@ -273,11 +274,16 @@ def host_breakdown(inp: Inputs) -> dict[str, float]:
         b.call()
     res["plan_call_us"] = (time.perf_counter() - t0) / n * 1e6
     handle = cupy.cuda.get_current_stream().ptr
+    st = p.static
+
+    def views(h):  # what plan() does before its checks: the launch stream and the step-view cache
+        return CallViews(st.device_id, h, st.verify_slot_indices.owner, st.output_spans, p._step_views)
+
     t0 = time.perf_counter()
     for _ in range(n):
-        p._step(b.step["req_pool_indices"], b.step["prefix_lens"], b.step["extend_seq_lens"], None, handle)
+        p._step(b.step["req_pool_indices"], b.step["prefix_lens"], b.step["extend_seq_lens"], None, views(handle))
     res["views_and_checks_us"] = (time.perf_counter() - t0) / n * 1e6
-    step = p._step(b.step["req_pool_indices"], b.step["prefix_lens"], b.step["extend_seq_lens"], None, handle)
+    step = p._step(b.step["req_pool_indices"], b.step["prefix_lens"], b.step["extend_seq_lens"], None, views(handle))
     t0 = time.perf_counter()
     for _ in range(n):
         p._bound.launch(step, handle)

@@ -12,10 +12,10 @@ from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 from ..errors import PlanStatus, fail
 from ..interop.adapter import (
-    ArrayView, Spans, as_view, check_disjoint, check_same_device, check_view, identity, spans,
+    ArrayView, Spans, as_view, check_disjoint, check_same_device, check_view, spans,
 )
 from ..interop.hostcopy import part_to_host, to_host
-from ..interop.streams import dlpack_stream, launch_stream
+from ..interop.callviews import CallViews
 from .plans import (
     INT64, VERIFY_ENTRY_FIELDS, VERIFY_SCALAR_FIELDS, WRITE_FIELDS, VerifyPlan, WritePlan, raise_for_status,
     view_verify_plan, view_write_plan,
@@ -170,7 +170,7 @@ class CanaryPlanner:
         self._module = module if module is not None else backends.resolve(backend, static.device_id)
         self.backend = self._module.NAME
         self._bound = bound if bound is not None else self._module.bind(static, launch_config)
-        self._step_views: dict = {}  # name -> (object, launch stream, (pointer, shape), view) of the last step
+        self._step_views: dict = {}  # CallViews' cache: last step's views of the same buffers
         # Host outputs' NumPy arrays: a caller may clear their writeable flag after binding, and the reference
         # would then fail half-way through a plan; plan() reads the flags first (a few attribute reads).
         self._host_outputs = tuple(
@@ -193,24 +193,11 @@ class CanaryPlanner:
         """Compile and load everything a call needs, so that later calls only launch (graph-capturable)."""
         self._bound.warmup()
 
-    def _step(self, rpi, prefix, ext, valid_lens, launch_stream: int | None, ordered_lib: str | None = None
-              ) -> StepArgs:
+    def _step(self, rpi, prefix, ext, valid_lens, go: CallViews) -> StepArgs:
         s = self.static
-        stream_ptr = -1 if launch_stream is None else dlpack_stream(launch_stream)
-
-        cache = self._step_views
-        out_spans = s.output_spans
 
         def view(obj, name, length=None):
-            ident = identity(obj)
-            hit = cache.get(name)
-            if hit is not None and hit[0] is obj and hit[1] == launch_stream and hit[2] == ident:
-                v = hit[3]  # the same buffer as last step: its view and its overlap check still hold
-            else:
-                v = as_view(obj, name, stream_ptr=stream_ptr, launch_stream=launch_stream, ordered_lib=ordered_lib)
-                out_spans.check(v)  # a new buffer: the kernels must not write what they read (one bisection)
-                if ident is not None:
-                    cache[name] = (obj, launch_stream, ident, v)
+            v = go.view(obj, name)  # last step's view when the same buffer is ordered on the same stream
             shape = v.shape
             if v.dtype == INT64 and len(shape) == 1 and (length is None or shape[0] == length) and (
                     shape[0] <= 1 or v.strides[0] == 1):
@@ -269,16 +256,15 @@ class CanaryPlanner:
         bits, naming the first offending batch row (recomputed on the host from the inputs), else returns the
         status.
         """
-        on_device = self.static.device_id >= 0
-        handle, ordered_lib = launch_stream(self.static.device_id, stream, self.static.verify_slot_indices.owner)
+        s = self.static
+        go = CallViews(s.device_id, stream, s.verify_slot_indices.owner, s.output_spans, self._step_views)
         for name, arr in self._host_outputs:
             if not arr.flags.writeable:
                 raise fail(ValueError, f"{name}: expected a writable output array, got a read-only "
                                        f"one (its writeable flag was cleared after the planner was bound); set "
                                        f"flags.writeable = True again, or bind writable buffers")
-        step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens,
-                          handle if on_device else None, ordered_lib)
-        self._bound.launch(step, handle)
+        step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens, go)
+        self._bound.launch(step, go.handle)
         if not check:
             return None
         status = PlanStatus(int(to_host(self.static.status.owner)[0]))

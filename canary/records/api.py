@@ -18,10 +18,8 @@ import numpy as np
 from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
 from ..errors import fail
-from ..interop.adapter import (
-    HOST, ArrayView, Spans, as_view, check_same_device, check_view, fast_device_view, identity, spans,
-)
-from ..interop.streams import dlpack_stream, launch_stream
+from ..interop.adapter import HOST, ArrayView, Spans, as_view, check_same_device, check_view, spans
+from ..interop.callviews import CallViews
 from ..plan.plans import VerifyPlan, WritePlan, view_verify_plan, view_write_plan
 from .realkv import RealKV
 from .realkv import real_kv as make_real_kv
@@ -37,50 +35,6 @@ def _same_device(views: list[ArrayView], device_id: int, what: str) -> None:
         if v.device_id != device_id:
             where = "host memory" if device_id == HOST else f"cuda:{device_id}"
             raise fail(ValueError, f"{v.name}: expected the device of {what} ({where}), got {v.where}")
-
-
-class _Launch:
-    """Where a call runs: the raw stream handle, and how to view the call's arrays ordered on it.
-
-    ``written``: byte ranges the call's kernels write (the canary state, the pool); every array viewed here
-    is refused if it shares memory with them. ``cache``: a dict kept across calls: a CuPy array or torch tensor
-    that is the same object as last call's (same pointer and shape), viewed by attributes on the launch stream,
-    reuses that call's view, checks included. Views that needed a DLPack stream handshake are never reused: the
-    handshake orders the producer's writes before this call's launch, every call.
-    """
-
-    __slots__ = ("handle", "stream_ptr", "launch_stream", "ordered_lib", "written", "cache")
-
-    def __init__(self, device_id: int, stream: Any, owner: Any, written: Spans | None = None,
-                 cache: dict | None = None):
-        self.handle, self.ordered_lib = launch_stream(device_id, stream, owner)
-        on_device = device_id != HOST
-        self.stream_ptr = dlpack_stream(self.handle) if on_device else -1
-        self.launch_stream = self.handle if on_device else None
-        self.written = written
-        self.cache = cache
-
-    def view(self, obj: Any, name: str) -> ArrayView:
-        cache, stream = self.cache, self.launch_stream
-        v = ident = None
-        if cache is not None and stream is not None:
-            ident = identity(obj)
-            if ident is not None:
-                hit = cache.get(name)
-                if hit is not None and hit[0] is obj and hit[1] == stream and hit[2] == ident:
-                    return hit[3]
-                v = fast_device_view(obj, name, stream, self.ordered_lib)
-        if v is None:
-            ident = None
-            v = as_view(obj, name, stream_ptr=self.stream_ptr, launch_stream=stream, ordered_lib=self.ordered_lib)
-        if self.written is not None:
-            self.written.check(v)  # the kernels write there: an input sharing it would change under them
-        if ident is not None:
-            cache[name] = (obj, stream, ident, v)
-        return v
-
-    def vec(self, obj: Any, name: str, dtype, length: int | None = None, writable: bool = False) -> ArrayView:
-        return check_view(self.view(obj, name), dtype=dtype, ndim=1, length=length, writable=writable)
 
 
 class CanaryRecords:
@@ -164,7 +118,7 @@ class CanaryRecords:
         made read-only after binding.
         """
         encode_tag(KernelTag.WRITE, launch_tag)
-        go = _Launch(self.views.device_id, stream, self.state.canary_buffer, self.views.spans, self._views)
+        go = CallViews(self.views.device_id, stream, self.state.canary_buffer, self.views.spans, self._views)
         if self._host_state:
             self._check_host_state()
         _vec = go.vec
@@ -186,7 +140,7 @@ class CanaryRecords:
         ``[1]`` int32 ``verify_num_valid`` and ``enable``. ``launch_tag`` and ``stream`` as in :meth:`write`.
         Never syncs; errors as in :meth:`write`."""
         encode_tag(KernelTag.VERIFY, launch_tag)
-        go = _Launch(self.views.device_id, stream, self.state.canary_buffer, self.views.spans, self._views)
+        go = CallViews(self.views.device_id, stream, self.state.canary_buffer, self.views.spans, self._views)
         if self._host_state:
             self._check_host_state()
         vp = view_verify_plan(verify_plan, go.view, name="verify_plan", writable=False, status=False)
@@ -231,7 +185,7 @@ def scatter_expected_tokens(
     the pool is refused (``ValueError`` naming both).
     """
     pool_view = as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens")
-    go = _Launch(pool_view.device_id, stream, req_to_verify_expected_tokens)
+    go = CallViews(pool_view.device_id, stream, req_to_verify_expected_tokens)
     if pool_view.device_id != HOST:  # view it again, ordered on the launch stream
         pool_view = as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens", stream_ptr=go.stream_ptr,
                             launch_stream=go.launch_stream, ordered_lib=go.ordered_lib)

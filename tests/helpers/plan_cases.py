@@ -451,7 +451,6 @@ def hand_cases() -> list[PlanCase]:
 
     # ---- padding rows that carry tokens (planner bound with padding_rows_carry_tokens, SPEC 3.2), first, in the
     # middle and last, and the same rows in SGLang's convention (the default): the write side differs
-    K = SKIP_SEED
     first = [(0, 99, 2), (1, 3, 1), (2, 2, 2)]
     middle = [(1, 3, 1), (0, -5, 3), (2, 2, 2)]
     last = [(1, 3, 1), (2, 2, 2), (0, 7, 1), (0, 0, 4)]

@@ -30,6 +30,8 @@ from ..plan_layout import entry_grid
 from ..sources import numba_kernels
 from . import ON_DEVICE, SIMULATOR, PerformanceWarning, cuda, device_array, flat_len
 
+__all__ = ["NAME", "ON_DEVICE", "bind", "Bound", "STEP_CACHE_SIZE"]  # the backend interface (ON_DEVICE: from the package)
+
 NAME = "numba"
 plan_numba = numba_kernels("plan_numba")
 
