@@ -1,9 +1,12 @@
-"""Test configuration: tests marked ``gpu`` are skipped where no CUDA GPU is visible.
+"""Test configuration: tests marked ``gpu`` are deselected where no CUDA GPU is visible.
 
 ``has_gpu()`` is true only when CuPy imports and sees at least one device. It is evaluated lazily (CuPy is
-imported only when a collected test carries the ``gpu`` marker). The ``gpu`` and ``sim`` markers are declared
-in pyproject.toml. This folder is on ``sys.path`` during tests: ``from cases import ...`` works anywhere
-under ``tests/``.
+imported only when a collected test carries the ``gpu`` marker). The ``gpu``, ``sim`` and ``slow`` markers are
+declared in pyproject.toml, whose ``addopts`` deselect the ``sim`` and ``slow`` tests unless ``-m`` asks for
+them. Deselected rather than skipped, the thousands of GPU tests print no ``s`` each: the terminal summary ends
+with a ``kv-canary: not run:`` line that counts what was deselected and why, and a ``kv-canary: skipped:`` line
+that groups the skips by reason. This folder is on ``sys.path`` during tests: ``from helpers import ...`` works
+anywhere under ``tests/``.
 """
 from __future__ import annotations
 
@@ -23,11 +26,50 @@ def has_gpu() -> bool:
         return False
 
 
+NO_GPU = pytest.StashKey[int]()  # GPU tests deselected because no GPU is visible
+DESELECTED = pytest.StashKey[dict]()  # marker -> tests of it deselected by the -m expression
+OPT_IN = {  # markers that pyproject.toml's addopts deselect, and how to run their tests
+    "sim": "`pytest -m sim` runs them, needs .[sim]",
+    "slow": "`pytest -m slow` runs them",
+}
+
+
+@pytest.hookimpl(trylast=True)  # after -m: only the GPU tests the run asked for count as not run for want of a GPU
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items or has_gpu():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: none visible to CuPy (cupy.cuda.runtime.getDeviceCount() == 0 "
-                                   "or CuPy missing)")
-    for item in gpu_items:
-        item.add_marker(skip)
+    config.stash[NO_GPU] = config.stash.get(NO_GPU, 0) + len(gpu_items)
+    config.hook.pytest_deselected(items=gpu_items)
+    items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+
+
+def pytest_deselected(items):
+    for item in items:
+        marker = next((m for m in OPT_IN if item.get_closest_marker(m)), None)
+        if marker and not item.get_closest_marker("gpu"):  # a GPU test is counted as one
+            counts = item.config.stash.setdefault(DESELECTED, {})
+            counts[marker] = counts.get(marker, 0) + 1
+
+
+def _tests(n: int, kind: str) -> str:
+    return f"{n} {kind} test{'' if n == 1 else 's'}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line for the tests not run (deselected), one for the skipped ones grouped by reason."""
+    not_run = []
+    if config.stash.get(NO_GPU, 0):
+        not_run.append(f"{_tests(config.stash[NO_GPU], 'gpu')} (no CUDA GPU visible to CuPy)")
+    for marker, n in config.stash.get(DESELECTED, {}).items():
+        not_run.append(f"{_tests(n, marker)} ({OPT_IN[marker]})")
+    if not_run:
+        terminalreporter.write_line("kv-canary: not run: " + "; ".join(not_run))
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.write_line("kv-canary: skipped: " + "; ".join(
+            f"{n} ({reason})" for reason, n in sorted(reasons.items(), key=lambda r: -r[1])))

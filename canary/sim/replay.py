@@ -291,7 +291,12 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
         pad_buckets=default_buckets(mbs) if args.pad else (), seed=args.seed,
     )
     cap = args.verify_capacity or max(1024, int(args.kv_pool_tokens * 0.6) // 1024 * 1024)
-    arrays = _Arrays(_placement(args.backend))
+    kind = _placement(args.backend)
+    if (args.canary or args.inject) and kind == "numba":  # refused before numba is imported, or any work done
+        raise BackendUnavailableError(
+            "kv-canary: --canary: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
+            "[cuda12]), got Numba device arrays only (CuPy is missing or sees no GPU)")
+    arrays = _Arrays(kind)
     session = _canary(args, sched, arrays)
     r2t, lut = sched.req_to_token, sched.full_to_swa_index_mapping
     dev_r2t = arrays.put(r2t)
@@ -403,10 +408,6 @@ def _canary(args, sched: Scheduler, arrays: _Arrays) -> CanaryReplay | None:
     """The canary side of the replay when ``--canary`` or ``--inject`` asks for it."""
     if not (args.canary or args.inject):
         return None
-    if arrays.kind == "numba":
-        raise BackendUnavailableError(
-            "kv-canary: --canary: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
-            "[cuda12]), got Numba device arrays only (CuPy is missing or sees no GPU)")
     device = "cpu" if arrays.kind == "host" else arrays.xp.cuda.Device().id
     return CanaryReplay(sched, xp=arrays.xp, device=device, backend=args.backend, faults=args.inject)
 

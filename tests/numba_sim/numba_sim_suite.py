@@ -1,10 +1,12 @@
 """The Numba kernels under the CUDA simulator, byte for byte against the NumPy reference (CI has no GPU).
 
-Not collected by a plain ``pytest`` (the name does not match ``test_*.py``): ``tests/test_numba_sim.py``
+Not collected by a plain ``pytest`` (the name does not match ``test_*.py``): ``tests/numba_sim/test_numba_sim.py``
 runs it in a child ``python -m pytest`` with ``NUMBA_ENABLE_CUDASIM=1`` (the variable must be set before numba
 is first imported, which a shared pytest process cannot guarantee). To run it by hand::
 
-    NUMBA_ENABLE_CUDASIM=1 python -m pytest -q tests/numba_sim_suite.py
+    NUMBA_ENABLE_CUDASIM=1 python -m pytest -q -m sim tests/numba_sim/numba_sim_suite.py
+
+(``-m sim``: pyproject.toml's ``addopts`` deselect the ``sim`` tests otherwise.)
 
 The simulator runs one Python thread per CUDA thread, so the backend binds small blocks there
 (``LaunchConfig(simulator_threads="gpu")``: same code, more rows per thread, more grid-stride
@@ -261,6 +263,6 @@ def test_canary_read_only_inputs():
 
 
 def test_canary_hashes_match_frozen_vectors():
-    from numba_hash_vectors import check_numba_hashes
+    from helpers.numba_hash_vectors import check_numba_hashes
 
     check_numba_hashes()

@@ -348,7 +348,7 @@ def test_cuda_hashes_match_frozen_vectors():
 
 
 def test_numba_hashes_match_frozen_vectors():
-    from numba_hash_vectors import check_numba_hashes
+    from helpers.numba_hash_vectors import check_numba_hashes
 
     check_numba_hashes()
 

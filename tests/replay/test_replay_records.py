@@ -117,7 +117,7 @@ def test_a_clean_run_with_violations_fails(tmp_path, monkeypatch, capsys):
         return log
 
     monkeypatch.setattr(canary.sim.engine.EngineKV, "run", run)
-    rc, s = _replay(tmp_path, "--canary")
+    rc, s = _replay(tmp_path, "--canary", "--max-requests", "8")  # every later step reports: keep the run short
     text = capsys.readouterr().out
     c = s["canary"]
     assert rc == 1 and c["failed"] and c["violations"] == c["unattributed_violations"] + c["dropped"] > 0
