@@ -16,8 +16,8 @@ from canary.sim.engine import _splitmix64, kv_bytes, token_of
 from canary.sim.faults import KINDS
 from canary.records.hashes import splitmix64
 
-# Small runs: rows are reused (8 of them for 24 requests), so stale-row faults have a finished request's slots.
-SMALL = ["replay", "--backend", "reference", "--max-requests", "24", "--max-batch-size", "8", "--chunk-size", "512"]
+# Small runs: rows are reused (8 of them for 12 requests), so stale-row faults have a finished request's slots.
+SMALL = ["replay", "--backend", "reference", "--max-requests", "12", "--max-batch-size", "8", "--chunk-size", "512"]
 
 
 def _replay(tmp_path, *extra: str) -> tuple[int, dict]:
