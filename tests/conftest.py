@@ -1,17 +1,21 @@
-"""Test configuration: tests marked ``gpu`` are skipped where no CUDA GPU is visible; Hypothesis replays.
+"""Test configuration: tests marked ``gpu`` are deselected where no CUDA GPU is visible; Hypothesis replays.
 
 ``has_gpu()`` is true only when CuPy imports and sees at least one device. It is evaluated lazily (CuPy is
-imported only when a collected test carries the ``gpu`` marker). The ``gpu`` and ``sim`` markers are declared
-in pyproject.toml. This folder is on ``sys.path`` during tests: ``from helpers.plan_cases import ...`` works
+imported only when a collected test carries the ``gpu`` marker). The ``gpu``, ``sim`` and ``slow`` markers are
+declared in pyproject.toml, whose ``addopts`` deselect the ``sim`` and ``slow`` tests unless ``-m`` asks for
+them. Deselected rather than skipped, the thousands of GPU tests print no ``s`` each: the terminal summary ends
+with a ``kv-canary: not run:`` line that counts what was deselected and why, and a ``kv-canary: skipped:`` line
+that groups the skips by reason. This folder is on ``sys.path`` during tests: ``from helpers import ...`` works
 anywhere under ``tests/``.
 
 ``KV_CANARY_REQUIRE_GPU=1`` (set by the GPU runs; unset, empty or ``0`` on CPU runs): the run must use the GPU.
 Before collection, CuPy must import, see a device and run a kernel, cuda-core must import, numba-cuda must find
 the driver (not the simulator: ``NUMBA_ENABLE_CUDASIM`` must be unset), and the ``cupy`` and ``numba`` backends
 of both kernel families must load; otherwise the run stops with a usage error listing every problem (exit
-status 4). During the run, a test that skips because the GPU stack is missing (a backend's ``kv-canary:``
-unavailable message, ``importorskip`` of cupy / numba / cuda-core, no GPU, NVVM unavailable) fails instead.
-Skips for optional extras (torch, JAX, a second GPU) stay skips. Implementation: ``helpers/gpu_guard.py``.
+status 4). GPU tests are then never deselected, and a test that skips because the GPU stack is missing (a
+backend's ``kv-canary:`` unavailable message, ``importorskip`` of cupy / numba / cuda-core, no GPU, NVVM
+unavailable) fails instead. Skips for optional extras (torch, JAX, a second GPU) stay skips. Implementation:
+``helpers/gpu_guard.py``.
 
 Hypothesis: the profile ``ci`` (loaded here, before any test module is imported, so every ``@settings`` inherits
 it) derandomizes every Hypothesis test: each run draws the same examples, so a failure replays on the next run
@@ -50,19 +54,58 @@ def pytest_configure(config):
     gpu_guard.check_session()  # KV_CANARY_REQUIRE_GPU=1: a usable GPU stack, or a UsageError
 
 
-def pytest_collection_modifyitems(config, items):
-    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
-    if not gpu_items or gpu_guard.required() or has_gpu():
-        return  # KV_CANARY_REQUIRE_GPU=1: never skip for want of a GPU (the session check found one)
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: none visible to CuPy (cupy.cuda.runtime.getDeviceCount() == 0 "
-                                   "or CuPy missing)")
-    for item in gpu_items:
-        item.add_marker(skip)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
     if gpu_guard.required():
         gpu_guard.fail_environment_skip(report)
     return report
+
+
+NO_GPU = pytest.StashKey[int]()  # GPU tests deselected because no GPU is visible
+DESELECTED = pytest.StashKey[dict]()  # marker -> tests of it deselected by the -m expression
+OPT_IN = {  # markers that pyproject.toml's addopts deselect, and how to run their tests
+    "sim": "`pytest -m sim` runs them, needs .[sim]",
+    "slow": "`pytest -m slow` runs them",
+}
+
+
+@pytest.hookimpl(trylast=True)  # after -m: only the GPU tests the run asked for count as not run for want of a GPU
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items or gpu_guard.required() or has_gpu():
+        return  # KV_CANARY_REQUIRE_GPU=1: never drop a GPU test (the session check found a GPU)
+    config.stash[NO_GPU] = config.stash.get(NO_GPU, 0) + len(gpu_items)
+    config.hook.pytest_deselected(items=gpu_items)
+    items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+
+
+def pytest_deselected(items):
+    for item in items:
+        marker = next((m for m in OPT_IN if item.get_closest_marker(m)), None)
+        if marker and not item.get_closest_marker("gpu"):  # a GPU test is counted as one
+            counts = item.config.stash.setdefault(DESELECTED, {})
+            counts[marker] = counts.get(marker, 0) + 1
+
+
+def _tests(n: int, kind: str) -> str:
+    return f"{n} {kind} test{'' if n == 1 else 's'}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line for the tests not run (deselected), one for the skipped ones grouped by reason."""
+    not_run = []
+    if config.stash.get(NO_GPU, 0):
+        not_run.append(f"{_tests(config.stash[NO_GPU], 'gpu')} (no CUDA GPU visible to CuPy)")
+    for marker, n in config.stash.get(DESELECTED, {}).items():
+        not_run.append(f"{_tests(n, marker)} ({OPT_IN[marker]})")
+    if not_run:
+        terminalreporter.write_line("kv-canary: not run: " + "; ".join(not_run))
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.write_line("kv-canary: skipped: " + "; ".join(
+            f"{n} ({reason})" for reason, n in sorted(reasons.items(), key=lambda r: -r[1])))

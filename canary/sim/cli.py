@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 from canary import __version__
 
@@ -19,11 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
         "chunked prefill, CUDA-graph padding) and build the canary plan of every step.",
     )
     replay.add_arguments(p)
-    p.set_defaults(func=replay.run)
+    p.set_defaults(func=replay.run, check=functools.partial(replay.check_arguments, p))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 mismatches, 2 usage or setup error)."""
     args = build_parser().parse_args(argv)
+    args.check(args)
     return args.func(args)

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,42 +31,91 @@ from canary import BackendUnavailableError, CanaryPlanner, PlanStatus, VerifyPla
 
 from .faults import KINDS, parse_inject
 from .replay_records import CanaryReplay, fault_lines, fault_table, table_rows
-from .scheduler import Scheduler, default_buckets, load_trace
+from .scheduler import BUNDLED_TRACES, Scheduler, default_buckets, load_trace
 
 MAX_SHOWN_MISMATCHES = 5
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+# Every size below counts slots, rows or tokens of int32-indexed tables (req_to_token holds int32 slots; the
+# plans' counters are int32), so none may pass the int32 range.
+INT32_MAX = (1 << 31) - 1
+
+
+def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]``; argparse prefixes its message with the option's name."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {high} (the int32 range), got {value}")
+        return value
+
+    return parse
+
+
+_count, _size = _integer(0), _integer(1, INT32_MAX)
+_count32 = _integer(0, INT32_MAX)
+
+
+def _trace(text: str) -> str:
+    """An argparse type: a bundled trace name, or a readable file (its content is checked at set-up)."""
+    if text in BUNDLED_TRACES or text in BUNDLED_TRACES.values():
+        return text
+    path = Path(text)
+    want = f"{', '.join(BUNDLED_TRACES)} or a trace CSV file"
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (no such file)")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (not a file)")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (not readable)")
+    return text
+
+
+def _json_path(text: str) -> str:
+    """An argparse type: a file path that can be written, checked now so that a long run cannot fail at its end."""
+    path = Path(text)
+    want = "a file path in an existing, writable directory"
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (a directory)")
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (no directory {str(folder)!r})")
+    target = path if path.exists() else folder
+    if not os.access(target, os.W_OK):
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} ({str(target)!r} is not writable)")
+    return text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default="conv", metavar="PATH|conv|code",
+    p.add_argument("--trace", type=_trace, default="conv", metavar="PATH|conv|code",
                    help="trace CSV (columns TIMESTAMP, ContextTokens, GeneratedTokens), or a bundled Azure 2023 "
                    "trace: conv (default) or code")
     p.add_argument("--max-requests", type=_count, default=300, metavar="N",
                    help="replay the first N requests; 0 = all (default 300)")
-    p.add_argument("--max-batch-size", type=_count, default=64, metavar="N",
+    p.add_argument("--max-batch-size", type=_size, default=64, metavar="N",
                    help="running requests per step (default 64)")
-    p.add_argument("--kv-pool-tokens", type=_count, default=1 << 17, metavar="N",
-                   help="full KV pool size in tokens (default 131072)")
-    p.add_argument("--verify-capacity", type=_count, default=0, metavar="N",
+    p.add_argument("--kv-pool-tokens", type=_size, default=1 << 17, metavar="N",
+                   help="full KV pool size in tokens, at least 2 pages (default 131072)")
+    p.add_argument("--verify-capacity", type=_count32, default=0, metavar="N",
                    help="verify entries per plan; 0 = 60%% of the KV pool, rounded down to 1024 (default)")
-    p.add_argument("--chunk-size", type=_count, default=2048, metavar="N",
+    p.add_argument("--chunk-size", type=_size, default=2048, metavar="N",
                    help="prefill tokens per request per step (default 2048)")
-    p.add_argument("--token-budget", type=_count, default=0, metavar="N",
+    p.add_argument("--token-budget", type=_count32, default=0, metavar="N",
                    help="tokens per step, decodes first; 0 = no limit (default)")
-    p.add_argument("--page-size", type=_count, default=16, metavar="N", help="KV page size in tokens (default 16)")
-    p.add_argument("--swa-window", type=_count, default=0, metavar="W",
+    p.add_argument("--page-size", type=_size, default=16, metavar="N", help="KV page size in tokens (default 16)")
+    p.add_argument("--swa-window", type=_count32, default=0, metavar="W",
                    help="plan a sliding-window group of window W through a full-to-SWA LUT; 0 = full attention")
     p.add_argument("--no-pad", dest="pad", action="store_false",
                    help="do not pad batches to CUDA-graph sizes (1, 2, 4, ..., max batch size)")
     p.add_argument("--backend", default="auto", choices=("auto", "reference", "cupy", "numba"),
                    help="planner backend; auto = a GPU backend if a GPU is present, else reference (default)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    p.add_argument("--seed", type=_count, default=0, metavar="N", help="seed of every random choice (default 0)")
     p.add_argument("--check-every", type=_count, default=0, metavar="N",
                    help="every N steps also plan with the reference backend and compare all output buffers "
                    "byte for byte; 0 = never (default)")
@@ -72,7 +124,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inject", action="append", type=parse_inject, default=[], metavar="KIND@STEP",
                    help=f"inject a fault at STEP (or the first later step where it applies); KIND: {', '.join(KINDS)}; "
                    "repeatable; implies --canary")
-    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
+    p.add_argument("--json", type=_json_path, metavar="PATH",
+                   help="also write the summary as JSON to PATH (its directory must exist)")
+
+
+def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The constraints between options, after parsing; ``p.error`` exits 2 like argparse's own checks."""
+    if args.kv_pool_tokens < 2 * args.page_size:
+        # Page 0 is reserved for the padding slot: a pool needs one more page to hold anything.
+        p.error(f"argument --kv-pool-tokens: expected at least 2 pages of --page-size {args.page_size} "
+                f"({2 * args.page_size} tokens), got {args.kv_pool_tokens}")
 
 
 class _Arrays:
@@ -191,8 +252,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary, problems = _replay(args, console, Progress, (TextColumn("{task.description}"), BarColumn(),
                                                                MofNCompleteColumn(), TimeElapsedColumn()))
-    except (BackendUnavailableError, ValueError, TypeError, OSError) as exc:
-        console.print(f"error: {exc}", markup=False, highlight=False)
+    except (BackendUnavailableError, ValueError, TypeError, OSError, MemoryError) as exc:
+        # MemoryError: sizes inside the int32 range can still ask for more than the host has.
+        console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
     for line in problems[:MAX_SHOWN_MISMATCHES]:
         console.print(f"MISMATCH {line}", markup=False, highlight=False)
@@ -210,9 +272,13 @@ def run(args: argparse.Namespace) -> int:
     if c is not None and c["faults"]:
         console.print(fault_table(c, Table))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
-            f.write("\n")
+        try:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=2)
+                f.write("\n")
+        except OSError as exc:  # checked at parse time; the directory can still go away during the run
+            console.print(f"error: kv-canary: --json: cannot write the summary: {exc}", markup=False, highlight=False)
+            return 2
     return 1 if summary["mismatches"] or (c is not None and c["failed"]) else 0
 
 
@@ -225,7 +291,12 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
         pad_buckets=default_buckets(mbs) if args.pad else (), seed=args.seed,
     )
     cap = args.verify_capacity or max(1024, int(args.kv_pool_tokens * 0.6) // 1024 * 1024)
-    arrays = _Arrays(_placement(args.backend))
+    kind = _placement(args.backend)
+    if (args.canary or args.inject) and kind == "numba":  # refused before numba is imported, or any work done
+        raise BackendUnavailableError(
+            "kv-canary: --canary: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
+            "[cuda12]), got Numba device arrays only (CuPy is missing or sees no GPU)")
+    arrays = _Arrays(kind)
     session = _canary(args, sched, arrays)
     r2t, lut = sched.req_to_token, sched.full_to_swa_index_mapping
     dev_r2t = arrays.put(r2t)
@@ -337,10 +408,6 @@ def _canary(args, sched: Scheduler, arrays: _Arrays) -> CanaryReplay | None:
     """The canary side of the replay when ``--canary`` or ``--inject`` asks for it."""
     if not (args.canary or args.inject):
         return None
-    if arrays.kind == "numba":
-        raise BackendUnavailableError(
-            "kv-canary: --canary: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
-            "[cuda12]), got Numba device arrays only (CuPy is missing or sees no GPU)")
     device = "cpu" if arrays.kind == "host" else arrays.xp.cuda.Device().id
     return CanaryReplay(sched, xp=arrays.xp, device=device, backend=args.backend, faults=args.inject)
 

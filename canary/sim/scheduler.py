@@ -68,8 +68,15 @@ def load_trace(trace: str | Path = "conv", max_requests: int = 0) -> Trace:
             f"kv-canary: trace {name}: expected columns TIMESTAMP, ContextTokens, GeneratedTokens, got {header}"
         ) from None
     body = [r for r in rows[1:] if r]
-    stamps = [r[cols[0]] for r in body]
-    sizes = np.array([[r[cols[1]], r[cols[2]]] for r in body], dtype=np.int64).reshape(-1, 2)
+    stamps = []
+    sizes = np.zeros((len(body), 2), dtype=np.int64)
+    for i, r in enumerate(body):
+        try:
+            stamps.append(r[cols[0]])
+            sizes[i] = int(r[cols[1]]), int(r[cols[2]])
+        except (IndexError, ValueError, OverflowError):
+            raise ValueError(f"kv-canary: trace {name}: expected integer ContextTokens and GeneratedTokens in every "
+                             f"row, got {r} (data row {i + 1})") from None
     # ISO timestamps sort as text; a stable sort keeps file order for ties.
     sizes = sizes[np.argsort(np.array(stamps), kind="stable")]
     if max_requests:

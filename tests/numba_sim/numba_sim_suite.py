@@ -4,7 +4,9 @@ Not collected by a plain ``pytest`` (the name does not match ``test_*.py``): ``t
 runs it in a child ``python -m pytest`` with ``NUMBA_ENABLE_CUDASIM=1`` (the variable must be set before numba
 is first imported, which a shared pytest process cannot guarantee). To run it by hand::
 
-    NUMBA_ENABLE_CUDASIM=1 python -m pytest -q tests/numba_sim/numba_sim_suite.py
+    NUMBA_ENABLE_CUDASIM=1 python -m pytest -q -m sim tests/numba_sim/numba_sim_suite.py
+
+(``-m sim``: pyproject.toml's ``addopts`` deselect the ``sim`` tests otherwise.)
 
 The simulator runs one Python thread per CUDA thread, so the backend binds small blocks there
 (``LaunchConfig(simulator_threads="gpu")``: same code, more rows per thread, more grid-stride

@@ -5,14 +5,16 @@ How the simulator suite runs (``tests/numba_sim/numba_sim_suite.py``): numba rea
 import numba earlier without it (this file's PTX check does, and so may any other test). So
 ``test_simulator_suite`` starts a child ``python -m pytest tests/numba_sim/numba_sim_suite.py`` with
 ``NUMBA_ENABLE_CUDASIM=1`` and fails with the child's report if any simulator test fails. The suite file is
-not collected by the parent (its name does not match ``test_*.py``). Both carry the ``sim`` marker:
-``pytest -m "not sim"`` skips the simulator (about a minute and a half on 2 cores).
+not collected by the parent (its name does not match ``test_*.py``). Both carry the ``sim`` marker, which
+pyproject.toml's ``addopts`` deselect: ``pytest -m sim`` runs the simulator (about two minutes on 2 cores; the
+child is told ``-m sim`` too).
 
 The other tests run in this process: the backend's install guards (numpy >= 2.5, numba-cuda missing), that
 ``import canary`` stays free of numba, and an NVVM compile of every kernel for sm_90 (the simulator runs the
 kernels as Python; this catches Numba typing errors, which it cannot). The compile tests skip only when libNVVM
 or libdevice is missing, decided by a probe that compiles nothing (``nvvm`` fixture); once it passes, any
-exception from compiling our kernels is a failure.
+exception from compiling our kernels is a failure. The compiles take most of a minute on 2 cores and need numba-cuda: they
+are ``sim``-marked too, and skip without numba-cuda (the [sim] extra).
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SUITE = Path(__file__).resolve().parent / "numba_sim_suite.py"
 IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None  # does not import numba
-INSTALL_HINT = "pip install 'kv-canary[numba]'"
+INSTALL_HINT = "pip install 'kv-canary[numba]'"  # the library's own message
+NO_NUMBA_CUDA = "needs numba-cuda: pip install -e '.[sim]'"
 
 
 def _numpy_too_new() -> bool:
@@ -44,12 +47,12 @@ def _numpy_too_new() -> bool:
 
 
 @pytest.mark.sim
-@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed (pip install 'kv-canary[numba]')")
+@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason=NO_NUMBA_CUDA)
 @pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
 def test_simulator_suite():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     env.pop("KV_CANARY_REQUIRE_GPU", None)  # the simulator run is a CPU run, even inside a GPU run
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(SUITE)]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "sim", str(SUITE)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     elapsed = time.perf_counter() - start
@@ -174,7 +177,8 @@ def nvvm():
         pytest.skip(f"NVVM unavailable: {reason}")
 
 
-@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+@pytest.mark.sim
+@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason=NO_NUMBA_CUDA)
 @pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
 @pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
 @pytest.mark.parametrize("has_lut,has_pool", [(False, False), (True, False), (False, True), (True, True)])
@@ -199,7 +203,8 @@ def test_kernels_compile_for_sm90(monkeypatch, nvvm, has_lut, has_pool):
         assert ".local" not in ptx, f"{kernel.__name__}: local memory (spills or local arrays)"
 
 
-@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason="numba-cuda is not installed")
+@pytest.mark.sim
+@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason=NO_NUMBA_CUDA)
 @pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
 @pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
 def test_canary_kernels_compile_for_sm90(monkeypatch, nvvm):

@@ -413,6 +413,7 @@ def _rows_of(log):
     return [(v.kernel, v.slot, v.position, v.reasons) for v in log.report]
 
 
+@pytest.mark.slow  # a soak: test_clean_replay_variants covers the same ground in 300 steps
 def test_clean_replay_1000_steps():
     e = Engine(requests=80)
     logs = e.run(1000)

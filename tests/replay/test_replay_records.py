@@ -19,8 +19,8 @@ from canary import splitmix64  # the public hash
 
 M64 = (1 << 64) - 1
 
-# Small runs: rows are reused (8 of them for 24 requests), so stale-row faults have a finished request's slots.
-SMALL = ["replay", "--backend", "reference", "--max-requests", "24", "--max-batch-size", "8", "--chunk-size", "512"]
+# Small runs: rows are reused (8 of them for 12 requests), so stale-row faults have a finished request's slots.
+SMALL = ["replay", "--backend", "reference", "--max-requests", "12", "--max-batch-size", "8", "--chunk-size", "512"]
 
 
 def _replay(tmp_path, *extra: str) -> tuple[int, dict]:
@@ -159,7 +159,7 @@ def test_a_clean_run_with_violations_fails(tmp_path, monkeypatch, capsys):
         return log
 
     monkeypatch.setattr(canary.sim.engine.EngineKV, "run", run)
-    rc, s = _replay(tmp_path, "--canary")
+    rc, s = _replay(tmp_path, "--canary", "--max-requests", "8")  # every later step reports: keep the run short
     text = capsys.readouterr().out
     c = s["canary"]
     assert rc == 1 and c["failed"] and c["violations"] == c["unattributed_violations"] + c["dropped"] > 0

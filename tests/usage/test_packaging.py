@@ -5,6 +5,8 @@ import zipfile
 
 import pytest
 
+pytestmark = pytest.mark.slow  # pip builds a wheel in an isolated environment: seconds, and an index to reach
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):

@@ -1,0 +1,123 @@
+"""``kv-canary replay``'s options are checked when they are parsed: a bad value exits 2 before any work, with
+argparse's ``argument --OPTION: ...`` message naming the option and the constraint."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from canary.sim import cli
+from canary.sim.replay import INT32_MAX
+
+
+def refused(capsys, *argv: str) -> str:
+    """Run ``kv-canary replay ARGV``; assert that argparse refuses it (exit 2); return its message."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["replay", *argv])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran: no banner, no table
+    return captured.err.strip().splitlines()[-1]
+
+
+SIZES = ["--max-batch-size", "--kv-pool-tokens", "--chunk-size", "--page-size"]  # >= 1, int32
+ZERO_MEANS_DEFAULT = ["--verify-capacity", "--token-budget", "--swa-window"]  # >= 0, int32
+COUNTS = ["--max-requests", "--seed", "--check-every"]  # >= 0, no upper bound
+
+
+@pytest.mark.parametrize("option", SIZES)
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_sizes_must_be_positive(capsys, option, value):
+    msg = refused(capsys, option, value)
+    assert msg.endswith(f"argument {option}: expected an integer >= 1, got {int(value)}"), msg
+
+
+@pytest.mark.parametrize("option", ZERO_MEANS_DEFAULT + COUNTS)
+def test_counts_must_not_be_negative(capsys, option):
+    msg = refused(capsys, option, "-1")
+    assert msg.endswith(f"argument {option}: expected an integer >= 0, got -1"), msg
+
+
+@pytest.mark.parametrize("option", SIZES + ZERO_MEANS_DEFAULT)
+def test_sizes_stay_in_the_int32_range(capsys, option):
+    msg = refused(capsys, option, str(INT32_MAX + 1))
+    assert f"argument {option}: expected an integer <= {INT32_MAX}" in msg and str(INT32_MAX + 1) in msg, msg
+
+
+@pytest.mark.parametrize("option", SIZES + ZERO_MEANS_DEFAULT + COUNTS)
+@pytest.mark.parametrize("value", ["abc", "1.5", ""])
+def test_integers_only(capsys, option, value):
+    msg = refused(capsys, option, value)
+    assert re.search(rf"argument {option}: expected an integer >= [01], got {re.escape(repr(value))}$", msg), msg
+
+
+def test_pool_needs_two_pages(capsys):
+    msg = refused(capsys, "--kv-pool-tokens", "63", "--page-size", "32")
+    assert msg.endswith("argument --kv-pool-tokens: expected at least 2 pages of --page-size 32 (64 tokens), got 63")
+
+
+def test_trace_must_be_bundled_or_a_file(capsys, tmp_path):
+    msg = refused(capsys, "--trace", str(tmp_path / "missing.csv"))
+    assert "argument --trace: expected conv, code or a trace CSV file" in msg and "(no such file)" in msg, msg
+    msg = refused(capsys, "--trace", str(tmp_path))
+    assert "argument --trace:" in msg and "(not a file)" in msg, msg
+
+
+def test_malformed_trace_is_a_setup_error(capsys, tmp_path):
+    path = tmp_path / "short.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n2,4\n")
+    assert cli.main(["replay", "--trace", str(path)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("error: kv-canary: trace ") and "short.csv: expected integer ContextTokens" in out, out
+    assert "(data row 2)" in out
+
+
+@pytest.mark.parametrize("value", ["kv-flip", "nope@3", "kv-flip@x", "kv-flip@-1"])
+def test_inject(capsys, value):
+    msg = refused(capsys, "--inject", value)
+    assert msg.startswith("kv-canary replay: error: argument --inject: expected KIND@STEP with KIND one of kv-flip"), msg
+    assert repr(value) in msg
+
+
+def test_backend(capsys):
+    assert "argument --backend: invalid choice: 'gpu'" in refused(capsys, "--backend", "gpu")
+
+
+def test_json_directory_must_exist(capsys, tmp_path):
+    msg = refused(capsys, "--json", str(tmp_path / "missing" / "x.json"))
+    assert msg.startswith("kv-canary replay: error: argument --json: expected a file path in an existing, writable "
+                          "directory"), msg
+    assert "(no directory" in msg
+
+
+def test_json_must_not_be_a_directory_or_under_a_file(capsys, tmp_path):
+    assert "(a directory)" in refused(capsys, "--json", str(tmp_path))
+    (tmp_path / "file").write_text("")
+    assert "argument --json:" in refused(capsys, "--json", str(tmp_path / "file" / "x.json"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_json_directory_must_be_writable(capsys, tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        assert "is not writable" in refused(capsys, "--json", str(folder / "x.json"))
+    finally:
+        folder.chmod(0o755)
+
+
+def test_zero_keeps_meaning_default_or_none(capsys, tmp_path):
+    out = tmp_path / "s.json"
+    assert cli.main(["replay", "--max-requests", "3", "--verify-capacity", "0", "--token-budget", "0",
+                     "--swa-window", "0", "--seed", "0", "--check-every", "0", "--json", str(out)]) == 0
+    assert out.is_file()
+    capsys.readouterr()
+
+
+def test_json_written_in_the_current_directory(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["replay", "--max-requests", "2", "--json", "s.json"]) == 0
+    assert (tmp_path / "s.json").is_file()
+    capsys.readouterr()
