@@ -127,7 +127,11 @@ def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
             acc *= max(n, 1)
         strides = tuple(reversed(strides))
     else:
-        strides = tuple(int(s) for s in raw_strides)
+        # cuda.core reports a negative byte stride as its unsigned 64-bit pattern divided by the item size (a
+        # flipped CuPy array views with stride 2**61 - 1): undo that, so a flip is named as one.
+        itemsize = dtype.itemsize or 1
+        strides = tuple(((int(s) * itemsize) - (1 << 64)) // itemsize if int(s) * itemsize >= 1 << 63 else int(s)
+                        for s in raw_strides)
     if strides and min(strides) < 0:
         raise negative_strides(name, strides)
     return ArrayView(
