@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..interop.adapter import ArrayView
+from ..plan.plans import VerifyViews, WriteViews
 
 INT64 = np.dtype(np.int64)
 INT32 = np.dtype(np.int32)
@@ -106,12 +107,10 @@ class StepArgs:
 
 @dataclass(frozen=True)
 class RecordWriteArgs:
-    """One write launch's inputs, checked (docs/records.md 4): ``[R+1]``/``[R]`` int64 and ``[1]`` int32 plan
-    arrays, ``[N]`` int64 entry arrays (the expected ones ``None`` when not given), the launch tag."""
+    """One write launch's inputs, checked (docs/records.md 4): the write plan's views, ``[N]`` int64 entry arrays
+    (the expected ones ``None`` when not given), the launch tag."""
 
-    write_offsets: ArrayView
-    write_seed_slot_indices: ArrayView
-    write_num_valid_reqs: ArrayView
+    plan: WriteViews
     out_cache_loc: ArrayView
     input_ids: ArrayView
     positions: ArrayView
@@ -122,15 +121,10 @@ class RecordWriteArgs:
 
 @dataclass(frozen=True)
 class RecordVerifyArgs:
-    """One verify launch's inputs, checked (docs/records.md 5): four ``[C]`` int64 arrays, ``[1]`` int32 count
-    and enable, the launch tag."""
+    """One verify launch's inputs, checked (docs/records.md 5): the verify plan's views (its ``status`` is not
+    read), the launch tag."""
 
-    verify_slot_indices: ArrayView
-    verify_expected_tokens: ArrayView
-    verify_expected_positions: ArrayView
-    verify_prev_slot_indices: ArrayView
-    verify_num_valid: ArrayView
-    enable: ArrayView
+    plan: VerifyViews
     launch_tag: int
 
 

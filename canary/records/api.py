@@ -123,17 +123,15 @@ class CanaryRecords:
             self._check_host_state()
         _vec = go.vec
         wp = view_write_plan(write_plan, go.view, name="write_plan", writable=False)
-        offsets, seeds, num_reqs = wp.write_offsets, wp.write_seed_slot_indices, wp.write_num_valid_reqs
         loc = _vec(out_cache_loc, "out_cache_loc", INT64)
         n = loc.shape[0]
         ids = _vec(input_ids, "input_ids", INT64, length=n)
         pos = _vec(positions, "positions", INT64, length=n)
         exp_ids = None if expected_input_ids is None else _vec(expected_input_ids, "expected_input_ids", INT64, length=n)
         exp_pos = None if expected_positions is None else _vec(expected_positions, "expected_positions", INT64, length=n)
-        views = [seeds, offsets, num_reqs, loc, ids, pos] + [v for v in (exp_ids, exp_pos) if v is not None]
+        views = wp.all() + [loc, ids, pos] + [v for v in (exp_ids, exp_pos) if v is not None]
         _same_device(views, self.views.device_id, "state.canary_buffer")
-        self._bound.write(RecordWriteArgs(offsets, seeds, num_reqs, loc, ids, pos, exp_ids, exp_pos, int(launch_tag)),
-                          go.handle)
+        self._bound.write(RecordWriteArgs(wp, loc, ids, pos, exp_ids, exp_pos, int(launch_tag)), go.handle)
 
     def verify(self, verify_plan: VerifyPlan, *, launch_tag: int = 0, stream: Any = None) -> None:
         """Verify the entries of a :class:`VerifyPlan` (docs/records.md, "Verify"): ``[C]`` int64 entry arrays,
@@ -145,7 +143,7 @@ class CanaryRecords:
             self._check_host_state()
         vp = view_verify_plan(verify_plan, go.view, name="verify_plan", writable=False, status=False)
         _same_device(vp.all(), self.views.device_id, "state.canary_buffer")
-        self._bound.verify(RecordVerifyArgs(*vp.entries, vp.verify_num_valid, vp.enable, int(launch_tag)), go.handle)
+        self._bound.verify(RecordVerifyArgs(vp, int(launch_tag)), go.handle)
 
     def _check_host_state(self) -> None:
         for name, arr in self._host_state:

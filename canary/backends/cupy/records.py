@@ -81,10 +81,10 @@ class Bound:
     def write(self, a: RecordWriteArgs, stream: int) -> None:
         if self._fns is None:
             self.warmup()
-        r_cap = a.write_seed_slot_indices.shape[0]
+        r_cap = a.plan.write_seed_slot_indices.shape[0]
         self._write.set(dict(
-            tag=encode_tag(KernelTag.WRITE, a.launch_tag), write_offsets=a.write_offsets.ptr,
-            write_seed_slot_indices=a.write_seed_slot_indices.ptr, write_num_valid_reqs=a.write_num_valid_reqs.ptr,
+            tag=encode_tag(KernelTag.WRITE, a.launch_tag), write_offsets=a.plan.write_offsets.ptr,
+            write_seed_slot_indices=a.plan.write_seed_slot_indices.ptr, write_num_valid_reqs=a.plan.write_num_valid_reqs.ptr,
             write_req_capacity=r_cap, out_cache_loc=a.out_cache_loc.ptr, input_ids=a.input_ids.ptr,
             positions=a.positions.ptr, num_entries=a.out_cache_loc.shape[0],
             expected_input_ids=_ptr(a.expected_input_ids), expected_positions=_ptr(a.expected_positions),
@@ -95,13 +95,13 @@ class Bound:
     def verify(self, a: RecordVerifyArgs, stream: int) -> None:
         if self._fns is None:
             self.warmup()
-        cap = a.verify_slot_indices.shape[0]
+        cap = a.plan.verify_slot_indices.shape[0]
         self._verify.set(dict(
-            tag=encode_tag(KernelTag.VERIFY, a.launch_tag), verify_slot_indices=a.verify_slot_indices.ptr,
-            verify_expected_tokens=a.verify_expected_tokens.ptr,
-            verify_expected_positions=a.verify_expected_positions.ptr,
-            verify_prev_slot_indices=a.verify_prev_slot_indices.ptr, verify_capacity=cap,
-            verify_num_valid=a.verify_num_valid.ptr, enable=a.enable.ptr,
+            tag=encode_tag(KernelTag.VERIFY, a.launch_tag), verify_slot_indices=a.plan.verify_slot_indices.ptr,
+            verify_expected_tokens=a.plan.verify_expected_tokens.ptr,
+            verify_expected_positions=a.plan.verify_expected_positions.ptr,
+            verify_prev_slot_indices=a.plan.verify_prev_slot_indices.ptr, verify_capacity=cap,
+            verify_num_valid=a.plan.verify_num_valid.ptr, enable=a.plan.enable.ptr,
         ))
         grid = verify_grid(cap, self._sms, self._verify_blocks_per_sm)
         with OnDevice(self.device_id):

@@ -166,9 +166,9 @@ class Bound:
 
     def write(self, a: RecordWriteArgs, stream: int) -> None:
         v = self._arr.vector
-        r_cap = a.write_seed_slot_indices.shape[0]
+        r_cap = a.plan.write_seed_slot_indices.shape[0]
         args = self._state_args + (np.uint64(encode_tag(KernelTag.WRITE, a.launch_tag)),) + self._kv_args + (
-            v(a.write_offsets), v(a.write_seed_slot_indices), v(a.write_num_valid_reqs), r_cap, v(a.out_cache_loc),
+            v(a.plan.write_offsets), v(a.plan.write_seed_slot_indices), v(a.plan.write_num_valid_reqs), r_cap, v(a.out_cache_loc),
             v(a.input_ids), v(a.positions), a.out_cache_loc.shape[0], v(a.expected_input_ids),
             v(a.expected_positions), int(a.expected_input_ids is not None), int(a.expected_positions is not None),
         )
@@ -176,10 +176,10 @@ class Bound:
 
     def verify(self, a: RecordVerifyArgs, stream: int) -> None:
         v = self._arr.vector
-        cap = a.verify_slot_indices.shape[0]
+        cap = a.plan.verify_slot_indices.shape[0]
         args = self._state_args + (np.uint64(encode_tag(KernelTag.VERIFY, a.launch_tag)),) + self._kv_args + (
-            v(a.verify_slot_indices), v(a.verify_expected_tokens), v(a.verify_expected_positions),
-            v(a.verify_prev_slot_indices), cap, v(a.verify_num_valid), v(a.enable),
+            v(a.plan.verify_slot_indices), v(a.plan.verify_expected_tokens), v(a.plan.verify_expected_positions),
+            v(a.plan.verify_prev_slot_indices), cap, v(a.plan.verify_num_valid), v(a.plan.enable),
         )
         grid = verify_grid(cap, self._sms, 2 if SIMULATOR else BLOCKS_PER_SM, self.verify_threads)
         _launch(self._arr, self._verify_kernel, grid, self.verify_threads, stream, args)

@@ -290,19 +290,19 @@ class Bound:
         pass
 
     def write(self, a, stream: int = 0) -> None:
-        write(self.state, write_offsets=a.write_offsets.host, write_seed_slot_indices=a.write_seed_slot_indices.host,
-              write_num_valid_reqs=a.write_num_valid_reqs.host, out_cache_loc=a.out_cache_loc.host,
+        write(self.state, write_offsets=a.plan.write_offsets.host, write_seed_slot_indices=a.plan.write_seed_slot_indices.host,
+              write_num_valid_reqs=a.plan.write_num_valid_reqs.host, out_cache_loc=a.out_cache_loc.host,
               input_ids=a.input_ids.host, positions=a.positions.host,
               expected_input_ids=None if a.expected_input_ids is None else a.expected_input_ids.host,
               expected_positions=None if a.expected_positions is None else a.expected_positions.host,
               real_kv=self.real_kv, launch_tag=a.launch_tag)
 
     def verify(self, a, stream: int = 0) -> None:
-        verify(self.state, verify_slot_indices=a.verify_slot_indices.host,
-               verify_expected_tokens=a.verify_expected_tokens.host,
-               verify_expected_positions=a.verify_expected_positions.host,
-               verify_prev_slot_indices=a.verify_prev_slot_indices.host, verify_num_valid=a.verify_num_valid.host,
-               enable=a.enable.host, real_kv=self.real_kv, launch_tag=a.launch_tag)
+        verify(self.state, verify_slot_indices=a.plan.verify_slot_indices.host,
+               verify_expected_tokens=a.plan.verify_expected_tokens.host,
+               verify_expected_positions=a.plan.verify_expected_positions.host,
+               verify_prev_slot_indices=a.plan.verify_prev_slot_indices.host, verify_num_valid=a.plan.verify_num_valid.host,
+               enable=a.plan.enable.host, real_kv=self.real_kv, launch_tag=a.launch_tag)
 
 
 def bind(state: StateViews, real_kv: RealKV, launch: LaunchConfig = DEFAULT_LAUNCH) -> Bound:
