@@ -120,7 +120,9 @@ __device__ __forceinline__ const u64* slot_record(const StateParams& st, i64 slo
 }
 
 // SPEC 4's real-KV fold of one slot in [0, num_slots): per source h = s(h ^ w) over its words, then
-// acc = s(acc ^ h) over the sources in order. Loads are 16 bytes (base and strides are multiples of 16).
+// acc = s(acc ^ h) over the sources in order, then acc | 1. Loads are 16 bytes (base and strides are multiples
+// of 16). The forced bit keeps every fold off 0, the hash of a never-written record, which all-zero KV bytes
+// would otherwise reach (s(0) == 0); without sources (mode NONE) the hash stays 0.
 __device__ u64 fold_slot(const RealKVParams& kv, i64 slot) {
     u64 acc = 0;
 #pragma unroll
@@ -139,7 +141,7 @@ __device__ u64 fold_slot(const RealKVParams& kv, i64 slot) {
             acc = splitmix64(acc ^ h);
         }
     }
-    return acc;
+    return kv.num_sources > 0 ? (acc | 1ULL) : acc;
 }
 
 // Fill-once ring: claim an index; write the row only if it fits. The index keeps counting past capacity.

@@ -127,7 +127,8 @@ def fold_source(words, kvp, k, slot):
 
 @cuda.jit(device=True)
 def fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot):
-    """SPEC 4's real-KV fold of a slot in [0, num_slots): ``acc = s(acc ^ h_source)`` over the sources."""
+    """SPEC 4's real-KV fold of a slot in [0, num_slots): ``acc = s(acc ^ h_source)`` over the sources, then
+    ``acc | 1`` (never the 0 of a never-written record, which all-zero bytes would fold to); 0 without sources."""
     acc = U0
     if num_sources > 0:
         acc = splitmix64(acc ^ fold_source(kv0, kvp, 0, slot))
@@ -137,6 +138,8 @@ def fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot):
         acc = splitmix64(acc ^ fold_source(kv2, kvp, 2, slot))
     if num_sources > 3:
         acc = splitmix64(acc ^ fold_source(kv3, kvp, 3, slot))
+    if num_sources > 0:
+        acc = acc | U1
     return acc
 
 

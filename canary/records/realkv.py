@@ -21,8 +21,17 @@ The fold (executable form of SPEC 4, vectorized over slots, one loop step per 8-
 
 - per source: ``acc = 0``; for each little-endian u64 word ``w`` of the slot's bytes in order,
   ``acc = splitmix64(acc ^ w)``;
-- combined: ``acc = 0``; for each source in order, ``acc = splitmix64(acc ^ source_hash)``;
+- combined: ``acc = 0``; for each source in order, ``acc = splitmix64(acc ^ source_hash)``; then
+  ``real_kv_hash = acc | 1``;
 - mode ``NONE``: the hash is 0 and nothing is read.
+
+Why ``| 1`` (a format change: an even hash stored before it fails REAL_KV after it): ``splitmix64(0) == 0`` and both
+accumulators start from 0, so all-zero KV bytes used to fold to 0, which is also the ``real_kv_hash`` of a
+never-written (zeroed) record; a prefix-cache hit on a block whose KV store never ran, with its KV still zero,
+then passed the REAL_KV check. Forcing the lowest bit makes every fold in modes PARTIAL and ALL odd, hence never
+0, whatever the bytes (all-zero bytes fold to exactly 1). The cost is that bit: a changed slot escapes REAL_KV
+when its new 63-bit hash collides with the old one (2**-63 for random damage instead of 2**-64), and one OR per
+slot on the GPU.
 """
 from __future__ import annotations
 
@@ -245,7 +254,11 @@ def real_kv(sources: Sequence[Any] = (), mode: Any = RealKVMode.ALL) -> RealKV:
 
 
 def fold_source(src: RealKVSource, slots: np.ndarray, mode: RealKVMode) -> np.ndarray:
-    """The per-source hash of each slot (uint64). ``slots``: int64 in ``[0, rows * page_size)``."""
+    """The per-source hash of each slot (uint64). ``slots``: int64 in ``[0, rows * page_size)``.
+
+    This is the combine step's input, not a stored value: it may be 0 (all-zero bytes), and :func:`fold` forces the
+    combined result odd.
+    """
     if src.words_view is None:
         raise fail(ValueError, f"{src.name}: the reference fold needs host memory, got cuda:{src.device_id}")
     slots = np.asarray(slots, dtype=np.int64)
@@ -268,7 +281,8 @@ def fold_source(src: RealKVSource, slots: np.ndarray, mode: RealKVMode) -> np.nd
 def fold(kv: RealKV, slots: Any) -> np.ndarray:
     """``real_kv_hash`` of each slot (int64 bit patterns), the reference of SPEC 4's real-KV fold.
 
-    ``slots``: integers, each in ``[0, rows * page_size)`` of every source (``ValueError`` otherwise).
+    ``slots``: integers, each in ``[0, rows * page_size)`` of every source (``ValueError`` otherwise). With
+    sources in mode PARTIAL or ALL every hash is odd (never the 0 of an unwritten record); otherwise all are 0.
     """
     s = np.asarray(slots, dtype=np.int64).reshape(-1)
     out = np.zeros(s.shape[0], dtype=np.uint64)
@@ -282,4 +296,5 @@ def fold(kv: RealKV, slots: Any) -> np.ndarray:
     for src in kv.sources:
         out ^= fold_source(src, s, kv.mode)
         splitmix64_inplace(out)
+    out |= np.uint64(1)  # never 0, the real_kv_hash of an unwritten record (module docstring)
     return out.view(np.int64).reshape(np.shape(slots))

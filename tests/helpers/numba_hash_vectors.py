@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda  # a module global: the simulator swaps it for its fake inside kernels
-from helpers.hash_vectors import MIX3_VECTORS, SPLITMIX64_VECTORS
+from helpers.hash_vectors import FOLD_SLOT, MIX3_VECTORS, REAL_KV_FOLD_VECTORS, SPLITMIX64_VECTORS, fold_vector_sources
 
 from canary.backends.sources import numba_kernels
 
@@ -26,3 +26,30 @@ def check_numba_hashes() -> None:
     hash_vectors[1, 32](dx, dsx, da, db, dc, dm)
     assert dsx.copy_to_host().tolist() == [y for _, y in SPLITMIX64_VECTORS]
     assert dm.copy_to_host().tolist() == [w for *_, w in MIX3_VECTORS]
+    check_numba_folds()
+
+
+def check_numba_folds() -> None:
+    """records_numba.fold_slot on REAL_KV_FOLD_VECTORS: each source laid out as helpers.hash_vectors says."""
+
+    @cuda.jit
+    def fold_vector(kv0, kv1, kv2, kv3, kvp, num_sources, slot, out):
+        if cuda.threadIdx.x == 0:
+            out[0] = cn.fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot)
+
+    got = []
+    for sources, _ in REAL_KV_FOLD_VECTORS:
+        arrays = fold_vector_sources(sources)
+        kvp = np.zeros(cn.MAX_SOURCES * cn.KV_FIELDS, dtype=np.int64)
+        for k, arr in enumerate(arrays):
+            n = arr.size // 2
+            kvp[k * cn.KV_FIELDS + cn.KV_ROW_STRIDE_WORDS] = n
+            kvp[k * cn.KV_FIELDS + cn.KV_PAGE_SIZE] = 1
+            kvp[k * cn.KV_FIELDS + cn.KV_WORDS_PER_TOKEN] = n
+            kvp[k * cn.KV_FIELDS + cn.KV_READ_WORDS] = n
+        arrays += [np.zeros(1, dtype=np.uint64)] * (cn.MAX_SOURCES - len(arrays))  # absent: never read
+        out = cuda.to_device(np.full(1, 0xDEAD, dtype=np.uint64))
+        fold_vector[1, 1](*(cuda.to_device(a) for a in arrays), cuda.to_device(kvp), np.int64(len(sources)),
+                          np.int64(FOLD_SLOT), out)
+        got.append(int(out.copy_to_host()[0]))
+    assert got == [h for _, h in REAL_KV_FOLD_VECTORS]

@@ -355,7 +355,32 @@ def hand_cases() -> list[CanaryCase]:
         case = CanaryCase(name=f"real_kv_{mode.name.lower()}_byte_flips", num_slots=S, sources=_flip(srcs, flips),
                           mode=mode, launches=[], seed=100 + int(mode), expect=[(slot, F.REAL_KV) for slot in seen])
         cases.append(_real_kv_flip(case, srcs))
+    # All-zero KV bytes fold to 1, never to the 0 of a never-written record. Records start zeroed (never
+    # written); every source's bytes of slots 2, 5 (then written) and 7, 11 (never written) are zero. One request
+    # writes slots 1-5 (positions 0-4, tokens 100-104) and verifies them clean (2 and 5 stored the fold 1); then
+    # a prefix hit on never-written slots: 7 continuing the chain (position 5 after slot 5, token 105), 11 and 9
+    # (9's bytes are not zero) with nothing but REAL_KV to see them (position 0, prev_slot 0, no token), and 2, 5
+    # again (clean). Fail reasons by hand, in entry order: 7 CHAIN | POSITION | VERIFY_TOKEN | REAL_KV, 11 REAL_KV
+    # (missed when zero bytes folded to 0), 9 REAL_KV.
+    srcs = _zero_slots(_sources(rng, S, "ptw"), (2, 5, 7, 11))
+    for mode in (RealKVMode.PARTIAL, RealKVMode.ALL):
+        launches = chain_then_verify(_a(1, 2, 3, 4, 5))
+        launches.append(verify_launch(_a(7, 11, 9, 2, 5), _a(105, -1, -1, 101, 104), _a(5, 0, 0, 1, 4),
+                                      _a(5, 0, 0, 1, 4)))
+        add(f"real_kv_zero_bytes_{mode.name.lower()}", launches, sources=srcs, mode=mode,
+            records=np.zeros((S, 4), np.int64),
+            expect=[(7, F.CHAIN | F.POSITION | F.VERIFY_TOKEN | F.REAL_KV), (11, F.REAL_KV), (9, F.REAL_KV)])
     return cases
+
+
+def _zero_slots(sources: list, slots: tuple[int, ...]) -> list:
+    """``sources`` with every byte of the given slots' tokens set to 0, in place (row strides kept)."""
+    for arr, ps, nb, _ in sources:
+        row_bytes = arr.view(np.uint8).reshape(arr.shape[0], -1)
+        assert np.shares_memory(row_bytes, arr)
+        for slot in slots:
+            row_bytes[slot // ps, (slot % ps) * nb : (slot % ps + 1) * nb] = 0
+    return sources
 
 
 def _flip(sources: list, flips: list[tuple[int, int, int]]) -> list:

@@ -63,6 +63,17 @@ def test_canary_cu_compiles(arch):
         assert kernel in cubin
 
 
+def test_fold_vectors_test_kernel_compiles():
+    """The GPU suite's fold-vector kernel (helpers/hash_vectors.py) builds on records.cu's fold_slot: compile it
+    here so that a change of the fold's signature or of RealKVParams fails without a GPU."""
+    from cuda.core import Program, ProgramOptions
+    from helpers.hash_vectors import FOLD_VECTORS_KERNEL
+
+    src = cuda_source("records") + FOLD_VECTORS_KERNEL
+    cubin = Program(src, "c++", ProgramOptions(arch="sm_90", std="c++17")).compile("cubin").code
+    assert b"fold_vectors" in cubin
+
+
 def _struct_body(src: str, name: str) -> list[str]:
     body = src[src.index(f"struct {name} {{") :]
     body = body[body.index("{") + 1 : body.index("};")]

@@ -4,19 +4,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import naive_records as naive
+from helpers.hash_vectors import FOLD_SLOT, REAL_KV_FOLD_VECTORS, fold_vector_sources
 from helpers.naive_records import splitmix64 as _sm  # the oracle's pure-Python definition
 
 from canary.records.realkv import MAX_SOURCES, RealKVMode, fold, real_kv, real_kv_source
 
 def _fold_py(token_bytes_per_source: list[bytes]) -> int:
-    """SPEC 4 by hand: per source, acc = s(acc ^ word) over little-endian words; combine acc = s(acc ^ h)."""
+    """SPEC 4 by hand: per source, acc = s(acc ^ word) over little-endian words; combine acc = s(acc ^ h); then
+    the lowest bit forced to 1."""
     acc = 0
     for b in token_bytes_per_source:
         h = 0
         for w in range(0, len(b), 8):
             h = _sm(h ^ int.from_bytes(b[w : w + 8], "little"))
         acc = _sm(acc ^ h)
-    return acc
+    return acc | 1
 
 
 def _u(x) -> list[int]:
@@ -76,6 +79,50 @@ def test_all_reads_read_bytes_only(paged):
     paged[0, 16:32] ^= 0xFF
     paged[0, 3 * 32 :] ^= 0xFF  # the spare bytes past the page's tokens are never read either
     assert fold(kv, [0]) == h
+
+
+@pytest.mark.parametrize("sources, want", REAL_KV_FOLD_VECTORS, ids=range(len(REAL_KV_FOLD_VECTORS)))
+def test_fold_frozen_vectors(sources, want):
+    """The frozen vectors (helpers/hash_vectors.py): the oracle and the reference fold reproduce them, in mode ALL
+    (read_bytes = the vector's words) and, for sources of two words, in mode PARTIAL with more bytes per token."""
+    arrays = fold_vector_sources(sources)
+    srcs = [naive.Source(a.tobytes(), a.size // 2 * 8, 1, a.size // 2 * 8, a.size // 2 * 8) for a in arrays]
+    oracle = naive.NaiveState(fields=[], ring=[], write_index=0, sources=srcs, mode=int(RealKVMode.ALL))
+    assert oracle.real_kv_hash(FOLD_SLOT) & naive.M64 == want
+    if sources:  # _fold_py is the fold of mode PARTIAL / ALL; without sources the mode is NONE
+        assert _fold_py([a[a.size // 2 :].tobytes() for a in arrays]) == want
+    as_rows = [(a.view(np.uint8).reshape(2, -1), 1, a.size // 2 * 8) for a in arrays]
+    assert _u(fold(real_kv(as_rows, "all"), [FOLD_SLOT])) == [want]
+    if sources and all(len(w) == 2 for w in sources):
+        # 48 bytes per token, the last 32 poison: PARTIAL reads the first 16 only.
+        wide = [np.concatenate([a.reshape(2, 2), np.full((2, 4), 0xA5A5A5A5A5A5A5A5, np.uint64)], axis=1)
+                for a in arrays]
+        partial = real_kv([(w.view(np.uint8), 1, 48) for w in wide], "partial")
+        assert _u(fold(partial, [FOLD_SLOT])) == [want]
+
+
+@pytest.mark.parametrize("mode", [RealKVMode.PARTIAL, RealKVMode.ALL])
+@pytest.mark.parametrize("kinds", ["p", "t", "pt", "ptwp"])
+def test_all_zero_bytes_fold_to_one(mode, kinds):
+    """All-zero KV bytes fold to 1 in modes PARTIAL and ALL, for one and several sources (paged, token-major and
+    wide-row layouts): never 0, the real_kv_hash of a never-written record. Mode NONE keeps 0."""
+    layouts = {"p": (np.zeros((4, 3 * 32 + 16), np.uint8), 3, 32, 32),  # paged, 12 slots
+               "t": (np.zeros((12, 32), np.float16), 1, 64, 48),  # token-major, reads 48 of 64 bytes
+               "w": (np.zeros((6, 48), np.uint8)[:, :32], 2, 16, 16)}  # row stride 48 > row bytes 32
+    kv = real_kv([layouts[k] for k in kinds], mode)
+    assert _u(fold(kv, np.arange(12))) == [1] * 12
+    assert _u(fold(real_kv([layouts[k] for k in kinds], "none"), np.arange(12))) == [0] * 12
+
+
+def test_fold_is_odd_for_any_bytes():
+    """The lowest bit is forced: random bytes, every mode with sources, every hash odd (hence never 0)."""
+    rng = np.random.default_rng(8)
+    a = rng.integers(0, 256, size=(64, 48), dtype=np.uint8)
+    a[::3] = 0  # and some all-zero slots among them
+    b = rng.integers(0, 256, size=(32, 2, 32), dtype=np.uint8)
+    for mode in ("partial", "all"):
+        h = np.asarray(fold(real_kv([(a, 1, 48), (b, 2, 32)], mode), np.arange(64))).view(np.uint64)
+        assert (h & np.uint64(1) == 1).all()
 
 
 def test_none_mode_and_no_sources(paged):

@@ -349,6 +349,21 @@ def test_cuda_hashes_match_frozen_vectors():
     assert cupy.asnumpy(m).tolist() == [w for *_, w in MIX3_VECTORS]
 
 
+def test_cuda_fold_matches_frozen_vectors():
+    """records.cu's fold_slot on REAL_KV_FOLD_VECTORS (all-zero bytes fold to 1, never to an unwritten record's 0)."""
+    from helpers.hash_vectors import FOLD_VECTORS_KERNEL, REAL_KV_FOLD_VECTORS, fold_vectors_flat
+
+    from canary.backends.sources import cuda_source
+
+    cupy = _cupy()
+    fn = cupy.RawModule(code=cuda_source("records") + FOLD_VECTORS_KERNEL, options=("--std=c++17",)).get_function(
+        "fold_vectors")
+    words, meta = fold_vectors_flat()
+    out = cupy.full(len(meta), 0xDEAD, dtype=cupy.uint64)
+    fn((1,), (32,), (cupy.asarray(words), cupy.asarray(meta), np.int32(len(meta)), out))
+    assert cupy.asnumpy(out).tolist() == [h for _, h in REAL_KV_FOLD_VECTORS]
+
+
 def test_numba_hashes_match_frozen_vectors():
     from helpers.numba_hash_vectors import check_numba_hashes
 

@@ -263,6 +263,50 @@ def test_real_kv_in_write_and_verify():
     assert [(v.slot, v.reasons) for v in c.drain()] == [(5, F.REAL_KV)]
 
 
+@pytest.mark.parametrize("mode", ["partial", "all", "none"])
+def test_prefix_hit_on_never_written_zero_kv(mode):
+    """The engine bug the forced bit of the fold catches: a block registered for prefix reuse before its KV store
+    ran. The KV pool starts zeroed; slots 3, 4, 5 get their KV bytes and their canary records (positions 0-2,
+    tokens 10-12); slot 6 of the same block, and slot 8, get neither, so their records are the zeroed
+    never-written ones (token 0, position 0, prev_hash 0, real_kv_hash 0) over all-zero KV bytes, whose fold is 1.
+
+    A later request hits the prefix: its verify plan covers 3, 4, 5, 6 at positions 0-3 (tokens 10-13), and 8 as an
+    entry no other check can see: expected position 0 (the zeroed field), prev_slot 0 (predecessor page freed: no
+    chain check), no expected token. Expected rows, by hand: 3, 4, 5 clean; 6: CHAIN (stored 0 != link(5)),
+    POSITION (0 != 3), VERIFY_TOKEN (0 != 13) and REAL_KV (0 != 1); 8: REAL_KV alone (before the format change,
+    when zero bytes folded to 0, slot 8 reported nothing and slot 6 lacked REAL_KV). Mode NONE compares nothing:
+    slot 6 without REAL_KV, slot 8 silent."""
+    kvbytes = np.zeros((16, 32), dtype=np.uint8)
+    kvbytes[3:6] = np.random.default_rng(12).integers(1, 256, size=(3, 32), dtype=np.uint8)
+    _state, c = _canary(kv=real_kv([(kvbytes, 1, 32)], mode))
+    c.write(_write_plan([0, 3], [-1]), out_cache_loc=_a(3, 4, 5), input_ids=_a(10, 11, 12), positions=_a(0, 1, 2))
+    fields = c.views.fields
+    assert fields[6].tolist() == fields[8].tolist() == [0, 0, 0, 0]  # never written
+    if mode != "none":
+        assert all(int(h) & 1 for h in fields[3:6, 3])  # every stored fold is odd
+    c.verify(_verify_plan(slots=[3, 4, 5, 6, 8], tokens=[10, 11, 12, 13, -1], positions=[0, 1, 2, 3, 0],
+                          prev=[-1, 3, 4, 5, 0]))
+    kv_bit = F.NONE if mode == "none" else F.REAL_KV
+    want = [(6, 3, F.CHAIN | F.POSITION | F.VERIFY_TOKEN | kv_bit)] + ([(8, 0, F.REAL_KV)] if mode != "none" else [])
+    assert [(v.slot, v.position, v.reasons) for v in c.drain()] == want
+
+
+def test_written_zero_kv_verifies_clean_and_then_catches_a_change():
+    """A slot written over all-zero KV bytes stores the fold 1: it verifies clean, and bytes stored later fire
+    REAL_KV, in both modes that read."""
+    for mode in ("partial", "all"):
+        kvbytes = np.zeros((16, 32), dtype=np.uint8)
+        _state, c = _canary(kv=real_kv([(kvbytes, 1, 32)], mode))
+        c.write(_write_plan([0, 2], [-1]), out_cache_loc=_a(2, 7), input_ids=_a(1, 2), positions=_a(0, 1))
+        assert c.views.fields[[2, 7], 3].tolist() == [1, 1]
+        vp = _verify_plan(slots=[2, 7], tokens=[1, 2], positions=[0, 1], prev=[-1, 2])
+        c.verify(vp)
+        assert c.drain().total == 0
+        kvbytes[7, 0] = 1
+        c.verify(vp)
+        assert [(v.slot, v.reasons) for v in c.drain()] == [(7, F.REAL_KV)]
+
+
 # Real-KV modes, by hand (hand cases of helpers/records_cases.py: records as a write over the clean KV bytes left
 # them, then a verify of slots 1..15 over bytes with some flipped; only REAL_KV can fire). Flips, as (source, slot,
 # byte of the token): (p, 5, 15), (p, 6, 16), (t, 9, 3), (t, 11, 40), (t, 12, 50); p reads 32 of 32 bytes per token
@@ -283,6 +327,21 @@ def test_real_kv_hand_cases_fail_reasons(name):
     ((kind, w0, w1, rows),) = run.launches
     assert (kind, w0, w1) == ("verify", 0, len(want))
     assert [(int(row[1]), F(int(row[7]))) for row in rows] == want
+
+
+@pytest.mark.parametrize("name", ["real_kv_zero_bytes_partial", "real_kv_zero_bytes_all"])
+def test_zero_kv_hand_cases_fail_reasons(name):
+    """The zero-KV hand cases (helpers/records_cases.py states the reasons): written slots over zero bytes store
+    1 and verify clean; never-written slots over zero bytes fail REAL_KV."""
+    case = next(c for c in cc.hand_cases() if c.name == name)
+    run = cc.run_case(case, "reference", lambda a: a.copy(), np.asarray)
+    (_, _, _, written), (_, _, _, clean), (_, _, _, hit) = run.launches
+    assert written.shape[0] == clean.shape[0] == 0
+    assert [(int(row[1]), F(int(row[7]))) for row in hit] == case.expect == [
+        (7, F.CHAIN | F.POSITION | F.VERIFY_TOKEN | F.REAL_KV), (11, F.REAL_KV), (9, F.REAL_KV)]
+    fields = run.canary_buffer[:, :32].copy().view(np.int64)
+    assert fields[[2, 5], 3].tolist() == [1, 1]  # written over zero bytes: the fold of zeros
+    assert fields[[7, 9, 11]].tolist() == [[0, 0, 0, 0]] * 3  # never written
 
 
 def test_partial_mode_reads_exactly_the_first_16_bytes():
