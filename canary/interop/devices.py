@@ -156,8 +156,6 @@ def _numba_device_id(obj: Any) -> int:
     device = getattr(context, "device", None)
     if device is not None and hasattr(device, "id"):
         return int(device.id)
-    from cuda.bindings import driver
+    from .adapter import pointer_device
 
-    ptr = obj.__cuda_array_interface__["data"][0]
-    err, ordinal = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
-    return int(ordinal) if err == driver.CUresult.CUDA_SUCCESS else 0
+    return pointer_device(obj.__cuda_array_interface__["data"][0], 0)
