@@ -134,10 +134,11 @@ def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
                         for s in raw_strides)
     if strides and min(strides) < 0:
         raise negative_strides(name, strides)
-    if ptr and not hasattr(obj, "__dlpack__"):
-        # The CUDA Array Interface names no device, and cuda.core takes the current one: an array on cuda:1
-        # viewed while cuda:0 is current would launch on the wrong device. Ask the driver where the memory is.
-        device_id = pointer_device(ptr, device_id)
+    numba_device = numba_device(obj)
+    if numba_device is not None:
+        # The CUDA Array Interface names no device, and the viewer falls back on the current one: a Numba array
+        # on cuda:1 viewed while cuda:0 is current would launch on the wrong device. Its allocation knows.
+        device_id = numba_device
     return ArrayView(
         name=name,
         ptr=ptr,
@@ -150,19 +151,12 @@ def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
     )
 
 
-def pointer_device(ptr: int, default: int) -> int:
-    """The ordinal of the device holding device memory at ``ptr`` (CUDA driver pointer attributes); ``default``
-    where the driver cannot say (memory it does not know, e.g. managed memory on some systems)."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:  # pragma: no cover - cuda-core (which viewed the array) depends on cuda.bindings
-        return default
-    try:
-        err, ordinal = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                                    ptr)
-    except Exception:  # noqa: BLE001 - no driver library: nothing better to say than the exporter's answer
-        return default
-    return int(ordinal) if err == driver.CUresult.CUDA_SUCCESS else default
+def numba_device(obj: Any) -> int | None:
+    """The device of a Numba device array's allocation (its context's device), or ``None`` for other objects."""
+    if not type(obj).__module__.startswith("numba"):
+        return None
+    device = getattr(getattr(getattr(obj, "gpu_data", None), "context", None), "device", None)
+    return int(device.id) if device is not None and hasattr(device, "id") else None
 
 
 def _declared_strides(obj: Any) -> tuple[int, ...] | None:

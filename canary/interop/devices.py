@@ -149,13 +149,10 @@ class on_device_of:  # noqa: N801 - used as a context manager, like the librarie
 
 
 def _numba_device_id(obj: Any) -> int:
-    """The ordinal of the device holding a Numba device array: its allocation's context, else the CUDA driver's
-    pointer attributes. (Numba's element assignment launches a kernel in the *current* context: the wrong
-    device would read another device's memory, an illegal address.)"""
-    context = getattr(getattr(obj, "gpu_data", None), "context", None)
-    device = getattr(context, "device", None)
-    if device is not None and hasattr(device, "id"):
-        return int(device.id)
-    from .adapter import pointer_device
+    """The ordinal of the device holding a Numba device array (its allocation's context). Numba's element
+    assignment launches a kernel in the *current* context: the wrong device would read another device's
+    memory, an illegal address."""
+    from .adapter import numba_device
 
-    return pointer_device(obj.__cuda_array_interface__["data"][0], 0)
+    device = numba_device(obj)
+    return 0 if device is None else device
