@@ -134,11 +134,11 @@ def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
                         for s in raw_strides)
     if strides and min(strides) < 0:
         raise negative_strides(name, strides)
-    numba_device = numba_device(obj)
-    if numba_device is not None:
+    allocated_on = numba_device(obj)
+    if allocated_on is not None:
         # The CUDA Array Interface names no device, and the viewer falls back on the current one: a Numba array
         # on cuda:1 viewed while cuda:0 is current would launch on the wrong device. Its allocation knows.
-        device_id = numba_device
+        device_id = allocated_on
     return ArrayView(
         name=name,
         ptr=ptr,
