@@ -75,7 +75,7 @@ class StaticArgs:
     write_req_capacity: int
     max_batch_size: int
     device_id: int  # -1 for host
-    # The outputs' byte ranges (adapter.Spans: addresses and names, no arrays): per-step inputs are checked
+    # The outputs' byte ranges (overlap.Spans: addresses and names, no arrays): per-step inputs are checked
     # against them when first seen.
     output_spans: Any = None
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .adapter import HOST, ArrayView, Spans, as_view, check_view, fast_device_view, identity
+from .adapter import HOST, ArrayView, as_view, check_view, fast_device_view, identity
+from .overlap import Spans
 from .streams import dlpack_stream, launch_stream
 
 

@@ -11,11 +11,10 @@ import numpy as np
 from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 from ..errors import PlanStatus, fail
-from ..interop.adapter import (
-    ArrayView, Spans, as_view, check_disjoint, check_same_device, check_view, spans,
-)
-from ..interop.hostcopy import part_to_host, to_host
+from ..interop.adapter import ArrayView, as_view, check_same_device, check_view
 from ..interop.callviews import CallViews
+from ..interop.hostcopy import part_to_host, to_host
+from ..interop.overlap import Spans, check_disjoint, spans
 from .plans import (
     INT64, VERIFY_ENTRY_FIELDS, VERIFY_SCALAR_FIELDS, WRITE_FIELDS, VerifyPlan, WritePlan, raise_for_status,
     view_verify_plan, view_write_plan,

@@ -18,7 +18,8 @@ import numpy as np
 from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
 from ..errors import fail
-from ..interop.adapter import HOST, ArrayView, Spans, as_view, check_same_device, check_view, spans
+from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check_view
+from ..interop.overlap import Spans, spans
 from ..interop.callviews import CallViews
 from ..plan.plans import VerifyPlan, WritePlan, view_verify_plan, view_write_plan
 from .realkv import RealKV

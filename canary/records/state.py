@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import fail
-from ..interop.adapter import HOST, ArrayView, Spans, as_view, check_disjoint, check_same_device, check_view, spans
+from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check_view
+from ..interop.overlap import Spans, check_disjoint, spans
 from ..interop.devices import allocator, on_device_of, zero_fill
 from ..interop.hostcopy import to_host
 from ..interop.memview import host_view

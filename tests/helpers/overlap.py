@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from canary.interop.adapter import as_view, span_bytes
+from canary.interop.adapter import as_view
+from canary.interop.overlap import span_bytes
 from canary.interop.memview import host_view
 
 XPS = ("numpy", "torch", "cupy")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers.plan_cases import make_case, make_plans, to_xp
 
-from canary import CanaryPlanner, CanaryRecords, CanaryState, VerifyPlan, WritePlan, real_kv
+from canary import CanaryPlanner, CanaryRecords, CanaryState, WritePlan, real_kv
 from canary.interop.adapter import as_view
 
 # --------------------------------------------------------------------------------------------------------------

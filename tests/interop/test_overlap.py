@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from canary.interop.adapter import ArrayView, Spans, check_disjoint, span_bytes, spans
+from canary.interop.adapter import ArrayView
+from canary.interop.overlap import Spans, check_disjoint, span_bytes, spans
 
 
 def fake(name: str, ptr: int, shape=(4,), strides=(1,), dtype=np.int64, device_id: int = 0) -> ArrayView:
