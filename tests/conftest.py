@@ -64,6 +64,7 @@ def pytest_runtest_makereport(item, call):
 
 NO_GPU = pytest.StashKey[int]()  # GPU tests deselected because no GPU is visible
 DESELECTED = pytest.StashKey[dict]()  # marker -> tests of it deselected by the -m expression
+DEFAULT_MARKEXPR = "not sim and not slow"  # pyproject.toml's addopts
 OPT_IN = {  # markers that pyproject.toml's addopts deselect, and how to run their tests
     "sim": "`pytest -m sim` runs them, needs .[sim]",
     "slow": "`pytest -m slow` runs them",
@@ -81,6 +82,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_deselected(items):
+    if not items or items[0].config.option.markexpr != DEFAULT_MARKEXPR:
+        return  # a -m or -k of the caller's own: what it left out is what it asked to leave out
     for item in items:
         marker = next((m for m in OPT_IN if item.get_closest_marker(m)), None)
         if marker and not item.get_closest_marker("gpu"):  # a GPU test is counted as one
