@@ -10,7 +10,8 @@ caught in the untouched regions too.
 Plan time is host wall time around ``planner.plan``. On the GPU backends the clock stops after a stream
 sync, so it is launch overhead plus device time plus the sync's latency (not the device time alone).
 
-``--canary`` also runs the canary end to end on every step (:mod:`canary.sim.replay_records`), and ``--inject
+``--canary`` also runs the canary end to end on every step (:mod:`canary.sim.replay_records`) and measures
+what the plans left unverified (:mod:`canary.sim.coverage`), and ``--inject
 KIND@STEP`` corrupts the simulated engine at a step (:mod:`canary.sim.faults`) to show that the canary detects it.
 """
 from __future__ import annotations

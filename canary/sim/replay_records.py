@@ -159,7 +159,7 @@ def table_rows(c: dict) -> list[tuple[str, ...]]:
         ("canary violations (unattributed)", f"{c['violations']} ({c['unattributed_violations']})"),
         ("canary time / step (us)", f"{t['p50']:.1f}", f"{t['p99']:.1f}", f"{t['max']:.1f}"),
         ("steps unverified / sampled", f"{c['unverified_steps']} / {c['sampled_steps']}"),
-        ("verified fraction of cached token-steps", f"{c['verified_fraction']:.4f}"),
+        ("verified fraction (token-steps)", f"{c['verified_fraction']:.4f}"),
         ("max staleness (steps)", str(c["max_staleness_steps"])),
     ]
 
