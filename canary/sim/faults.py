@@ -1,6 +1,6 @@
 """Fault injectors for the simulated engine (:mod:`canary.sim.engine`): the corruptions the canary must catch.
 
-Five kinds, each a hook on one step (``KIND@STEP`` on the command line):
+Six kinds, each a hook on one step (``KIND@STEP`` on the command line):
 
 | kind | when | what |
 | --- | --- | --- |
@@ -9,6 +9,11 @@ Five kinds, each a hook on one step (``KIND@STEP`` on the command line):
 | ``position`` | before the write | a running request's last new token is written with position + 1 |
 | ``token`` | before the write | a running request's last new token is written with token + 1 |
 | ``stale-row`` | after the write | ``req_to_token`` keeps a finished request's slot where a reused row got a new one |
+| ``zero-kv`` | after the write | a cached position of a running request is pointed to a slot no request ever wrote |
+
+``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the
+request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never
+handed out, taken out of the pool for good.
 
 A fault that cannot be applied at its step (no running request with a cached prefix, no reused row...) is
 applied at the first later step where it can. Each picks requests that no earlier fault touched, and positions
@@ -144,6 +149,31 @@ def _stale_row(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
     return False
 
 
+def _zero_kv(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    for i in _candidates(d, taken):
+        end = int(d.prefix[i] + d.extend[i])
+        lo = window_start(end, kv.window)
+        if end - lo < 4:
+            continue
+        pages = kv.sched.reserve_unused_pages()
+        if pages is None:
+            return False
+        full_page, swa_page = pages
+        row, q, ps = int(d.rows[i]), (lo + end) // 2, kv.page_size
+        right = kv.host_slot(row, q)
+        fresh = full_page * ps + q % ps  # the page offset a slot of position q has
+        if kv.lut is not None:
+            kv.lut[fresh] = swa_page * ps + q % ps
+        kv.r2t[row, q] = fresh
+        slot = kv.host_slot(row, q)
+        # Zero already (no request ever stored to it); zeroed anyway, so that the fault never rests on that.
+        kv.kv_token_bytes(slot)[:] = 0
+        kv.v[slot] = 0
+        _record(f, d, slot=slot, position=q, requests=(i,), slots=(slot, right))
+        return True
+    return False
+
+
 def _record(f: Fault, d: StepData, *, requests: tuple[int, ...], **facts) -> None:
     """Mark ``f`` applied at this step; ``requests`` are batch rows, recorded as trace request ids."""
     f.applied_step = d.step.index
@@ -160,6 +190,7 @@ KINDS: dict[str, tuple[str, Apply]] = {
     "position": (BEFORE_WRITE, _position),
     "token": (BEFORE_WRITE, _token),
     "stale-row": (AFTER_WRITE, _stale_row),
+    "zero-kv": (AFTER_WRITE, _zero_kv),
 }
 
 

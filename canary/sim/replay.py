@@ -10,7 +10,8 @@ caught in the untouched regions too.
 Plan time is host wall time around ``planner.plan``. On the GPU backends the clock stops after a stream
 sync, so it is launch overhead plus device time plus the sync's latency (not the device time alone).
 
-``--canary`` also runs the canary end to end on every step (:mod:`canary.sim.replay_records`), and ``--inject
+``--canary`` also runs the canary end to end on every step (:mod:`canary.sim.replay_records`) and measures
+what the plans left unverified (:mod:`canary.sim.coverage`), and ``--inject
 KIND@STEP`` corrupts the simulated engine at a step (:mod:`canary.sim.faults`) to show that the canary detects it.
 """
 from __future__ import annotations
@@ -102,8 +103,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="running requests per step (default 64)")
     p.add_argument("--kv-pool-tokens", type=_size, default=1 << 17, metavar="N",
                    help="full KV pool size in tokens, at least 2 pages (default 131072)")
-    p.add_argument("--verify-capacity", type=_count32, default=0, metavar="N",
+    p.add_argument("--verify-capacity", type=_count32, default=None, metavar="N",
                    help="verify entries per plan; 0 = 60%% of the KV pool, rounded down to 1024 (default)")
+    p.add_argument("--verify-budget", type=_count32, default=None, metavar="N",
+                   help="the same as --verify-capacity: verify entries per plan; a step asking more verifies "
+                   "nothing today, so it trades verify cost for staleness (see the canary's coverage rows)")
     p.add_argument("--chunk-size", type=_size, default=2048, metavar="N",
                    help="prefill tokens per request per step (default 2048)")
     p.add_argument("--token-budget", type=_count32, default=0, metavar="N",
@@ -134,6 +138,12 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         # Page 0 is reserved for the padding slot: a pool needs one more page to hold anything.
         p.error(f"argument --kv-pool-tokens: expected at least 2 pages of --page-size {args.page_size} "
                 f"({2 * args.page_size} tokens), got {args.kv_pool_tokens}")
+    cap, budget = args.verify_capacity, args.verify_budget
+    if cap is not None and budget is not None and cap != budget:
+        p.error(f"argument --verify-budget: expected the value of --verify-capacity ({cap}) when both are given, "
+                f"got {budget}")
+    # One value from here on: the budget is another name for the capacity.
+    args.verify_capacity = budget if budget is not None else cap or 0
 
 
 class _Arrays:

@@ -19,6 +19,7 @@ import numpy as np
 
 from canary import KernelTag, Violation
 
+from .coverage import Coverage
 from .engine import EngineKV, StepLog
 from .faults import Fault, Injector
 from .scheduler import Scheduler, Step
@@ -54,6 +55,7 @@ class CanaryReplay:
         self.unattributed_count = 0
         self.by_fault: list[list[tuple[int, Violation]]] = [[] for _ in self.faults]
         self.times_us: list[float] = []
+        self.coverage = Coverage(self.kv.r2t, self.kv.lut, self.kv.window)
 
     @property
     def pool(self) -> Any:
@@ -64,6 +66,7 @@ class CanaryReplay:
 
     def run(self, step: Step, plans, *, req_to_token: Any, lut: Any) -> StepLog:
         """Run the canary around ``step`` (planned into ``plans``; the plan done), then attribute violations."""
+        self.coverage.add(step, plans[0])  # before the faults' hooks edit req_to_token: what the plan read
         t0 = perf_counter_ns()
         log = self.kv.run(step, plans[0], plans[1], req_to_token=req_to_token, lut=lut,
                           before_write=self.injector.before_write, after_write=self.injector.after_write)
@@ -133,6 +136,7 @@ class CanaryReplay:
                        "write_launches": h.write_launches, "verify_launches": h.verify_launches},
             "time_us": {"p50": float(np.percentile(times, 50)), "p99": float(np.percentile(times, 99)),
                         "max": float(times.max())},
+            **self.coverage.summary(),
             "faults": faults,
             "failed": self.failed,
         }
@@ -154,6 +158,9 @@ def table_rows(c: dict) -> list[tuple[str, ...]]:
         ("canary entries verified / written", f"{h['verify_slots']} / {h['write_slots']}"),
         ("canary violations (unattributed)", f"{c['violations']} ({c['unattributed_violations']})"),
         ("canary time / step (us)", f"{t['p50']:.1f}", f"{t['p99']:.1f}", f"{t['max']:.1f}"),
+        ("steps unverified / sampled", f"{c['unverified_steps']} / {c['sampled_steps']}"),
+        ("verified fraction (token-steps)", f"{c['verified_fraction']:.4f}"),
+        ("max staleness (steps)", str(c["max_staleness_steps"])),
     ]
 
 

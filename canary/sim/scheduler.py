@@ -113,12 +113,24 @@ class _FreeList:
     def __init__(self, pages: np.ndarray):
         self._pages = pages.astype(np.int64)
         self.size = len(pages)
+        self.low = self.size  # the stack never went below this: pages [0, low) were never handed out
 
     def pop(self, k: int) -> np.ndarray:
         if k > self.size:  # admission reserves pages, so this is a scheduler bug, not a full pool
             raise RuntimeError(f"kv-canary: scheduler: page pool exhausted ({k} needed, {self.size} free)")
         self.size -= k
+        self.low = min(self.low, self.size)
         return self._pages[self.size : self.size + k].copy()
+
+    def take_unused(self) -> int | None:
+        """Remove and return a page that was never handed out (``None``: every free page has been used)."""
+        if self.low == 0:
+            return None
+        page = int(self._pages[0])
+        self._pages[: self.size - 1] = self._pages[1 : self.size]
+        self.size -= 1
+        self.low -= 1
+        return page
 
     def push(self, pages: np.ndarray) -> None:
         self._pages[self.size : self.size + len(pages)] = pages
@@ -207,6 +219,21 @@ class Scheduler:
         self.next_request = 0
         self.reserved_pages = 0
         self.num_finished = 0
+
+    def reserve_unused_pages(self) -> tuple[int, int | None] | None:
+        """Take out of the pools for good a full page (and an SWA page in SWA mode) that no request ever held:
+        the never-written block of a ``zero-kv`` fault. ``None`` when there is none (or no page to spare).
+
+        The full page counts as reserved, so that admission never promises it to a request. The SWA pool is
+        sized for the worst case of a full batch, which leaves it a page to spare.
+        """
+        if self.reserved_pages + 1 > self.num_pages - 1 or self.free_pages.low == 0:
+            return None
+        if self.swa_window and self.swa_free.low == 0:
+            return None
+        self.reserved_pages += 1
+        full = self.free_pages.take_unused()
+        return full, (self.swa_free.take_unused() if self.swa_window else None)
 
     @property
     def done(self) -> bool:

@@ -2,6 +2,7 @@
 argparse's ``argument --OPTION: ...`` message naming the option and the constraint."""
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -22,7 +23,7 @@ def refused(capsys, *argv: str) -> str:
 
 
 SIZES = ["--max-batch-size", "--kv-pool-tokens", "--chunk-size", "--page-size"]  # >= 1, int32
-ZERO_MEANS_DEFAULT = ["--verify-capacity", "--token-budget", "--swa-window"]  # >= 0, int32
+ZERO_MEANS_DEFAULT = ["--verify-capacity", "--verify-budget", "--token-budget", "--swa-window"]  # >= 0, int32
 COUNTS = ["--max-requests", "--seed", "--check-every"]  # >= 0, no upper bound
 
 
@@ -106,6 +107,17 @@ def test_json_directory_must_be_writable(capsys, tmp_path):
         assert "is not writable" in refused(capsys, "--json", str(folder / "x.json"))
     finally:
         folder.chmod(0o755)
+
+
+def test_verify_budget_and_capacity_must_agree(capsys, tmp_path):
+    msg = refused(capsys, "--verify-capacity", "4096", "--verify-budget", "2048")
+    assert msg.endswith("argument --verify-budget: expected the value of --verify-capacity (4096) when both are "
+                        "given, got 2048"), msg
+    out = tmp_path / "s.json"
+    for argv in (["--verify-budget", "2048"], ["--verify-budget", "2048", "--verify-capacity", "2048"]):
+        assert cli.main(["replay", "--max-requests", "3", *argv, "--json", str(out)]) == 0
+        assert json.loads(out.read_text())["verify_capacity"] == 2048
+    capsys.readouterr()
 
 
 def test_zero_keeps_meaning_default_or_none(capsys, tmp_path):

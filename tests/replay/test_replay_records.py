@@ -102,6 +102,8 @@ EXPECTED = {
     "position": (["write"], {"WRITE_POSITION"}, 0, {"POSITION"}),
     "token": (["write"], {"WRITE_TOKEN"}, 0, {"VERIFY_TOKEN"}),
     "stale-row": (["verify"], {"CHAIN"}, 1, {"CHAIN"}),
+    # An all-zero record and all-zero KV: the real-KV fold of zero bytes is never the unwritten 0.
+    "zero-kv": (["verify"], {"REAL_KV", "CHAIN", "POSITION"}, 1, {"REAL_KV"}),
 }
 
 
@@ -118,6 +120,8 @@ def test_each_fault_is_detected(tmp_path, capsys, kind):
     assert set(kernels) <= set(f["kernels"]) and reasons <= set(f["reasons"]) and later <= set(f["all_reasons"])
     if kind in ("kv-flip", "position", "token"):  # one precise bit: nothing else fails
         assert f["kernels"] == kernels and set(f["reasons"]) == reasons
+    if kind == "zero-kv":  # a mid-window position: no write chains from the zero slot
+        assert f["kernels"] == kernels
     assert f["slot"] > 0 and f["position"] >= 0 and f["requests"] and f["violations"] >= 1
     assert c["violations"] == f["violations"] and c["unattributed_violations"] == 0  # all attributed to it
     assert "kv-canary replay: injected faults" in text and f"FAULT {kind}@20: slot {f['slot']}" in text
@@ -172,7 +176,7 @@ def test_bad_inject_values(capsys, value):
         cli.main(["replay", "--inject", value])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --inject: expected KIND@STEP with KIND one of kv-flip, overwrite, position, token, stale-row" in err
+    assert "argument --inject: expected KIND@STEP with KIND one of kv-flip, overwrite, position, token, stale-row, zero-kv" in err
     assert f"got {value!r}" in err
 
 
