@@ -5,7 +5,8 @@ and the replay application (``canary.sim``) is imported only by the ``kv-canary`
 
 Planning (SPEC 3, ``canary.plan``): :class:`CanaryPlanner`, :func:`launch_canary_plan_kernels`,
 :class:`VerifyPlan`, :class:`WritePlan`, :data:`SKIP_SEED` (a write seed meaning "skip this padding row's
-tokens"). The canary records (SPEC 4, ``docs/records.md``, ``canary.records``):
+tokens"), :data:`MISSING_SLOT` (a verify slot meaning "this in-window position's SWA mapping was cleared").
+The canary records (SPEC 4, ``docs/records.md``, ``canary.records``):
 :class:`CanaryState`, :class:`CanaryRecords` (write / verify / drain), :func:`real_kv` / :func:`real_kv_source`
 (real KV bytes to hash), :func:`scatter_expected_tokens`, the decoded ring records (:class:`Violation`,
 :class:`FailReason`) and the hashes (:func:`splitmix64`, :func:`mix3`). :func:`to_host` copies any array to
@@ -15,7 +16,7 @@ from .backends.args import LaunchConfig
 from .errors import BackendUnavailableError, CanaryInputError, PlanStatus
 from .interop.hostcopy import to_host
 from .plan.planner import CanaryPlanner, launch_canary_plan_kernels
-from .plan.plans import SKIP_SEED, VerifyPlan, WritePlan
+from .plan.plans import MISSING_SLOT, SKIP_SEED, VerifyPlan, WritePlan
 from .records.api import CanaryRecords, scatter_expected_tokens
 from .records.hashes import mix3, splitmix64
 from .records.realkv import RealKV, RealKVMode, real_kv, real_kv_source
@@ -36,6 +37,7 @@ __all__ = [
     "Health",
     "KernelTag",
     "LaunchConfig",
+    "MISSING_SLOT",
     "PlanStatus",
     "RealKV",
     "RealKVMode",

@@ -18,6 +18,9 @@
 // Seed of a padding row whose tokens sit among the step's tokens (padding_rows_carry_tokens): the canary write
 // skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
 #define CANARY_SKIP_SEED (-0x7fffffffffffffffLL - 1)
+// Verify slot of an entry whose real slot (> 0) maps to 0: an SWA page freed inside the window, which verify
+// must report, not skip as padding (canary/plan/plans.py MISSING_SLOT). -2^62: no int32 req_to_token value.
+#define CANARY_MISSING_SLOT (-0x4000000000000000LL)
 // The per-row lengths cannot be trusted: no verify entry is written.
 #define CANARY_NO_ENTRIES \
     (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN | CANARY_BAD_EXTEND_LEN)
@@ -312,7 +315,9 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, Row
             i64 prev = -1;
             if (inside) prev = left;
             else if (pos[k] > 0) prev = translate<HAS_LUT>((i64)p.req_to_token[idx[k] - 1], p.lut, p.lut_len, bad);
-            p.slots[i] = slot[k];
+            // The sentinel only in the stored slot: the lane to the right took slot[k] as its predecessor,
+            // which keeps the plain translation (an evicted predecessor skips the chain check).
+            p.slots[i] = (HAS_LUT && raw[k] > 0 && slot[k] == 0) ? CANARY_MISSING_SLOT : slot[k];
             p.prevs[i] = prev;
             p.positions[i] = pos[k];
             p.expected[i] = HAS_POOL ? tok[k] : -1;

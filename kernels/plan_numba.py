@@ -64,6 +64,9 @@ CANARY_BAD_EXTEND_LEN = 32
 # Seed of a padding row whose tokens sit among the step's tokens (padding_rows_carry_tokens): the canary write
 # skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
 CANARY_SKIP_SEED = -(1 << 63)
+# Verify slot of an entry whose real slot (> 0) maps to 0: an SWA page freed inside the window, which verify
+# must report, not skip as padding (canary/plan/plans.py MISSING_SLOT). -2^62: no int32 req_to_token value.
+CANARY_MISSING_SLOT = -(1 << 62)
 # The per-row lengths cannot be trusted: no verify entry is written.
 CANARY_NO_ENTRIES = CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN | CANARY_BAD_EXTEND_LEN
 
@@ -422,6 +425,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                     slot, b1 = translate(raw[k], lut, lut_len)
                     prev, b2 = translate(praw[k], lut, lut_len)  # -1 (no predecessor) passes through
                     bad |= b1 | b2
+                    if HAS_LUT and raw[k] > 0 and slot == 0:
+                        slot = int64(CANARY_MISSING_SLOT)  # the predecessor (prev) keeps its plain translation
                     slots[i] = slot
                     prevs[i] = prev
                     positions[i] = pos[k]

@@ -24,6 +24,7 @@ typedef unsigned long long u64;
 #define FAIL_WRITE_POSITION 16
 #define FAIL_VERIFY_TOKEN 32
 #define FAIL_SLOT_RANGE 64
+#define FAIL_MISSING 128
 
 #define CHECK_WRITE_POSITION_CHAIN 1
 #define CHECK_VERIFY_TOKEN 2
@@ -32,6 +33,9 @@ typedef unsigned long long u64;
 // A request whose seed is INT64_MIN writes nothing: a padding row whose tokens sit among the step's tokens
 // (planner bound with padding_rows_carry_tokens; canary/plan/plans.py SKIP_SEED). Its slots may be stale.
 #define SKIP_SEED (-0x7fffffffffffffffLL - 1)
+// A verify slot of -2^62 is a position the window needs whose SWA mapping was cleared (canary/plan/plans.py
+// MISSING_SLOT): reported FAIL_MISSING, nothing read.
+#define MISSING_SLOT (-0x4000000000000000LL)
 
 // Where violations and health go; shared by write and verify. Fixed at bind except `tag`.
 struct StateParams {
@@ -277,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const
         const u64 ep = (u64)p.verify_expected_positions[i];
         const u64 et = (u64)p.verify_expected_tokens[i];
         if (slot < 0 || slot >= st.num_slots) {
-            append_row(st, (u64)slot, ep, 0, et, 0, 0, FAIL_SLOT_RANGE);
+            append_row(st, (u64)slot, ep, 0, et, 0, 0, slot == MISSING_SLOT ? FAIL_MISSING : FAIL_SLOT_RANGE);
             continue;
         }
         const i64 prev = p.verify_prev_slot_indices[i];

@@ -40,6 +40,7 @@ FAIL_WRITE_TOKEN = 8
 FAIL_WRITE_POSITION = 16
 FAIL_VERIFY_TOKEN = 32
 FAIL_SLOT_RANGE = 64
+FAIL_MISSING = 128
 
 CHECK_WRITE_POSITION_CHAIN = 1
 CHECK_VERIFY_TOKEN = 2
@@ -47,6 +48,9 @@ CHECK_VERIFY_TOKEN = 2
 # A request whose seed is INT64_MIN writes nothing: a padding row whose tokens sit among the step's tokens
 # (planner bound with padding_rows_carry_tokens; canary/plan/plans.py SKIP_SEED). Its slots may be stale.
 SKIP_SEED = np.int64(-(1 << 63))
+# A verify slot of -2^62 is a position the window needs whose SWA mapping was cleared (canary/plan/plans.py
+# MISSING_SLOT): reported FAIL_MISSING, nothing read.
+MISSING_SLOT = -(1 << 62)
 
 # u64 constants: a Python int literal would make Numba mix int64 into u64 arithmetic (float64 promotion).
 ANCHOR_LINK = np.uint64(0xDE7FAE23A9A1B716)  # splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890)
@@ -315,8 +319,9 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                 ep = uint64(verify_expected_positions[i])
                 et = uint64(verify_expected_tokens[i])
                 if slot < 0 or slot >= num_slots:
+                    reason = FAIL_MISSING if slot == MISSING_SLOT else FAIL_SLOT_RANGE
                     append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), ep, U0, et,
-                               U0, U0, uint64(FAIL_SLOT_RANGE))
+                               U0, U0, uint64(reason))
                 else:
                     prev = verify_prev_slot_indices[i]
                     at = slot * slot_stride_words

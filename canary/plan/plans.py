@@ -22,6 +22,10 @@ WRITE_FIELDS = ("write_offsets", "write_seed_slot_indices", "write_num_valid_req
 # padding_rows_carry_tokens=True, SPEC 3.2): the canary write skips the row's entries. INT64_MIN, because every
 # other negative seed already means "chain from the anchor" and can come from req_to_token (int32) itself.
 SKIP_SEED = -(1 << 63)
+# verify_slot_indices of an entry whose raw slot is a real one (> 0) but whose full-to-SWA mapping is 0: the SWA
+# page of a position the window still needs was freed (SPEC 3.2). Verify reports it (FailReason.MISSING) instead
+# of skipping it as padding. -2**62: req_to_token is int32, and a LUT would have to hold this very value.
+MISSING_SLOT = -(1 << 62)
 
 
 def _capacity(name: str, value: Any) -> int:

@@ -56,7 +56,7 @@ _U32 = 1 << 32
 
 
 class FailReason(enum.IntFlag):
-    """Fail-reason bits of a ring row (SPEC 4; ``SLOT_RANGE`` is this project's addition)."""
+    """Fail-reason bits of a ring row (SPEC 4; ``SLOT_RANGE`` and ``MISSING`` are this project's additions)."""
 
     NONE = 0
     CHAIN = 1  # verify: stored prev_hash != link(prev_slot)
@@ -66,10 +66,14 @@ class FailReason(enum.IntFlag):
     WRITE_POSITION = 16  # write: positions[i] != expected_positions[i], or != previous + 1 (chain-position check)
     VERIFY_TOKEN = 32  # verify: stored token != the plan's expected token (when that is not -1, check on)
     SLOT_RANGE = 64  # a slot (or verify's prev_slot) outside the canary buffer: nothing read or written there
+    MISSING = 128  # verify: the plan's slot is MISSING_SLOT, an in-window position whose SWA mapping was cleared
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(b.name for b in FailReason if b and b in self)
+
+
+_ALL_REASONS = sum(int(b) for b in FailReason)  # a corrupt row's unknown bits are dropped, not raised on
 
 
 class KernelTag(enum.IntEnum):
@@ -223,7 +227,7 @@ def decode_row(row: np.ndarray) -> Violation:
         expected_token=int(row[COL_EXPECTED_TOKEN]),
         stored_chain_hash=int(row[COL_STORED_HASH]),
         expected_aux=int(row[COL_EXPECTED_AUX]),
-        reasons=FailReason(int(row[COL_REASONS]) & 0x7F),
+        reasons=FailReason(int(row[COL_REASONS]) & _ALL_REASONS),
     )
 
 

@@ -1,6 +1,6 @@
 """Fault injectors for the simulated engine (:mod:`canary.sim.engine`): the corruptions the canary must catch.
 
-Six kinds, each a hook on one step (``KIND@STEP`` on the command line):
+Seven kinds, each a hook on one step (``KIND@STEP`` on the command line):
 
 | kind | when | what |
 | --- | --- | --- |
@@ -10,10 +10,14 @@ Six kinds, each a hook on one step (``KIND@STEP`` on the command line):
 | ``token`` | before the write | a running request's last new token is written with token + 1 |
 | ``stale-row`` | after the write | ``req_to_token`` keeps a finished request's slot where a reused row got a new one |
 | ``zero-kv`` | after the write | a cached position of a running request is pointed to a slot no request ever wrote |
+| ``swa-evict`` | after the write | the LUT entry of a running request's cached position inside its window is cleared |
 
 ``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the
 request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never
-handed out, taken out of the pool for good.
+handed out, taken out of the pool for good. ``swa-evict`` is an SWA page freed while the window still needs it:
+the plan gives that position ``MISSING_SLOT`` and verify reports ``MISSING``. It needs a sliding window
+(``--swa-window``): without one there is no LUT to clear, and the fault is never applied (``not applied (needs
+--swa-window)``), which fails the run like any fault never applied.
 
 A fault that cannot be applied at its step (no running request with a cached prefix, no reused row...) is
 applied at the first later step where it can. Each picks requests that no earlier fault touched, and positions
@@ -46,6 +50,7 @@ class Fault:
     expected_token: int = -1  # the true token at ``position`` (overwrite, token)
     requests: tuple[int, ...] = ()  # trace ids of the requests involved
     slots: tuple[int, ...] = ()  # every slot the fault made wrong (``slot`` first)
+    needs: str = ""  # set when the replay lacks what the kind needs (it can then never be applied)
 
     @property
     def applied(self) -> bool:
@@ -53,7 +58,7 @@ class Fault:
 
     def describe(self) -> str:
         if not self.applied:
-            return "not applied"
+            return f"not applied (needs {self.needs})" if self.needs else "not applied"
         parts = [f"slot {self.slot} pos {self.position}"]
         if self.written_position not in (-1, self.position):
             parts.append(f"written as pos {self.written_position}")
@@ -174,6 +179,26 @@ def _zero_kv(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
     return False
 
 
+def _swa_evict(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    if kv.lut is None:
+        f.needs = "--swa-window"
+        return False
+    for i in _candidates(d, taken):
+        end = int(d.prefix[i] + d.extend[i])
+        lo = window_start(end, kv.window)
+        if end - lo < 4:  # mid-window, so that the write seed (end - 1) keeps its slot
+            continue
+        row, q = int(d.rows[i]), (lo + end) // 2
+        raw = int(kv.r2t[row, q])
+        slot = int(kv.lut[raw]) if raw > 0 else 0
+        if slot == 0:
+            continue
+        kv.lut[raw] = 0  # the SWA slot is freed; the full slot and the request's row still name the position
+        _record(f, d, slot=slot, position=q, requests=(i,), slots=(slot,))
+        return True
+    return False
+
+
 def _record(f: Fault, d: StepData, *, requests: tuple[int, ...], **facts) -> None:
     """Mark ``f`` applied at this step; ``requests`` are batch rows, recorded as trace request ids."""
     f.applied_step = d.step.index
@@ -191,6 +216,7 @@ KINDS: dict[str, tuple[str, Apply]] = {
     "token": (BEFORE_WRITE, _token),
     "stale-row": (AFTER_WRITE, _stale_row),
     "zero-kv": (AFTER_WRITE, _zero_kv),
+    "swa-evict": (AFTER_WRITE, _swa_evict),
 }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from canary import KernelTag, Violation
+from canary import MISSING_SLOT, KernelTag, Violation
 
 from .coverage import Coverage
 from .engine import EngineKV, StepLog
@@ -27,19 +27,24 @@ from .scheduler import Scheduler, Step
 MAX_SHOWN_VIOLATIONS = 5
 
 
-def violation_requests(violations: list[Violation], step: Step, r2t: np.ndarray, lut: np.ndarray | None
-                       ) -> np.ndarray:
-    """Trace request id of each violation (-1: in no active request), vectorized over violations x rows."""
+def violation_requests(violations: list[Violation], step: Step, r2t: np.ndarray, lut: np.ndarray | None,
+                       window: int = 0) -> np.ndarray:
+    """Trace request id of each violation (-1: in no active request), vectorized over violations x rows.
+    ``window``: the sliding window, which tells a MISSING row's request from those whose position was evicted."""
     n = step.num_active
     if not violations or not n:
         return np.full(len(violations), -1, dtype=np.int64)
     slot = np.array([v.slot for v in violations], dtype=np.int64)
     pos = np.array([v.position for v in violations], dtype=np.int64)
     inside = (pos >= 0) & (pos < r2t.shape[1])
-    cand = r2t[step.req_pool_indices[:n][None, :], np.clip(pos, 0, r2t.shape[1] - 1)[:, None]].astype(np.int64)
-    if lut is not None:
-        cand = lut[cand]
-    match = (cand == slot[:, None]) & inside[:, None]
+    raw = r2t[step.req_pool_indices[:n][None, :], np.clip(pos, 0, r2t.shape[1] - 1)[:, None]].astype(np.int64)
+    cand = raw if lut is None else lut[raw]
+    # A MISSING row names no slot: its request is one whose real slot at that position maps to nothing although
+    # its verify window holds the position (elsewhere a 0 mapping is a legitimate eviction).
+    prefix = step.prefix_lens[:n][None, :]
+    needed = (pos[:, None] < prefix) & (pos[:, None] >= (np.maximum(prefix - window, 0) if window else 0))
+    missing = (slot == MISSING_SLOT)[:, None]
+    match = np.where(missing, (raw > 0) & (cand == 0) & needed, cand == slot[:, None]) & inside[:, None]
     return np.where(match.any(axis=1), step.request_ids[match.argmax(axis=1)], -1)
 
 
@@ -75,7 +80,7 @@ class CanaryReplay:
         self.total += rep.total
         self.dropped += rep.dropped
         found = list(rep.violations)
-        owners = violation_requests(found, step, self.kv.r2t, self.kv.lut)
+        owners = violation_requests(found, step, self.kv.r2t, self.kv.lut, self.kv.window)
         for v, req in zip(found, owners.tolist()):
             k = self._fault_of(v, req, step.index)
             if k is None:

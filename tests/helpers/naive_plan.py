@@ -9,6 +9,7 @@ import numpy as np
 
 OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN = 1, 2, 4, 8, 16, 32
 SKIP_SEED = -(1 << 63)
+MISSING_SLOT = -(1 << 62)
 
 
 def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -22,7 +23,9 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     - BAD_SLOT is raised only by values actually read: slots and predecessors of written entries, and seeds;
     - ``verify_num_valid = min(total, C)`` whatever the status;
     - with ``case.padding_rows_carry_tokens``, a padding row with ``E > 0`` counts ``E`` write entries and gets
-      the seed SKIP_SEED, unless ``E > max_seq_len`` (flagged BAD_EXTEND_LEN, wlen 0, seed -1): SPEC 3.2, 3.4.
+      the seed SKIP_SEED, unless ``E > max_seq_len`` (flagged BAD_EXTEND_LEN, wlen 0, seed -1): SPEC 3.2, 3.4;
+    - an entry whose raw slot is > 0 and translates to 0 (an SWA page freed inside the window) gets the slot
+      MISSING_SLOT; its successor's prev and the seeds keep the 0 (SPEC 3.2).
     """
     out = {k: np.array(v, copy=True) for k, v in outputs.items()}
     r2t = case.req_to_token
@@ -93,7 +96,10 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if total <= C and not status & (BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_VALID_LEN | BAD_EXTEND_LEN):
         for i, (r, p) in enumerate(entries):
             rp = int(case.req_pool_indices[r])
-            slot = T(read_slot(rp, p))
+            raw = read_slot(rp, p)
+            slot = T(raw)
+            if raw > 0 and slot == 0:
+                slot = MISSING_SLOT
             prev = T(read_slot(rp, p - 1)) if p > 0 else -1
             expected = -1
             if pool is not None:

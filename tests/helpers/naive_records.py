@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 M64 = 0xFFFF_FFFF_FFFF_FFFF
 ANCHOR = 0xC0FFEE1234567890
 SKIP_SEED = -(1 << 63)  # a request seeded so writes nothing (a padding row's tokens)
+MISSING_SLOT = -(1 << 62)  # a verify slot: an in-window position whose SWA mapping was cleared
 
 
 def s64(x: int) -> int:
@@ -152,6 +153,9 @@ def verify(st: NaiveState, *, slots, exp_tokens, exp_positions, prev_slots, num_
             continue
         st.slot_runs[1] += 1
         ep, et, prev = exp_positions[i], exp_tokens[i], prev_slots[i]
+        if slot == MISSING_SLOT:  # reported, never read
+            st.append([tag, slot, ep, 0, et, 0, 0, 128])
+            continue
         if not 0 < slot < num_slots:
             st.append([tag, slot, ep, 0, et, 0, 0, 64])
             continue

@@ -214,6 +214,13 @@ def _with(a: np.ndarray, updates: dict[tuple[int, int], int]) -> np.ndarray:
     return out
 
 
+def _lut_without(*freed: int) -> np.ndarray:
+    """:func:`std_lut` with the mappings of the raw slots ``freed`` cleared (their SWA pages freed)."""
+    lut = std_lut()
+    lut[list(freed)] = 0
+    return lut
+
+
 def make_case(
     name: str,
     rows: Sequence[tuple],
@@ -313,6 +320,24 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("lut_without_swa", [(1, 3, 1), (2, 2, 2)], lut=True, notes="W=0 with a LUT: still translated"))
     add(make_case("lut_big_values", [(1, 3, 1)], lut=std_lut(base=(1 << 40) + 7), W=2,
                   notes="translated slots above 2^31"))
+
+    # ---- SWA mappings cleared (an SWA page freed): MISSING_SLOT for a position the window needs (SPEC 3.2)
+    lut_freed = _lut_without(103, 105, 203)  # rp 1: p=2 (outside a window of 3 at P=6) and p=4; rp 2: p=2
+    add(make_case("swa_missing_in_window", [(1, 6, 1), (2, 4, 1)], lut=lut_freed, W=3,
+                  notes="rp 1 p=4: MISSING_SLOT, p=5's prev stays 0 and the window head's prev T(r2t[1,2]) = 0 "
+                        "(outside: not reported); rp 2 p=2: MISSING_SLOT"))
+    add(make_case("swa_missing_just_outside", [(1, 5, 1)], lut=_lut_without(102), W=3,
+                  notes="window [2,5): r2t[1,1] maps to 0, read only as the window head's prev: unchanged"))
+    add(make_case("swa_missing_seed", [(1, 6, 2), (3, 2, 1)], lut=_lut_without(106, 301), W=3,
+                  notes="the last window entry is MISSING_SLOT, the seed T(r2t[1,5]) stays 0; rp 3 p=0 too"))
+    add(make_case("swa_missing_raw_zero", [(1, 6, 1), (0, 3, 1)], r2t=_with(std_r2t(), {(1, 4): 0}),
+                  lut=_lut_without(0), W=3, notes="a raw 0 is padding, not a cleared mapping: slot 0"))
+    add(make_case("swa_missing_lut_without_swa", [(1, 3, 1)], lut=_lut_without(102), notes="W = 0 with a LUT: "
+                  "every position is needed, p=1 is MISSING_SLOT"))
+    add(make_case("swa_missing_no_lut", [(1, 4, 1)], r2t=_with(std_r2t(), {(1, 2): 0, (1, 3): 0}),
+                  notes="no LUT: nothing maps to 0 but a raw 0, which stays padding"))
+    add(make_case("swa_missing_overflow", [(1, 6, 1)], lut=lut_freed, W=3, C=2, expect_status=OVERFLOW,
+                  notes="entries not written, nothing else changes"))
 
     # ---- capacity boundaries
     rows = [(1, 3, 1), (2, 2, 1)]  # total 5

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from canary import VerifyPlan, WritePlan
+from canary import MISSING_SLOT, VerifyPlan, WritePlan
 from canary.records.realkv import RealKVMode, real_kv
 from canary.records.ring import RING_ROW_WORDS, CheckFlags, FailReason
 from canary.records.state import CanaryState
@@ -309,6 +309,15 @@ def hand_cases() -> list[CanaryCase]:
         write_launch([0, 3], [-1], _a(1, 2, 3), _a(10, 11, 12), _a(0, 1, 2)),
         verify_launch(_a(1, 2, 3, 0, 2, 3, 3, 1, 2), _a(10, 11, -1, 5, 99, 12, 12, 10, 11),
                       _a(0, 1, 2, 9, 1, 2, 7, 0, 1), _a(-1, 1, 2, 4, 1, 0, 2, 5, S), tag=5)])
+    # An in-window position whose SWA mapping was cleared (MISSING_SLOT, SPEC 3.2) among clean entries: processed,
+    # nothing read, one row each, [tag, MISSING_SLOT, expected position, 0, expected token, 0, 0, MISSING]. Slot 3's
+    # predecessor is the evicted position (prev 0: chain not checked); entry 3 is padding; entry 6 lies past
+    # num_valid. Rows, in entry order: (MISSING_SLOT, pos 1, token 11), (MISSING_SLOT, pos 5, token -1).
+    add("verify_missing_slot", [
+        write_launch([0, 4], [-1], _a(1, 2, 3, 4), _a(10, 11, 12, 13), _a(0, 1, 2, 3)),
+        verify_launch(_a(1, MISSING_SLOT, 3, 0, 4, MISSING_SLOT, MISSING_SLOT), _a(10, 11, 12, 5, 13, -1, 99),
+                      _a(0, 1, 2, 9, 3, 5, 6), _a(-1, 1, 0, 4, 3, 0, 0), num_valid=6, tag=3)],
+        expect=[(MISSING_SLOT, F.MISSING), (MISSING_SLOT, F.MISSING)])
     add("verify_token_check_off", [write_launch([0, 2], [-1], _a(1, 2), _a(10, 11), _a(0, 1)),
                                    verify_launch(_a(1, 2), _a(99, 98), _a(0, 1), _a(-1, 1))],
         check_flags=int(CheckFlags.WRITE_POSITION_CHAIN))

@@ -18,7 +18,7 @@ def _rows(k: int, start: int = 0) -> np.ndarray:
 
 def test_enum_values_follow_the_spec():
     assert [int(FailReason[n]) for n in ("CHAIN", "POSITION", "REAL_KV", "WRITE_TOKEN", "WRITE_POSITION",
-                                          "VERIFY_TOKEN", "SLOT_RANGE")] == [1, 2, 4, 8, 16, 32, 64]
+                                          "VERIFY_TOKEN", "SLOT_RANGE", "MISSING")] == [1, 2, 4, 8, 16, 32, 64, 128]
     assert (int(KernelTag.WRITE), int(KernelTag.VERIFY)) == (1, 2)
     assert (KernelTag.WRITE.counter_index, KernelTag.VERIFY.counter_index) == (0, 1)
     assert RING_FIELDS == ("tag", "slot", "position", "stored_token", "expected_token", "stored_chain_hash",
@@ -148,6 +148,16 @@ def test_decode_rows():
     assert odd.kernel == 99 and odd.reasons == FailReason.NONE
     assert str(w) == "write[5] slot 17 pos 4: WRITE_TOKEN|WRITE_POSITION, token 100, expected token 101, expected pos 3"
     assert str(v).startswith("verify slot 9 pos 2: CHAIN, token 7, prev_hash 0x000000000000000b")
+
+
+def test_decode_keeps_missing_and_drops_unknown_bits():
+    """Bit 128 (MISSING) survives decoding (it used to be masked off with 0x7F); bits above it are no reason."""
+    from canary import MISSING_SLOT
+
+    row = np.array([encode_tag(KernelTag.VERIFY, 2), MISSING_SLOT, 6, 0, 41, 0, 0, 128 | 256 | 1], np.int64)
+    (v,) = decode(row[None, :], 1).violations
+    assert v.reasons == FailReason.MISSING | FailReason.CHAIN and v.slot == MISSING_SLOT and v.position == 6
+    assert str(v).startswith(f"verify[2] slot {MISSING_SLOT} pos 6: CHAIN|MISSING, token 0, expected token 41")
 
 
 def test_encode_tag_validation():

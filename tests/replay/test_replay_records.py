@@ -104,12 +104,16 @@ EXPECTED = {
     "stale-row": (["verify"], {"CHAIN"}, 1, {"CHAIN"}),
     # An all-zero record and all-zero KV: the real-KV fold of zero bytes is never the unwritten 0.
     "zero-kv": (["verify"], {"REAL_KV", "CHAIN", "POSITION"}, 1, {"REAL_KV"}),
+    # The plan gives the position MISSING_SLOT: nothing is read, its successor's chain check is skipped.
+    "swa-evict": (["verify"], {"MISSING"}, 1, {"MISSING"}),
 }
+SWA_ONLY = {"swa-evict"}  # kinds that need --swa-window
+SWA = ["--swa-window", "256"]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_each_fault_is_detected(tmp_path, capsys, kind):
-    rc, s = _replay(tmp_path, "--inject", f"{kind}@20")
+    rc, s = _replay(tmp_path, "--inject", f"{kind}@20", *(SWA if kind in SWA_ONLY else []))
     text = capsys.readouterr().out
     assert rc == 0, text
     c = s["canary"]
@@ -118,7 +122,7 @@ def test_each_fault_is_detected(tmp_path, capsys, kind):
     assert f["kind"] == kind and f["requested_step"] == 20 and f["applied_step"] >= 20 and f["detected"]
     assert f["first_violation_step"] == f["applied_step"] + delay == f["applied_step"] + f["steps_to_detection"]
     assert set(kernels) <= set(f["kernels"]) and reasons <= set(f["reasons"]) and later <= set(f["all_reasons"])
-    if kind in ("kv-flip", "position", "token"):  # one precise bit: nothing else fails
+    if kind in ("kv-flip", "position", "token", "swa-evict"):  # one precise bit: nothing else fails
         assert f["kernels"] == kernels and set(f["reasons"]) == reasons
     if kind == "zero-kv":  # a mid-window position: no write chains from the zero slot
         assert f["kernels"] == kernels
@@ -128,15 +132,33 @@ def test_each_fault_is_detected(tmp_path, capsys, kind):
 
 
 def test_all_faults_at_once_and_in_a_sliding_window(tmp_path):
-    args = [a for k in KINDS for a in ("--inject", f"{k}@30")]
-    for extra in ([], ["--swa-window", "256"]):
+    for extra in ([], SWA):
+        kinds = [k for k in KINDS if extra or k not in SWA_ONLY]
+        args = [a for k in kinds for a in ("--inject", f"{k}@30")]
         rc, s = _replay(tmp_path, *args, *extra)
         faults = s["canary"]["faults"]
-        assert rc == 0 and [f["kind"] for f in faults] == list(KINDS)
+        assert rc == 0 and [f["kind"] for f in faults] == kinds
         assert all(f["detected"] and f["steps_to_detection"] <= 1 for f in faults), faults
         requests = [r for f in faults for r in f["requests"]]
         assert len(requests) == len(set(requests))  # each fault on its own requests
         assert s["canary"]["unattributed_violations"] == 0
+
+
+def test_swa_evict_is_reported_missing_at_its_position(tmp_path):
+    rc, s = _replay(tmp_path, "--inject", "swa-evict@20", *SWA)
+    (f,) = s["canary"]["faults"]
+    assert rc == 0 and f["detected"] and f["reasons"] == f["all_reasons"] == ["MISSING"]
+    assert f["what"] == f"slot {f['slot']} pos {f['position']}" and len(f["requests"]) == 1
+
+
+def test_swa_evict_needs_a_sliding_window(tmp_path, capsys):
+    """Without --swa-window there is no LUT to clear: the fault is never applied, says why, and fails the run."""
+    rc, s = _replay(tmp_path, "--inject", "swa-evict@20")
+    text = capsys.readouterr().out
+    (f,) = s["canary"]["faults"]
+    assert rc == 1 and s["canary"]["failed"] and f["applied_step"] is None and not f["detected"]
+    assert f["what"] == "not applied (needs --swa-window)"
+    assert "FAULT swa-evict@20: not applied (needs --swa-window)" in text
 
 
 def test_stale_row_waits_for_a_reused_row(tmp_path):
@@ -176,7 +198,7 @@ def test_bad_inject_values(capsys, value):
         cli.main(["replay", "--inject", value])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --inject: expected KIND@STEP with KIND one of kv-flip, overwrite, position, token, stale-row, zero-kv" in err
+    assert "argument --inject: expected KIND@STEP with KIND one of kv-flip, overwrite, position, token, stale-row, zero-kv, swa-evict" in err
     assert f"got {value!r}" in err
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import PlanStatus
-from ...plan.plans import SKIP_SEED
+from ...plan.plans import MISSING_SLOT, SKIP_SEED
 from ...plan.rows import row_checks
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 
@@ -85,7 +85,11 @@ def plan_arrays(
         first = np.cumsum(count) - count
         pos = start[row] + (np.arange(total, dtype=np.int64) - first[row])
         rp = rpi[row]
-        slot, bad_slot = translate(req_to_token[rp, pos].astype(np.int64), lut)
+        raw = req_to_token[rp, pos].astype(np.int64)
+        slot, bad_slot = translate(raw, lut)
+        # A real slot mapped to 0: its SWA page was freed inside the window. Left as 0, verify would skip it as
+        # padding; predecessors and seeds keep the 0 (outside the window, eviction is legitimate).
+        slot = np.where((raw > 0) & (slot == 0), np.int64(MISSING_SLOT), slot)
         has_prev = pos > 0
         prev_raw = np.where(has_prev, req_to_token[rp, np.maximum(pos - 1, 0)].astype(np.int64), -1)
         prev, bad_prev = translate(prev_raw, lut)

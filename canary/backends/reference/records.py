@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...plan.plans import SKIP_SEED
+from ...plan.plans import MISSING_SLOT, SKIP_SEED
 from ...records.hashes import ANCHOR_LINK, as_u64, mix3, splitmix64_inplace
 from ...records.realkv import RealKV, fold
 from ...records.state import StateViews
@@ -97,7 +97,9 @@ def verify(
 
     slot_ok = (slot > 0) & (slot < num_slots)
     rec = _gather_fields(fields, slot, slot_ok)
-    bits = np.where(slot_ok, 0, int(FailReason.SLOT_RANGE)).astype(_I64)
+    # MISSING_SLOT (SPEC 3.2): the position has no SWA slot at all, so nothing is read, as for an out-of-range one.
+    missing = slot == MISSING_SLOT
+    bits = np.where(slot_ok, 0, np.where(missing, int(FailReason.MISSING), int(FailReason.SLOT_RANGE))).astype(_I64)
 
     prev_in = (prev > 0) & (prev < num_slots)
     prev_none = prev == -1
