@@ -9,9 +9,6 @@ import numpy as np
 from ..interop.adapter import ArrayView
 from ..plan.plans import VerifyViews, WriteViews
 
-INT64 = np.dtype(np.int64)
-INT32 = np.dtype(np.int32)
-
 
 @dataclass(frozen=True)
 class LaunchConfig:

@@ -21,14 +21,12 @@ from ..errors import fail
 from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check_view
 from ..interop.overlap import Spans, spans
 from ..interop.callviews import CallViews
-from ..plan.plans import VerifyPlan, WritePlan, view_verify_plan, view_write_plan
+from ..plan.plans import INT32, INT64, VerifyPlan, WritePlan, view_verify_plan, view_write_plan
 from .realkv import RealKV
 from .realkv import real_kv as make_real_kv
 from .ring import KernelTag, RingReport, encode_tag
 from .state import CanaryState, bind_state
 
-INT64 = np.dtype(np.int64)
-INT32 = np.dtype(np.int32)
 
 
 def _same_device(views: list[ArrayView], device_id: int, what: str) -> None:
