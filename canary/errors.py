@@ -7,8 +7,10 @@ import enum
 class PlanStatus(enum.IntFlag):
     """Bits of the int32 ``status`` output, set on the device by each plan launch (SPEC 3.4).
 
-    ``OVERFLOW`` is a sizing signal (``total > verify_capacity``); every other bit is an input fault and
-    forces ``enable = 0``.
+    ``OVERFLOW`` is a sizing signal (``total > verify_capacity`` under ``on_overflow="skip"``: nothing verified,
+    ``enable = 0``); ``SAMPLED`` says the step verified ``verify_capacity`` of its ``total`` entries, chosen by
+    the rotation of SPEC 3.7 (``on_overflow="sample"``, the default; not an error, ``enable`` stays 1). Every
+    other bit is an input fault and forces ``enable = 0``.
     """
 
     OK = 0
@@ -18,6 +20,7 @@ class PlanStatus(enum.IntFlag):
     BAD_SLOT = 8
     BAD_VALID_LEN = 16
     BAD_EXTEND_LEN = 32
+    SAMPLED = 64
 
 
 INPUT_ERROR_BITS = (

@@ -15,6 +15,7 @@
 #define CANARY_BAD_SLOT 8
 #define CANARY_BAD_VALID_LEN 16
 #define CANARY_BAD_EXTEND_LEN 32
+#define CANARY_SAMPLED 64   // total > capacity, on_overflow="sample": capacity entries verified (SPEC 3.7)
 // Seed of a padding row whose tokens sit among the step's tokens (padding_rows_carry_tokens): the canary write
 // skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
 #define CANARY_SKIP_SEED (-0x7fffffffffffffffLL - 1)
@@ -39,7 +40,8 @@
 #define SCRATCH_BAD_SLOT 1    // BAD_SLOT bits from entries and seeds
 #define SCRATCH_ROW_FLAGS 2   // two-pass only: row checks of the rows kernel
 #define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
-#define SCRATCH_TABLE 4       // two-pass only: the row table, 5 arrays of R + 1 (RowTable)
+#define SCRATCH_TABLE 4       // two-pass only: the row table, TABLE_ARRAYS arrays of R + 1 (RowTable)
+#define TABLE_ARRAYS 8
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -77,6 +79,8 @@ struct PlanParams {
     i64* seeds;
     int* write_num_valid_reqs;
     i64* scratch;
+    i64* cursors;          // [max_reqs] rotation state of the sampled verification (SPEC 3.7)
+    i64 sample;            // 1: on_overflow="sample" (cursors given); 0: "skip"
 };
 
 // T of SPEC 3.2: negative ids pass through; ids past the LUT are reported and become -1.
@@ -125,42 +129,57 @@ __device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64
 // position = i + pdelta[r], req_to_token index = base[r] + i; with col = position + token_offset, the
 // expected-token index is pbase[r] + col, valid while 0 <= col < vlim[r] (compared as the reference does:
 // valid_lens may be garbage such as INT64_MIN, and subtracting the offset from it would wrap).
+// A sampled step (SPEC 3.7) rewrites off, base and pdelta so that row r's entries start at its run:
+// position = i + pdelta[r] wraps once, from lo[r] + len[r] back to lo[r].
 struct RowTable {
-    i64* off;     // [bs + 1] exclusive scan of the verify counts
-    i64* base;    // rp * r2t_row_stride + window_start - off[r]
-    i64* pdelta;  // window_start - off[r]
+    i64* off;     // [bs + 1] exclusive scan of the verify counts (sampled: of the takes)
+    i64* base;    // rp * r2t_row_stride + window_start - off[r]   (sampled: + run)
+    i64* pdelta;  // window_start - off[r]                         (sampled: + run)
     i64* pbase;   // rp * pool_row_stride                           (HAS_POOL)
     i64* vlim;    // valid_lens[r]                                  (HAS_POOL)
+    i64* lo;      // window_start
+    i64* len;     // verify count of the row (its window length)
+    i64* rank;    // rows with entries before r
 };
 
-// Exclusive block-wide scan of two int64 per thread (warp shuffles, then one warp over the warp totals).
+// Exclusive block-wide scan of three int64 per thread (warp shuffles, then one warp over the warp totals).
 template <int THREADS>
-__device__ __forceinline__ void block_scan2(i64 a, i64 b, i64& excl_a, i64& excl_b, i64& tot_a, i64& tot_b) {
+__device__ __forceinline__ void block_scan3(const i64 (&v)[3], i64 (&excl)[3], i64 (&tot)[3]) {
     constexpr int WARPS = THREADS / 32;
-    __shared__ i64 warp_a[WARPS], warp_b[WARPS];
+    __shared__ i64 warp_sum[3][WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    i64 ia = a, ib = b;
+    i64 in[3] = {v[0], v[1], v[2]};
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-        const i64 ua = __shfl_up_sync(0xffffffffu, ia, d), ub = __shfl_up_sync(0xffffffffu, ib, d);
-        if (lane >= d) { ia += ua; ib += ub; }
+#pragma unroll
+        for (int q = 0; q < 3; ++q) {
+            const i64 u = __shfl_up_sync(0xffffffffu, in[q], d);
+            if (lane >= d) in[q] += u;
+        }
     }
-    if (lane == 31) { warp_a[warp] = ia; warp_b[warp] = ib; }
+    if (lane == 31) {
+#pragma unroll
+        for (int q = 0; q < 3; ++q) warp_sum[q][warp] = in[q];
+    }
     __syncthreads();
     if (warp == 0) {
-        i64 wa = lane < WARPS ? warp_a[lane] : 0, wb = lane < WARPS ? warp_b[lane] : 0;
 #pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const i64 ua = __shfl_up_sync(0xffffffffu, wa, d), ub = __shfl_up_sync(0xffffffffu, wb, d);
-            if (lane >= d) { wa += ua; wb += ub; }
+        for (int q = 0; q < 3; ++q) {
+            i64 w = lane < WARPS ? warp_sum[q][lane] : 0;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const i64 u = __shfl_up_sync(0xffffffffu, w, d);
+                if (lane >= d) w += u;
+            }
+            if (lane < WARPS) warp_sum[q][lane] = w;
         }
-        if (lane < WARPS) { warp_a[lane] = wa; warp_b[lane] = wb; }
     }
     __syncthreads();
-    excl_a = (warp ? warp_a[warp - 1] : 0) + ia - a;
-    excl_b = (warp ? warp_b[warp - 1] : 0) + ib - b;
-    tot_a = warp_a[WARPS - 1];
-    tot_b = warp_b[WARPS - 1];
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+        excl[q] = (warp ? warp_sum[q][warp - 1] : 0) + in[q] - v[q];
+        tot[q] = warp_sum[q][WARPS - 1];
+    }
     __syncthreads();  // the totals are read before anyone reuses the arrays
 }
 
@@ -168,11 +187,13 @@ __device__ __forceinline__ void block_scan2(i64 a, i64 b, i64& excl_a, i64& excl
 // running sums across tiles. The loads of ROW_BATCH tiles (and then their seeds) are issued together, so a
 // batch costs two memory round trips, not two per tile. Fills the row table (shared or global memory) and,
 // when WRITE_SIDE, the write offsets, the zeroed tail and the seeds. Returns the verify total; row_flags gets
-// the OR of all row flags (every thread), seed_bad whether a seed fell outside the LUT.
+// the OR of all row flags (every thread), seed_bad whether a seed fell outside the LUT, requests the number of
+// rows with verify entries.
 template <int THREADS, bool HAS_LUT, bool HAS_POOL, bool WRITE_SIDE>
-__device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& row_flags, int& seed_bad) {
+__device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& row_flags, int& seed_bad,
+                                         i64& requests) {
     const i64 bs = p.bs;
-    i64 vcarry = 0, wcarry = 0;
+    i64 vcarry = 0, wcarry = 0, ncarry = 0;
     int flags = 0, bad = 0;
     for (i64 group = 0; group < bs; group += (i64)THREADS * ROW_BATCH) {  // uniform: the scans have barriers
         Row f[ROW_BATCH];
@@ -201,12 +222,15 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
         for (int k = 0; k < ROW_BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
             if (group + k * THREADS >= bs) break;  // uniform across the block
-            i64 voff, woff, vtot, wtot;
-            block_scan2<THREADS>(f[k].vcount, f[k].wlen, voff, woff, vtot, wtot);
-            voff += vcarry;
-            woff += wcarry;
+            const i64 v[3] = {f[k].vcount, f[k].wlen, f[k].vcount > 0 ? 1 : 0};
+            i64 excl[3], tot[3];
+            block_scan3<THREADS>(v, excl, tot);
+            const i64 voff = excl[0] + vcarry, woff = excl[1] + wcarry;
             if (r < bs) {
                 t.off[r] = voff;
+                t.lo[r] = f[k].vcount > 0 ? f[k].len - f[k].vcount : 0;
+                t.len[r] = f[k].vcount;
+                t.rank[r] = excl[2] + ncarry;
                 if (f[k].vcount > 0) {
                     const i64 start = f[k].len - f[k].vcount;
                     t.base[r] = f[k].rp * p.r2t_row_stride + start - voff;
@@ -222,11 +246,13 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                 }
                 flags |= f[k].flags;
             }
-            vcarry += vtot;
-            wcarry += wtot;
+            vcarry += tot[0];
+            wcarry += tot[1];
+            ncarry += tot[2];
         }
     }
     if (threadIdx.x == 0) t.off[bs] = vcarry;
+    requests = ncarry;
     if (WRITE_SIDE) {
         for (i64 r = bs + 1 + threadIdx.x; r <= p.write_req_capacity; r += THREADS) p.write_offsets[r] = 0;
         if (threadIdx.x == 0) { p.write_offsets[bs] = wcarry; *p.write_num_valid_reqs = (int)bs; }
@@ -238,6 +264,60 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
     __syncthreads();
     row_flags = s_flags;
     return vcarry;
+}
+
+// Head of the request rotation of a step with fewer entries than requests (SPEC 3.7): cursors[0], if in range.
+__device__ __forceinline__ i64 rotation_head(const PlanParams& p, i64 requests) {
+    const i64 head = p.cursors[0];
+    return head >= 0 && head < requests ? head : 0;
+}
+
+// Turn the row table into a sampled step's (SPEC 3.7): off[r] becomes first[r], the row's first output entry,
+// and base / pdelta start the row at its cursor. Each thread rewrites only its own rows; every block that
+// needs the table does this itself, reading the cursors, which only the last block writes (update_cursors).
+__device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64 total, i64 requests) {
+    const i64 cap = p.verify_capacity;
+    const i64 head = cap < requests ? rotation_head(p, requests) : 0;
+    for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x) {
+        const i64 m = t.rank[r];
+        i64 first;
+        if (cap >= requests) {  // one entry each, the rest in proportion to len - 1 (the running sum rounded)
+            first = m + (cap - requests) * (t.off[r] - m) / (total - requests);
+        } else if (head + cap <= requests) {  // the requests of ranks [head, head + cap) take one entry each
+            first = min(max(m - head, (i64)0), cap);
+        } else {  // ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
+            first = min(m, head + cap - requests) + max(m - head, (i64)0);
+        }
+        const i64 len = t.len[r];
+        if (len > 0) {
+            const i64 lo = t.lo[r], at = p.cursors[p.req_pool_indices[r]];
+            const i64 run = (at >= lo && at < lo + len) ? at - lo : 0;
+            const i64 shift = t.off[r] - first + run;  // base and pdelta were relative to off[r] and lo
+            t.base[r] += shift;
+            t.pdelta[r] += shift;
+        }
+        t.off[r] = first;
+    }
+    if (threadIdx.x == 0) t.off[p.bs] = cap;
+    __syncthreads();
+}
+
+// After every block has read the cursors: advance each sampled row's cursor past its run, and the rotation
+// head. One block. A request row in two batch rows (an engine fault) keeps the larger new cursor, so the
+// result does not depend on the order of the stores.
+__device__ __forceinline__ void update_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
+    const i64 cap = p.verify_capacity;
+    for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x)
+        if (t.off[r + 1] > t.off[r]) p.cursors[p.req_pool_indices[r]] = (i64)(-0x7fffffffffffffffLL - 1);
+    __syncthreads();
+    for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x) {
+        const i64 take = t.off[r + 1] - t.off[r];
+        if (take > 0) {
+            const i64 lo = t.lo[r], len = t.len[r], run = t.pdelta[r] + t.off[r] - lo;
+            atomicMax(reinterpret_cast<long long*>(p.cursors + p.req_pool_indices[r]), (long long)(lo + (run + take) % len));
+        }
+    }
+    if (threadIdx.x == 0 && cap < requests) p.cursors[0] = (rotation_head(p, requests) + cap) % requests;
 }
 
 // The row holding entry i, given off[lo] <= i < off[hi]: the last r with off[r] <= i (empty rows are
@@ -270,7 +350,8 @@ __device__ __forceinline__ i64 find_row(const RowTable& t, const RowSamples& s, 
 }
 
 template <bool HAS_LUT, bool HAS_POOL>
-__device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, RowSamples samples, i64 total) {
+__device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, RowSamples samples, i64 total,
+                                            bool sampled) {
     int bad = 0;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -288,6 +369,10 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, Row
             r_of[k] = r;
             idx[k] = t.base[r] + i;
             pos[k] = i + t.pdelta[r];
+            if (sampled && pos[k] >= t.lo[r] + t.len[r]) {  // the run wrapped to the window's start
+                pos[k] -= t.len[r];
+                idx[k] -= t.len[r];
+            }
         }
 #pragma unroll
         for (int k = 0; k < ITEMS; ++k) raw[k] = first + k * 32 + lane < total ? (i64)p.req_to_token[idx[k]] : 0;
@@ -311,7 +396,7 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, Row
             if (i >= total) continue;
             // Same row as the lane to the left? (the window does not reset the chain: a window head keeps
             // its real predecessor, read below)
-            const bool inside = lane > 0 && i > t.off[r_of[k]];
+            const bool inside = lane > 0 && i > t.off[r_of[k]] && !(sampled && pos[k] == t.lo[r_of[k]]);
             i64 prev = -1;
             if (inside) prev = left;
             else if (pos[k] > 0) prev = translate<HAS_LUT>((i64)p.req_to_token[idx[k] - 1], p.lut, p.lut_len, bad);
@@ -327,59 +412,81 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, Row
 }
 
 __device__ __forceinline__ void write_status(const PlanParams& p, int st, i64 total) {
-    if (total > p.verify_capacity) st |= CANARY_OVERFLOW;
+    if (total > p.verify_capacity) st |= p.sample ? CANARY_SAMPLED : CANARY_OVERFLOW;
     *p.status = st;
-    *p.enable = st == 0 ? 1 : 0;
+    *p.enable = (st & ~CANARY_SAMPLED) == 0 ? 1 : 0;
     *p.num_valid = (int)(total < p.verify_capacity ? total : p.verify_capacity);
 }
 
-// With a LUT, any block may find a BAD_SLOT: every block calls this once, last thing, and the last block to
-// arrive composes the status and re-arms the scratch words. (Without a LUT the row scan alone decides the
-// status, and one block writes it: no atomics.)
-__device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64 total, int bad_slot) {
+// A sampled step's rows: sample on, over the capacity, and every row trusted (SPEC 3.7).
+__device__ __forceinline__ bool sampling(const PlanParams& p, int row_flags, i64 total) {
+    return p.sample && total > p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES);
+}
+
+// With a LUT, any block may find a BAD_SLOT; with sampling, the cursors may move only once every block has
+// read them. Then every block calls this once, last thing, and the last block to arrive composes the status,
+// advances the cursors (its whole block: `t` is its own row table) and re-arms the scratch words. (Otherwise
+// the row scan alone decides the status, and one block writes it: no atomics.)
+__device__ __forceinline__ void finalize(const PlanParams& p, const RowTable& t, int row_flags, i64 total,
+                                         i64 requests, int bad_slot, bool move_cursors) {
+    __shared__ int s_last;
     const int any_bad = __syncthreads_or(bad_slot);  // also: every thread of the block has finished its stores
     if (threadIdx.x == 0) {
         u64* scratch = reinterpret_cast<u64*>(p.scratch);
         if (any_bad) atomicOr(scratch + SCRATCH_BAD_SLOT, (u64)CANARY_BAD_SLOT);
         __threadfence();
-        if (atomicAdd(scratch + SCRATCH_DONE, 1ull) == (u64)gridDim.x - 1) {
+        s_last = atomicAdd(scratch + SCRATCH_DONE, 1ull) == (u64)gridDim.x - 1;
+        if (s_last) {
             __threadfence();
             write_status(p, row_flags | (int)atomicExch(scratch + SCRATCH_BAD_SLOT, 0ull), total);
             scratch[SCRATCH_DONE] = 0;
         }
     }
+    __syncthreads();
+    if (move_cursors && s_last) update_cursors(p, t, requests);
 }
 
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     __shared__ i64 s_off[FUSED_MAX_BS + 1], s_base[FUSED_MAX_BS], s_pdelta[FUSED_MAX_BS];
     __shared__ i64 s_pbase[HAS_POOL ? FUSED_MAX_BS : 1], s_vlim[HAS_POOL ? FUSED_MAX_BS : 1];
-    const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim};
+    __shared__ i64 s_lo[FUSED_MAX_BS], s_len[FUSED_MAX_BS], s_rank[FUSED_MAX_BS];
+    const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim, s_lo, s_len, s_rank};
     int row_flags, seed_bad;
+    i64 requests;
     const i64 total = blockIdx.x == 0
-        ? scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad)
-        : scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, false>(p, t, row_flags, seed_bad);
-    if (!HAS_LUT && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
+        ? scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad, requests)
+        : scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, false>(p, t, row_flags, seed_bad, requests);
+    const bool sampled = sampling(p, row_flags, total);
+    if (!HAS_LUT && !p.sample && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
+    if (sampled) sample_rows(p, t, total, requests);
     int bad = seed_bad;
-    if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad |= emit_entries<HAS_LUT, HAS_POOL>(p, t, RowSamples{nullptr, 0, 0}, total);
-    if (HAS_LUT) finalize(p, row_flags, total, bad);
+    if ((total <= p.verify_capacity || sampled) && !(row_flags & CANARY_NO_ENTRIES))
+        bad |= emit_entries<HAS_LUT, HAS_POOL>(p, t, RowSamples{nullptr, 0, 0}, sampled ? p.verify_capacity : total,
+                                               sampled);
+    if (HAS_LUT || p.sample) finalize(p, t, row_flags, total, requests, bad, sampled);
 }
 
-// The two-pass row table lives in scratch after the head words: 5 arrays of stride max_batch_size + 1.
+// The two-pass row table lives in scratch after the head words: TABLE_ARRAYS arrays of stride R + 1.
 __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
     i64* t = p.scratch + SCRATCH_TABLE;
     const i64 n = p.write_req_capacity + 1;  // bs <= R is checked on the host
-    return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n};
+    return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n};
 }
 
-
+// One block: the scans, and for a sampled step the sampled table and the cursors' advance (this block is the
+// only reader of the cursors, so it may move them once its threads have read them).
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_rows(const PlanParams& p) {
     const RowTable t = global_table(p);
     int row_flags, seed_bad;
-    const i64 total = scan_rows<ROWS_THREADS, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad);
+    i64 requests;
+    const i64 total = scan_rows<ROWS_THREADS, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad, requests);
     row_flags |= seed_bad ? CANARY_BAD_SLOT : 0;
+    if (sampling(p, row_flags, total)) {
+        sample_rows(p, t, total, requests);
+        update_cursors(p, t, requests);
+    }
     if (threadIdx.x == 0) {
         p.scratch[SCRATCH_ROW_FLAGS] = row_flags;
         p.scratch[SCRATCH_TOTAL] = total;
@@ -392,15 +499,17 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     __shared__ i64 s_samples[ROW_SAMPLES + 1];
     const int row_flags = (int)p.scratch[SCRATCH_ROW_FLAGS];
     const i64 total = p.scratch[SCRATCH_TOTAL];
+    const bool sampled = sampling(p, row_flags, total);
+    const i64 emitted = sampled ? p.verify_capacity : total;
     const RowTable t = global_table(p);
     const i64 step = max((p.bs + ROW_SAMPLES - 1) / ROW_SAMPLES, (i64)1), count = (p.bs + step - 1) / step;
     for (i64 j = threadIdx.x; j < count; j += blockDim.x) s_samples[j] = t.off[j * step];
-    if (threadIdx.x == 0) s_samples[count] = total;
+    if (threadIdx.x == 0) s_samples[count] = emitted;
     __syncthreads();
     int bad = 0;
-    if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad = emit_entries<HAS_LUT, HAS_POOL>(p, t, RowSamples{s_samples, step, count}, total);
-    if (HAS_LUT) finalize(p, row_flags, total, bad);
+    if ((total <= p.verify_capacity || sampled) && !(row_flags & CANARY_NO_ENTRIES))
+        bad = emit_entries<HAS_LUT, HAS_POOL>(p, t, RowSamples{s_samples, step, count}, emitted, sampled);
+    if (HAS_LUT) finalize(p, t, row_flags, total, 0, bad, false);
 }
 
 #define CANARY_SPECIALIZE(SUFFIX, HAS_LUT, HAS_POOL)                                                           \

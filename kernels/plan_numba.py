@@ -61,6 +61,8 @@ CANARY_BAD_PREFIX_LEN = 4
 CANARY_BAD_SLOT = 8
 CANARY_BAD_VALID_LEN = 16
 CANARY_BAD_EXTEND_LEN = 32
+CANARY_SAMPLED = 64  # total > capacity, on_overflow="sample": capacity entries verified (SPEC 3.7)
+INT64_MIN = -(1 << 63)
 # Seed of a padding row whose tokens sit among the step's tokens (padding_rows_carry_tokens): the canary write
 # skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
 CANARY_SKIP_SEED = -(1 << 63)
@@ -84,8 +86,8 @@ SCRATCH_DONE = 0  # blocks finished (the last one finalizes; LUT only)
 SCRATCH_BAD_SLOT = 1  # BAD_SLOT bits from entries and seeds (LUT only)
 SCRATCH_ROW_FLAGS = 2  # two-pass only: row checks of the rows kernel
 SCRATCH_TOTAL = 3  # two-pass only: verify entries in all
-SCRATCH_TABLE = 4  # two-pass only: the row table, 5 arrays of write_req_capacity + 1
-TABLE_ARRAYS = 5  # off, base, pdelta, pbase, vlim
+SCRATCH_TABLE = 4  # two-pass only: the row table, TABLE_ARRAYS arrays of write_req_capacity + 1
+TABLE_ARRAYS = 8  # off, base, pdelta, pbase, vlim, lo, len, rank
 _FUSED_STRIDE = FUSED_MAX_BS + 1  # a shared array's shape must be a plain constant for Numba
 _SAMPLES_LEN = ROW_SAMPLES + 1
 
@@ -106,7 +108,7 @@ PARAMS = (
     ("write_req_capacity", _I64),
     ("slots", _A64), ("expected", _A64), ("positions", _A64), ("prevs", _A64), ("num_valid", _A32),
     ("enable", _A32), ("status", _A32), ("write_offsets", _A64), ("seeds", _A64),
-    ("write_num_valid_reqs", _A32), ("scratch", _A64),
+    ("write_num_valid_reqs", _A32), ("scratch", _A64), ("cursors", _A64), ("sample", _I64),
 )
 PARAM_FIELDS = tuple(name for name, _ in PARAMS)
 SIGNATURE = "void({})".format(", ".join(ty for _, ty in PARAMS))
@@ -153,7 +155,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
     HAS_POOL = bool(has_pool)  # noqa: N806
     ROWS_T = _power_of_two("rows_threads", rows_threads)  # noqa: N806
     ENTRY_T = _power_of_two("entry_threads", entry_threads, 32)  # noqa: N806
-    FUSED_TABLE = (TABLE_ARRAYS if HAS_POOL else 3) * _FUSED_STRIDE  # noqa: N806 - pbase / vlim with a pool only
+    FUSED_TABLE = TABLE_ARRAYS * _FUSED_STRIDE  # noqa: N806
 
     @cuda.jit(device=True)
     def translate(raw, lut, lut_len):
@@ -197,11 +199,12 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
     def make_scan_rows(THREADS):  # noqa: N803 - plan.cu's template parameter
         """``scan_rows<THREADS>`` (with its ``block_scan2<THREADS>``) for one block size."""
-        SCAN_BUF = 4 * THREADS  # noqa: N806 - [ping-pong][a, b][THREADS]; a shared shape must be a constant
+        SCAN_BUF = 6 * THREADS  # noqa: N806 - [ping-pong][a, b, c][THREADS]; a shared shape must be a constant
 
         @cuda.jit(device=True)
-        def block_scan2(a, b):
-            """Exclusive block-wide scan of two int64 per thread: ``(excl_a, excl_b, tot_a, tot_b)``.
+        def block_scan3(a, b, c):
+            """Exclusive block-wide scan of three int64 per thread:
+            ``(excl_a, excl_b, excl_c, tot_a, tot_b, tot_c)``.
 
             Hillis-Steele through shared memory, reading one buffer and writing the other (one barrier per
             step; the simulator has no warp shuffles). Every thread calls it.
@@ -210,29 +213,35 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             t = cuda.threadIdx.x
             buf[t] = a
             buf[THREADS + t] = b
+            buf[2 * THREADS + t] = c
             cuda.syncthreads()
             src = 0
             d = 1
             while d < THREADS:
-                s = src * 2 * THREADS
+                s = src * 3 * THREADS
                 ua = buf[s + t]
                 ub = buf[s + THREADS + t]
+                uc = buf[s + 2 * THREADS + t]
                 if t >= d:
                     ua += buf[s + t - d]
                     ub += buf[s + THREADS + t - d]
-                s = (1 - src) * 2 * THREADS
+                    uc += buf[s + 2 * THREADS + t - d]
+                s = (1 - src) * 3 * THREADS
                 buf[s + t] = ua
                 buf[s + THREADS + t] = ub
+                buf[s + 2 * THREADS + t] = uc
                 cuda.syncthreads()
                 src = 1 - src
                 d *= 2
-            s = src * 2 * THREADS
+            s = src * 3 * THREADS
             excl_a = buf[s + t] - a
             excl_b = buf[s + THREADS + t] - b
+            excl_c = buf[s + 2 * THREADS + t] - c
             tot_a = buf[s + THREADS - 1]
             tot_b = buf[s + 2 * THREADS - 1]
+            tot_c = buf[s + 3 * THREADS - 1]
             cuda.syncthreads()  # the totals are read before anyone reuses the buffers
-            return excl_a, excl_b, tot_a, tot_b
+            return excl_a, excl_b, excl_c, tot_a, tot_b, tot_c
 
         @cuda.jit(device=True)
         def scan_rows(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
@@ -243,9 +252,9 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             the running sums across batches; a batch's loads (then its seeds) are issued together.
 
             Fills the row table ``tab[t0 + k * tn + r]`` (shared or global memory) and, when ``write_side``,
-            the write offsets, the zeroed tail and the seeds. Returns ``(vtotal, row_flags, seed_bad)``: the
-            verify total, the block's OR of row flags, whether a seed fell outside the LUT (every thread gets
-            the same values).
+            the write offsets, the zeroed tail and the seeds. Returns ``(vtotal, row_flags, seed_bad,
+            requests)``: the verify total, the block's OR of row flags, whether a seed fell outside the LUT, the
+            rows with verify entries (every thread gets the same values).
             """
             s_flags = cuda.shared.array(1, int32)
             tid = int64(cuda.threadIdx.x)
@@ -258,6 +267,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             seed = cuda.local.array(ROW_BATCH, int64)
             vcarry = int64(0)
             wcarry = int64(0)
+            ncarry = int64(0)
             flags = int64(0)
             bad = int64(0)
             group = int64(0)
@@ -279,6 +289,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                             vl[k] = valid_lens[r0 + k]
                 vsum = int64(0)
                 wsum = int64(0)
+                nsum = int64(0)
                 for k in range(ROW_BATCH):
                     v, w, f = row_facts(rp[k], e[k], ln[k], vl[k], rp_bound, max_seq_len, pool_cols, window,
                                         padding_rows_carry_tokens)
@@ -286,6 +297,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                     wl[k] = w
                     vsum += v
                     wsum += w
+                    nsum += 1 if v > 0 else 0
                     flags |= f
                     seed[k] = -1
                     if write_side and w > 0 and rp[k] == 0:
@@ -293,13 +305,17 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                     elif (write_side and w > 0 and ln[k] > 0
                             and (f & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) == 0):
                         seed[k] = int64(req_to_token[rp[k] * r2t_row_stride + (ln[k] - 1)])
-                voff, woff, vtot, wtot = block_scan2(vsum, wsum)
+                voff, woff, noff, vtot, wtot, ntot = block_scan3(vsum, wsum, nsum)
                 voff += vcarry
                 woff += wcarry
+                noff += ncarry
                 for k in range(ROW_BATCH):
                     r = r0 + k
                     if r < bs:
                         tab[t0 + r] = voff
+                        tab[t0 + 5 * tn + r] = ln[k] - vc[k] if vc[k] > 0 else int64(0)
+                        tab[t0 + 6 * tn + r] = vc[k]
+                        tab[t0 + 7 * tn + r] = noff
                         if vc[k] > 0:
                             start = ln[k] - vc[k]
                             tab[t0 + tn + r] = rp[k] * r2t_row_stride + start - voff
@@ -314,8 +330,10 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                             bad |= b
                     voff += vc[k]
                     woff += wl[k]
+                    noff += 1 if vc[k] > 0 else 0
                 vcarry += vtot
                 wcarry += wtot
+                ncarry += ntot
                 group += THREADS * ROW_BATCH
             if tid == 0:
                 tab[t0 + bs] = vcarry
@@ -334,12 +352,69 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                 cuda.atomic.or_(s_flags, 0, int32(flags))
             cuda.syncthreads()
             row_flags = int64(s_flags[0])
-            return vcarry, row_flags, int64(seed_bad != 0)
+            return vcarry, row_flags, int64(seed_bad != 0), ncarry
 
         return scan_rows
 
     scan_rows_rows = make_scan_rows(ROWS_T)  # scan_rows<ROWS_THREADS, ...> in plan.cu
     scan_rows_entry = make_scan_rows(ENTRY_T)  # scan_rows<ENTRY_THREADS, ...>
+
+    @cuda.jit(device=True)
+    def rotation_head(cursors, requests):
+        """Head of the request rotation of a step with fewer entries than requests (SPEC 3.7)."""
+        head = cursors[0]
+        return head if (head >= 0 and head < requests) else int64(0)
+
+    @cuda.jit(device=True)
+    def sample_rows(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, total, requests):
+        """plan.cu's ``sample_rows``: the row table becomes a sampled step's (off[r] = the row's first output
+        entry; base / pdelta start the row at its cursor). Each thread rewrites only its own rows."""
+        cap = verify_capacity
+        head = rotation_head(cursors, requests) if cap < requests else int64(0)
+        r = int64(cuda.threadIdx.x)
+        while r < bs:
+            m = tab[t0 + 7 * tn + r]
+            if cap >= requests:  # one entry each, the rest in proportion to len - 1 (the running sum rounded)
+                first = m + (cap - requests) * (tab[t0 + r] - m) // (total - requests)
+            elif head + cap <= requests:  # the requests of ranks [head, head + cap) take one entry each
+                first = min(max(m - head, int64(0)), cap)
+            else:  # ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
+                first = min(m, head + cap - requests) + max(m - head, int64(0))
+            ln = tab[t0 + 6 * tn + r]
+            if ln > 0:
+                lo = tab[t0 + 5 * tn + r]
+                at = cursors[req_pool_indices[r]]
+                run = at - lo if (at >= lo and at < lo + ln) else int64(0)
+                shift = tab[t0 + r] - first + run  # base and pdelta were relative to off[r] and lo
+                tab[t0 + tn + r] += shift
+                tab[t0 + 2 * tn + r] += shift
+            tab[t0 + r] = first
+            r += cuda.blockDim.x
+        if cuda.threadIdx.x == 0:
+            tab[t0 + bs] = cap
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests):
+        """plan.cu's ``update_cursors`` (one block, after every block has read the cursors): a request row in
+        two batch rows keeps the larger new cursor, whatever the order of the stores."""
+        r = int64(cuda.threadIdx.x)
+        while r < bs:
+            if tab[t0 + r + 1] > tab[t0 + r]:
+                cursors[req_pool_indices[r]] = INT64_MIN
+            r += cuda.blockDim.x
+        cuda.syncthreads()
+        r = int64(cuda.threadIdx.x)
+        while r < bs:
+            take = tab[t0 + r + 1] - tab[t0 + r]
+            if take > 0:
+                lo = tab[t0 + 5 * tn + r]
+                ln = tab[t0 + 6 * tn + r]
+                run = tab[t0 + 2 * tn + r] + tab[t0 + r] - lo
+                cuda.atomic.max(cursors, req_pool_indices[r], lo + (run + take) % ln)
+            r += cuda.blockDim.x
+        if cuda.threadIdx.x == 0 and verify_capacity < requests:
+            cursors[0] = (rotation_head(cursors, requests) + verify_capacity) % requests
 
     @cuda.jit(device=True)
     def owning_row(off, o0, lo, hi, i):
@@ -373,7 +448,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
     @cuda.jit(device=True)
     def emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions, prevs,
-                     tab, t0, tn, samples, step, count, total):
+                     tab, t0, tn, samples, step, count, total, sampled):
         """The verify entries of this block. Each pass of a warp covers ENTRY_CHUNK consecutive entries
         (lane-major inside each of the ITEMS groups); all loads of a pass are issued before any store.
 
@@ -407,6 +482,9 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                 r_of[k] = r
                 idx[k] = tab[t0 + tn + r] + i
                 pos[k] = i + tab[t0 + 2 * tn + r]
+                if sampled and pos[k] >= tab[t0 + 5 * tn + r] + tab[t0 + 6 * tn + r]:  # the run wrapped
+                    pos[k] -= tab[t0 + 6 * tn + r]
+                    idx[k] -= tab[t0 + 6 * tn + r]
             for k in range(ITEMS):
                 live = first + k * 32 + lane < total
                 raw[k] = int64(req_to_token[idx[k]]) if live else int64(0)
@@ -435,27 +513,40 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return bad
 
     @cuda.jit(device=True)
-    def write_status(status, enable, num_valid, verify_capacity, st, total):
+    def write_status(status, enable, num_valid, verify_capacity, sample, st, total):
         if total > verify_capacity:
-            st |= CANARY_OVERFLOW
+            st |= CANARY_SAMPLED if sample != 0 else CANARY_OVERFLOW
         status[0] = st
-        enable[0] = 1 if st == 0 else 0
+        enable[0] = 1 if (st & ~CANARY_SAMPLED) == 0 else 0
         num_valid[0] = total if total < verify_capacity else verify_capacity
 
     @cuda.jit(device=True)
-    def finalize(scratch, status, enable, num_valid, verify_capacity, row_flags, total, bad_slot):
-        """With a LUT, any block may find a BAD_SLOT: every block calls this once, last thing, and the last
-        block to arrive composes the status and re-arms the scratch words."""
+    def sampling(sample, verify_capacity, row_flags, total):
+        """A sampled step's rows: sample on, over the capacity, and every row trusted (SPEC 3.7)."""
+        return sample != 0 and total > verify_capacity and (row_flags & CANARY_NO_ENTRIES) == 0
+
+    @cuda.jit(device=True)
+    def finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad_slot,
+                 req_pool_indices, bs, cursors, tab, t0, tn, requests, move_cursors):
+        """With a LUT, any block may find a BAD_SLOT; with sampling, the cursors may move only once every block
+        has read them. Then every block calls this once, last thing, and the last block to arrive composes the
+        status, advances the cursors (its whole block, over its own row table) and re-arms the scratch words."""
+        s_last = cuda.shared.array(1, int32)
         any_bad = cuda.syncthreads_or(int32(bad_slot))  # also: every thread of the block has finished its stores
         if cuda.threadIdx.x == 0:
             if any_bad != 0:
                 cuda.atomic.or_(scratch, SCRATCH_BAD_SLOT, int64(CANARY_BAD_SLOT))
             cuda.threadfence()
+            s_last[0] = 0
             if cuda.atomic.add(scratch, SCRATCH_DONE, int64(1)) == int64(cuda.gridDim.x) - 1:
+                s_last[0] = 1
                 cuda.threadfence()
                 st = row_flags | cuda.atomic.exch(scratch, SCRATCH_BAD_SLOT, int64(0))
-                write_status(status, enable, num_valid, verify_capacity, st, total)
+                write_status(status, enable, num_valid, verify_capacity, sample, st, total)
                 scratch[SCRATCH_DONE] = 0
+        cuda.syncthreads()
+        if move_cursors and s_last[0] != 0:
+            update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests)
 
     # The kernels. Every one takes PlanParams' fields in order (see PARAMS).
 
@@ -463,50 +554,62 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                           r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                           token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                           slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                          write_num_valid_reqs, scratch):
+                          write_num_valid_reqs, scratch, cursors, sample):
         """bs <= FUSED_MAX_BS; any grid of ENTRY_THREADS-thread blocks."""
-        tab = cuda.shared.array(FUSED_TABLE, int64)  # off, base, pdelta (, pbase, vlim), stride FUSED_MAX_BS + 1
-        total, row_flags, seed_bad = scan_rows_entry(
+        tab = cuda.shared.array(FUSED_TABLE, int64)  # the row table, stride FUSED_MAX_BS + 1
+        total, row_flags, seed_bad, requests = scan_rows_entry(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
             rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
             write_req_capacity, write_offsets, seeds, write_num_valid_reqs, tab, 0, _FUSED_STRIDE,
             cuda.blockIdx.x == 0)
-        if not HAS_LUT:
+        sampled = sampling(sample, verify_capacity, row_flags, total)
+        if not HAS_LUT and sample == 0:
             if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-                write_status(status, enable, num_valid, verify_capacity, row_flags, total)
+                write_status(status, enable, num_valid, verify_capacity, sample, row_flags, total)
+        if sampled:
+            sample_rows(req_pool_indices, bs, cursors, verify_capacity, tab, 0, _FUSED_STRIDE, total, requests)
         bad = seed_bad
-        if total <= verify_capacity and (row_flags & CANARY_NO_ENTRIES) == 0:
+        if (total <= verify_capacity or sampled) and (row_flags & CANARY_NO_ENTRIES) == 0:
             bad |= emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
-                                prevs, tab, 0, _FUSED_STRIDE, tab, 0, 0, total)
-        if HAS_LUT:
-            finalize(scratch, status, enable, num_valid, verify_capacity, row_flags, total, bad)
+                                prevs, tab, 0, _FUSED_STRIDE, tab, 0, 0,
+                                verify_capacity if sampled else total, sampled)
+        if HAS_LUT or sample != 0:
+            finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad,
+                     req_pool_indices, bs, cursors, tab, 0, _FUSED_STRIDE, requests, sampled)
 
     def canary_plan_rows(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                          r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                          token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                          slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                         write_num_valid_reqs, scratch):
-        """Grid 1, block ROWS_THREADS: scans, seeds, row table and row flags into the scratch."""
-        total, row_flags, seed_bad = scan_rows_rows(
+                         write_num_valid_reqs, scratch, cursors, sample):
+        """Grid 1, block ROWS_THREADS: scans, seeds, row table and row flags into the scratch; for a sampled
+        step also the sampled table and the cursors' advance (this block is the cursors' only reader)."""
+        tn = write_req_capacity + 1
+        total, row_flags, seed_bad, requests = scan_rows_rows(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
             rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
-            write_req_capacity, write_offsets, seeds, write_num_valid_reqs, scratch, SCRATCH_TABLE,
-            write_req_capacity + 1, True)
+            write_req_capacity, write_offsets, seeds, write_num_valid_reqs, scratch, SCRATCH_TABLE, tn, True)
+        row_flags |= CANARY_BAD_SLOT if seed_bad != 0 else 0
+        if sampling(sample, verify_capacity, row_flags, total):
+            sample_rows(req_pool_indices, bs, cursors, verify_capacity, scratch, SCRATCH_TABLE, tn, total, requests)
+            update_cursors(req_pool_indices, bs, cursors, verify_capacity, scratch, SCRATCH_TABLE, tn, requests)
         if cuda.threadIdx.x == 0:
-            scratch[SCRATCH_ROW_FLAGS] = row_flags | (CANARY_BAD_SLOT if seed_bad != 0 else 0)
+            scratch[SCRATCH_ROW_FLAGS] = row_flags
             scratch[SCRATCH_TOTAL] = total
             if not HAS_LUT:
-                write_status(status, enable, num_valid, verify_capacity, row_flags, total)
+                write_status(status, enable, num_valid, verify_capacity, sample, row_flags, total)
 
     def canary_plan_entries(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                             r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                             token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                             slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                            write_num_valid_reqs, scratch):
+                            write_num_valid_reqs, scratch, cursors, sample):
         """After canary_plan_rows; any grid of ENTRY_THREADS-thread blocks."""
         s_samples = cuda.shared.array(_SAMPLES_LEN, int64)
         row_flags = scratch[SCRATCH_ROW_FLAGS]
         total = scratch[SCRATCH_TOTAL]
+        sampled = sampling(sample, verify_capacity, row_flags, total)
+        emitted = verify_capacity if sampled else total
         step = max((bs + ROW_SAMPLES - 1) // ROW_SAMPLES, int64(1))
         count = (bs + step - 1) // step
         j = int64(cuda.threadIdx.x)
@@ -514,15 +617,16 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             s_samples[j] = scratch[SCRATCH_TABLE + j * step]
             j += cuda.blockDim.x
         if cuda.threadIdx.x == 0:
-            s_samples[count] = total
+            s_samples[count] = emitted
         cuda.syncthreads()
         bad = int64(0)
-        if total <= verify_capacity and (row_flags & CANARY_NO_ENTRIES) == 0:
+        if (total <= verify_capacity or sampled) and (row_flags & CANARY_NO_ENTRIES) == 0:
             bad = emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
                                prevs, scratch, SCRATCH_TABLE, write_req_capacity + 1, s_samples, step, count,
-                               total)
+                               emitted, sampled)
         if HAS_LUT:
-            finalize(scratch, status, enable, num_valid, verify_capacity, row_flags, total, bad)
+            finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad,
+                     req_pool_indices, bs, cursors, scratch, SCRATCH_TABLE, write_req_capacity + 1, int64(0), False)
 
     sfx = suffix(HAS_LUT, HAS_POOL)
     kernels = (canary_plan_fused, canary_plan_rows, canary_plan_entries)

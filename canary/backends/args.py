@@ -71,10 +71,17 @@ class StaticArgs:
     verify_capacity: int
     write_req_capacity: int
     max_batch_size: int
+    # SPEC 3.7: [max_reqs] int64 rotation state of the sampled verification; None when on_overflow="skip"
+    verify_cursors: ArrayView | None
     device_id: int  # -1 for host
     # The outputs' byte ranges (overlap.Spans: addresses and names, no arrays): per-step inputs are checked
     # against them when first seen.
     output_spans: Any = None
+
+    @property
+    def sample(self) -> bool:
+        """Whether a step over the capacity verifies a rotating sample (``on_overflow="sample"``)."""
+        return self.verify_cursors is not None
 
     @property
     def max_reqs(self) -> int:

@@ -8,8 +8,9 @@ ITEMS = 4
 ENTRY_CHUNK = ITEMS * 32
 ROW_BATCH = 4
 SCRATCH_TABLE = 4
+TABLE_ARRAYS = 8
 CONSTANTS = dict(ROWS_THREADS=ROWS_THREADS, ENTRY_THREADS=ENTRY_THREADS, FUSED_MAX_BS=FUSED_MAX_BS, ITEMS=ITEMS,
-                 ROW_BATCH=ROW_BATCH, SCRATCH_TABLE=SCRATCH_TABLE)
+                 ROW_BATCH=ROW_BATCH, SCRATCH_TABLE=SCRATCH_TABLE, TABLE_ARRAYS=TABLE_ARRAYS)
 
 # struct PlanParams of plan.cu, field by field (each 8 bytes).
 PARAM_FIELDS = (
@@ -18,7 +19,7 @@ PARAM_FIELDS = (
     "pool", "pool_row_stride", "pool_cols", "token_offset", "window", "padding_rows_carry_tokens",
     "verify_capacity", "write_req_capacity",
     "slots", "expected", "positions", "prevs", "num_valid", "enable", "status",
-    "write_offsets", "seeds", "write_num_valid_reqs", "scratch",
+    "write_offsets", "seeds", "write_num_valid_reqs", "scratch", "cursors", "sample",
 )
 
 
@@ -30,5 +31,6 @@ def entry_grid(verify_capacity: int, sms: int, blocks_per_sm: int, threads: int 
 
 
 def scratch_words(write_req_capacity: int) -> int:
-    """int64 words of planner scratch: the head words, then the two-pass row table (5 arrays of R + 1)."""
-    return SCRATCH_TABLE + 5 * (write_req_capacity + 1)
+    """int64 words of planner scratch: the head words, then the two-pass row table (TABLE_ARRAYS arrays of
+    R + 1)."""
+    return SCRATCH_TABLE + TABLE_ARRAYS * (write_req_capacity + 1)

@@ -40,6 +40,7 @@ def bind_static(
     padding_rows_carry_tokens: bool = False,
     verify_capacity: int | None = None,
     max_batch_size: int | None = None,
+    on_overflow: str = "sample",
 ) -> StaticArgs:
     """Validate and view everything a planner binds once (SPEC 3.3). Raises ``ValueError`` / ``TypeError``."""
     vp = view_verify_plan(verify_plan_out, as_view, name="verify_plan_out", writable=True)
@@ -75,7 +76,8 @@ def bind_static(
     mbs = r_cap if max_batch_size is None else _int_arg("max_batch_size", max_batch_size)
     if mbs < 0:
         raise fail(ValueError, f"max_batch_size: expected >= 0, got {mbs}")
-    outputs = vp.all() + wp.all()
+    cursors = _bind_sampling(on_overflow, verify_plan_out, cap=cap, max_batch_size=mbs, r2t_shape=r2t.shape)
+    outputs = vp.all() + wp.all() + ([cursors] if cursors is not None else [])
     inputs = [v for v in (r2t, lut, pool) if v is not None]
     device_id = check_same_device(outputs + inputs)
     out_spans = spans(outputs)
@@ -92,9 +94,40 @@ def bind_static(
         verify_capacity=cap,
         write_req_capacity=r_cap,
         max_batch_size=mbs,
+        verify_cursors=cursors,
         device_id=device_id,
         output_spans=Spans(out_spans, device_id),
     )
+
+
+ON_OVERFLOW = ("sample", "skip")
+
+
+def _bind_sampling(on_overflow: Any, verify_plan_out: VerifyPlan, *, cap: int, max_batch_size: int,
+                   r2t_shape: tuple[int, int]) -> ArrayView | None:
+    """Check ``on_overflow`` and, when sampling, view ``verify_cursors`` (SPEC 3.7); ``None`` for ``"skip"``."""
+    if on_overflow not in ON_OVERFLOW:
+        raise fail(ValueError, f"on_overflow: expected 'sample' (verify verify_capacity entries of a step that has "
+                               f"more, rotating) or 'skip' (verify none of them), got {on_overflow!r}")
+    if on_overflow == "skip":
+        return None
+    max_reqs, max_seq_len = r2t_shape
+    if verify_plan_out.verify_cursors is None:
+        raise fail(ValueError, f"verify_plan_out.verify_cursors: expected a [max_reqs] = [{max_reqs}] int64 array "
+                               f"for on_overflow='sample' (the default; allocate it with VerifyPlan.allocate(..., "
+                               f"max_reqs={max_reqs})), or on_overflow='skip' (SGLang's: an overflowing step verifies "
+                               f"nothing), got None")
+    cursors = check_view(as_view(verify_plan_out.verify_cursors, "verify_plan_out.verify_cursors"), dtype=INT64,
+                         ndim=1, length=max_reqs, writable=True)
+    if cap < 1:
+        raise fail(ValueError, f"verify_capacity: expected >= 1 for on_overflow='sample' (a step samples "
+                               f"verify_capacity entries), got {cap}; use on_overflow='skip' for a plan that never "
+                               f"verifies")
+    # The sampled offsets multiply the capacity by a count of entries (at most bs * max_seq_len) in int64.
+    if cap * max(max_batch_size, 1) * max(max_seq_len, 1) >= 1 << 62:
+        raise fail(ValueError, f"verify_capacity: expected verify_capacity * max_batch_size * max_seq_len < 2**62 "
+                               f"for on_overflow='sample', got {cap} * {max_batch_size} * {max_seq_len}")
+    return cursors
 
 
 _BIND_PARAMETERS = inspect.signature(bind_static).parameters
@@ -139,6 +172,10 @@ class CanaryPlanner:
       every later row's tokens: the canary then reports violations on a clean run.
     - ``verify_capacity``: optional; must equal ``C`` when given.
     - ``max_batch_size``: largest ``bs`` accepted (default ``R``); sizes the planner's scratch.
+    - ``on_overflow``: what a step whose verify entries exceed ``C`` does (SPEC 3.7). ``"sample"`` (default):
+      verify ``C`` of them, chosen by a rotation kept in ``verify_plan_out.verify_cursors`` so that every cached
+      token is verified again within a bounded number of steps; status bit ``SAMPLED``, ``enable`` stays 1.
+      ``"skip"`` (SGLang's): verify none, status bit ``OVERFLOW``, ``enable = 0``.
     - ``backend``: ``"auto"``, ``"reference"``, ``"cupy"`` or ``"numba"`` (SPEC 3.5).
     - ``launch_config``: :class:`~canary.LaunchConfig` (the fused kernel's batch limit, simulator block sizes);
       engines keep the default, tests and benchmarks vary it.
@@ -267,7 +304,7 @@ class CanaryPlanner:
         if not check:
             return None
         status = PlanStatus(int(to_host(self.static.status.owner)[0]))
-        if status & ~PlanStatus.OVERFLOW:
+        if status & ~(PlanStatus.OVERFLOW | PlanStatus.SAMPLED):
             raise_for_status(status, self._first_bad_row(status, req_pool_indices, prefix_lens, extend_seq_lens,
                                                          req_to_verify_expected_tokens_valid_lens))
         return status
@@ -305,7 +342,8 @@ _OUTPUT_FIELDS = VERIFY_ENTRY_FIELDS + VERIFY_SCALAR_FIELDS + WRITE_FIELDS
 # nothing worth keeping, and their binding holds the caller's arrays: they bind per call.
 _BOUND: "OrderedDict[tuple, tuple]" = OrderedDict()
 _BOUND_CACHE_SIZE = 8
-_VIEW_FIELDS = ("req_to_token", "full_to_swa_index_mapping", "req_to_verify_expected_tokens") + _OUTPUT_FIELDS
+_VIEW_FIELDS = ("req_to_token", "full_to_swa_index_mapping", "req_to_verify_expected_tokens", "verify_cursors"
+                ) + _OUTPUT_FIELDS
 
 
 def _view_key(v: ArrayView | None) -> tuple:
@@ -349,6 +387,7 @@ def launch_canary_plan_kernels(
     req_to_verify_expected_tokens_valid_lens: Any = None,
     kv_token_id_vs_position_offset: int = 0,
     padding_rows_carry_tokens: bool = False,
+    on_overflow: str = "sample",
     backend: str = "auto",
     stream: Any = None,
     check: bool = False,
@@ -376,6 +415,7 @@ def launch_canary_plan_kernels(
         kv_token_id_vs_position_offset=kv_token_id_vs_position_offset,
         verify_capacity=verify_capacity,
         padding_rows_carry_tokens=padding_rows_carry_tokens,
+        on_overflow=on_overflow,
     )
     planner = _one_shot_planner(static, backend)
     return planner.plan(

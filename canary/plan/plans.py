@@ -42,7 +42,14 @@ class VerifyPlan:
 
     Fields (caller-owned, any NumPy / DLPack / CUDA-Array-Interface arrays):
     ``verify_slot_indices``, ``verify_expected_tokens``, ``verify_expected_positions``,
-    ``verify_prev_slot_indices``: ``[C]`` int64; ``verify_num_valid``, ``enable``, ``status``: ``[1]`` int32.
+    ``verify_prev_slot_indices``: ``[C]`` int64; ``verify_num_valid``, ``enable``, ``status``: ``[1]`` int32;
+    ``verify_cursors``: ``[max_reqs]`` int64 or ``None``, the sampled verification's rotation state (SPEC 3.7),
+    read and advanced by the planner on the device at every sampled step, so it must persist across steps:
+    entry ``rp`` is where request row ``rp``'s next sampled run starts (a position; any value is safe, one
+    outside the row's window restarts the run at the window's start), entry 0 (the padding row's, never a
+    request's) the first request of the rotation used when ``C`` is below the number of requests. Zeros are a
+    valid start. A planner bound with ``on_overflow="sample"`` (the default) needs it; the records' verify
+    never reads it.
     """
 
     verify_slot_indices: Any
@@ -52,15 +59,22 @@ class VerifyPlan:
     verify_num_valid: Any
     enable: Any
     status: Any
+    verify_cursors: Any = None
 
     @classmethod
-    def allocate(cls, *, verify_capacity: int, device: Any = "cpu", library: str | None = None) -> "VerifyPlan":
+    def allocate(cls, *, verify_capacity: int, device: Any = "cpu", library: str | None = None,
+                 max_reqs: int | None = None) -> "VerifyPlan":
         """Allocate zeroed buffers: NumPy for ``device="cpu"``; for a CUDA ordinal or ``"cuda:N"``, arrays of
         ``library`` (``"cupy"``, ``"torch"``, ``"numba"``; default CuPy, else Numba: see
         :func:`canary.interop.devices.allocator`). A torch engine passes ``library="torch"`` so that every later
-        call runs on torch's current stream by default. Raises ``ValueError`` for a negative capacity, an unknown
-        device or library, :class:`BackendUnavailableError` when the library is not installed."""
+        call runs on torch's current stream by default. ``max_reqs`` (``req_to_token.shape[0]``) also allocates
+        ``verify_cursors``, which a planner that samples (``on_overflow="sample"``, the default) needs; leave it
+        out for a plan only the records' verify reads. Raises ``ValueError`` for a negative capacity or
+        ``max_reqs``, an unknown device or library, :class:`BackendUnavailableError` when the library is not
+        installed."""
         _capacity("verify_capacity", verify_capacity)
+        if max_reqs is not None:
+            _capacity("max_reqs", max_reqs)
         empty = allocator(device, library)
         c = int(verify_capacity)
         return cls(
@@ -71,6 +85,7 @@ class VerifyPlan:
             verify_num_valid=empty(1, np.int32),
             enable=empty(1, np.int32),
             status=empty(1, np.int32),
+            verify_cursors=None if max_reqs is None else empty(int(max_reqs), np.int64),
         )
 
     def read_status(self) -> PlanStatus:
@@ -81,7 +96,8 @@ class VerifyPlan:
         """Sync, then raise :class:`CanaryInputError` if the last plan flagged an input fault.
 
         Returns the status otherwise (``OVERFLOW`` alone is a sizing signal, not an error: ``enable`` is 0
-        and ``verify_num_valid`` holds the capacity). The plan keeps only the status word, not the step's
+        and ``verify_num_valid`` holds the capacity; ``SAMPLED`` says ``verify_capacity`` entries were verified
+        out of more). The plan keeps only the status word, not the step's
         inputs, so the error's ``first_bad_row`` is ``None`` and its message says so: to have the first
         offending batch row named, plan with ``check=True`` (:meth:`CanaryPlanner.plan` or
         :func:`launch_canary_plan_kernels`), which recomputes it on the host from the inputs.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN = 1, 2, 4, 8, 16, 32
+OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN, SAMPLED = 1, 2, 4, 8, 16, 32, 64
 SKIP_SEED = -(1 << 63)
 MISSING_SLOT = -(1 << 62)
 
@@ -25,7 +25,9 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     - with ``case.padding_rows_carry_tokens``, a padding row with ``E > 0`` counts ``E`` write entries and gets
       the seed SKIP_SEED, unless ``E > max_seq_len`` (flagged BAD_EXTEND_LEN, wlen 0, seed -1): SPEC 3.2, 3.4;
     - an entry whose raw slot is > 0 and translates to 0 (an SWA page freed inside the window) gets the slot
-      MISSING_SLOT; its successor's prev and the seeds keep the 0 (SPEC 3.2).
+      MISSING_SLOT; its successor's prev and the seeds keep the 0 (SPEC 3.2);
+    - ``on_overflow="sample"`` (SPEC 3.7): ``total > C`` sets SAMPLED (whatever else is set); the entries and the
+      cursors (``outputs["verify_cursors"]``, advanced in the returned copy) only when no row is untrusted.
     """
     out = {k: np.array(v, copy=True) for k, v in outputs.items()}
     r2t = case.req_to_token
@@ -89,11 +91,15 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             entries.append((r, p))
 
     total = len(entries)
+    sample = getattr(case, "on_overflow", "skip") == "sample"
     if total > C:
-        status |= OVERFLOW
+        status |= SAMPLED if sample else OVERFLOW
+    untrusted = status & (BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_VALID_LEN | BAD_EXTEND_LEN)
+    if total > C and sample and not untrusted:
+        entries = _sample(case, entries, C, out["verify_cursors"])
 
     # Pass 2: the entries, only when they are to be written.
-    if total <= C and not status & (BAD_REQ_POOL_INDEX | BAD_PREFIX_LEN | BAD_VALID_LEN | BAD_EXTEND_LEN):
+    if (total <= C or sample) and not untrusted:
         for i, (r, p) in enumerate(entries):
             rp = int(case.req_pool_indices[r])
             raw = read_slot(rp, p)
@@ -133,6 +139,48 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out["write_num_valid_reqs"][0] = bs
 
     out["verify_num_valid"][0] = min(total, C)
-    out["enable"][0] = 1 if status == 0 else 0
+    out["enable"][0] = 1 if status & ~SAMPLED == 0 else 0
     out["status"][0] = status
     return out
+
+
+def _sample(case, entries: list[tuple[int, int]], C: int, cursors: np.ndarray) -> list[tuple[int, int]]:
+    """SPEC 3.7, one request at a time: the C entries of a sampled step, in batch-row order; advances
+    ``cursors`` in place."""
+    rows: dict[int, list[int]] = {}  # batch row -> its window's positions, in order
+    for r, p in entries:
+        rows.setdefault(r, []).append(p)
+    order = sorted(rows)
+    n, total = len(order), len(entries)
+    take = {}
+    if C >= n:
+        before = 0
+        firsts = []
+        for r in order:
+            firsts.append(len(firsts) + (C - n) * before // (total - n))
+            before += len(rows[r]) - 1
+        firsts.append(C)
+        take = {r: firsts[k + 1] - firsts[k] for k, r in enumerate(order)}
+    else:
+        head = int(cursors[0])
+        if not 0 <= head < n:
+            head = 0
+        for k, r in enumerate(order):
+            take[r] = 1 if (k - head) % n < C else 0
+        cursors[0] = (head + C) % n
+    chosen: list[tuple[int, int]] = []
+    new_cursor: dict[int, int] = {}
+    for r in order:
+        window = rows[r]
+        rp = int(case.req_pool_indices[r])
+        at = int(cursors[rp])
+        run = window.index(at) if at in window else 0
+        for j in range(take[r]):
+            chosen.append((r, window[(run + j) % len(window)]))
+        if take[r]:
+            cand = window[(run + take[r]) % len(window)]
+            new_cursor[rp] = max(new_cursor.get(rp, cand), cand)
+    for rp, c in new_cursor.items():
+        cursors[rp] = c
+    assert len(chosen) == C
+    return chosen

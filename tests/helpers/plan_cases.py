@@ -53,10 +53,14 @@ OUTPUTS = (
 )
 VERIFY_FIELDS = OUTPUTS[:7]
 WRITE_FIELDS = OUTPUTS[7:]
+# The planner's state, read and advanced by a sampled step (SPEC 3.7): compared like an output, but it starts
+# from the case's ``cursors``, not from the poison.
+STATE = ("verify_cursors",)
+BUFFERS = OUTPUTS + STATE
 _INT32_OUTPUTS = ("verify_num_valid", "enable", "status", "write_num_valid_reqs")
 
 # Bits of the status word (SPEC 3.4), repeated here as plain ints so that cases stay plain data.
-OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN = 1, 2, 4, 8, 16, 32
+OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN, SAMPLED = 1, 2, 4, 8, 16, 32, 64
 SKIP_SEED = -(1 << 63)  # the write seed of a padding row that carries tokens (canary.SKIP_SEED)
 
 
@@ -94,6 +98,8 @@ class PlanCase:
     token_offset: int = 0  # kv_token_id_vs_position_offset
     padding_rows_carry_tokens: bool = False  # planner option (SPEC 3.2): padding rows' E counts in write_offsets
     max_batch_size: int | None = None  # planner option (None: write_req_capacity)
+    on_overflow: str = "sample"  # planner option (SPEC 3.7)
+    cursors: np.ndarray | None = None  # [max_reqs] int64 rotation state before the plan (None: zeros)
     expect_status: int | None = None  # what a hand case was built to produce
     notes: str = ""
 
@@ -112,6 +118,13 @@ class PlanCase:
             assert self.lut.dtype == np.int64 and self.lut.ndim == 1
         assert self.swa_window_size == 0 or self.lut is not None
         assert self.verify_capacity >= 0 and self.write_req_capacity >= 0  # bs > R: a host-side error case
+        assert self.on_overflow in ("sample", "skip")
+        if self.cursors is not None:
+            assert self.cursors.dtype == np.int64 and self.cursors.shape == (r2t.shape[0],)
+
+    @property
+    def initial_cursors(self) -> np.ndarray:
+        return np.zeros(self.max_reqs, np.int64) if self.cursors is None else self.cursors.copy()
 
     @property
     def bs(self) -> int:
@@ -137,6 +150,7 @@ class PlanCase:
             req_to_verify_expected_tokens=None if self.pool is None else conv(self.pool),
             kv_token_id_vs_position_offset=self.token_offset,
             padding_rows_carry_tokens=self.padding_rows_carry_tokens,
+            on_overflow=self.on_overflow,
         )
 
     def step_kwargs(self, conv: Callable[[np.ndarray], Any] = lambda a: a) -> dict[str, Any]:
@@ -152,6 +166,7 @@ class PlanCase:
         lines = [
             f"PlanCase {self.name!r}: bs={self.bs} C={self.verify_capacity} R={self.write_req_capacity} "
             f"W={self.swa_window_size} off={self.token_offset} carry={self.padding_rows_carry_tokens} "
+            f"on_overflow={self.on_overflow} "
             f"r2t={self.req_to_token.shape} "
             f"(row stride {self.req_to_token.strides[0] // 4}) lut={None if self.lut is None else self.lut.shape} "
             f"pool={None if self.pool is None else self.pool.shape}",
@@ -161,6 +176,8 @@ class PlanCase:
         ]
         if self.valid_lens is not None:
             lines.append(f"  vl={self.valid_lens.tolist()[:32]}")
+        if self.cursors is not None:
+            lines.append(f"  cursors={self.cursors.tolist()[:32]}")
         return "\n".join(lines)
 
     __repr__ = describe
@@ -234,6 +251,8 @@ def make_case(
     R: int | None = None,
     max_batch_size: int | None = None,
     carry: bool = False,
+    on_overflow: str = "sample",
+    cursors: Sequence[int] | None = None,
     expect_status: int | None = 0,
     notes: str = "",
 ) -> PlanCase:
@@ -258,11 +277,14 @@ def make_case(
         vl = _i64([r[3] if len(r) > 3 else pool.shape[1] for r in rows])
     if C is None:
         C = count_entries(rpi, P, W, r2t.shape, None if pool is None else pool.shape[0], E=E)
+    if int(C) == 0:
+        on_overflow = "skip"  # a planner that samples needs C >= 1 (SPEC 3.3)
     return PlanCase(
         name=name, req_to_token=r2t, req_pool_indices=rpi, prefix_lens=P, extend_seq_lens=E,
         verify_capacity=int(C), write_req_capacity=int(len(rows) + 2 if R is None else R),
         lut=lut, pool=pool, valid_lens=vl, swa_window_size=W, token_offset=off,
-        max_batch_size=max_batch_size, padding_rows_carry_tokens=carry, expect_status=expect_status, notes=notes,
+        max_batch_size=max_batch_size, padding_rows_carry_tokens=carry, on_overflow=on_overflow,
+        cursors=None if cursors is None else _i64(cursors), expect_status=expect_status, notes=notes,
     )
 
 
@@ -513,6 +535,68 @@ def hand_cases() -> list[PlanCase]:
     # ---- big batches
     add(_big_batch("big_batch_5000", 5000, seed=5000))
     add(_big_batch("big_batch_4097_swa_pool", 4097, seed=4097, W=5, pool=True, off=1))
+
+    # Every overflow case above runs as SGLang's skip; its twin samples (SPEC 3.7).
+    for c in list(cases):
+        if c.expect_status is not None and c.expect_status & OVERFLOW:
+            cases[cases.index(c)] = c.replace(on_overflow="skip")
+            if c.verify_capacity > 0:
+                add(c.replace(name=c.name + "_sampled", expect_status=(c.expect_status & ~OVERFLOW) | SAMPLED,
+                              notes="on_overflow='sample': " + c.notes))
+    cases.extend(sampled_hand_cases())
+    return cases
+
+
+def sampled_hand_cases() -> list[PlanCase]:
+    """SPEC 3.7: budgets from 1 entry to total - 1 on a few layouts, cursors inside, at the edge of and outside
+    the windows, the request rotation (C < n), SWA, pools, a request row listed twice."""
+    cases: list[PlanCase] = []
+    S = SAMPLED
+    r2t = std_r2t(max_reqs=6, max_seq_len=8)
+    layouts = {
+        "decode": [(1, 5, 1), (2, 3, 1), (3, 8, 0), (4, 1, 1)],  # total 17, n = 4
+        "padding": [(0, 9, 9), (1, 4, 1), (0, -1, 2), (2, 6, 2), (3, 0, 1), (4, 2, 1)],  # total 12, n = 3
+    }
+    cursor_sets = {
+        "zero": [0] * 6,
+        "inside": [0, 3, 2, 7, 0, 1],
+        "edge": [5, 4, 2, 0, 1, 0],  # row 1 at its last position, row 2 one past its window, head 5 (>= n)
+        "garbage": [-(1 << 63), (1 << 63) - 1, -1, 1 << 40, 8, -(1 << 62)],
+    }
+    for lname, rows in layouts.items():
+        total = count_entries(_i64([r[0] for r in rows]), _i64([r[1] for r in rows]), 0, r2t.shape)
+        for C in range(1, total):
+            for cname, cur in cursor_sets.items():
+                if cname != "zero" and C not in (1, 2, 3, 4, total // 2, total - 1):
+                    continue
+                cases.append(make_case(f"sampled_{lname}_C{C}_{cname}", rows, r2t=r2t, C=C, cursors=cur,
+                                       expect_status=S))
+    lut_freed = _lut_without(103)
+    cases += [
+        make_case("sampled_swa_window_wrap", [(1, 8, 0), (2, 6, 1)], W=3, C=4, cursors=[0, 7, 4, 0, 0, 0],
+                  expect_status=S, notes="windows [5, 8) and [3, 6): row 1 from 7 wraps to 5, keeping 4 as 5's "
+                                         "predecessor"),
+        make_case("sampled_swa_missing", [(1, 6, 1), (2, 7, 1)], lut=lut_freed, W=4, C=3, cursors=[0, 3, 0, 0, 0, 0],
+                  expect_status=S, notes="position 3 of row 1 maps to 0 inside the window: MISSING_SLOT"),
+        make_case("sampled_pool_offset", [(1, 6, 1, 4), (2, 7, 1, 8)], pool=True, off=1, C=5,
+                  cursors=[0, 5, 2, 0, 0, 0], expect_status=S),
+        make_case("sampled_lut_bad_slot", [(1, 4, 1), (2, 3, 1)], lut=std_lut(lut_len=120), C=3,
+                  expect_status=S | BAD_SLOT, notes="slots r2t[1, *] = 10x; r2t[2, *] = 20x > lut_len"),
+        make_case("sampled_duplicate_row", [(1, 6, 1), (1, 4, 1), (2, 5, 1)], C=6, cursors=[0, 2, 0, 0, 0, 0],
+                  expect_status=S, notes="row 1 twice (an engine fault): the larger new cursor wins"),
+        make_case("sampled_bad_rows_keep_cursors", [(1, 6, 1), (-1, 4, 1), (2, 5, 1)], C=3,
+                  cursors=[0, 2, 3, 0, 0, 0], expect_status=S | BAD_REQ_POOL_INDEX,
+                  notes="an untrusted row: no entries, the cursors stay"),
+        make_case("sampled_rotation_wraps", [(1, 3, 1), (2, 3, 1), (3, 3, 1), (4, 3, 1), (5, 3, 1)], C=2,
+                  cursors=[4, 0, 0, 0, 0, 0], expect_status=S, notes="C < n, head 4: ranks 4 and 0 take one each"),
+        make_case("sampled_four_rows", [(1, 8, 0), (2, 7, 1), (3, 6, 1), (4, 5, 1)], C=9, max_batch_size=4,
+                  cursors=[0, 6, 6, 1, 4, 0], expect_status=S),
+    ]
+    cases.append(_big_batch("big_batch_5000_sampled", 5000, seed=5001).replace(
+        verify_capacity=777, expect_status=S, cursors=np.random.default_rng(7).integers(-3, 30, 301)))
+    cases.append(_big_batch("big_batch_4097_swa_pool_sampled", 4097, seed=4098, W=5, pool=True, off=1).replace(
+        verify_capacity=3001, expect_status=S))
+    cases.append(_big_batch("big_batch_600_rotation", 600, seed=600).replace(verify_capacity=200, expect_status=S))
     return cases
 
 
@@ -620,6 +704,7 @@ def random_case(
     padding_rows_carry_tokens: bool | None = None,
     fault_prob: float = 0.0,
     capacity: str = "any",
+    on_overflow: str | None = None,
     strided_r2t: bool | None = None,
     max_reqs: tuple[int, int] = (2, 10),
     max_seq_len: tuple[int, int] = (1, 40),
@@ -634,7 +719,9 @@ def random_case(
     None for a coin flip; when on, padding rows get token counts that fit a row, E too long being a fault),
     ``fault_prob`` (per-row chance of a bad rp / P / E / valid_len, and a
     tenth of it per slot value of one beyond the LUT), ``capacity``: ``"tight"`` (total-1, total or total+1),
-    ``"loose"`` (total .. total+16), ``"any"`` (0 .. 2*total+2).
+    ``"loose"`` (total .. total+16), ``"any"`` (0 .. 2*total+2), ``"sampled"`` (1 .. total-1 when total > 1);
+    ``on_overflow``: ``"sample"``, ``"skip"`` or None (mostly sample; skip when C = 0, which cannot sample). The
+    rotation state starts zero, inside the rows' windows, or as garbage.
     """
     src = _source(rng_or_draw)
     bulk = np.random.default_rng(src.seed())  # bulk values: not worth shrinking element by element
@@ -729,14 +816,25 @@ def random_case(
         C = total + src.int(0, 16)
     elif capacity == "any":
         C = src.int(0, 2 * total + 2)
+    elif capacity == "sampled":
+        C = src.int(1, total - 1) if total > 1 else src.int(0, 2)
     else:
-        raise ValueError(f"capacity: expected 'tight', 'loose' or 'any', got {capacity!r}")
+        raise ValueError(f"capacity: expected 'tight', 'loose', 'any' or 'sampled', got {capacity!r}")
+    mode = on_overflow or ("skip" if src.chance(0.2) else "sample")
+    if C == 0:
+        mode = "skip"
+    cursors = None
+    kind = src.int(0, 2)
+    if kind == 1:
+        cursors = bulk.integers(-1, seq_len + 1, size=n_reqs).astype(np.int64)
+    elif kind == 2:
+        cursors = bulk.choice(np.array(garbage + [0, 1, 2, 3], dtype=np.int64), size=n_reqs)
     R = n + src.int(0, 3)
     return PlanCase(
         name=name, req_to_token=r2t, req_pool_indices=rpi_a, prefix_lens=P_a, extend_seq_lens=E_a,
         verify_capacity=C, write_req_capacity=R, lut=lut_arr, pool=pool_arr,
         valid_lens=_i64(VL) if use_pool else None, swa_window_size=W, token_offset=off,
-        padding_rows_carry_tokens=carry,
+        padding_rows_carry_tokens=carry, on_overflow=mode, cursors=cursors,
     )
 
 
@@ -767,6 +865,8 @@ RULE_KNOBS = [
     dict(padding_fraction=0.6, padding_rows_carry_tokens=True, fault_prob=0.1),
     dict(capacity="tight"),
     dict(fault_prob=0.15),
+    dict(capacity="sampled", on_overflow="sample"),
+    dict(capacity="sampled", on_overflow="sample", swa=True, pool=True, padding_fraction=0.4),
 ]
 # The GPU matrices: the rules, and batch sizes on both sides of the fused / two-pass boundary.
 GPU_RANDOM_KNOBS = RULE_KNOBS + [
@@ -775,6 +875,8 @@ GPU_RANDOM_KNOBS = RULE_KNOBS + [
     dict(bs=(4000, 5000), max_seq_len=(1, 30), max_reqs=(50, 400)),
     dict(bs=(2000, 2500), max_seq_len=(1, 30), max_reqs=(50, 400), padding_fraction=0.3,
          padding_rows_carry_tokens=True),
+    dict(bs=(1, 300), max_seq_len=(1, 600), capacity="sampled", on_overflow="sample"),
+    dict(bs=(900, 1100), max_seq_len=(1, 40), max_reqs=(50, 400), capacity="sampled", on_overflow="sample"),
     dict(swa=True, pool=True, fault_prob=0.05, strided_r2t=True),
 ]
 
@@ -855,7 +957,8 @@ def to_numpy(obj: Any) -> np.ndarray:
 
 
 def poisoned_outputs(case: PlanCase, poison: Poison = POISON) -> dict[str, np.ndarray]:
-    """The 10 output buffers as NumPy arrays filled with ``poison``."""
+    """The 10 output buffers as NumPy arrays filled with ``poison``, and the state (``STATE``) as the case
+    gives it."""
     C, R = case.verify_capacity, case.write_req_capacity
     sizes = dict(verify_slot_indices=C, verify_expected_tokens=C, verify_expected_positions=C,
                  verify_prev_slot_indices=C, verify_num_valid=1, enable=1, status=1, write_offsets=R + 1,
@@ -866,6 +969,7 @@ def poisoned_outputs(case: PlanCase, poison: Poison = POISON) -> dict[str, np.nd
             out[name] = np.full(sizes[name], poison.i32, dtype=np.int32)
         else:
             out[name] = np.full(sizes[name], poison.i64, dtype=np.int64)
+    out["verify_cursors"] = case.initial_cursors
     return out
 
 
@@ -874,7 +978,7 @@ def make_plans(case: PlanCase, xp: str = "numpy", poison: Poison = POISON):
     from canary import VerifyPlan, WritePlan
 
     raw = {name: to_xp(a, xp) for name, a in poisoned_outputs(case, poison).items()}
-    vp = VerifyPlan(**{k: raw[k] for k in VERIFY_FIELDS})
+    vp = VerifyPlan(**{k: raw[k] for k in VERIFY_FIELDS}, verify_cursors=raw["verify_cursors"])
     wp = WritePlan(**{k: raw[k] for k in WRITE_FIELDS})
     return vp, wp, raw
 
@@ -913,7 +1017,7 @@ def run_case(
                                    backend=backend, stream=stream, check=check, **static, **step)
     else:
         raise ValueError(f"api: expected 'planner' or 'launch', got {api!r}")
-    return {name: to_numpy(raw[name]) for name in OUTPUTS}
+    return {name: to_numpy(raw[name]) for name in BUFFERS}
 
 
 def expected_outputs(case: PlanCase, poison: Poison = POISON) -> dict[str, np.ndarray]:
@@ -926,6 +1030,7 @@ def expected_outputs(case: PlanCase, poison: Poison = POISON) -> dict[str, np.nd
         token_offset=case.token_offset, req_pool_indices=case.req_pool_indices, prefix_lens=case.prefix_lens,
         extend_seq_lens=case.extend_seq_lens, valid_lens=case.valid_lens, out=out,
         padding_rows_carry_tokens=case.padding_rows_carry_tokens,
+        cursors=out["verify_cursors"] if case.on_overflow == "sample" else None,
     )
     return out
 
@@ -935,7 +1040,7 @@ def _fmt(v) -> str:
     return f"{v} (0x{v & 0xFFFFFFFFFFFFFFFF:x})" if abs(v) > 1 << 24 else str(v)
 
 
-def diff_outputs(got: dict[str, np.ndarray], want: dict[str, np.ndarray], names: Sequence[str] = OUTPUTS) -> list[str]:
+def diff_outputs(got: dict[str, np.ndarray], want: dict[str, np.ndarray], names: Sequence[str] = BUFFERS) -> list[str]:
     """Readable differences between two output dicts (empty when byte-identical)."""
     lines = []
     for name in names:
@@ -956,7 +1061,7 @@ def diff_outputs(got: dict[str, np.ndarray], want: dict[str, np.ndarray], names:
 
 
 def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray], case: PlanCase | None = None,
-                names: Sequence[str] = OUTPUTS) -> None:
+                names: Sequence[str] = BUFFERS) -> None:
     """Assert two output dicts are byte-identical; the message names the first differing index per buffer."""
     lines = diff_outputs(got, want, names)
     if lines:

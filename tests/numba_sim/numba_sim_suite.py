@@ -27,7 +27,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
     pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (tests/numba_sim/test_numba_sim.py does)", allow_module_level=True)
 
 from helpers.plan_cases import (  # noqa: E402
-    OUTPUTS, POISON, POISON_ALT, RULE_KNOBS, PlanCase, assert_same, expected_outputs, hand_case, hand_cases, make_plans,
+    BUFFERS, OUTPUTS, POISON, POISON_ALT, RULE_KNOBS, PlanCase, assert_same, expected_outputs, hand_case, hand_cases, make_plans,
     plan_cases, poisoned_outputs, random_case,
 )
 
@@ -69,7 +69,7 @@ def run_numba(case: PlanCase, path: str = FUSED, poison=POISON, threads=None) ->
     bound.warmup()
     bound.launch(step_args(case), 0)
     assert not bound.scratch[:2].any(), f"scratch counters not re-armed: {bound.scratch[:4]}"
-    return {k: raw[k].copy() for k in OUTPUTS}
+    return {k: raw[k].copy() for k in BUFFERS}
 
 
 def check_case(case: PlanCase, path: str, poison=POISON, threads=None) -> None:
@@ -174,7 +174,7 @@ def test_refill_in_place_and_switch_paths():
             raw[k][...] = v
         bound.launch(step_args(case), 0)
         assert not bound.scratch[:2].any(), (call, bound.scratch[:4])
-        assert_same({k: raw[k].copy() for k in OUTPUTS}, expected_outputs(case), case)
+        assert_same({k: raw[k].copy() for k in BUFFERS}, expected_outputs(case), case)
 
 
 def test_read_only_inputs():

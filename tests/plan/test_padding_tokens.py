@@ -145,7 +145,7 @@ def _run_engine(*, finished_row: int, engine_carries: bool, planner_carries: boo
     r2t = _r2t()
     rng = np.random.default_rng(finished_row)
     tokens = rng.integers(0, 32000, size=(NUM_ROWS, MAX_SEQ_LEN))  # the token of each (request, position)
-    vp = VerifyPlan.allocate(verify_capacity=4 * MAX_SEQ_LEN)
+    vp = VerifyPlan.allocate(verify_capacity=4 * MAX_SEQ_LEN, max_reqs=r2t.shape[0])
     wp = WritePlan.allocate(write_req_capacity=4)
     planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, req_to_token=r2t,
                             padding_rows_carry_tokens=planner_carries, backend="reference")

@@ -27,7 +27,7 @@ def _call_and_drop(case, xp: str, check: bool) -> list:
         import cupy
 
         cupy.cuda.get_current_stream().synchronize()
-    arrays = list(raw.values()) + [v for v in {**static, **step}.values() if not isinstance(v, int) and v is not None]
+    arrays = list(raw.values()) + [v for v in {**static, **step}.values() if not isinstance(v, (int, str)) and v is not None]
     return [weakref.ref(a) for a in arrays]
 
 

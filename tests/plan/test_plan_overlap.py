@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 from helpers.overlap import overlap_message, place, share, to_numpy
-from helpers.plan_cases import OUTPUTS, VERIFY_FIELDS, WRITE_FIELDS, make_case, poisoned_outputs
+from helpers.plan_cases import BUFFERS as OUTPUTS, VERIFY_FIELDS, WRITE_FIELDS, make_case, poisoned_outputs
 
 from canary import CanaryPlanner, VerifyPlan, WritePlan, launch_canary_plan_kernels
 
@@ -21,7 +21,7 @@ APIS = ["planner", "launch"]
 
 
 def qualified(field: str) -> str:
-    if field in VERIFY_FIELDS:
+    if field in VERIFY_FIELDS + ("verify_cursors",):
         return f"verify_plan_out.{field}"
     if field in WRITE_FIELDS:
         return f"write_plan_out.{field}"
@@ -41,7 +41,7 @@ def arrays(xp: str) -> dict:
 
 
 def call(a: dict, api: str):
-    vp = VerifyPlan(**{f: a[f] for f in VERIFY_FIELDS})
+    vp = VerifyPlan(**{f: a[f] for f in VERIFY_FIELDS}, verify_cursors=a["verify_cursors"])
     wp = WritePlan(**{f: a[f] for f in WRITE_FIELDS})
     static = dict(verify_plan_out=vp, write_plan_out=wp, swa_window_size=a["swa_window_size"],
                   **{k: a[k] for k in STATIC_INPUTS})
@@ -129,7 +129,7 @@ def test_inputs_may_share_memory():
 def test_step_buffer_checked_again_when_it_changes():
     """The per-step check runs on each new buffer: a planner that planned fine refuses a later overlapping step."""
     a = arrays("numpy")
-    vp = VerifyPlan(**{f: a[f] for f in VERIFY_FIELDS})
+    vp = VerifyPlan(**{f: a[f] for f in VERIFY_FIELDS}, verify_cursors=a["verify_cursors"])
     wp = WritePlan(**{f: a[f] for f in WRITE_FIELDS})
     planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, swa_window_size=2,
                             **{k: a[k] for k in STATIC_INPUTS})
@@ -145,7 +145,7 @@ def test_cached_step_view_still_refuses_a_new_overlapping_tensor():
     """CuPy step arrays are cached by identity: a new object over an output's memory is seen and refused."""
     cupy = pytest.importorskip("cupy")
     a = arrays("cupy")
-    vp = VerifyPlan(**{f: a[f] for f in VERIFY_FIELDS})
+    vp = VerifyPlan(**{f: a[f] for f in VERIFY_FIELDS}, verify_cursors=a["verify_cursors"])
     wp = WritePlan(**{f: a[f] for f in WRITE_FIELDS})
     planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, swa_window_size=2,
                             **{k: a[k] for k in STATIC_INPUTS})

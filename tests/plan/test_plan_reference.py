@@ -12,6 +12,7 @@ from helpers.plan_cases import (
     OVERFLOW,
     POISON,
     POISON_ALT,
+    SAMPLED,
     SKIP_SEED,
     PlanCase,
     assert_same,
@@ -59,7 +60,7 @@ def test_hand_case_reference_matches_naive(case):
 
 def test_hand_cases_cover_every_status_bit_and_size():
     statuses = [int(expected_outputs(c)["status"][0]) for c in HAND]
-    for bit in (OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN):
+    for bit in (OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN, SAMPLED):
         assert any(s & bit for s in statuses), bit
     sizes = {c.bs for c in HAND}
     assert {0, 1}.issubset(sizes) and max(sizes) > 4096
@@ -449,7 +450,7 @@ def test_random_faulty_cases_match_naive(case):
     want = naive(case, POISON_ALT)
     assert_same(expected_outputs(case, POISON_ALT), want, case)
     status = int(want["status"][0])
-    assert want["enable"][0] == (1 if status == 0 else 0)
+    assert want["enable"][0] == (1 if status & ~SAMPLED == 0 else 0)
     assert want["verify_num_valid"][0] == min(count_entries(case.req_pool_indices, case.prefix_lens,
                                                             case.swa_window_size, case.req_to_token.shape,
                                                             None if case.pool is None else case.pool.shape[0],
@@ -474,7 +475,7 @@ def test_random_case_generator_is_varied():
     rng = np.random.default_rng(0)
     cases = [random_case(rng, fault_prob=0.3) for _ in range(300)]
     statuses = {int(expected_outputs(c)["status"][0]) for c in cases}
-    for bit in (OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN):
+    for bit in (OVERFLOW, BAD_REQ_POOL_INDEX, BAD_PREFIX_LEN, BAD_SLOT, BAD_VALID_LEN, BAD_EXTEND_LEN, SAMPLED):
         assert any(s & bit for s in statuses), bit
     assert 0 in statuses
     slots = np.concatenate([c.req_to_token.reshape(-1) for c in cases])
@@ -488,4 +489,4 @@ def test_random_case_generator_is_varied():
     assert any((expected_outputs(c)["write_seed_slot_indices"][: c.bs] == SKIP_SEED).any() for c in carried)
     # no faults: no input-error bits
     clean = [random_case(rng, fault_prob=0.0) for _ in range(200)]
-    assert all(int(expected_outputs(c)["status"][0]) & ~OVERFLOW == 0 for c in clean)
+    assert all(int(expected_outputs(c)["status"][0]) & ~(OVERFLOW | SAMPLED) == 0 for c in clean)

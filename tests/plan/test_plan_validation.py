@@ -427,22 +427,26 @@ def test_device_arrays_with_the_reference_backend():
     fake = {}
     for key in ("req_to_token", "full_to_swa_index_mapping", "req_to_verify_expected_tokens"):
         fake[key] = _fake_device_view(static[key], key)
-    vp = VerifyPlan(**{f: _fake_device_view(getattr(static["verify_plan_out"], f), f) for f in VERIFY_FIELDS})
+    vp = VerifyPlan(**{f: _fake_device_view(getattr(static["verify_plan_out"], f), f)
+                       for f in VERIFY_FIELDS + ("verify_cursors",)})
     wp = WritePlan(**{f: _fake_device_view(getattr(static["write_plan_out"], f), f) for f in WRITE_FIELDS})
     raises(ValueError, CanaryPlanner, "backend", "'reference'", "cuda:0", backend="reference", verify_plan_out=vp,
            write_plan_out=wp, **fake)
 
 
 def test_allocate():
-    vp = VerifyPlan.allocate(verify_capacity=5)
+    assert VerifyPlan.allocate(verify_capacity=5).verify_cursors is None  # a plan only the records' verify reads
+    vp = VerifyPlan.allocate(verify_capacity=5, max_reqs=6)
     assert [getattr(vp, f).shape for f in VERIFY_FIELDS] == [(5,)] * 4 + [(1,)] * 3
     assert [getattr(vp, f).dtype for f in VERIFY_FIELDS] == [np.int64] * 4 + [np.int32] * 3
+    assert vp.verify_cursors.shape == (6,) and vp.verify_cursors.dtype == np.int64 and not vp.verify_cursors.any()
     wp = WritePlan.allocate(write_req_capacity=3, device="cpu")
     assert [getattr(wp, f).shape for f in WRITE_FIELDS] == [(4,), (3,), (1,)]
     assert [getattr(wp, f).dtype for f in WRITE_FIELDS] == [np.int64, np.int64, np.int32]
     planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, req_to_token=std_r2t())
     assert (planner.verify_capacity, planner.write_req_capacity, planner.max_batch_size) == (5, 3, 3)
     raises(ValueError, VerifyPlan.allocate, "verify_capacity", "-1", verify_capacity=-1)
+    raises(ValueError, VerifyPlan.allocate, "max_reqs", "-1", verify_capacity=1, max_reqs=-1)
     raises(ValueError, WritePlan.allocate, "write_req_capacity", "-2", write_req_capacity=-2)
     raises(ValueError, VerifyPlan.allocate, "device", "'tpu'", verify_capacity=1, device="tpu")
 
@@ -488,15 +492,18 @@ def test_check_true_bad_slot():
         vp.check()
 
 
-def test_check_true_overflow_alone_returns_status():
+@pytest.mark.parametrize("on_overflow, bit, enable", [("skip", PlanStatus.OVERFLOW, 0),
+                                                      ("sample", PlanStatus.SAMPLED, 1)])
+def test_check_true_overflow_alone_returns_status(on_overflow, bit, enable):
     _, static, step, raw = setup(C=2)
+    static = {**static, "on_overflow": on_overflow}
     for api in APIS:
         if api == "launch":
-            assert launch_canary_plan_kernels(**static, **step, check=True) == PlanStatus.OVERFLOW
+            assert launch_canary_plan_kernels(**static, **step, check=True) == bit
         else:
-            assert plan_with(static, step, check=True) == PlanStatus.OVERFLOW
-    assert raw["enable"][0] == 0 and raw["verify_num_valid"][0] == 2
-    assert static["verify_plan_out"].check() == PlanStatus.OVERFLOW
+            assert plan_with(static, step, check=True) == bit
+    assert raw["enable"][0] == enable and raw["verify_num_valid"][0] == 2
+    assert static["verify_plan_out"].check() == bit
 
 
 def test_check_true_ok_returns_ok():
@@ -512,7 +519,39 @@ def test_verify_plan_check():
     with pytest.raises(CanaryInputError) as info:
         static["verify_plan_out"].check()
     msg = str(info.value)
-    assert msg.startswith("kv-canary:") and "OVERFLOW" in msg and "BAD_REQ_POOL_INDEX" in msg and "got 3" in msg
-    assert info.value.status == PlanStatus.OVERFLOW | PlanStatus.BAD_REQ_POOL_INDEX
+    assert msg.startswith("kv-canary:") and "SAMPLED" in msg and "BAD_REQ_POOL_INDEX" in msg and "got 66" in msg
+    assert info.value.status == PlanStatus.SAMPLED | PlanStatus.BAD_REQ_POOL_INDEX
     assert info.value.first_bad_row is None  # check() has only the status word
     assert isinstance(info.value, RuntimeError)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# on_overflow and verify_cursors (SPEC 3.3, 3.7)
+
+
+def test_sampling_needs_its_state():
+    _, static, step, _raw = setup()
+    vp = static["verify_plan_out"]
+    bare = VerifyPlan(**{f: getattr(vp, f) for f in VERIFY_FIELDS})
+    raises(ValueError, CanaryPlanner, "verify_plan_out.verify_cursors", "max_reqs=6", "got None",
+           **{**static, "verify_plan_out": bare})
+    CanaryPlanner(**{**static, "verify_plan_out": bare, "on_overflow": "skip"}).plan(**step)  # skip needs none
+    raises(ValueError, CanaryPlanner, "on_overflow", "'sample'", "'drop'", **{**static, "on_overflow": "drop"})
+    short = VerifyPlan(**{f: getattr(vp, f) for f in VERIFY_FIELDS}, verify_cursors=np.zeros(5, np.int64))
+    raises(ValueError, CanaryPlanner, "verify_plan_out.verify_cursors", "6", "5",
+           **{**static, "verify_plan_out": short})
+    narrow = VerifyPlan(**{f: getattr(vp, f) for f in VERIFY_FIELDS}, verify_cursors=np.zeros(6, np.int32))
+    raises(TypeError, CanaryPlanner, "verify_plan_out.verify_cursors", "int64", "int32",
+           **{**static, "verify_plan_out": narrow})
+    frozen = np.zeros(6, np.int64)
+    frozen.flags.writeable = False
+    ro = VerifyPlan(**{f: getattr(vp, f) for f in VERIFY_FIELDS}, verify_cursors=frozen)
+    raises(ValueError, CanaryPlanner, "verify_plan_out.verify_cursors", **{**static, "verify_plan_out": ro})
+
+
+def test_sampling_refuses_a_zero_capacity_and_products_past_int64():
+    _, static, _step, _raw = setup()
+    empty = VerifyPlan.allocate(verify_capacity=0, max_reqs=6)
+    raises(ValueError, CanaryPlanner, "verify_capacity", ">= 1", "got 0", **{**static, "verify_plan_out": empty})
+    CanaryPlanner(**{**static, "verify_plan_out": empty, "on_overflow": "skip"})
+    raises(ValueError, CanaryPlanner, "verify_capacity", "2**62", **{**static, "max_batch_size": 1 << 60})

@@ -24,7 +24,7 @@ def _run(cleared: tuple[tuple[int, int], ...]) -> tuple[list, np.ndarray, Verify
     r2t[1:] = np.arange(1, (ROWS - 1) * MAX_SEQ_LEN + 1).reshape(ROWS - 1, MAX_SEQ_LEN)
     lut = np.zeros(NUM_FULL, dtype=np.int64)
     lut[1:] = np.random.default_rng(0).permutation(np.arange(1, NUM_FULL))  # SWA slots, 0 kept for padding
-    vp = VerifyPlan.allocate(verify_capacity=64)
+    vp = VerifyPlan.allocate(verify_capacity=64, max_reqs=ROWS)
     wp = WritePlan.allocate(write_req_capacity=2)
     planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, req_to_token=r2t, swa_window_size=W,
                             full_to_swa_index_mapping=lut, backend="reference")

@@ -50,6 +50,7 @@ class Bound:
             num_valid=s.verify_num_valid.ptr, enable=s.enable.ptr, status=s.status.ptr,
             write_offsets=s.write_offsets.ptr, seeds=s.write_seed_slot_indices.ptr,
             write_num_valid_reqs=s.write_num_valid_reqs.ptr, scratch=self.scratch.data.ptr,
+            cursors=0 if s.verify_cursors is None else s.verify_cursors.ptr, sample=int(s.sample),
         )
         # The struct's bytes, word by word: a call rewrites the five per-step words and costs no argument
         # conversion at all.

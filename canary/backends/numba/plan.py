@@ -150,6 +150,7 @@ class Bound:
             pool_a = inp(_host_flat(pool) if has_pool else np.zeros(1, np.int32))
             self._dummy_i64 = inp(np.zeros(1, np.int64))
             out = {name: getattr(s, name).host for name in _OUTPUTS}
+            cursors_a = s.verify_cursors.host if s.sample else np.zeros(1, np.int64)
             occupancy = (BLOCKS_PER_SM, BLOCKS_PER_SM)
         else:
             self._gpu = cuda.gpus[self.device_id]
@@ -169,6 +170,9 @@ class Bound:
                 for name in _OUTPUTS:
                     v = getattr(s, name)
                     out[name] = device_array(v.ptr, v.shape[0], v.dtype, owner=v.owner)
+                cur = s.verify_cursors
+                cursors_a = (device_array(cur.ptr, cur.shape[0], np.int64, owner=cur.owner) if s.sample
+                             else cuda.to_device(np.zeros(1, np.int64)))  # never read with sample = 0
                 occupancy = (_occupancy(kernels[0], self.entry_threads), _occupancy(kernels[2], self.entry_threads))
         self._fused, self._rows, self._entries = kernels
         self.grid_fused = entry_grid(s.verify_capacity, sms, occupancy[0], self.entry_threads)
@@ -185,6 +189,7 @@ class Bound:
             num_valid=out["verify_num_valid"], enable=out["enable"], status=out["status"],
             write_offsets=out["write_offsets"], seeds=out["write_seed_slot_indices"],
             write_num_valid_reqs=out["write_num_valid_reqs"], scratch=self.scratch,
+            cursors=cursors_a, sample=int(s.sample),
         )
         # The launch arguments after the per-step ones, in PlanParams order.
         self._static_args = tuple(values[name] for name in plan_numba.PARAM_FIELDS[len(plan_numba.STEP_FIELDS):])

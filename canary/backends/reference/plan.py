@@ -32,6 +32,66 @@ def translate(raw: np.ndarray, lut: np.ndarray | None) -> tuple[np.ndarray, bool
     return out, bool(bad.any())
 
 
+def _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, rp, row, pos) -> PlanStatus:
+    """Entries ``[0, len(pos))``: batch row ``row``, request row ``rp``, position ``pos`` each (SPEC 3.2)."""
+    n = pos.shape[0]
+    raw = req_to_token[rp, pos].astype(np.int64)
+    slot, bad_slot = translate(raw, lut)
+    # A real slot mapped to 0: its SWA page was freed inside the window. Left as 0, verify would skip it as
+    # padding; predecessors and seeds keep the 0 (outside the window, eviction is legitimate).
+    slot = np.where((raw > 0) & (slot == 0), np.int64(MISSING_SLOT), slot)
+    has_prev = pos > 0
+    prev_raw = np.where(has_prev, req_to_token[rp, np.maximum(pos - 1, 0)].astype(np.int64), -1)
+    prev, bad_prev = translate(prev_raw, lut)
+    expected = np.full(n, -1, dtype=np.int64)
+    if pool is not None:
+        col = pos + int(token_offset)
+        ok = (col >= 0) & (col < np.asarray(valid_lens, dtype=np.int64)[row])
+        expected[ok] = pool[rp[ok], col[ok]]  # gather only in-range columns (pool_cols may be 0)
+    out["verify_slot_indices"][:n] = slot
+    out["verify_expected_tokens"][:n] = expected
+    out["verify_expected_positions"][:n] = pos
+    out["verify_prev_slot_indices"][:n] = prev
+    return PlanStatus.BAD_SLOT if bad_slot or bad_prev else PlanStatus.OK
+
+
+def sampled_entries(count: np.ndarray, start: np.ndarray, rpi: np.ndarray, cursors: np.ndarray, cap: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The ``cap`` entries of a sampled step (SPEC 3.7) as (batch row, position) pairs; advances ``cursors``.
+
+    ``count[r]`` / ``start[r]``: the verify entries and window start of each batch row (0 entries for padding
+    and flagged rows), ``total = count.sum() > cap >= 1``.
+    """
+    nonempty = count > 0
+    n = int(nonempty.sum())
+    rank = np.cumsum(nonempty) - nonempty  # nonempty rows before r
+    total = int(count.sum())
+    if cap >= n:
+        # One entry per request, the other cap - n split in proportion to count - 1 by rounding the running sum.
+        rest = np.where(nonempty, count - 1, 0)
+        before = np.cumsum(rest) - rest
+        first = rank + ((cap - n) * before) // (total - n)
+        take = np.diff(np.append(first, cap))
+    else:
+        # One entry for each of cap requests, taken in turn; entry 0 remembers whose turn it is.
+        head = int(cursors[0]) if 0 <= int(cursors[0]) < n else 0
+        take = (nonempty & ((rank - head) % n < cap)).astype(np.int64)
+        first = np.cumsum(take) - take
+        cursors[0] = (head + cap) % n
+    taking = take > 0
+    rp = rpi[taking]
+    lo, length, k = start[taking], count[taking], take[taking]
+    at = cursors[rp]
+    run = np.where((at >= lo) & (at < lo + length), at - lo, 0)  # a cursor outside the window restarts it
+    row = np.repeat(np.flatnonzero(taking), k)
+    j = np.arange(cap, dtype=np.int64) - np.repeat(first[taking], k)
+    pos = np.repeat(lo, k) + (np.repeat(run, k) + j) % np.repeat(length, k)
+    # A request row listed twice in one batch (an engine fault) keeps the larger of its new cursors.
+    cursors[rp] = np.iinfo(np.int64).min
+    np.maximum.at(cursors, rp, lo + (run + k) % length)
+    return row, pos
+
+
 def plan_arrays(
     *,
     req_to_token: np.ndarray,
@@ -45,8 +105,13 @@ def plan_arrays(
     valid_lens: np.ndarray | None,
     out: dict[str, np.ndarray],
     padding_rows_carry_tokens: bool = False,
+    cursors: np.ndarray | None = None,
 ) -> None:
-    """Build one plan into the arrays of ``out`` (keys: the field names of ``VerifyPlan`` and ``WritePlan``)."""
+    """Build one plan into the arrays of ``out`` (keys: the field names of ``VerifyPlan`` and ``WritePlan``).
+
+    ``cursors``: the ``[max_reqs]`` int64 rotation state of a planner that samples (SPEC 3.7), read and
+    advanced in place; ``None`` for ``on_overflow="skip"``.
+    """
     rpi = np.asarray(req_pool_indices, dtype=np.int64)
     prefix = np.asarray(prefix_lens, dtype=np.int64)
     ext = np.asarray(extend_seq_lens, dtype=np.int64)
@@ -78,34 +143,18 @@ def plan_arrays(
     start = np.maximum(prefix - w, 0) if w > 0 else np.zeros_like(prefix)
     count = np.where(good, prefix - start, 0)
     total = int(count.sum())
+    rows_ok = not (status & no_entries)
     if total > cap:
-        status |= PlanStatus.OVERFLOW
-    if total <= cap and not (status & no_entries):
+        status |= PlanStatus.SAMPLED if cursors is not None else PlanStatus.OVERFLOW
+    sampled = total > cap and cursors is not None and rows_ok  # the cursors advance only over trusted rows
+    if sampled:
+        row, pos = sampled_entries(count, start, rpi, cursors, cap)
+    elif rows_ok and total <= cap:
         row = np.repeat(np.arange(bs, dtype=np.int64), count)
         first = np.cumsum(count) - count
         pos = start[row] + (np.arange(total, dtype=np.int64) - first[row])
-        rp = rpi[row]
-        raw = req_to_token[rp, pos].astype(np.int64)
-        slot, bad_slot = translate(raw, lut)
-        # A real slot mapped to 0: its SWA page was freed inside the window. Left as 0, verify would skip it as
-        # padding; predecessors and seeds keep the 0 (outside the window, eviction is legitimate).
-        slot = np.where((raw > 0) & (slot == 0), np.int64(MISSING_SLOT), slot)
-        has_prev = pos > 0
-        prev_raw = np.where(has_prev, req_to_token[rp, np.maximum(pos - 1, 0)].astype(np.int64), -1)
-        prev, bad_prev = translate(prev_raw, lut)
-        if bad_slot or bad_prev:
-            status |= PlanStatus.BAD_SLOT
-        if pool is None:
-            expected = np.full(total, -1, dtype=np.int64)
-        else:
-            col = pos + int(token_offset)
-            ok = (col >= 0) & (col < np.asarray(valid_lens, dtype=np.int64)[row])
-            expected = np.full(total, -1, dtype=np.int64)
-            expected[ok] = pool[rp[ok], col[ok]]  # gather only in-range columns (pool_cols may be 0)
-        out["verify_slot_indices"][:total] = slot
-        out["verify_expected_tokens"][:total] = expected
-        out["verify_expected_positions"][:total] = pos
-        out["verify_prev_slot_indices"][:total] = prev
+    if sampled or (rows_ok and total <= cap):
+        status |= _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, rpi[row], row, pos)
 
     # Write side: offsets count every active row with E > 0 except those flagged 32 (their E would wrap the
     # offsets), and the padding rows' E when their tokens sit among the step's tokens; seeds need a
@@ -126,7 +175,7 @@ def plan_arrays(
     out["write_num_valid_reqs"][0] = bs
 
     out["verify_num_valid"][0] = min(total, cap)
-    out["enable"][0] = 1 if status == PlanStatus.OK else 0
+    out["enable"][0] = 1 if status & ~PlanStatus.SAMPLED == PlanStatus.OK else 0
     out["status"][0] = int(status)
 
 
@@ -142,6 +191,7 @@ class Bound:
         self.out = {name: getattr(static, name).host for name in _OUTPUTS}
         self.lut = None if static.full_to_swa_index_mapping is None else static.full_to_swa_index_mapping.host
         self.pool = None if static.req_to_verify_expected_tokens is None else static.req_to_verify_expected_tokens.host
+        self.cursors = None if static.verify_cursors is None else static.verify_cursors.host
 
     def launch(self, step: StepArgs, stream: int) -> None:
         s = self.static
@@ -157,6 +207,7 @@ class Bound:
             valid_lens=None if step.valid_lens is None else step.valid_lens.host,
             out=self.out,
             padding_rows_carry_tokens=s.padding_rows_carry_tokens,
+            cursors=self.cursors,
         )
 
     def warmup(self) -> None:
