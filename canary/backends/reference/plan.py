@@ -45,8 +45,12 @@ def plan_arrays(
     valid_lens: np.ndarray | None,
     out: dict[str, np.ndarray],
     padding_rows_carry_tokens: bool = False,
+    pool_indices: np.ndarray | None = None,
 ) -> None:
-    """Build one plan into the arrays of ``out`` (keys: the field names of ``VerifyPlan`` and ``WritePlan``)."""
+    """Build one plan into the arrays of ``out`` (keys: the field names of ``VerifyPlan`` and ``WritePlan``).
+
+    ``pool_indices``: ``expected_token_pool_indices`` (SPEC 3.2), the pool row of each batch row; ``None``: the
+    pool is keyed by ``req_pool_indices``."""
     rpi = np.asarray(req_pool_indices, dtype=np.int64)
     prefix = np.asarray(prefix_lens, dtype=np.int64)
     ext = np.asarray(extend_seq_lens, dtype=np.int64)
@@ -54,10 +58,13 @@ def plan_arrays(
     cap = out["verify_slot_indices"].shape[0]
     r_cap = out["write_seed_slot_indices"].shape[0]
     max_reqs, max_seq_len = req_to_token.shape
-    rp_bound = max_reqs if pool is None else min(max_reqs, pool.shape[0])
+    q = None if pool is None or pool_indices is None else np.asarray(pool_indices, dtype=np.int64)
+    # Keyed by req_pool_indices, one index bounds both tables; keyed apart, each index is bounded by its own.
+    rp_bound = max_reqs if pool is None or q is not None else min(max_reqs, pool.shape[0])
     checks = row_checks(
         rpi, prefix, ext, valid_lens, rp_bound=rp_bound, max_seq_len=max_seq_len,
         pool_cols=None if pool is None else pool.shape[1], padding_rows_carry_tokens=padding_rows_carry_tokens,
+        pool_indices=q, pool_rows=0 if pool is None else pool.shape[0],
     )
     good = checks.good
 
@@ -101,7 +108,8 @@ def plan_arrays(
             col = pos + int(token_offset)
             ok = (col >= 0) & (col < np.asarray(valid_lens, dtype=np.int64)[row])
             expected = np.full(total, -1, dtype=np.int64)
-            expected[ok] = pool[rp[ok], col[ok]]  # gather only in-range columns (pool_cols may be 0)
+            qrow = rp if q is None else q[row]
+            expected[ok] = pool[qrow[ok], col[ok]]  # gather only in-range columns (pool_cols may be 0)
         out["verify_slot_indices"][:total] = slot
         out["verify_expected_tokens"][:total] = expected
         out["verify_expected_positions"][:total] = pos
@@ -157,6 +165,7 @@ class Bound:
             valid_lens=None if step.valid_lens is None else step.valid_lens.host,
             out=self.out,
             padding_rows_carry_tokens=s.padding_rows_carry_tokens,
+            pool_indices=None if step.pool_indices is None else step.pool_indices.host,
         )
 
     def warmup(self) -> None:
