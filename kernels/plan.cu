@@ -56,7 +56,7 @@ struct PlanParams {
     i64 bs;
     const int* req_to_token;
     i64 r2t_row_stride;
-    i64 rp_bound;          // min(max_reqs, pool_rows)
+    i64 rp_bound;          // max_reqs (the pool's rows bound the pool row q: row_facts)
     i64 max_seq_len;
     const i64* lut;
     i64 lut_len;
@@ -81,6 +81,9 @@ struct PlanParams {
     i64* scratch;
     i64* cursors;          // [max_reqs] rotation state of the sampled verification (SPEC 3.7)
     i64 sample;            // 1: on_overflow="sample" (cursors given); 0: "skip"
+    i64 pool_rows;
+    // Per step, HAS_POOL only: the pool row of each batch row (SPEC 3.2); null: req_pool_indices.
+    const i64* expected_token_pool_indices;
 };
 
 // T of SPEC 3.2: negative ids pass through; ids past the LUT are reported and become -1.
@@ -100,9 +103,9 @@ struct Row {
 };
 
 // rp, e and len are read for every row (padding rows' lengths may be stale garbage: they are read, never
-// trusted); valid_lens only for active rows, which is why it is loaded apart, after rp is known.
+// trusted); valid_lens and the pool row q only for active rows, which is why they are loaded apart, after rp.
 template <bool HAS_POOL>
-__device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64 len, i64 vl) {
+__device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64 len, i64 vl, i64 q) {
     Row f = {0, 0, 0, 0, 0};
     if (rp == 0) {  // padding row: only its E is ever trusted, and only when its tokens are among the step's
         if (p.padding_rows_carry_tokens && e > 0) {
@@ -114,6 +117,7 @@ __device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64
     f.rp = rp;
     f.len = len;
     if (rp < 0 || rp >= p.rp_bound) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
+    if (HAS_POOL && (q < 0 || q >= p.pool_rows)) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
     if (len < 0 || len > p.max_seq_len) f.flags |= CANARY_BAD_PREFIX_LEN;
     if (HAS_POOL && vl > p.pool_cols) f.flags |= CANARY_BAD_VALID_LEN;
     // The new tokens must fit the row: e > room, never len + e, which garbage such as 2^62 would wrap.
@@ -135,7 +139,7 @@ struct RowTable {
     i64* off;     // [bs + 1] exclusive scan of the verify counts (sampled: of the takes)
     i64* base;    // rp * r2t_row_stride + window_start - off[r]   (sampled: + run)
     i64* pdelta;  // window_start - off[r]                         (sampled: + run)
-    i64* pbase;   // rp * pool_row_stride                           (HAS_POOL)
+    i64* pbase;   // q * pool_row_stride                            (HAS_POOL)
     i64* vlim;    // valid_lens[r]                                  (HAS_POOL)
     i64* lo;      // window_start
     i64* len;     // verify count of the row (its window length)
@@ -197,21 +201,24 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
     int flags = 0, bad = 0;
     for (i64 group = 0; group < bs; group += (i64)THREADS * ROW_BATCH) {  // uniform: the scans have barriers
         Row f[ROW_BATCH];
-        i64 rp[ROW_BATCH], e[ROW_BATCH], len[ROW_BATCH], vl[ROW_BATCH], seed[ROW_BATCH];
+        i64 rp[ROW_BATCH], e[ROW_BATCH], len[ROW_BATCH], vl[ROW_BATCH], seed[ROW_BATCH], q[ROW_BATCH];
 #pragma unroll
         for (int k = 0; k < ROW_BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
-            rp[k] = 0; e[k] = 0; len[k] = 0; vl[k] = 0;
+            rp[k] = 0; e[k] = 0; len[k] = 0; vl[k] = 0; q[k] = 0;
             if (r < bs) { rp[k] = p.req_pool_indices[r]; e[k] = p.extend_seq_lens[r]; len[k] = p.prefix_lens[r]; }
         }
 #pragma unroll
         for (int k = 0; k < ROW_BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
-            if (HAS_POOL && r < bs && rp[k] != 0) vl[k] = p.valid_lens[r];
+            if (HAS_POOL && r < bs && rp[k] != 0) {
+                vl[k] = p.valid_lens[r];
+                q[k] = p.expected_token_pool_indices ? p.expected_token_pool_indices[r] : rp[k];
+            }
         }
 #pragma unroll
         for (int k = 0; k < ROW_BATCH; ++k) {
-            f[k] = row_facts<HAS_POOL>(p, rp[k], e[k], len[k], vl[k]);
+            f[k] = row_facts<HAS_POOL>(p, rp[k], e[k], len[k], vl[k], q[k]);
             seed[k] = -1;
             if (WRITE_SIDE && f[k].wlen > 0 && rp[k] == 0) seed[k] = CANARY_SKIP_SEED;
             else if (WRITE_SIDE && f[k].wlen > 0 && f[k].len > 0 &&
@@ -236,7 +243,7 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                     t.base[r] = f[k].rp * p.r2t_row_stride + start - voff;
                     t.pdelta[r] = start - voff;
                     if (HAS_POOL) {
-                        t.pbase[r] = f[k].rp * p.pool_row_stride;
+                        t.pbase[r] = q[k] * p.pool_row_stride;
                         t.vlim[r] = vl[k];
                     }
                 }

@@ -42,6 +42,8 @@ Deliberate differences from plan.cu (speed structure only; the outputs are the s
   simulator, one Python thread per CUDA thread, runs the same code with small blocks, at least one warp).
   plan.cu's ``WRITE_SIDE`` template flag is a runtime argument. An absent LUT / pool / valid_lens is a
   one-element dummy array (plan.cu gets a null pointer); the specialization never reads it.
+- ``expected_token_pool_indices``, absent, is ``req_pool_indices`` itself (plan.cu: a null pointer, read as
+  that array).
 - Output parameters become returned tuples (``translate`` returns ``(value, bad)``); the row table is one
   int64 array with a base index and a stride (``tab[t0 + k * tn + r]``) instead of a struct of pointers.
 
@@ -108,11 +110,15 @@ PARAMS = (
     ("write_req_capacity", _I64),
     ("slots", _A64), ("expected", _A64), ("positions", _A64), ("prevs", _A64), ("num_valid", _A32),
     ("enable", _A32), ("status", _A32), ("write_offsets", _A64), ("seeds", _A64),
-    ("write_num_valid_reqs", _A32), ("scratch", _A64), ("cursors", _A64), ("sample", _I64),
+    ("write_num_valid_reqs", _A32), ("scratch", _A64), ("cursors", _A64), ("sample", _I64), ("pool_rows", _I64),
+    ("expected_token_pool_indices", _A64),
 )
 PARAM_FIELDS = tuple(name for name, _ in PARAMS)
 SIGNATURE = "void({})".format(", ".join(ty for _, ty in PARAMS))
-STEP_FIELDS = PARAM_FIELDS[:5]  # what changes per call; the rest is bound once
+STEP_FIELDS = PARAM_FIELDS[:5]  # what changes per call; the rest is bound once, but for STEP_TAIL
+# Per step too, appended to the struct after the bound fields. No null pointer here: when absent, the host
+# passes req_pool_indices itself, which is what plan.cu reads for a null pointer.
+STEP_TAIL = PARAM_FIELDS[-1:]
 
 
 def suffix(has_lut: bool, has_pool: bool) -> str:
@@ -167,7 +173,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return lut[raw], int64(0)
 
     @cuda.jit(device=True)
-    def row_facts(rp, e, length, vl, rp_bound, max_seq_len, pool_cols, window, padding_rows_carry_tokens):
+    def row_facts(rp, e, length, vl, rp_bound, max_seq_len, pool_cols, window, padding_rows_carry_tokens, q,
+                  pool_rows):
         """plan.cu's Row: ``(vcount, wlen, flags)``: verify entries, write entries, status bits the row raises.
         A padding row (rp == 0) has none, except its write entries when its tokens are among the step's (its
         lengths may be stale garbage otherwise)."""
@@ -180,6 +187,9 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         flags = int64(0)
         if rp < 0 or rp >= rp_bound:
             flags |= CANARY_BAD_REQ_POOL_INDEX
+        if HAS_POOL:
+            if q < 0 or q >= pool_rows:
+                flags |= CANARY_BAD_REQ_POOL_INDEX
         if length < 0 or length > max_seq_len:
             flags |= CANARY_BAD_PREFIX_LEN
         if HAS_POOL:
@@ -247,7 +257,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         def scan_rows(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                       r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window,
                       padding_rows_carry_tokens, write_req_capacity, write_offsets, seeds, write_num_valid_reqs,
-                      tab, t0, tn, write_side):
+                      tab, t0, tn, write_side, pool_rows, pool_indices):
             """Scan all rows with THREADS threads, ROW_BATCH consecutive rows per thread per batch, carrying
             the running sums across batches; a batch's loads (then its seeds) are issued together.
 
@@ -265,6 +275,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             vc = cuda.local.array(ROW_BATCH, int64)
             wl = cuda.local.array(ROW_BATCH, int64)
             seed = cuda.local.array(ROW_BATCH, int64)
+            q = cuda.local.array(ROW_BATCH, int64)
             vcarry = int64(0)
             wcarry = int64(0)
             ncarry = int64(0)
@@ -279,6 +290,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                     e[k] = 0
                     ln[k] = 0
                     vl[k] = 0
+                    q[k] = 0
                     if r < bs:
                         rp[k] = req_pool_indices[r]
                         e[k] = extend_seq_lens[r]
@@ -287,12 +299,13 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                     for k in range(ROW_BATCH):
                         if r0 + k < bs and rp[k] != 0:
                             vl[k] = valid_lens[r0 + k]
+                            q[k] = pool_indices[r0 + k]
                 vsum = int64(0)
                 wsum = int64(0)
                 nsum = int64(0)
                 for k in range(ROW_BATCH):
                     v, w, f = row_facts(rp[k], e[k], ln[k], vl[k], rp_bound, max_seq_len, pool_cols, window,
-                                        padding_rows_carry_tokens)
+                                        padding_rows_carry_tokens, q[k], pool_rows)
                     vc[k] = v
                     wl[k] = w
                     vsum += v
@@ -321,7 +334,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                             tab[t0 + tn + r] = rp[k] * r2t_row_stride + start - voff
                             tab[t0 + 2 * tn + r] = start - voff
                             if HAS_POOL:
-                                tab[t0 + 3 * tn + r] = rp[k] * pool_row_stride
+                                tab[t0 + 3 * tn + r] = q[k] * pool_row_stride
                                 tab[t0 + 4 * tn + r] = vl[k]
                         if write_side:
                             write_offsets[r] = woff
@@ -554,14 +567,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                           r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                           token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                           slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                          write_num_valid_reqs, scratch, cursors, sample):
+                          write_num_valid_reqs, scratch, cursors, sample, pool_rows,
+                          expected_token_pool_indices):
         """bs <= FUSED_MAX_BS; any grid of ENTRY_THREADS-thread blocks."""
         tab = cuda.shared.array(FUSED_TABLE, int64)  # the row table, stride FUSED_MAX_BS + 1
         total, row_flags, seed_bad, requests = scan_rows_entry(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
             rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
             write_req_capacity, write_offsets, seeds, write_num_valid_reqs, tab, 0, _FUSED_STRIDE,
-            cuda.blockIdx.x == 0)
+            cuda.blockIdx.x == 0, pool_rows, expected_token_pool_indices)
         sampled = sampling(sample, verify_capacity, row_flags, total)
         if not HAS_LUT and sample == 0:
             if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
@@ -581,14 +595,16 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                          r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                          token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                          slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                         write_num_valid_reqs, scratch, cursors, sample):
+                         write_num_valid_reqs, scratch, cursors, sample, pool_rows,
+                         expected_token_pool_indices):
         """Grid 1, block ROWS_THREADS: scans, seeds, row table and row flags into the scratch; for a sampled
         step also the sampled table and the cursors' advance (this block is the cursors' only reader)."""
         tn = write_req_capacity + 1
         total, row_flags, seed_bad, requests = scan_rows_rows(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
             rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
-            write_req_capacity, write_offsets, seeds, write_num_valid_reqs, scratch, SCRATCH_TABLE, tn, True)
+            write_req_capacity, write_offsets, seeds, write_num_valid_reqs, scratch, SCRATCH_TABLE, tn, True,
+            pool_rows, expected_token_pool_indices)
         row_flags |= CANARY_BAD_SLOT if seed_bad != 0 else 0
         if sampling(sample, verify_capacity, row_flags, total):
             sample_rows(req_pool_indices, bs, cursors, verify_capacity, scratch, SCRATCH_TABLE, tn, total, requests)
@@ -603,7 +619,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                             r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                             token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                             slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                            write_num_valid_reqs, scratch, cursors, sample):
+                            write_num_valid_reqs, scratch, cursors, sample, pool_rows,
+                            expected_token_pool_indices):
         """After canary_plan_rows; any grid of ENTRY_THREADS-thread blocks."""
         s_samples = cuda.shared.array(_SAMPLES_LEN, int64)
         row_flags = scratch[SCRATCH_ROW_FLAGS]

@@ -93,20 +93,28 @@ class StaticArgs:
 
     @property
     def req_pool_index_bound(self) -> int:
-        """Exclusive upper bound of a valid ``req_pool_indices`` value (SPEC 3.4 bit 2)."""
+        """Exclusive upper bound of a valid ``req_pool_indices`` value (SPEC 3.4 bit 2) when the pool is keyed
+        by ``req_pool_indices`` (no ``expected_token_pool_indices``)."""
         pool = self.req_to_verify_expected_tokens
         return self.max_reqs if pool is None else min(self.max_reqs, pool.shape[0])
+
+    @property
+    def pool_rows(self) -> int:
+        pool = self.req_to_verify_expected_tokens
+        return 0 if pool is None else pool.shape[0]
 
 
 @dataclass(frozen=True)
 class StepArgs:
-    """The per-step inputs, ``[bs]`` int64 each (``valid_lens`` present iff an expected-token pool is bound)."""
+    """The per-step inputs, ``[bs]`` int64 each (``valid_lens`` present iff an expected-token pool is bound;
+    ``pool_indices``, the optional ``expected_token_pool_indices``, only with a pool)."""
 
     req_pool_indices: ArrayView
     prefix_lens: ArrayView
     extend_seq_lens: ArrayView
     valid_lens: ArrayView | None
     bs: int
+    pool_indices: ArrayView | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ PARAM_FIELDS = (
     "verify_capacity", "write_req_capacity",
     "slots", "expected", "positions", "prevs", "num_valid", "enable", "status",
     "write_offsets", "seeds", "write_num_valid_reqs", "scratch", "cursors", "sample",
+    "pool_rows", "expected_token_pool_indices",
 )
 
 

@@ -229,7 +229,7 @@ class CanaryPlanner:
         """Compile and load everything a call needs, so that later calls only launch (graph-capturable)."""
         self._bound.warmup()
 
-    def _step(self, rpi, prefix, ext, valid_lens, go: CallViews) -> StepArgs:
+    def _step(self, rpi, prefix, ext, valid_lens, go: CallViews, pool_indices=None) -> StepArgs:
         s = self.static
 
         def view(obj, name, length=None):
@@ -260,6 +260,16 @@ class CanaryPlanner:
         if valid_lens is not None:
             vl = view(valid_lens, "req_to_verify_expected_tokens_valid_lens", bs)
             views.append(vl)
+        q = None
+        if pool_indices is not None:
+            if not has_pool:
+                raise fail(
+                    ValueError,
+                    "expected_token_pool_indices: expected None because no expected-token pool "
+                    "(req_to_verify_expected_tokens) is bound, got an array",
+                )
+            q = view(pool_indices, "expected_token_pool_indices", bs)
+            views.append(q)
         if bs > s.write_req_capacity:
             raise fail(
                 ValueError, f"req_pool_indices: expected bs <= write_req_capacity = {s.write_req_capacity}, got bs = {bs}"
@@ -270,7 +280,7 @@ class CanaryPlanner:
             if v.device_id != s.device_id:
                 where = "host memory" if s.device_id < 0 else f"cuda:{s.device_id}"
                 raise fail(ValueError, f"{v.name}: expected the plan's device ({where}), got {v.where}")
-        return StepArgs(views[0], views[1], views[2], vl, bs)
+        return StepArgs(views[0], views[1], views[2], vl, bs, q)
 
     def plan(
         self,
@@ -279,13 +289,17 @@ class CanaryPlanner:
         prefix_lens: Any,
         extend_seq_lens: Any,
         req_to_verify_expected_tokens_valid_lens: Any = None,
+        expected_token_pool_indices: Any = None,
         stream: Any = None,
         check: bool = False,
     ) -> PlanStatus | None:
         """Build one step's plan into the bound buffers.
 
         Per-step arrays: ``[bs]`` int64 each, on the plan's device, not sharing memory with any output (checked
-        when a buffer is first seen; the same buffer as last step is not checked again). ``stream``: where the
+        when a buffer is first seen; the same buffer as last step is not checked again).
+        ``expected_token_pool_indices`` (only with an expected-token pool; ``None``: ``req_pool_indices``): the
+        pool row each batch row reads, so that an engine can key the pool by request identity rather than by
+        the reusable ``req_to_token`` row (SPEC 3.2). ``stream``: where the
         kernels run (default: the current stream of the library that owns the outputs); host arrays take none
         (``ValueError``). Host outputs made read-only after binding are refused before anything is written.
         Never syncs unless ``check=True``, which syncs and raises :class:`CanaryInputError` on input-fault status
@@ -299,25 +313,29 @@ class CanaryPlanner:
                 raise fail(ValueError, f"{name}: expected a writable output array, got a read-only "
                                        f"one (its writeable flag was cleared after the planner was bound); set "
                                        f"flags.writeable = True again, or bind writable buffers")
-        step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens, go)
+        step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens, go,
+                          expected_token_pool_indices)
         self._bound.launch(step, go.handle)
         if not check:
             return None
         status = PlanStatus(int(to_host(self.static.status.owner)[0]))
         if status & ~(PlanStatus.OVERFLOW | PlanStatus.SAMPLED):
             raise_for_status(status, self._first_bad_row(status, req_pool_indices, prefix_lens, extend_seq_lens,
-                                                         req_to_verify_expected_tokens_valid_lens))
+                                                         req_to_verify_expected_tokens_valid_lens,
+                                                         expected_token_pool_indices))
         return status
 
-    def _first_bad_row(self, status: PlanStatus, rpi, prefix, ext, valid_lens) -> int | None:
+    def _first_bad_row(self, status: PlanStatus, rpi, prefix, ext, valid_lens, pool_indices=None) -> int | None:
         """The first batch row the plan flagged, recomputed on the host from the step's inputs (a sync)."""
         s = self.static
         pool, lut = s.req_to_verify_expected_tokens, s.full_to_swa_index_mapping
         rpi, prefix, ext = to_host(rpi), to_host(prefix), to_host(ext)
+        q = None if pool_indices is None else to_host(pool_indices)
         c = row_checks(
             rpi, prefix, ext, None if valid_lens is None else to_host(valid_lens),
-            rp_bound=s.req_pool_index_bound, max_seq_len=s.max_seq_len,
+            rp_bound=s.req_pool_index_bound if q is None else s.max_reqs, max_seq_len=s.max_seq_len,
             pool_cols=None if pool is None else pool.shape[1], padding_rows_carry_tokens=s.padding_rows_carry_tokens,
+            pool_indices=q, pool_rows=s.pool_rows,
         )
         bad_slot = None
         if status & PlanStatus.BAD_SLOT and lut is not None:
@@ -385,6 +403,7 @@ def launch_canary_plan_kernels(
     verify_capacity: int | None = None,
     req_to_verify_expected_tokens: Any = None,
     req_to_verify_expected_tokens_valid_lens: Any = None,
+    expected_token_pool_indices: Any = None,
     kv_token_id_vs_position_offset: int = 0,
     padding_rows_carry_tokens: bool = False,
     on_overflow: str = "sample",
@@ -396,7 +415,8 @@ def launch_canary_plan_kernels(
 
     Same arguments as :class:`CanaryPlanner` plus the per-step arrays ``req_pool_indices``, ``prefix_lens``,
     ``extend_seq_lens`` (``[bs]`` int64, row 0 of ``req_to_token`` = padding) and
-    ``req_to_verify_expected_tokens_valid_lens`` (``[bs]`` int64, with the expected-token pool only).
+    ``req_to_verify_expected_tokens_valid_lens`` and ``expected_token_pool_indices`` (``[bs]`` int64, with the
+    expected-token pool only; the second optional, SPEC 3.2).
     ``verify_capacity`` must equal ``verify_plan_out.verify_slot_indices.shape[0]`` (``ValueError`` naming
     both). Validates everything on the host each call; on a GPU backend it keeps up to 8 bound launchers keyed
     by the static buffers' addresses and layouts (never the arrays themselves), so repeated calls on the same
@@ -423,6 +443,7 @@ def launch_canary_plan_kernels(
         prefix_lens=prefix_lens,
         extend_seq_lens=extend_seq_lens,
         req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+        expected_token_pool_indices=expected_token_pool_indices,
         stream=stream,
         check=check,
     )

@@ -6,6 +6,12 @@ the expected-token pool, verify the plan, store the step's KV bytes into the rea
 records, and drain the ring. Hooks run just before and just after the KV stores and the write, so that a fault
 injector (:mod:`canary.sim.faults`) can corrupt the step's entries, the KV bytes or ``req_to_token``.
 
+The expected-token pool is keyed by request identity by default (``pool_by_request``): each request owns a
+pool row from its first step to its last, handed to the planner as ``expected_token_pool_indices``, so that a
+``req_to_token`` row reused while a stale forward still reads it is caught (SPEC 3.2). Freed pool rows are
+reused first in, first out, after every other free row. ``pool_by_request=False`` keys the pool by the
+``req_to_token`` row, the planner's default.
+
 Arrays: ``xp`` is NumPy (host arrays, reference backend) or CuPy (GPU backends); every array op of the engine
 goes through ``xp`` and is vectorized over entries, so the same code runs on both. The scheduler, its
 ``req_to_token`` and LUT stay host NumPy (the caller mirrors them to the device for the planner).
@@ -16,6 +22,7 @@ float16 and 64 in a token-major V source ``[slots, 64]`` uint8, of which the can
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +73,10 @@ class StepData:
     Host NumPy (one value per active batch row): ``rows``, ``prefix``, ``extend``, ``continues`` (the request
     is still running after this step), ``offsets`` (``[n + 1]``: row ``i``'s entries are ``offsets[i]`` to
     ``offsets[i + 1]``). ``xp`` arrays (one value per entry): the rest. A before-write hook may change
-    ``out_cache_loc``, ``positions``, ``input_ids`` (what the canary write gets) and ``kv_request`` /
-    ``kv_position`` (whose KV bytes are stored); ``true_*`` stay what the plan expects.
+    ``out_cache_loc``, ``positions``, ``input_ids`` (what the canary write gets), ``write_expected_tokens``
+    (the write's token asserts: what the engine fed the forward, the true tokens unless a fault says otherwise)
+    and ``kv_request`` / ``kv_position`` (whose KV bytes are stored); ``true_*`` stay what the plan expects (the
+    pool already holds them).
     """
 
     step: Step
@@ -84,6 +93,7 @@ class StepData:
     input_ids: Any
     kv_request: Any
     kv_position: Any
+    write_expected_tokens: Any = None
 
     def last_entry(self, i: int) -> int:
         """Index of batch row ``i``'s last entry (every scheduled row has at least one)."""
@@ -110,7 +120,8 @@ class EngineKV:
     ``sched``: the scheduler whose steps are run (its tables size everything). ``xp``: ``numpy`` or ``cupy``.
     ``device``: ``"cpu"`` or a CUDA ordinal (where :class:`CanaryState` allocates). ``backend``: the
     :class:`CanaryRecords` / scatter backend. ``with_pool``: keep an expected-token pool (the planner must be bound
-    to :attr:`pool`, and each plan given :meth:`valid_lens`).
+    to :attr:`pool`, and each plan given :meth:`valid_lens` and :meth:`pool_indices`). ``pool_by_request``: the
+    pool's rows are owned by requests (module docstring), else by ``req_to_token`` rows.
     """
 
     def __init__(
@@ -124,6 +135,7 @@ class EngineKV:
         mode: RealKVMode | str = RealKVMode.ALL,
         ring_capacity: int = RING_CAPACITY,
         check_flags: CheckFlags | int = DEFAULT_CHECK_FLAGS,
+        pool_by_request: bool = True,
     ):
         self.sched = sched
         self.xp = xp
@@ -142,7 +154,14 @@ class EngineKV:
                                           device=device, check_flags=check_flags)
         self.canary = CanaryRecords(self.state, self.real_kv, backend=backend)
         self.canary.warmup()  # compile and load now, so no step's canary time includes it
-        self.pool = xp.zeros(self.r2t.shape, dtype=xp.int32) if with_pool else None
+        self.pool_by_request = bool(with_pool and pool_by_request)
+        rows = self.r2t.shape[0]
+        if self.pool_by_request:  # twice the running requests: a freed row waits for as many others
+            rows = 2 * sched.max_batch_size + 1
+            self._free_pool_rows = deque(range(1, rows))  # row 0 is the scatter's padding row
+            self._pool_row: dict[int, int] = {}
+            self._step_q: tuple[int, np.ndarray] | None = None
+        self.pool = xp.zeros((rows, self.r2t.shape[1]), dtype=xp.int32) if with_pool else None
 
     def valid_lens(self, step: Step) -> np.ndarray | None:
         """``req_to_verify_expected_tokens_valid_lens`` of the step (host; 0 for padding rows)."""
@@ -152,6 +171,32 @@ class EngineKV:
         valid = np.zeros(step.bs, dtype=np.int64)
         valid[:n] = step.prefix_lens[:n] + step.extend_seq_lens[:n]
         return valid
+
+    def pool_indices(self, step: Step) -> np.ndarray | None:
+        """``expected_token_pool_indices`` of the step (host; 0 for padding rows), or ``None`` when the pool is
+        keyed by ``req_to_token`` rows (or absent). A request's first step gives it a pool row."""
+        if not self.pool_by_request:
+            return None
+        if self._step_q is not None and self._step_q[0] == step.index:
+            return self._step_q[1]
+        q = np.zeros(step.bs, dtype=np.int64)
+        for i, req in enumerate(step.request_ids.tolist()):
+            row = self._pool_row.get(req)
+            if row is None:
+                row = self._pool_row[req] = self._free_pool_rows.popleft()
+            q[i] = row
+        self._step_q = (step.index, q)
+        return q
+
+    def pool_row(self, request: int) -> int:
+        """The pool row of a running request: its own, or its ``req_to_token`` row when keyed by rows."""
+        if self.pool_by_request:
+            return self._pool_row[int(request)]
+        return int(np.flatnonzero(self.sched.row_req == int(request))[0])
+
+    def _release_pool_rows(self, data: StepData) -> None:
+        for req in data.step.request_ids[~data.continues].tolist():
+            self._free_pool_rows.append(self._pool_row.pop(req))
 
     def host_slot(self, row: int, pos: int) -> int:
         """The canary slot of ``req_to_token[row, pos]`` (through the LUT in SWA mode)."""
@@ -181,7 +226,8 @@ class EngineKV:
         continues = self.sched.kv_len[step.request_ids] > prefix + extend
         return StepData(step=step, rows=rows, prefix=prefix, extend=extend, continues=continues, offsets=offsets,
                         request=req, true_positions=pos, true_tokens=toks, out_cache_loc=loc, positions=pos.copy(),
-                        input_ids=toks.copy(), kv_request=req.copy(), kv_position=pos.copy())
+                        input_ids=toks.copy(), kv_request=req.copy(), kv_position=pos.copy(),
+                        write_expected_tokens=toks.copy())
 
     def store_kv(self, slots: Any, req: Any, pos: Any) -> None:
         """The forward pass's KV stores: each token's bytes into its slot of K and V (slot < 0: none)."""
@@ -211,8 +257,10 @@ class EngineKV:
         xp = self.xp
         data = self.entries(step, req_to_token, lut)
         if self.pool is not None:
+            q = self.pool_indices(step)
             scatter_expected_tokens(req_to_verify_expected_tokens=self.pool,
-                                    req_pool_indices=xp.asarray(step.req_pool_indices), tokens=data.true_tokens,
+                                    req_pool_indices=xp.asarray(step.req_pool_indices if q is None else q),
+                                    tokens=data.true_tokens,
                                     token_offsets=write_plan.write_offsets,
                                     column_starts=xp.asarray(step.prefix_lens), backend=self.backend)
         self.canary.verify(verify_plan)
@@ -220,12 +268,14 @@ class EngineKV:
             before_write(self, data)
         self.store_kv(data.out_cache_loc, data.kv_request, data.kv_position)
         self.canary.write(write_plan, out_cache_loc=data.out_cache_loc, input_ids=data.input_ids,
-                          positions=data.positions, expected_input_ids=data.true_tokens,
+                          positions=data.positions, expected_input_ids=data.write_expected_tokens,
                           expected_positions=data.true_positions)
         if after_write is not None:
             after_write(self, data)
         # Rows outside the step did not change, so copying the step's rows keeps prev_r2t == req_to_token.
         self.prev_r2t[data.rows] = self.r2t[data.rows]
+        if self.pool_by_request:
+            self._release_pool_rows(data)
         report = self.canary.drain()
         enable = int(to_host(verify_plan.enable)[0])
         nv = int(to_host(verify_plan.verify_num_valid)[0])
@@ -253,6 +303,7 @@ class Engine:
         pad_buckets: tuple[int, ...] = (4, 8, 16),
         swa_window: int = 0,
         with_pool: bool = True,
+        pool_by_request: bool = True,
         mode: RealKVMode | str = RealKVMode.ALL,
         ring_capacity: int = RING_CAPACITY,
         verify_capacity: int = 1 << 16,
@@ -268,7 +319,7 @@ class Engine:
         self.on_host = xp is np
         device = "cpu" if self.on_host else xp.cuda.Device().id
         self.kv = EngineKV(s, xp=xp, device=device, backend=backend, with_pool=with_pool, mode=mode,
-                           ring_capacity=ring_capacity, check_flags=check_flags)
+                           ring_capacity=ring_capacity, check_flags=check_flags, pool_by_request=pool_by_request)
         r_cap = max((*pad_buckets, max_batch_size))
         self.vplan = VerifyPlan.allocate(verify_capacity=verify_capacity, device=device)
         self.wplan = WritePlan.allocate(write_req_capacity=r_cap, device=device)
@@ -298,10 +349,11 @@ class Engine:
             self.dev_r2t[xp.asarray(rows)] = xp.asarray(self.kv.r2t[rows])
             if self.dev_lut is not None:
                 self.dev_lut.set(self.kv.lut)
-        valid = self.kv.valid_lens(step)
+        valid, q = self.kv.valid_lens(step), self.kv.pool_indices(step)
         self.planner.plan(req_pool_indices=xp.asarray(step.req_pool_indices), prefix_lens=xp.asarray(step.prefix_lens),
                           extend_seq_lens=xp.asarray(step.extend_seq_lens),
-                          req_to_verify_expected_tokens_valid_lens=None if valid is None else xp.asarray(valid))
+                          req_to_verify_expected_tokens_valid_lens=None if valid is None else xp.asarray(valid),
+                          expected_token_pool_indices=None if q is None else xp.asarray(q))
         log = self.kv.run(step, self.vplan, self.wplan, req_to_token=self.dev_r2t, lut=self.dev_lut,
                           before_write=before_write, after_write=after_write)
         self.logs.append(log)

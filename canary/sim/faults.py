@@ -1,6 +1,6 @@
 """Fault injectors for the simulated engine (:mod:`canary.sim.engine`): the corruptions the canary must catch.
 
-Seven kinds, each a hook on one step (``KIND@STEP`` on the command line):
+Nine kinds, each a hook on one step (``KIND@STEP`` on the command line):
 
 | kind | when | what |
 | --- | --- | --- |
@@ -11,6 +11,8 @@ Seven kinds, each a hook on one step (``KIND@STEP`` on the command line):
 | ``stale-row`` | after the write | ``req_to_token`` keeps a finished request's slot where a reused row got a new one |
 | ``zero-kv`` | after the write | a cached position of a running request is pointed to a slot no request ever wrote |
 | ``swa-evict`` | after the write | the LUT entry of a running request's cached position inside its window is cleared |
+| ``spec-reject`` | before the write | a decoding request's new token is a rejected draft: KV and record (and the write's assert) get the draft, the pool the accepted token |
+| ``row-recycle`` | after the write | a running request's ``req_to_token`` row gets another running request's slots (the row reused while still read) |
 
 ``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the
 request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never
@@ -18,6 +20,16 @@ handed out, taken out of the pool for good. ``swa-evict`` is an SWA page freed w
 the plan gives that position ``MISSING_SLOT`` and verify reports ``MISSING``. It needs a sliding window
 (``--swa-window``): without one there is no LUT to clear, and the fault is never applied (``not applied (needs
 --swa-window)``), which fails the run like any fault never applied.
+
+``spec-reject`` and ``row-recycle`` leave self-consistent records (chain, positions and real KV agree): only the
+expected-token pool sees them. ``spec-reject`` is speculative decoding's rejected draft left in the KV: the
+forward was fed the draft, so the write's own token assert agrees with it, and the pool holds the accepted
+token (the engine scatters accepted tokens only). ``row-recycle`` is overlap scheduling handing a request's
+``req_to_token`` row to another request while a forward of the first still reads it: the row now names the
+other request's slots and records. With the engine's pool keyed by request (the default) the first request's
+pool row still holds its own tokens; keyed by the row (``pool_by_request=False``), the other request's tokens
+are scattered into that pool row too, as its own steps would do, and nothing fires: the blind spot that
+``expected_token_pool_indices`` closes.
 
 A fault that cannot be applied at its step (no running request with a cached prefix, no reused row...) is
 applied at the first later step where it can. Each picks requests that no earlier fault touched, and positions
@@ -199,6 +211,44 @@ def _swa_evict(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
     return False
 
 
+def _spec_reject(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    for i in _candidates(d, taken):
+        if d.extend[i] != 1 or d.prefix[i] == 0:  # a decode step: its token is the one a draft proposed
+            continue
+        k = d.last_entry(i)
+        q = int(d.prefix[i])
+        tok = int(token_of(d.step.request_ids[i], q))
+        draft = tok ^ 0x2A5  # any other 15-bit token
+        d.input_ids[k] = draft
+        d.write_expected_tokens[k] = draft  # what the forward was fed: the write's assert agrees
+        slot = int(d.out_cache_loc[k])
+        _record(f, d, slot=slot, position=q, written_token=draft, expected_token=tok, requests=(i,), slots=(slot,))
+        return True
+    return False
+
+
+def _row_recycle(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    req = d.step.request_ids
+    cands = _candidates(d, taken)
+    for a in cands:
+        end_a = int(d.prefix[a] + d.extend[a])
+        for b in cands:
+            end_b = int(d.prefix[b] + d.extend[b])
+            # Positions A's next verify reads that B holds in its own window (B's slots there are live)
+            lo = max(window_start(end_a, kv.window), window_start(end_b, kv.window))
+            hi = min(end_a, end_b)
+            if b == a or hi <= lo or not (token_of(req[a], np.arange(lo, hi)) != token_of(req[b], np.arange(lo, hi))).any():
+                continue
+            x, y = int(d.rows[a]), int(d.rows[b])
+            kv.r2t[x, lo:hi] = kv.r2t[y, lo:hi]  # row x now names B's slots: the allocator handed it to B
+            if not kv.pool_by_request:  # B's tokens scattered into the recycled row's pool row
+                kv.pool[x, lo:hi] = kv.pool[y, lo:hi]
+            slots = tuple(kv.host_slot(x, p) for p in range(lo, hi))
+            _record(f, d, slot=slots[0], position=lo, requests=(a, b), slots=slots)
+            return True
+    return False
+
+
 def _record(f: Fault, d: StepData, *, requests: tuple[int, ...], **facts) -> None:
     """Mark ``f`` applied at this step; ``requests`` are batch rows, recorded as trace request ids."""
     f.applied_step = d.step.index
@@ -217,6 +267,8 @@ KINDS: dict[str, tuple[str, Apply]] = {
     "stale-row": (AFTER_WRITE, _stale_row),
     "zero-kv": (AFTER_WRITE, _zero_kv),
     "swa-evict": (AFTER_WRITE, _swa_evict),
+    "spec-reject": (BEFORE_WRITE, _spec_reject),
+    "row-recycle": (AFTER_WRITE, _row_recycle),
 }
 
 

@@ -345,6 +345,9 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
             valid = None if session is None else session.valid_lens(step)
             if valid is not None:
                 inputs["req_to_verify_expected_tokens_valid_lens"] = arrays.put(valid)
+            q = None if session is None else session.pool_indices(step)  # the pool keyed by request
+            if q is not None:
+                inputs["expected_token_pool_indices"] = arrays.put(q)
             compare = bool(args.check_every) and step.index % args.check_every == 0
             if compare:
                 for (_, buf), (_, ref_buf) in zip(_buffers(plans), _buffers(ref_plans)):
@@ -367,7 +370,8 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
                 if ref_pool is not None and ref_pool is not pool:
                     ref_pool[...] = to_host(pool)
                 ref.plan(req_pool_indices=step.req_pool_indices, prefix_lens=step.prefix_lens,
-                         extend_seq_lens=step.extend_seq_lens, req_to_verify_expected_tokens_valid_lens=valid)
+                         extend_seq_lens=step.extend_seq_lens, req_to_verify_expected_tokens_valid_lens=valid,
+                         expected_token_pool_indices=q)
                 problems += _diff(step.index, _buffers(plans), _buffers(ref_plans))
                 checked += 1
             if session is not None:

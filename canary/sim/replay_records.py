@@ -69,6 +69,9 @@ class CanaryReplay:
     def valid_lens(self, step: Step) -> np.ndarray:
         return self.kv.valid_lens(step)
 
+    def pool_indices(self, step: Step) -> np.ndarray | None:
+        return self.kv.pool_indices(step)
+
     def run(self, step: Step, plans, *, req_to_token: Any, lut: Any) -> StepLog:
         """Run the canary around ``step`` (planned into ``plans``; the plan done), then attribute violations."""
         self.coverage.add(step, plans[0])  # before the faults' hooks edit req_to_token: what the plan read

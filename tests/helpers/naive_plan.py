@@ -28,12 +28,15 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
       MISSING_SLOT; its successor's prev and the seeds keep the 0 (SPEC 3.2);
     - ``on_overflow="sample"`` (SPEC 3.7): ``total > C`` sets SAMPLED (whatever else is set); the entries and the
       cursors (``outputs["verify_cursors"]``, advanced in the returned copy) only when no row is untrusted.
+    - with ``case.pool_indices`` (``expected_token_pool_indices``), an active row reads pool row
+      ``q = pool_indices[r]``: ``rp < max_reqs`` and ``0 <= q < pool_rows``, else BAD_REQ_POOL_INDEX (SPEC 3.2, 3.4).
     """
     out = {k: np.array(v, copy=True) for k, v in outputs.items()}
     r2t = case.req_to_token
     max_reqs, max_seq_len = int(r2t.shape[0]), int(r2t.shape[1])
     lut = case.lut
     pool = case.pool
+    qs = getattr(case, "pool_indices", None)
     W = int(case.swa_window_size)
     off = int(case.token_offset)
     carry = bool(getattr(case, "padding_rows_carry_tokens", False))
@@ -70,7 +73,8 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             row_ok.append(False)
             continue
         ok = True
-        if rp < 0 or rp >= max_reqs or (pool is not None and rp >= pool.shape[0]):
+        q = rp if qs is None else int(qs[r])  # the pool row; read for active rows only
+        if rp < 0 or rp >= max_reqs or (pool is not None and not 0 <= q < pool.shape[0]):
             status |= BAD_REQ_POOL_INDEX
             ok = False
         if P < 0 or P > max_seq_len:
@@ -112,7 +116,7 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
                 col = p + off
                 if 0 <= col < int(case.valid_lens[r]):
                     assert col < pool.shape[1], "out-of-bounds read of the expected-token pool"
-                    expected = int(pool[rp, col])
+                    expected = int(pool[rp if qs is None else int(qs[r]), col])
             out["verify_slot_indices"][i] = slot
             out["verify_expected_tokens"][i] = expected
             out["verify_expected_positions"][i] = p

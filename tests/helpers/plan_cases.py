@@ -22,7 +22,7 @@ The pieces:
   and 5000). :func:`hand_case` picks one by name.
 - :func:`random_case`: a random case from a ``numpy.random.Generator``, an int seed, or a Hypothesis
   ``draw`` (inside ``@st.composite``; structure is drawn so Hypothesis shrinks it, bulk slot values come
-  from a drawn seed). Knobs: batch size range, SWA, LUT, pool, token offsets, padding fraction, fault
+  from a drawn seed). Knobs: batch size range, SWA, LUT, pool (keyed by rp or apart), token offsets, padding fraction, fault
   probability (bad rp / P / E / valid_len / slot), capacity tightness, strided ``req_to_token``.
   :func:`plan_cases` wraps it as a Hypothesis strategy.
 - :func:`run_case`: converts the case to an array library (``xp`` = ``"numpy"``, ``"torch"`` (CPU),
@@ -94,6 +94,7 @@ class PlanCase:
     lut: np.ndarray | None = None  # [lut_len] int64
     pool: np.ndarray | None = None  # [pool_rows, pool_cols] int32
     valid_lens: np.ndarray | None = None  # [bs] int64, iff pool is given
+    pool_indices: np.ndarray | None = None  # [bs] int64 expected_token_pool_indices, only with a pool
     swa_window_size: int = 0
     token_offset: int = 0  # kv_token_id_vs_position_offset
     padding_rows_carry_tokens: bool = False  # planner option (SPEC 3.2): padding rows' E counts in write_offsets
@@ -114,6 +115,9 @@ class PlanCase:
         if self.pool is not None:
             assert self.pool.dtype == np.int32 and self.pool.ndim == 2
             assert self.valid_lens.dtype == np.int64 and self.valid_lens.shape == (bs,)
+        if self.pool_indices is not None:
+            assert self.pool is not None
+            assert self.pool_indices.dtype == np.int64 and self.pool_indices.shape == (bs,)
         if self.lut is not None:
             assert self.lut.dtype == np.int64 and self.lut.ndim == 1
         assert self.swa_window_size == 0 or self.lut is not None
@@ -154,13 +158,17 @@ class PlanCase:
         )
 
     def step_kwargs(self, conv: Callable[[np.ndarray], Any] = lambda a: a) -> dict[str, Any]:
-        """The per-step keyword arguments of ``CanaryPlanner.plan``."""
-        return dict(
+        """The per-step keyword arguments of ``CanaryPlanner.plan`` (``expected_token_pool_indices`` only when
+        the case has them)."""
+        kw = dict(
             req_pool_indices=conv(self.req_pool_indices),
             prefix_lens=conv(self.prefix_lens),
             extend_seq_lens=conv(self.extend_seq_lens),
             req_to_verify_expected_tokens_valid_lens=None if self.valid_lens is None else conv(self.valid_lens),
         )
+        if self.pool_indices is not None:
+            kw["expected_token_pool_indices"] = conv(self.pool_indices)
+        return kw
 
     def describe(self) -> str:
         lines = [
@@ -178,6 +186,8 @@ class PlanCase:
             lines.append(f"  vl={self.valid_lens.tolist()[:32]}")
         if self.cursors is not None:
             lines.append(f"  cursors={self.cursors.tolist()[:32]}")
+        if self.pool_indices is not None:
+            lines.append(f"  q ={self.pool_indices.tolist()[:32]}")
         return "\n".join(lines)
 
     __repr__ = describe
@@ -256,7 +266,8 @@ def make_case(
     expect_status: int | None = 0,
     notes: str = "",
 ) -> PlanCase:
-    """A case from ``rows`` = ``(rp, P, E)`` or ``(rp, P, E, valid_len)`` tuples.
+    """A case from ``rows`` = ``(rp, P, E)``, ``(rp, P, E, valid_len)`` or ``(rp, P, E, valid_len, q)`` tuples
+    (``q``: ``expected_token_pool_indices``, given when any row has one; a row without one reads ``q = rp``).
 
     Defaults: :func:`std_r2t`; ``lut=True`` / ``pool=True`` take :func:`std_lut` / :func:`std_pool`; ``C``
     defaults to the exact number of verify entries (rows with a bad rp or P counted as 0), ``R`` to bs + 2
@@ -272,31 +283,37 @@ def make_case(
     rpi = _i64([r[0] for r in rows])
     P = _i64([r[1] for r in rows])
     E = _i64([r[2] for r in rows])
-    vl = None
+    vl = q = None
     if pool is not None:
         vl = _i64([r[3] if len(r) > 3 else pool.shape[1] for r in rows])
+        if any(len(r) > 4 for r in rows):
+            q = _i64([r[4] if len(r) > 4 else r[0] for r in rows])
     if C is None:
-        C = count_entries(rpi, P, W, r2t.shape, None if pool is None else pool.shape[0], E=E)
+        C = count_entries(rpi, P, W, r2t.shape, None if pool is None else pool.shape[0], E=E, q=q)
     if int(C) == 0:
         on_overflow = "skip"  # a planner that samples needs C >= 1 (SPEC 3.3)
     return PlanCase(
         name=name, req_to_token=r2t, req_pool_indices=rpi, prefix_lens=P, extend_seq_lens=E,
         verify_capacity=int(C), write_req_capacity=int(len(rows) + 2 if R is None else R),
-        lut=lut, pool=pool, valid_lens=vl, swa_window_size=W, token_offset=off,
+        lut=lut, pool=pool, valid_lens=vl, pool_indices=q, swa_window_size=W, token_offset=off,
         max_batch_size=max_batch_size, padding_rows_carry_tokens=carry, on_overflow=on_overflow,
         cursors=None if cursors is None else _i64(cursors), expect_status=expect_status, notes=notes,
     )
 
 
-def count_entries(rpi, P, W, r2t_shape, pool_rows=None, *, E=None) -> int:
+def count_entries(rpi, P, W, r2t_shape, pool_rows=None, *, E=None, q=None) -> int:
     """Number of verify entries (``total``): rows that are active with a valid rp and P (and, when ``E`` is
-    given, new tokens that fit the row: SPEC 3.4 bit 32), window-clipped."""
+    given, new tokens that fit the row: SPEC 3.4 bit 32), window-clipped. ``q``: the pool rows
+    (``expected_token_pool_indices``); ``None``: the pool is keyed by ``rp``."""
     max_reqs, max_seq_len = r2t_shape
-    bound = max_reqs if pool_rows is None else min(max_reqs, pool_rows)
+    bound = max_reqs if pool_rows is None or q is not None else min(max_reqs, pool_rows)
     total = 0
     E = [0] * len(np.asarray(rpi)) if E is None else np.asarray(E).tolist()
-    for rp, p, e in zip(np.asarray(rpi).tolist(), np.asarray(P).tolist(), E):
+    Q = np.asarray(rpi if q is None else q).tolist()
+    for rp, p, e, qr in zip(np.asarray(rpi).tolist(), np.asarray(P).tolist(), E, Q):
         if rp == 0 or rp < 0 or rp >= bound or p < 0 or p > max_seq_len:
+            continue
+        if q is not None and pool_rows is not None and not 0 <= qr < pool_rows:
             continue
         if e > 0 and min(max(p, 0), max_seq_len) + e > max_seq_len:
             continue
@@ -407,6 +424,30 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("expected_valid_len_int64_min", [(1, 8, 0, -(1 << 63)), (5, 8, 0, 8)], pool=True, off=1,
                   notes="an active row's valid_len of INT64_MIN with offset +1: no token valid, no wrap, no read"))
     add(make_case("expected_strided_pool", [(1, 4, 1, 6), (2, 2, 1, 8)], pool=strided(std_pool(), 5)))
+
+    # ---- expected-token pool keyed apart from rp (expected_token_pool_indices q, SPEC 3.2): pool rows 4
+    pool4 = std_pool(4, 8)
+    Q = BAD_REQ_POOL_INDEX
+    add(make_case("pool_q_by_identity", [(1, 4, 1, 8, 3), (2, 3, 1, 3, 0), (5, 2, 2, 8, 1), (3, 2, 1, 8, 3)],
+                  pool=pool4, notes="q differs from rp: pool[q, p]; q = 0 is a pool row like any other; rp 5 >= "
+                                    "pool_rows is no fault when the pool is keyed apart; two rows share q = 3"))
+    add(make_case("pool_q_equals_rp", [(1, 4, 1, 8, 1), (3, 2, 2, 5, 3)], pool=pool4, off=1,
+                  notes="q = rp: the plan of the same rows without q"))
+    add(make_case("pool_q_last_row", [(2, 3, 1, 8, 3)], pool=pool4, notes="q = pool_rows - 1: in range"))
+    add(make_case("pool_q_minus_one", [(1, 2, 1, 8, 2), (2, 3, 1, 8, -1)], pool=pool4, expect_status=Q,
+                  notes="q = -1 (out of range by one below): bit 2, no entries, seed -1 for that row"))
+    add(make_case("pool_q_eq_pool_rows", [(2, 3, 1, 8, 4), (1, 2, 1, 8, 0)], pool=pool4, expect_status=Q,
+                  notes="q = pool_rows (out of range by one above): bit 2"))
+    add(make_case("pool_q_huge", [(1, 2, 1, 8, HUGE), (2, 1, 1, 8, -HUGE)], pool=pool4, expect_status=Q))
+    add(make_case("pool_q_rp_out_of_range", [(6, 2, 1, 8, 1), (1, 2, 1, 8, 1)], pool=pool4, expect_status=Q,
+                  notes="rp = max_reqs with a valid q: still bit 2 (rp < max_reqs)"))
+    add(make_case("pool_q_padding_ignored", [(0, 3, 1, 8, -1), (1, 3, 1, 8, 2), (0, HUGE, 2, -5, HUGE)],
+                  pool=pool4, notes="padding rows never read q: no bit"))
+    add(make_case("pool_q_padding_tokens", [(0, 3, 2, 8, 99), (1, 3, 1, 8, 2), (0, 1, 1, 1 << 40, -7)],
+                  pool=pool4, carry=True, notes="padding rows carrying tokens: SKIP seeds, q still never read"))
+    add(make_case("pool_q_swa_off1", [(1, 6, 1, 6, 3), (2, 5, 1, 4, 0)], pool=pool4, W=3, off=1))
+    add(make_case("pool_q_and_bad_valid_len", [(1, 3, 1, 9, 2), (2, 2, 1, 4, 5)], pool=pool4,
+                  expect_status=BAD_VALID_LEN | Q))
 
     # ---- status bits
     add(make_case("bad_rp_negative", [(1, 2, 1), (-1, 3, 1), (2, 1, 1)], expect_status=BAD_REQ_POOL_INDEX,
@@ -699,6 +740,7 @@ def random_case(
     swa: bool | None = None,
     lut: bool | None = None,
     pool: bool | None = None,
+    pool_indices: bool | None = False,
     offsets: Sequence[int] = (0, 1, -1),
     padding_fraction: float = 0.25,
     padding_rows_carry_tokens: bool | None = None,
@@ -714,7 +756,8 @@ def random_case(
 
     ``rng_or_draw``: a ``numpy.random.Generator``, an int seed (or None), or a Hypothesis ``draw``.
     Knobs: ``bs`` (inclusive range), ``swa`` / ``lut`` / ``pool`` / ``strided_r2t`` (True, False, or None for a
-    coin flip; SWA implies a LUT), ``offsets`` (token-offset choices), ``padding_fraction`` (chance a row is
+    coin flip; SWA implies a LUT), ``pool_indices`` (with a pool: ``expected_token_pool_indices`` given, pool
+    rows drawn apart from ``rp``; True, False (default, draws nothing) or None), ``offsets`` (token-offset choices), ``padding_fraction`` (chance a row is
     padding, with garbage P/E/valid_len), ``padding_rows_carry_tokens`` (the planner option, True, False or
     None for a coin flip; when on, padding rows get token counts that fit a row, E too long being a fault),
     ``fault_prob`` (per-row chance of a bad rp / P / E / valid_len, and a
@@ -731,6 +774,7 @@ def random_case(
     use_swa = _maybe(src, swa)
     use_lut = use_swa or _maybe(src, lut)
     use_pool = _maybe(src, pool)
+    use_q = use_pool and _maybe(src, pool_indices)
     carry = _maybe(src, padding_rows_carry_tokens)
     W = src.int(1, seq_len + 2) if use_swa else 0
     off = int(src.pick(list(offsets)))
@@ -765,9 +809,9 @@ def random_case(
         if src.chance(0.3):
             pool_arr = strided(pool_arr, src.int(1, 3))
 
-    rp_bound = n_reqs if not use_pool else min(n_reqs, pool_rows)
+    rp_bound = n_reqs if not use_pool or use_q else min(n_reqs, pool_rows)
     n = src.int(*bs)
-    rpi, P, E, VL = [], [], [], []
+    rpi, P, E, VL, Q = [], [], [], [], []
     garbage = [0, 1, -1, HUGE, -HUGE, (1 << 63) - 1, -(1 << 63), 1 << 31]
     for _ in range(n):
         if src.chance(padding_fraction) or rp_bound <= 1:
@@ -781,6 +825,8 @@ def random_case(
             else:
                 E.append(src.pick(garbage + [src.int(-5, 9)]))
             VL.append(src.pick(garbage + [pool_cols + 1]))
+            if use_q:
+                Q.append(src.pick(garbage + [pool_rows]))  # never read
             continue
         rp = src.int(1, rp_bound - 1)
         p = src.pick([0, 1, seq_len, max(W, 0), W + 1, src.int(0, seq_len), src.int(0, seq_len)])
@@ -793,23 +839,28 @@ def random_case(
                 e = seq_len - p
         vl = src.pick([0, pool_cols, p, p + off, src.int(-2, pool_cols)])
         vl = min(vl, pool_cols)
+        q = src.pick([0, rp if rp < pool_rows else 0, src.int(0, pool_rows - 1)]) if use_q else rp
         if src.chance(fault_prob):
-            kind = src.int(0, 3 if use_pool else 2)
+            kind = src.int(0, 4 if use_q else (3 if use_pool else 2))
             if kind == 0:
                 rp = src.pick([-1, n_reqs, rp_bound, src.int(rp_bound, max(rp_bound, n_reqs - 1)), -(1 << 62), 1 << 40])
             elif kind == 1:
                 p = src.pick([-1, seq_len + 1, HUGE, -HUGE])
             elif kind == 2:  # too long by one, or garbage that would wrap write_offsets if it were summed
                 e = src.pick([seq_len - max(p, 0) + 1, seq_len + 1, HUGE, (1 << 63) - 1])
-            else:
+            elif kind == 3:
                 vl = src.pick([pool_cols + 1, 1 << 40])
+            else:  # a pool row out of range by one on either side, or far
+                q = src.pick([-1, pool_rows, -(1 << 62), 1 << 40])
         rpi.append(rp)
         P.append(p)
         E.append(e)
         VL.append(vl)
+        Q.append(q)
 
     rpi_a, P_a, E_a = _i64(rpi), _i64(P), _i64(E)
-    total = count_entries(rpi_a, P_a, W, r2t.shape, pool_rows if use_pool else None, E=E_a)
+    q_a = _i64(Q) if use_q else None
+    total = count_entries(rpi_a, P_a, W, r2t.shape, pool_rows if use_pool else None, E=E_a, q=q_a)
     if capacity == "tight":
         C = max(0, total + src.int(-1, 1))
     elif capacity == "loose":
@@ -833,7 +884,7 @@ def random_case(
     return PlanCase(
         name=name, req_to_token=r2t, req_pool_indices=rpi_a, prefix_lens=P_a, extend_seq_lens=E_a,
         verify_capacity=C, write_req_capacity=R, lut=lut_arr, pool=pool_arr,
-        valid_lens=_i64(VL) if use_pool else None, swa_window_size=W, token_offset=off,
+        valid_lens=_i64(VL) if use_pool else None, pool_indices=q_a, swa_window_size=W, token_offset=off,
         padding_rows_carry_tokens=carry, on_overflow=mode, cursors=cursors,
     )
 
@@ -867,6 +918,7 @@ RULE_KNOBS = [
     dict(fault_prob=0.15),
     dict(capacity="sampled", on_overflow="sample"),
     dict(capacity="sampled", on_overflow="sample", swa=True, pool=True, padding_fraction=0.4),
+    dict(pool=True, pool_indices=True, fault_prob=0.1),
 ]
 # The GPU matrices: the rules, and batch sizes on both sides of the fused / two-pass boundary.
 GPU_RANDOM_KNOBS = RULE_KNOBS + [
@@ -1029,7 +1081,7 @@ def expected_outputs(case: PlanCase, poison: Poison = POISON) -> dict[str, np.nd
         req_to_token=case.req_to_token, lut=case.lut, pool=case.pool, swa_window_size=case.swa_window_size,
         token_offset=case.token_offset, req_pool_indices=case.req_pool_indices, prefix_lens=case.prefix_lens,
         extend_seq_lens=case.extend_seq_lens, valid_lens=case.valid_lens, out=out,
-        padding_rows_carry_tokens=case.padding_rows_carry_tokens,
+        padding_rows_carry_tokens=case.padding_rows_carry_tokens, pool_indices=case.pool_indices,
         cursors=out["verify_cursors"] if case.on_overflow == "sample" else None,
     )
     return out

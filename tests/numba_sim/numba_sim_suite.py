@@ -57,9 +57,11 @@ def bind_case(case: PlanCase, vp, wp, path: str = FUSED, threads=None) -> "nb.Bo
 def step_args(case: PlanCase) -> StepArgs:
     kw = case.step_kwargs()
     vl = kw["req_to_verify_expected_tokens_valid_lens"]
+    q = kw.get("expected_token_pool_indices")
     return StepArgs(as_view(kw["req_pool_indices"], "req_pool_indices"), as_view(kw["prefix_lens"], "prefix_lens"),
                     as_view(kw["extend_seq_lens"], "extend_seq_lens"),
-                    None if vl is None else as_view(vl, "req_to_verify_expected_tokens_valid_lens"), case.bs)
+                    None if vl is None else as_view(vl, "req_to_verify_expected_tokens_valid_lens"), case.bs,
+                    None if q is None else as_view(q, "expected_token_pool_indices"))
 
 
 def run_numba(case: PlanCase, path: str = FUSED, poison=POISON, threads=None) -> dict[str, np.ndarray]:
@@ -123,6 +125,20 @@ def test_random_cases_hypothesis():
     @hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
                          suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(case=plan_cases(bs=(0, 10), fault_prob=0.1), two_pass=hypothesis.strategies.booleans())
+    def check(case, two_pass):
+        check_case(case, TWO_PASS if two_pass else FUSED)
+
+    check()
+
+
+def test_pool_indices_hypothesis():
+    """``expected_token_pool_indices`` (the pool keyed apart from rp), both launch paths."""
+    hypothesis = pytest.importorskip("hypothesis")
+
+    @hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(case=plan_cases(bs=(0, 10), pool=True, pool_indices=True, fault_prob=0.15),
+                      two_pass=hypothesis.strategies.booleans())
     def check(case, two_pass):
         check_case(case, TWO_PASS if two_pass else FUSED)
 
@@ -274,3 +290,27 @@ def test_canary_hashes_match_frozen_vectors():
     from helpers.numba_hash_vectors import check_numba_hashes
 
     check_numba_hashes()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 12's blind spots (helpers/blind_spots.py; the reference in tests/records/test_blind_spots.py)
+
+
+def test_blind_spot_spec_reject():
+    from helpers.blind_spots import spec_reject
+
+    from canary import FailReason
+
+    token = int(FailReason.VERIFY_TOKEN)
+    assert spec_reject("numba", "numpy") == [(6, token), (7, token)]
+    assert spec_reject("numba", "numpy", with_pool=False) == []
+
+
+def test_blind_spot_row_recycle():
+    from helpers.blind_spots import row_recycle
+
+    from canary import FailReason
+
+    token = int(FailReason.VERIFY_TOKEN)
+    assert row_recycle("numba", "numpy", keyed_by_identity=True) == [(p, token) for p in range(6)]
+    assert row_recycle("numba", "numpy", keyed_by_identity=False) == []

@@ -526,6 +526,27 @@ def _inject(e: Engine, kind: str, min_step=10, max_steps=300):
     raise AssertionError("no step accepted the fault")
 
 
+def test_fault_spec_reject_is_seen_by_the_pool_only():
+    """A rejected draft token's record: the write's assert agrees with it (the forward was fed the draft); the
+    next verify reports VERIFY_TOKEN at its position, nothing else (the chain is self-consistent)."""
+    f, log, nxt = _inject(Engine(requests=40), "spec-reject")
+    assert log.report.total == 0 and f.written_token != f.expected_token
+    assert _rows_of(nxt) == [(KernelTag.VERIFY, f.slot, f.position, F.VERIFY_TOKEN)]
+
+
+@pytest.mark.parametrize("pool_by_request", [True, False])
+def test_fault_row_recycle_needs_the_pool_keyed_by_request(pool_by_request):
+    """A running request's row handed to another running request while still read: keyed by request, the next
+    verify reports VERIFY_TOKEN on the recycled positions; keyed by the row, the other request's tokens are in
+    that pool row too, and nothing fires (the blind spot expected_token_pool_indices closes)."""
+    f, _, nxt = _inject(Engine(requests=40, pool_by_request=pool_by_request), "row-recycle")
+    rows = _rows_of(nxt)
+    if not pool_by_request:
+        assert rows == []
+        return
+    assert rows and {r[3] for r in rows} == {F.VERIFY_TOKEN} and {r[1] for r in rows} <= set(f.slots)
+
+
 def test_fault_flipped_kv_byte():
     f, _, nxt = _inject(Engine(requests=40), "kv-flip")
     assert _rows_of(nxt) == [(KernelTag.VERIFY, f.slot, f.position, F.REAL_KV)]

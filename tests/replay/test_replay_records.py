@@ -106,6 +106,9 @@ EXPECTED = {
     "zero-kv": (["verify"], {"REAL_KV", "CHAIN", "POSITION"}, 1, {"REAL_KV"}),
     # The plan gives the position MISSING_SLOT: nothing is read, its successor's chain check is skipped.
     "swa-evict": (["verify"], {"MISSING"}, 1, {"MISSING"}),
+    # Self-consistent records: only the expected-token pool (accepted tokens, keyed by request) sees them.
+    "spec-reject": (["verify"], {"VERIFY_TOKEN"}, 1, {"VERIFY_TOKEN"}),
+    "row-recycle": (["verify"], {"VERIFY_TOKEN"}, 1, {"VERIFY_TOKEN"}),
 }
 SWA_ONLY = {"swa-evict"}  # kinds that need --swa-window
 SWA = ["--swa-window", "256"]
@@ -122,7 +125,7 @@ def test_each_fault_is_detected(tmp_path, capsys, kind):
     assert f["kind"] == kind and f["requested_step"] == 20 and f["applied_step"] >= 20 and f["detected"]
     assert f["first_violation_step"] == f["applied_step"] + delay == f["applied_step"] + f["steps_to_detection"]
     assert set(kernels) <= set(f["kernels"]) and reasons <= set(f["reasons"]) and later <= set(f["all_reasons"])
-    if kind in ("kv-flip", "position", "token", "swa-evict"):  # one precise bit: nothing else fails
+    if kind in ("kv-flip", "position", "token", "swa-evict", "spec-reject", "row-recycle"):  # one precise bit
         assert f["kernels"] == kernels and set(f["reasons"]) == reasons
     if kind == "zero-kv":  # a mid-window position: no write chains from the zero slot
         assert f["kernels"] == kernels
@@ -135,7 +138,8 @@ def test_all_faults_at_once_and_in_a_sliding_window(tmp_path):
     for extra in ([], SWA):
         kinds = [k for k in KINDS if extra or k not in SWA_ONLY]
         args = [a for k in kinds for a in ("--inject", f"{k}@30")]
-        rc, s = _replay(tmp_path, *args, *extra)
+        # Ten requests for nine faults (two each for overwrite and row-recycle), running at once: a longer run.
+        rc, s = _replay(tmp_path, *args, *extra, "--max-requests", "24")
         faults = s["canary"]["faults"]
         assert rc == 0 and [f["kind"] for f in faults] == kinds
         assert all(f["detected"] and f["steps_to_detection"] <= 1 for f in faults), faults
@@ -198,7 +202,8 @@ def test_bad_inject_values(capsys, value):
         cli.main(["replay", "--inject", value])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --inject: expected KIND@STEP with KIND one of kv-flip, overwrite, position, token, stale-row, zero-kv, swa-evict" in err
+    assert ("argument --inject: expected KIND@STEP with KIND one of kv-flip, overwrite, position, token, stale-row, "
+            "zero-kv, swa-evict, spec-reject, row-recycle") in err
     assert f"got {value!r}" in err
 
 

@@ -3,7 +3,7 @@
 One compile per process (all specializations in one module; CuPy also caches it on disk), one module load
 per device. ``bind`` packs every launch argument into one by-value ``PlanParams`` struct (uint64 words in a
 NumPy array whose address CuPy hands to ``cuLaunchKernel``), allocates the scratch and fixes the grid
-from ``verify_capacity``. A call then writes five words (the per-step pointers and ``bs``) and issues one
+from ``verify_capacity``. A call then writes six words (the per-step pointers and ``bs``) and issues one
 launch (``bs <= FUSED_MAX_BS``) or two, on the caller's stream: no allocation, compilation, module load or
 host sync, so the call can be captured in a CUDA graph.
 """
@@ -17,7 +17,7 @@ NAME = "cupy"
 ON_DEVICE = True
 
 _STEP_WORDS = tuple(PARAM_FIELDS.index(n) for n in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
-                                                     "valid_lens", "bs"))
+                                                     "valid_lens", "bs", "expected_token_pool_indices"))
 
 
 def suffix(has_lut: bool, has_pool: bool) -> str:
@@ -39,7 +39,7 @@ class Bound:
             self._sms = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
         lut, pool, r2t = s.full_to_swa_index_mapping, s.req_to_verify_expected_tokens, s.req_to_token
         values = dict(
-            req_to_token=r2t.ptr, r2t_row_stride=r2t.strides[0], rp_bound=s.req_pool_index_bound,
+            req_to_token=r2t.ptr, r2t_row_stride=r2t.strides[0], rp_bound=s.max_reqs, pool_rows=s.pool_rows,
             max_seq_len=s.max_seq_len, lut=0 if lut is None else lut.ptr, lut_len=0 if lut is None else lut.shape[0],
             pool=0 if pool is None else pool.ptr, pool_row_stride=0 if pool is None else pool.strides[0],
             pool_cols=0 if pool is None else pool.shape[1], token_offset=s.kv_token_id_vs_position_offset,
@@ -52,7 +52,7 @@ class Bound:
             write_num_valid_reqs=s.write_num_valid_reqs.ptr, scratch=self.scratch.data.ptr,
             cursors=0 if s.verify_cursors is None else s.verify_cursors.ptr, sample=int(s.sample),
         )
-        # The struct's bytes, word by word: a call rewrites the five per-step words and costs no argument
+        # The struct's bytes, word by word: a call rewrites the six per-step words and costs no argument
         # conversion at all.
         self._params = Params(PARAM_FIELDS, values)
         self._words, self._args = self._params.words, self._params.args
@@ -80,6 +80,7 @@ class Bound:
         w[i[2]] = step.extend_seq_lens.ptr
         w[i[3]] = 0 if step.valid_lens is None else step.valid_lens.ptr
         w[i[4]] = step.bs
+        w[i[5]] = 0 if step.pool_indices is None else step.pool_indices.ptr
         if self._fns is None:
             self.warmup()
         fused, rows, entries = self._fns

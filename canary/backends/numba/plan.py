@@ -5,7 +5,7 @@ compilation of the (LUT, pool) specialization (with plan.cu's launch bounds), de
 buffers (zero-copy, from their pointers, never synchronizing as numba does by default for
 CUDA-Array-Interface arguments), the scratch (plan.cu's layout: head words + the two-pass row table, zeroed
 once), the grids (from verify_capacity, the SM count and each kernel's occupancy, as the CuPy backend) and the
-launch arguments (plan.cu's ``PlanParams`` order), marshalled once: a call lays out only the five per-step
+launch arguments (plan.cu's ``PlanParams`` order), marshalled once: a call lays out only the six per-step
 words and launches through ``cuda.core.launch`` (``_FastLaunch``; where this numba-cuda's internals differ,
 numba's ordinary ``kernel[grid, block, stream](*args)`` instead, per-step device arrays cached by pointer).
 ``warmup`` loads the module on the device. A call issues one launch (bs <= ``FUSED_MAX_BS``) or two on the
@@ -64,9 +64,9 @@ def _occupancy(kernel, threads: int) -> int:
 class _FastLaunch:
     """A pre-specialized kernel launched through ``cuda.core.launch`` with its arguments marshalled once.
 
-    Numba's ``kernel[grid, block, stream](*args)`` types and converts all 30 arguments on every call; here the
-    static ones are converted once (by the kernel's own ``_prepare_args``) and a call only lays out the five
-    per-step words. Built only when the layout of a 1-D int64 device array argument is the one this class
+    Numba's ``kernel[grid, block, stream](*args)`` types and converts all 32 arguments on every call; here the
+    static ones are converted once (by the kernel's own ``_prepare_args``) and a call only lays out the six
+    per-step words (``STEP_FIELDS`` first, ``STEP_TAIL`` last). Built only when the layout of a 1-D int64 device array argument is the one this class
     writes (checked at bind); otherwise the backend keeps numba's ordinary launch.
     """
 
@@ -80,15 +80,15 @@ class _FastLaunch:
         self._config_cls, self._cooperative_key = LaunchConfig, (
             "is_cooperative" if CUDA_CORE_GE_1_0 else "cooperative_launch")
         types = overload.argument_types
-        n_step = len(plan_numba.STEP_FIELDS)
-        if len(types) != len(plan_numba.PARAMS) or len(static_args) != len(types) - n_step:
+        n_step, n_tail = len(plan_numba.STEP_FIELDS), len(plan_numba.STEP_TAIL)
+        if len(types) != len(plan_numba.PARAMS) or len(static_args) != len(types) - n_step - n_tail:
             raise ValueError("unexpected kernel signature")
         got: list = []
         overload._prepare_args(types[0], probe, 0, [], got)  # a 1-D int64 device array
         if got != self.array_words(probe.device_ctypes_pointer.value, probe.shape[0]):
             raise ValueError(f"unexpected array argument layout: {got}")
         static: list = []
-        for ty, val in zip(types[n_step:], static_args):
+        for ty, val in zip(types[n_step:len(types) - n_tail], static_args):
             retr: list = []
             overload._prepare_args(ty, val, 0, retr, static)
             if retr:
@@ -111,8 +111,8 @@ class _FastLaunch:
                                                         **{self._cooperative_key: False})
         return cfg
 
-    def __call__(self, stream, config, step_words: list) -> None:
-        self._launch(stream, config, self._kernel, *step_words, *self._static)
+    def __call__(self, stream, config, step_words: list, tail_words: list) -> None:
+        self._launch(stream, config, self._kernel, *step_words, *self._static, *tail_words)
 
 
 def _host_flat(view) -> np.ndarray:
@@ -178,7 +178,7 @@ class Bound:
         self.grid_fused = entry_grid(s.verify_capacity, sms, occupancy[0], self.entry_threads)
         self.grid = entry_grid(s.verify_capacity, sms, occupancy[1], self.entry_threads)  # the entries grid
         values = dict(
-            req_to_token=r2t_a, r2t_row_stride=r2t.strides[0], rp_bound=s.req_pool_index_bound,
+            req_to_token=r2t_a, r2t_row_stride=r2t.strides[0], rp_bound=s.max_reqs, pool_rows=s.pool_rows,
             max_seq_len=s.max_seq_len, lut=lut_a, lut_len=0 if lut is None else lut.shape[0], pool=pool_a,
             pool_row_stride=0 if pool is None else pool.strides[0], pool_cols=0 if pool is None else pool.shape[1],
             token_offset=s.kv_token_id_vs_position_offset, window=s.swa_window_size,
@@ -191,8 +191,10 @@ class Bound:
             write_num_valid_reqs=out["write_num_valid_reqs"], scratch=self.scratch,
             cursors=cursors_a, sample=int(s.sample),
         )
-        # The launch arguments after the per-step ones, in PlanParams order.
-        self._static_args = tuple(values[name] for name in plan_numba.PARAM_FIELDS[len(plan_numba.STEP_FIELDS):])
+        # The launch arguments between the per-step ones, in PlanParams order.
+        fields = plan_numba.PARAM_FIELDS
+        self._static_args = tuple(values[name] for name in
+                                  fields[len(plan_numba.STEP_FIELDS):len(fields) - len(plan_numba.STEP_TAIL)])
         if not SIMULATOR and launch.numba_fast_launch:
             with self._gpu:
                 try:
@@ -248,15 +250,20 @@ class Bound:
         if SIMULATOR:
             inp = cuda.In
             vl = self._dummy_i64 if step.valid_lens is None else inp(step.valid_lens.host)
-            args = (inp(step.req_pool_indices.host), inp(step.prefix_lens.host), inp(step.extend_seq_lens.host), vl,
-                    step.bs) + self._static_args
+            rpi = inp(step.req_pool_indices.host)
+            q = rpi if step.pool_indices is None else inp(step.pool_indices.host)
+            args = (rpi, inp(step.prefix_lens.host), inp(step.extend_seq_lens.host), vl,
+                    step.bs) + self._static_args + (q,)
             self._run(self._launcher(0), args, step.bs)
             return
         if self._fast is not None:
-            # Five per-step words; everything else was marshalled at bind.
+            # Six per-step words; everything else was marshalled at bind.
             words = _FastLaunch.array_words
             vl = self._dummy_words if step.valid_lens is None else words(step.valid_lens.ptr, step.valid_lens.shape[0])
-            step_words = (words(step.req_pool_indices.ptr, step.req_pool_indices.shape[0])
+            rpi = words(step.req_pool_indices.ptr, step.req_pool_indices.shape[0])
+            q = step.pool_indices
+            tail_words = rpi if q is None else words(q.ptr, q.shape[0])
+            step_words = (rpi
                           + words(step.prefix_lens.ptr, step.prefix_lens.shape[0])
                           + words(step.extend_seq_lens.ptr, step.extend_seq_lens.shape[0])
                           + vl + [ctypes.c_int64(step.bs)])
@@ -265,15 +272,17 @@ class Bound:
             cfg_fused, cfg_rows, cfg_entries = self._fast_configs
             with self._gpu:  # the kernels' context (the buffers' device), whatever the current device is
                 if step.bs <= self.fused_max_bs:
-                    fused(stream_obj, cfg_fused, step_words)
+                    fused(stream_obj, cfg_fused, step_words, tail_words)
                 else:
-                    rows(stream_obj, cfg_rows, step_words)
-                    entries(stream_obj, cfg_entries, step_words)
+                    rows(stream_obj, cfg_rows, step_words, tail_words)
+                    entries(stream_obj, cfg_entries, step_words, tail_words)
             return
         with self._gpu:  # launch on the device holding the buffers, whatever the current device is
             vl = self._dummy_i64 if step.valid_lens is None else self._step_array(step.valid_lens)
-            args = (self._step_array(step.req_pool_indices), self._step_array(step.prefix_lens),
-                    self._step_array(step.extend_seq_lens), vl, step.bs) + self._static_args
+            rpi = self._step_array(step.req_pool_indices)
+            q = rpi if step.pool_indices is None else self._step_array(step.pool_indices)
+            args = (rpi, self._step_array(step.prefix_lens),
+                    self._step_array(step.extend_seq_lens), vl, step.bs) + self._static_args + (q,)
             self._run(self._launcher(stream), args, step.bs)
 
     def _run(self, launchers: tuple, args: tuple, bs: int) -> None:

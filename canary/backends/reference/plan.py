@@ -32,8 +32,9 @@ def translate(raw: np.ndarray, lut: np.ndarray | None) -> tuple[np.ndarray, bool
     return out, bool(bad.any())
 
 
-def _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, rp, row, pos) -> PlanStatus:
-    """Entries ``[0, len(pos))``: batch row ``row``, request row ``rp``, position ``pos`` each (SPEC 3.2)."""
+def _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, rp, row, pos, q=None) -> PlanStatus:
+    """Entries ``[0, len(pos))``: batch row ``row``, request row ``rp``, position ``pos`` each (SPEC 3.2);
+    ``q``: each entry's pool row (``None``: ``rp``)."""
     n = pos.shape[0]
     raw = req_to_token[rp, pos].astype(np.int64)
     slot, bad_slot = translate(raw, lut)
@@ -47,7 +48,8 @@ def _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, rp, r
     if pool is not None:
         col = pos + int(token_offset)
         ok = (col >= 0) & (col < np.asarray(valid_lens, dtype=np.int64)[row])
-        expected[ok] = pool[rp[ok], col[ok]]  # gather only in-range columns (pool_cols may be 0)
+        qrow = rp if q is None else q
+        expected[ok] = pool[qrow[ok], col[ok]]  # gather only in-range columns (pool_cols may be 0)
     out["verify_slot_indices"][:n] = slot
     out["verify_expected_tokens"][:n] = expected
     out["verify_expected_positions"][:n] = pos
@@ -106,11 +108,13 @@ def plan_arrays(
     out: dict[str, np.ndarray],
     padding_rows_carry_tokens: bool = False,
     cursors: np.ndarray | None = None,
+    pool_indices: np.ndarray | None = None,
 ) -> None:
     """Build one plan into the arrays of ``out`` (keys: the field names of ``VerifyPlan`` and ``WritePlan``).
 
     ``cursors``: the ``[max_reqs]`` int64 rotation state of a planner that samples (SPEC 3.7), read and
-    advanced in place; ``None`` for ``on_overflow="skip"``.
+    advanced in place; ``None`` for ``on_overflow="skip"``. ``pool_indices``: ``expected_token_pool_indices``
+    (SPEC 3.2), the pool row of each batch row; ``None``: the pool is keyed by ``req_pool_indices``.
     """
     rpi = np.asarray(req_pool_indices, dtype=np.int64)
     prefix = np.asarray(prefix_lens, dtype=np.int64)
@@ -119,10 +123,13 @@ def plan_arrays(
     cap = out["verify_slot_indices"].shape[0]
     r_cap = out["write_seed_slot_indices"].shape[0]
     max_reqs, max_seq_len = req_to_token.shape
-    rp_bound = max_reqs if pool is None else min(max_reqs, pool.shape[0])
+    q = None if pool is None or pool_indices is None else np.asarray(pool_indices, dtype=np.int64)
+    # Keyed by req_pool_indices, one index bounds both tables; keyed apart, each index is bounded by its own.
+    rp_bound = max_reqs if pool is None or q is not None else min(max_reqs, pool.shape[0])
     checks = row_checks(
         rpi, prefix, ext, valid_lens, rp_bound=rp_bound, max_seq_len=max_seq_len,
         pool_cols=None if pool is None else pool.shape[1], padding_rows_carry_tokens=padding_rows_carry_tokens,
+        pool_indices=q, pool_rows=0 if pool is None else pool.shape[0],
     )
     good = checks.good
 
@@ -154,7 +161,8 @@ def plan_arrays(
         first = np.cumsum(count) - count
         pos = start[row] + (np.arange(total, dtype=np.int64) - first[row])
     if sampled or (rows_ok and total <= cap):
-        status |= _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, rpi[row], row, pos)
+        status |= _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, rpi[row], row, pos,
+                                 None if q is None else q[row])
 
     # Write side: offsets count every active row with E > 0 except those flagged 32 (their E would wrap the
     # offsets), and the padding rows' E when their tokens sit among the step's tokens; seeds need a
@@ -208,6 +216,7 @@ class Bound:
             out=self.out,
             padding_rows_carry_tokens=s.padding_rows_carry_tokens,
             cursors=self.cursors,
+            pool_indices=None if step.pool_indices is None else step.pool_indices.host,
         )
 
     def warmup(self) -> None:
