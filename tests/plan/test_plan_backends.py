@@ -197,6 +197,81 @@ def _graph_roundtrip(backend: str, xp: str, capture):
         assert_same({k: to_numpy(raw[k]) for k in OUTPUTS}, expected_outputs(new), new)
 
 
+def _torch_capture(planner, step):
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        planner.plan(**step)  # warm the launch path outside the capture too
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        planner.plan(**step)
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+
+    return replay
+
+
+def _cupy_capture(planner, step):
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        planner.plan(**step, stream=stream)
+        stream.synchronize()
+        stream.begin_capture()
+        planner.plan(**step, stream=stream)
+        graph = stream.end_capture()
+
+    def replay():
+        graph.launch(stream)
+        stream.synchronize()
+
+    return replay
+
+
+@pytest.mark.parametrize("xp", ["cupy", "torch_cuda"])
+@pytest.mark.parametrize("bs, capacity", [(24, 200), (24, 7), (700, 900)], ids=["share", "rotation", "two_pass"])
+def test_sampled_rotation_advances_inside_a_graph(backend, xp, bs, capacity):
+    """SPEC 3.7 inside a replayed graph: the cursors advance on the device at every replay (nothing on the host),
+    and each replay equals the reference run from the cursors the previous one left."""
+    if xp == "torch_cuda":
+        pytest.importorskip("torch")
+    base = random_case(5, bs=(bs, bs), max_reqs=(bs + 6, bs + 6), max_seq_len=(64, 64), lut=True, pool=True,
+                       swa=False, capacity="loose", strided_r2t=False, padding_fraction=0.1, name="sampled-graph")
+    case = base.replace(verify_capacity=capacity, on_overflow="sample", cursors=None)
+    conv = lambda a: to_xp(a, xp)  # noqa: E731
+    vp, wp, raw = make_plans(case, xp)
+    from canary import CanaryPlanner, PlanStatus
+
+    planner = CanaryPlanner(backend=backend, verify_plan_out=vp, write_plan_out=wp, **case.static_kwargs(conv))
+    planner.warmup()
+    step = case.step_kwargs(conv)
+    replay = (_torch_capture if xp == "torch_cuda" else _cupy_capture)(planner, step)
+    # The capture's warm-up call and the captured launch itself did not run the plan twice: reset the state.
+    _copy_into(raw["verify_cursors"], np.zeros(case.max_reqs, np.int64), xp)
+    _sync_device(xp)
+    cursors = np.zeros(case.max_reqs, np.int64)
+    seen = set()
+    for i in range(6):
+        poisoned = poisoned_outputs(case)
+        for k in OUTPUTS:
+            _copy_into(raw[k], poisoned[k], xp)
+        _sync_device(xp)
+        replay()
+        want = expected_outputs(case.replace(cursors=cursors))
+        assert int(want["status"][0]) & PlanStatus.SAMPLED, want["status"]
+        assert_same({k: to_numpy(raw[k]) for k in OUTPUTS + ("verify_cursors",)}, want, case)
+        cursors = want["verify_cursors"]
+        seen.update(zip(want["verify_slot_indices"].tolist(), want["verify_expected_positions"].tolist()))
+    assert len(seen) > capacity  # the replays verified different entries
+
+
 def test_torch_cuda_graph_capture_and_replay(backend):
     torch = pytest.importorskip("torch")
 
