@@ -171,6 +171,18 @@ __device__ void append_row(const StateParams& st, u64 slot, u64 position, u64 st
 // the whole cost of a long prefill); then all threads check, report and store their own entry in parallel. A
 // slot that appears again later in the same chunk is stored only by its last occurrence, and chunks are
 // ordered by the barrier, so a slot written twice by one request keeps its last write.
+// The block's count of processed entries, added once to a run counter. A warp sums its lanes with shuffles
+// first: one shared-memory atomic per warp, not per thread (every thread adding to one shared word was the
+// verify kernel's main stall, Nsight Compute on an H200: issue 14). Every thread of the block calls it.
+__device__ __forceinline__ void add_block_count(unsigned long long* s_count, unsigned long long mine,
+                                                unsigned long long* counter) {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, d);
+    if ((threadIdx.x & 31) == 0 && mine) atomicAdd(s_count, mine);
+    __syncthreads();
+    if (threadIdx.x == 0 && *s_count) atomicAdd(counter, *s_count);
+}
+
 extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const WriteParams p) {
     __shared__ i64 s_slot[WRITE_THREADS];
     __shared__ u64 s_tok[WRITE_THREADS];
@@ -258,9 +270,7 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
         }
         __syncthreads();  // the next chunk reuses the staging arrays
     }
-    if (processed) atomicAdd(&s_processed, processed);
-    __syncthreads();
-    if (tid == 0 && s_processed) atomicAdd(&st.slot_run_counter[0], s_processed);
+    add_block_count(&s_processed, processed, &st.slot_run_counter[0]);
 }
 
 // One thread per entry (grid-stride over [0, verify_capacity)); processed entries are summed per block.
@@ -304,9 +314,7 @@ extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const
         if (p.kv.num_sources > 0 && kvh != fold_slot(p.kv, slot)) bits |= FAIL_REAL_KV;
         if (bits) append_row(st, (u64)slot, ep, tok, et, hash, expected, bits);
     }
-    if (processed) atomicAdd(&s_processed, processed);
-    __syncthreads();
-    if (threadIdx.x == 0 && s_processed) atomicAdd(&st.slot_run_counter[1], s_processed);
+    add_block_count(&s_processed, processed, &st.slot_run_counter[1]);
 }
 
 // One block per batch row; threads stride over the row's tokens. Columns outside the pool are skipped.
