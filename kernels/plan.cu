@@ -41,7 +41,7 @@
 #define SCRATCH_ROW_FLAGS 2   // two-pass only: row checks of the rows kernel
 #define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
 #define SCRATCH_TABLE 4       // two-pass only: the row table, TABLE_ARRAYS arrays of R + 1 (RowTable)
-#define TABLE_ARRAYS 8
+#define TABLE_ARRAYS 9
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -144,6 +144,7 @@ struct RowTable {
     i64* lo;      // window_start
     i64* len;     // verify count of the row (its window length)
     i64* rank;    // rows with entries before r
+    i64* run;     // sampling: where the row's run starts in its window (its cursor, SPEC 3.7)
 };
 
 // Exclusive block-wide scan of three int64 per thread (warp shuffles, then one warp over the warp totals).
@@ -201,11 +202,11 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
     int flags = 0, bad = 0;
     for (i64 group = 0; group < bs; group += (i64)THREADS * ROW_BATCH) {  // uniform: the scans have barriers
         Row f[ROW_BATCH];
-        i64 rp[ROW_BATCH], e[ROW_BATCH], len[ROW_BATCH], vl[ROW_BATCH], seed[ROW_BATCH], q[ROW_BATCH];
+        i64 rp[ROW_BATCH], e[ROW_BATCH], len[ROW_BATCH], vl[ROW_BATCH], seed[ROW_BATCH], q[ROW_BATCH], cur[ROW_BATCH];
 #pragma unroll
         for (int k = 0; k < ROW_BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
-            rp[k] = 0; e[k] = 0; len[k] = 0; vl[k] = 0; q[k] = 0;
+            rp[k] = 0; e[k] = 0; len[k] = 0; vl[k] = 0; q[k] = 0; cur[k] = 0;
             if (r < bs) { rp[k] = p.req_pool_indices[r]; e[k] = p.extend_seq_lens[r]; len[k] = p.prefix_lens[r]; }
         }
 #pragma unroll
@@ -215,6 +216,8 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                 vl[k] = p.valid_lens[r];
                 q[k] = p.expected_token_pool_indices ? p.expected_token_pool_indices[r] : rp[k];
             }
+            // Sampling: the cursor comes with this round of loads, whether or not the step turns out sampled.
+            if (p.sample && r < bs && rp[k] > 0 && rp[k] < p.rp_bound) cur[k] = p.cursors[rp[k]];
         }
 #pragma unroll
         for (int k = 0; k < ROW_BATCH; ++k) {
@@ -242,6 +245,7 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                     const i64 start = f[k].len - f[k].vcount;
                     t.base[r] = f[k].rp * p.r2t_row_stride + start - voff;
                     t.pdelta[r] = start - voff;
+                    t.run[r] = (cur[k] >= start && cur[k] < f[k].len) ? cur[k] - start : 0;
                     if (HAS_POOL) {
                         t.pbase[r] = q[k] * p.pool_row_stride;
                         t.vlim[r] = vl[k];
@@ -280,30 +284,37 @@ __device__ __forceinline__ i64 rotation_head(const PlanParams& p, i64 requests) 
 }
 
 // Turn the row table into a sampled step's (SPEC 3.7): off[r] becomes first[r], the row's first output entry,
-// and base / pdelta start the row at its cursor. Each thread rewrites only its own rows; every block that
-// needs the table does this itself, reading the cursors, which only the last block writes (update_cursors).
+// and base / pdelta start the row at its run (its cursor, read by the scan). Each thread rewrites only its own
+// rows, ROW_BATCH of them per round with their loads issued together (the two-pass table is in global memory).
 __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64 total, i64 requests) {
     const i64 cap = p.verify_capacity;
     const i64 head = cap < requests ? rotation_head(p, requests) : 0;
-    for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x) {
-        const i64 m = t.rank[r];
-        i64 first;
-        if (cap >= requests) {  // one entry each, the rest in proportion to len - 1 (the running sum rounded)
-            first = m + (cap - requests) * (t.off[r] - m) / (total - requests);
-        } else if (head + cap <= requests) {  // the requests of ranks [head, head + cap) take one entry each
-            first = min(max(m - head, (i64)0), cap);
-        } else {  // ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
-            first = min(m, head + cap - requests) + max(m - head, (i64)0);
+    for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * ROW_BATCH) {
+        i64 m[ROW_BATCH], off[ROW_BATCH], len[ROW_BATCH], run[ROW_BATCH];
+#pragma unroll
+        for (int k = 0; k < ROW_BATCH; ++k) {
+            const i64 r = r0 + (i64)k * blockDim.x;
+            if (r < p.bs) { m[k] = t.rank[r]; off[k] = t.off[r]; len[k] = t.len[r]; run[k] = len[k] > 0 ? t.run[r] : 0; }
         }
-        const i64 len = t.len[r];
-        if (len > 0) {
-            const i64 lo = t.lo[r], at = p.cursors[p.req_pool_indices[r]];
-            const i64 run = (at >= lo && at < lo + len) ? at - lo : 0;
-            const i64 shift = t.off[r] - first + run;  // base and pdelta were relative to off[r] and lo
-            t.base[r] += shift;
-            t.pdelta[r] += shift;
+#pragma unroll
+        for (int k = 0; k < ROW_BATCH; ++k) {
+            const i64 r = r0 + (i64)k * blockDim.x;
+            if (r >= p.bs) continue;
+            i64 first;
+            if (cap >= requests) {  // one entry each, the rest in proportion to len - 1 (the running sum rounded)
+                first = m[k] + (cap - requests) * (off[k] - m[k]) / (total - requests);
+            } else if (head + cap <= requests) {  // the requests of ranks [head, head + cap) take one entry each
+                first = min(max(m[k] - head, (i64)0), cap);
+            } else {  // ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
+                first = min(m[k], head + cap - requests) + max(m[k] - head, (i64)0);
+            }
+            if (len[k] > 0) {
+                const i64 shift = off[k] - first + run[k];  // base and pdelta were relative to off[r] and lo
+                t.base[r] += shift;
+                t.pdelta[r] += shift;
+            }
+            t.off[r] = first;
         }
-        t.off[r] = first;
     }
     if (threadIdx.x == 0) t.off[p.bs] = cap;
     __syncthreads();
@@ -314,14 +325,30 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
 // result does not depend on the order of the stores.
 __device__ __forceinline__ void update_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
     const i64 cap = p.verify_capacity;
-    for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x)
-        if (t.off[r + 1] > t.off[r]) p.cursors[p.req_pool_indices[r]] = (i64)(-0x7fffffffffffffffLL - 1);
+    i64 rp[ROW_BATCH], take[ROW_BATCH];
+    for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * ROW_BATCH) {
+#pragma unroll
+        for (int k = 0; k < ROW_BATCH; ++k) {
+            const i64 r = r0 + (i64)k * blockDim.x;
+            take[k] = r < p.bs ? t.off[r + 1] - t.off[r] : 0;
+            rp[k] = take[k] > 0 ? p.req_pool_indices[r] : 0;
+        }
+#pragma unroll
+        for (int k = 0; k < ROW_BATCH; ++k)
+            if (take[k] > 0) p.cursors[rp[k]] = (i64)(-0x7fffffffffffffffLL - 1);
+    }
     __syncthreads();
-    for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x) {
-        const i64 take = t.off[r + 1] - t.off[r];
-        if (take > 0) {
-            const i64 lo = t.lo[r], len = t.len[r], run = t.pdelta[r] + t.off[r] - lo;
-            atomicMax(reinterpret_cast<long long*>(p.cursors + p.req_pool_indices[r]), (long long)(lo + (run + take) % len));
+    for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * ROW_BATCH) {
+#pragma unroll
+        for (int k = 0; k < ROW_BATCH; ++k) {
+            const i64 r = r0 + (i64)k * blockDim.x;
+            if (r >= p.bs) continue;
+            const i64 n = t.off[r + 1] - t.off[r];
+            if (n > 0) {
+                const i64 lo = t.lo[r], len = t.len[r], run = t.run[r];
+                atomicMax(reinterpret_cast<long long*>(p.cursors + p.req_pool_indices[r]),
+                          (long long)(lo + (run + n) % len));
+            }
         }
     }
     if (threadIdx.x == 0 && cap < requests) p.cursors[0] = (rotation_head(p, requests) + cap) % requests;
@@ -457,8 +484,8 @@ template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     __shared__ i64 s_off[FUSED_MAX_BS + 1], s_base[FUSED_MAX_BS], s_pdelta[FUSED_MAX_BS];
     __shared__ i64 s_pbase[HAS_POOL ? FUSED_MAX_BS : 1], s_vlim[HAS_POOL ? FUSED_MAX_BS : 1];
-    __shared__ i64 s_lo[FUSED_MAX_BS], s_len[FUSED_MAX_BS], s_rank[FUSED_MAX_BS];
-    const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim, s_lo, s_len, s_rank};
+    __shared__ i64 s_lo[FUSED_MAX_BS], s_len[FUSED_MAX_BS], s_rank[FUSED_MAX_BS], s_run[FUSED_MAX_BS];
+    const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim, s_lo, s_len, s_rank, s_run};
     int row_flags, seed_bad;
     i64 requests;
     const i64 total = blockIdx.x == 0
@@ -478,7 +505,7 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
 __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
     i64* t = p.scratch + SCRATCH_TABLE;
     const i64 n = p.write_req_capacity + 1;  // bs <= R is checked on the host
-    return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n};
+    return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n, t + 8 * n};
 }
 
 // One block: the scans, and for a sampled step the sampled table and the cursors' advance (this block is the

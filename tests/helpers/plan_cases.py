@@ -1092,9 +1092,13 @@ def _fmt(v) -> str:
     return f"{v} (0x{v & 0xFFFFFFFFFFFFFFFF:x})" if abs(v) > 1 << 24 else str(v)
 
 
-def diff_outputs(got: dict[str, np.ndarray], want: dict[str, np.ndarray], names: Sequence[str] = BUFFERS) -> list[str]:
-    """Readable differences between two output dicts (empty when byte-identical)."""
+def diff_outputs(got: dict[str, np.ndarray], want: dict[str, np.ndarray], names: Sequence[str] | None = None
+                 ) -> list[str]:
+    """Readable differences between two output dicts (empty when byte-identical). ``names``: the buffers to
+    compare (default: the 10 outputs, and the state when ``got`` has it)."""
     lines = []
+    if names is None:
+        names = OUTPUTS + tuple(n for n in STATE if n in got)
     for name in names:
         a, b = np.asarray(got[name]), np.asarray(want[name])
         if a.dtype != b.dtype or a.shape != b.shape:
@@ -1113,7 +1117,7 @@ def diff_outputs(got: dict[str, np.ndarray], want: dict[str, np.ndarray], names:
 
 
 def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray], case: PlanCase | None = None,
-                names: Sequence[str] = BUFFERS) -> None:
+                names: Sequence[str] | None = None) -> None:
     """Assert two output dicts are byte-identical; the message names the first differing index per buffer."""
     lines = diff_outputs(got, want, names)
     if lines:
