@@ -492,13 +492,14 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
         ? scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad, requests)
         : scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, false>(p, t, row_flags, seed_bad, requests);
     const bool sampled = sampling(p, row_flags, total);
-    if (!HAS_LUT && !p.sample && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
+    // Without a LUT and without a sample to take, the row scan alone decides everything: block 0 writes it.
+    if (!HAS_LUT && !sampled && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
     if (sampled) sample_rows(p, t, total, requests);
     int bad = seed_bad;
     if ((total <= p.verify_capacity || sampled) && !(row_flags & CANARY_NO_ENTRIES))
         bad |= emit_entries<HAS_LUT, HAS_POOL>(p, t, RowSamples{nullptr, 0, 0}, sampled ? p.verify_capacity : total,
                                                sampled);
-    if (HAS_LUT || p.sample) finalize(p, t, row_flags, total, requests, bad, sampled);
+    if (HAS_LUT || sampled) finalize(p, t, row_flags, total, requests, bad, sampled);
 }
 
 // The two-pass row table lives in scratch after the head words: TABLE_ARRAYS arrays of stride R + 1.

@@ -577,7 +577,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             write_req_capacity, write_offsets, seeds, write_num_valid_reqs, tab, 0, _FUSED_STRIDE,
             cuda.blockIdx.x == 0, pool_rows, expected_token_pool_indices, cursors, sample)
         sampled = sampling(sample, verify_capacity, row_flags, total)
-        if not HAS_LUT and sample == 0:
+        if not HAS_LUT and not sampled:  # the row scan alone decides everything: block 0 writes it
             if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
                 write_status(status, enable, num_valid, verify_capacity, sample, row_flags, total)
         if sampled:
@@ -587,7 +587,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             bad |= emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
                                 prevs, tab, 0, _FUSED_STRIDE, tab, 0, 0,
                                 verify_capacity if sampled else total, sampled)
-        if HAS_LUT or sample != 0:
+        if HAS_LUT or sampled:
             finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad,
                      req_pool_indices, bs, cursors, tab, 0, _FUSED_STRIDE, requests, sampled)
 
