@@ -55,7 +55,7 @@ class Step:
         self.entries = int(prefix.sum())
         self.writes = int(extend.sum())
         cap = max(self.entries, 1)
-        vp = VerifyPlan.allocate(verify_capacity=cap, device=0)
+        vp = VerifyPlan.allocate(verify_capacity=cap, device=0, max_reqs=r2t.shape[0])
         wp = WritePlan.allocate(write_req_capacity=bs, device=0)
         a = cupy.asarray
         planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, req_to_token=a(r2t), backend="cupy")

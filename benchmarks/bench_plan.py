@@ -178,9 +178,12 @@ class Bound:
             return
         backend = "cupy" if impl.startswith("cupy") else "numba"
         two_pass = impl == "cupy_two_pass"  # the scan + per-entry binary search shape of SGLang's planner
+        # Every workload's capacity holds all its entries: the cursors are bound (on_overflow="sample", the
+        # default) but never read, so the timings are those of the plain plan.
+        self.cursors = cupy.zeros(inp.req_to_token.shape[0], dtype=cupy.int64)
         self.planner = CanaryPlanner(
             backend=backend, launch_config=LaunchConfig(fused_max_bs=-1 if two_pass else None),
-            verify_plan_out=VerifyPlan(**{k: self.out[k] for k in OUTPUTS[:7]}),
+            verify_plan_out=VerifyPlan(**{k: self.out[k] for k in OUTPUTS[:7]}, verify_cursors=self.cursors),
             write_plan_out=WritePlan(**{k: self.out[k] for k in OUTPUTS[7:]}),
             req_to_token=self.dev["req_to_token"], swa_window_size=inp.swa_window_size,
             full_to_swa_index_mapping=self.lut,

@@ -45,9 +45,12 @@ def workload(bs: int, seq_len: int, seed: int) -> dict:
 def plans(bs: int, entries: int) -> tuple[VerifyPlan, WritePlan]:
     i64 = lambda n: np.full(n, POISON64, dtype=np.int64)  # noqa: E731
     i32 = lambda: np.full(1, 0x5A5A5A5A, dtype=np.int32)  # noqa: E731
+    # The capacity holds every entry, so the planner never samples; its cursors (one per req_to_token row) are
+    # still required by the default on_overflow="sample" and stay as allocated.
     vp = VerifyPlan(verify_slot_indices=i64(entries), verify_expected_tokens=i64(entries),
                     verify_expected_positions=i64(entries), verify_prev_slot_indices=i64(entries),
-                    verify_num_valid=i32(), enable=i32(), status=i32())
+                    verify_num_valid=i32(), enable=i32(), status=i32(),
+                    verify_cursors=np.zeros(bs + 1, dtype=np.int64))
     wp = WritePlan(write_offsets=i64(bs + 1), write_seed_slot_indices=i64(bs), write_num_valid_reqs=i32())
     return vp, wp
 

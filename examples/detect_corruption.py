@@ -24,7 +24,7 @@ else:
 num_slots, bytes_per_token = 256, 64
 kv = xp.zeros((num_slots, bytes_per_token // 2), dtype=xp.float16)
 req_to_token = xp.asarray(np.arange(100, 100 + 4 * 16, dtype=np.int32).reshape(4, 16))
-verify_plan = VerifyPlan.allocate(verify_capacity=64, device=device)
+verify_plan = VerifyPlan.allocate(verify_capacity=64, device=device, max_reqs=req_to_token.shape[0])
 write_plan = WritePlan.allocate(write_req_capacity=4, device=device)
 planner = CanaryPlanner(verify_plan_out=verify_plan, write_plan_out=write_plan, req_to_token=req_to_token)
 state = CanaryState.allocate(num_slots=num_slots, ring_capacity=64, device=device)

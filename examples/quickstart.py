@@ -8,7 +8,8 @@ from canary import CanaryPlanner, PlanStatus, VerifyPlan, WritePlan
 
 # A KV pool of 4 request rows (row 0 is the padding row) x 8 token positions; slot ids are made up.
 req_to_token = np.arange(100, 132, dtype=np.int32).reshape(4, 8)
-verify = VerifyPlan.allocate(verify_capacity=16)
+# max_reqs allocates the cursors that let a step with more than 16 entries verify a rotating sample of them.
+verify = VerifyPlan.allocate(verify_capacity=16, max_reqs=req_to_token.shape[0])
 write = WritePlan.allocate(write_req_capacity=4)
 planner = CanaryPlanner(verify_plan_out=verify, write_plan_out=write, req_to_token=req_to_token)
 

@@ -16,6 +16,8 @@ verify = VerifyPlan(
     verify_expected_positions=torch.empty(capacity, **i64), verify_prev_slot_indices=torch.empty(capacity, **i64),
     verify_num_valid=torch.empty(1, dtype=torch.int32, device=dev),
     enable=torch.empty(1, dtype=torch.int32, device=dev), status=torch.empty(1, dtype=torch.int32, device=dev),
+    # The sampling state (SPEC 3.7): zeroed once, then owned by the planner for the engine's lifetime.
+    verify_cursors=torch.zeros(max_reqs, **i64),
 )
 write = WritePlan(write_offsets=torch.empty(bs + 1, **i64), write_seed_slot_indices=torch.empty(bs, **i64),
                   write_num_valid_reqs=torch.empty(1, dtype=torch.int32, device=dev))

@@ -1,10 +1,11 @@
 """Verify coverage of a replay, computed on the host from what the simulator knows.
 
 A step *asks* for every cached token of its running requests: row ``i``'s verify window, positions
-``[window_start(P), P)`` (SPEC 3.2; with a sliding window only the last ``W``). The plan verifies its entries
-``[0, verify_num_valid)`` when ``enable = 1``, and nothing when ``enable = 0`` (an OVERFLOW step: the
-capacity was too small, and the whole step goes unverified). Every asked ``(token, step)`` pair is either
-verified or not, and :class:`Coverage` counts them:
+``[window_start(P), P)`` (SPEC 3.2; with a sliding window only the last ``W``). The plan verifies exactly its
+entries ``[0, verify_num_valid)`` when ``enable = 1``: all of them on a step within the capacity, a rotating
+sample of ``C`` on a step above it (``on_overflow="sample"``, status bit ``SAMPLED``, SPEC 3.7), and nothing
+when ``enable = 0`` (``on_overflow="skip"``: an OVERFLOW step goes unverified as a whole). Every asked
+``(token, step)`` pair is either verified or not, and :class:`Coverage` counts them:
 
 - ``unverified_steps``: steps that asked for at least one token and verified none;
 - ``sampled_steps``: enabled steps that verified a strict subset of what they asked (status bit ``SAMPLED``,
@@ -13,11 +14,17 @@ verified or not, and :class:`Coverage` counts them:
 - ``max_staleness_steps``: the longest run, over all tokens, of consecutive steps in which the token was asked
   and not verified. A verified step ends the run, and so does the token leaving the window or its request
   finishing. A step that does not schedule the token's request (``--token-budget``) neither extends nor ends
-  it: the request's KV is not read in that step either.
+  it: the request's KV is not read in that step either;
+- ``max_sweep_steps``: the largest sweep bound of SPEC 3.7 over the sampled steps, as if each step's layout
+  were stable: ``ceil((total - n) / (C - n))`` for ``C > n``, ``ceil(n / C) * max L`` for ``C <= n`` (0 when
+  nothing was sampled). A token is verified at least once in any that many consecutive steps of a stable
+  layout, so ``max_staleness_steps`` stays below it unless decode growth and batch changes push it over.
 
-Which tokens a sampled step verified is read from the plan: its entries ``[0, verify_num_valid)`` name their
-slots, and the slots of the live tokens of the window are unique. A step verifies all or none of its tokens
-today, which keeps the common case cheap: a row's runs are only touched when some step left it unverified.
+Which pairs a step verified is read from the plan: an asked pair ``(row, p)`` is verified when an entry of
+``[0, verify_num_valid)`` has its slot (``MISSING_SLOT`` for a cleared SWA mapping, as the planner writes it)
+and its position; the live tokens of a window have unique slots, so the pair names one token. A step that
+verifies everything it asked (the common case) costs nothing per token: only rows left with unverified
+tokens hold nonzero runs.
 """
 from __future__ import annotations
 
@@ -25,12 +32,30 @@ from typing import Any
 
 import numpy as np
 
-from canary import PlanStatus, VerifyPlan, to_host
+from canary import MISSING_SLOT, PlanStatus, VerifyPlan, to_host
+from canary.backends.reference.plan import translate
 
 from .scheduler import Step
 
-# The status bit of a plan that verified a sample of its entries (a later planner sets it; absent today).
-SAMPLED = int(getattr(PlanStatus, "SAMPLED", 64))
+SAMPLED = int(PlanStatus.SAMPLED)
+
+
+def _keys(slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """One int64 per (slot, position): slots are int32 values (or MISSING_SLOT, folded onto -1: no slot is
+    negative otherwise once translated, and -1 marks an out-of-range slot the verify cannot match anyway)."""
+    s = np.where(slots == MISSING_SLOT, -1, slots).astype(np.int64)
+    return (s << 32) | (positions.astype(np.int64) & 0xFFFFFFFF)
+
+
+def sweep_bound(lengths: np.ndarray, cap: int) -> int:
+    """SPEC 3.7's sweep bound of one sampled step with window lengths ``lengths`` and capacity ``cap``."""
+    lengths = lengths[lengths > 0]
+    n, total = len(lengths), int(lengths.sum())
+    if total <= cap:
+        return 1
+    if cap > n:
+        return -(-(total - n) // (cap - n))
+    return -(-n // cap) * int(lengths.max())
 
 
 class Coverage:
@@ -49,7 +74,7 @@ class Coverage:
         self.owner = np.full(r2t.shape[0], -1, dtype=np.int64)  # the request whose runs a row holds
         self.steps = self.unverified_steps = self.sampled_steps = 0
         self.asked = self.verified = 0
-        self.max_staleness = 0
+        self.max_staleness = self.max_sweep = 0
 
     def add(self, step: Step, plan: VerifyPlan) -> None:
         """Account for ``step``, whose verify plan is ``plan`` (already planned)."""
@@ -61,44 +86,51 @@ class Coverage:
         lo = np.maximum(end - self.window, 0) if self.window else np.zeros(n, dtype=np.int64)
         asked = int((end - lo).sum())
         status, enable, nv = (int(to_host(getattr(plan, f))[0]) for f in ("status", "enable", "verify_num_valid"))
-        verified = min(nv, asked) if enable else 0
+        nv = nv if enable else 0
         self.asked += asked
-        self.verified += verified
-        if asked and not verified:
-            self.unverified_steps += 1
-        sampled = bool(enable) and bool(status & SAMPLED or 0 < nv < asked)
-        self.sampled_steps += sampled
 
         # A row taken over by a new request starts with no runs: its old tokens left the cache.
         new = self.owner[rows] != reqs
-        for row in rows[new & self.dirty[rows]].tolist():
+        self._clean(rows[new])
+        self.owner[rows] = reqs
+        if nv >= asked and not status & SAMPLED:  # everything asked is in the plan (SPEC 3.2)
+            self.verified += asked
+            self._clean(rows)
+            return
+        if status & SAMPLED:
+            self.max_sweep = max(self.max_sweep, sweep_bound(end - lo, plan.verify_slot_indices.shape[0]))
+        hit, r, p = self._verified(plan, nv, rows, lo, end)
+        verified = int(hit.sum())
+        self.verified += verified
+        self.unverified_steps += bool(asked and not verified)
+        self.sampled_steps += bool(nv and (status & SAMPLED or nv < asked))
+        runs = self.run[r, p] + 1
+        runs[hit] = 0
+        self.run[r, p] = runs
+        self.dirty[rows] = True
+        if runs.size:
+            self.max_staleness = max(self.max_staleness, int(runs.max()))
+
+    def _clean(self, rows: np.ndarray) -> None:
+        for row in rows[self.dirty[rows]].tolist():
             self.run[row] = 0
             self.dirty[row] = False
-        self.owner[rows] = reqs
-        if verified == asked:
-            for row in rows[self.dirty[rows]].tolist():
-                self.run[row] = 0
-                self.dirty[row] = False
-            return
-        hit = self._verified_slots(plan, nv) if verified else None
-        for i in range(n):
-            row, a, b = int(rows[i]), int(lo[i]), int(end[i])
-            if a == b:
-                continue
-            seg = self.run[row, a:b]
-            seg += 1
-            if hit is not None:
-                seg[np.isin(self._slots(row, a, b), hit)] = 0
-            self.dirty[row] = True
-            self.max_staleness = max(self.max_staleness, int(seg.max()))
 
-    def _slots(self, row: int, a: int, b: int) -> np.ndarray:
-        s = self.r2t[row, a:b].astype(np.int64)
-        return s if self.lut is None else self.lut[s]
-
-    @staticmethod
-    def _verified_slots(plan: VerifyPlan, nv: int) -> np.ndarray:
-        return to_host(plan.verify_slot_indices)[:nv]
+    def _verified(self, plan: VerifyPlan, nv: int, rows: np.ndarray, lo: np.ndarray, end: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Whether each asked pair is among the plan's entries, with the pairs' rows and positions."""
+        count = end - lo
+        which = np.repeat(np.arange(len(rows)), count)
+        first = np.cumsum(count) - count
+        r = rows[which]
+        p = lo[which] + np.arange(int(count.sum()), dtype=np.int64) - first[which]
+        if not nv:
+            return np.zeros(len(r), dtype=bool), r, p
+        raw = self.r2t[r, p].astype(np.int64)
+        slot, _ = translate(raw, self.lut)
+        slot = np.where((raw > 0) & (slot == 0), MISSING_SLOT, slot)  # as the planner writes a cleared mapping
+        entries = _keys(to_host(plan.verify_slot_indices)[:nv], to_host(plan.verify_expected_positions)[:nv])
+        return np.isin(_keys(slot, p), entries), r, p
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -106,6 +138,7 @@ class Coverage:
             "sampled_steps": self.sampled_steps,
             "verified_fraction": self.verified / self.asked if self.asked else 1.0,
             "max_staleness_steps": self.max_staleness,
+            "max_sweep_steps": self.max_sweep,
             "cached_token_steps": self.asked,
             "verified_token_steps": self.verified,
         }

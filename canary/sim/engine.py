@@ -288,7 +288,8 @@ class Engine:
     """Scheduler, planner and :class:`EngineKV` in one loop: the end-to-end tests' engine.
 
     ``xp``: ``numpy`` (host arrays; ``backend`` ``"reference"``) or ``cupy`` (arrays on the current CUDA device;
-    ``req_to_token`` and the LUT are mirrored there every step).
+    ``req_to_token`` and the LUT are mirrored there every step). ``on_overflow``: the planner's (SPEC 3.7):
+    ``"sample"`` verifies ``verify_capacity`` entries of a larger step, ``"skip"`` none.
     """
 
     def __init__(
@@ -307,6 +308,7 @@ class Engine:
         mode: RealKVMode | str = RealKVMode.ALL,
         ring_capacity: int = RING_CAPACITY,
         verify_capacity: int = 1 << 16,
+        on_overflow: str = "sample",
         check_flags: CheckFlags | int = DEFAULT_CHECK_FLAGS,
         seed: int = 0,
         xp: Any = np,
@@ -321,7 +323,9 @@ class Engine:
         self.kv = EngineKV(s, xp=xp, device=device, backend=backend, with_pool=with_pool, mode=mode,
                            ring_capacity=ring_capacity, check_flags=check_flags, pool_by_request=pool_by_request)
         r_cap = max((*pad_buckets, max_batch_size))
-        self.vplan = VerifyPlan.allocate(verify_capacity=verify_capacity, device=device)
+        # The cursors persist across steps: a sampled step resumes each request where its last one stopped.
+        self.vplan = VerifyPlan.allocate(verify_capacity=verify_capacity, device=device,
+                                         max_reqs=s.req_to_token.shape[0])
         self.wplan = WritePlan.allocate(write_req_capacity=r_cap, device=device)
         self.dev_r2t = xp.asarray(s.req_to_token)
         lut = s.full_to_swa_index_mapping
@@ -329,7 +333,7 @@ class Engine:
         self.planner = CanaryPlanner(
             backend=backend, verify_plan_out=self.vplan, write_plan_out=self.wplan, req_to_token=self.dev_r2t,
             swa_window_size=swa_window, full_to_swa_index_mapping=self.dev_lut,
-            req_to_verify_expected_tokens=self.kv.pool,
+            req_to_verify_expected_tokens=self.kv.pool, on_overflow=on_overflow,
         )
         self.logs: list[StepLog] = []
         self._steps = s.steps()

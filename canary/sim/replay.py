@@ -5,7 +5,8 @@ step against what the scheduler knows (``status``, ``enable`` and ``verify_num_v
 entry count), and every ``--check-every`` steps it also builds the plan with the NumPy reference into a
 second set of buffers and compares all output buffers byte for byte. Both sets are poisoned with the same
 random values before a compared step, so a backend that writes where it must not (or misses a write) is
-caught in the untouched regions too.
+caught in the untouched regions too. The sampling cursors (SPEC 3.7) are state, not output: never poisoned,
+and the reference keeps its own, planning every sampled step as well, so that they compare byte for byte too.
 
 Plan time is host wall time around ``planner.plan``. On the GPU backends the clock stops after a stream
 sync, so it is launch overhead plus device time plus the sync's latency (not the device time alone).
@@ -106,8 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-capacity", type=_count32, default=None, metavar="N",
                    help="verify entries per plan; 0 = 60%% of the KV pool, rounded down to 1024 (default)")
     p.add_argument("--verify-budget", type=_count32, default=None, metavar="N",
-                   help="the same as --verify-capacity: verify entries per plan; a step asking more verifies "
-                   "nothing today, so it trades verify cost for staleness (see the canary's coverage rows)")
+                   help="the same as --verify-capacity: verify entries per plan; a step asking more verifies a "
+                   "rotating sample of N (or nothing with --on-overflow skip), so it trades verify cost for "
+                   "staleness (see the canary's coverage rows)")
+    p.add_argument("--on-overflow", choices=("sample", "skip"), default="sample",
+                   help="a step whose verify entries exceed the capacity: sample = verify a rotating sample of "
+                   "capacity entries (default, SPEC 3.7); skip = verify nothing (SGLang's behaviour)")
     p.add_argument("--chunk-size", type=_size, default=2048, metavar="N",
                    help="prefill tokens per request per step (default 2048)")
     p.add_argument("--token-budget", type=_count32, default=0, metavar="N",
@@ -190,10 +195,11 @@ class _Arrays:
         elif self.kind == "numba":
             self.cuda.synchronize()
 
-    def plans(self, verify_capacity: int, write_req_capacity: int) -> tuple[VerifyPlan, WritePlan]:
+    def plans(self, verify_capacity: int, write_req_capacity: int, max_reqs: int) -> tuple[VerifyPlan, WritePlan]:
+        """Zeroed plans; ``max_reqs`` sizes the sampling cursors, which persist across the whole replay."""
         if self.kind != "numba":
             device = "cpu" if self.kind == "host" else self.xp.cuda.Device().id
-            return (VerifyPlan.allocate(verify_capacity=verify_capacity, device=device),
+            return (VerifyPlan.allocate(verify_capacity=verify_capacity, device=device, max_reqs=max_reqs),
                     WritePlan.allocate(write_req_capacity=write_req_capacity, device=device))
         def z(n, dt):
             return self.cuda.to_device(np.zeros(n, dtype=dt))
@@ -202,7 +208,8 @@ class _Arrays:
         return (
             VerifyPlan(verify_slot_indices=z(c, np.int64), verify_expected_tokens=z(c, np.int64),
                        verify_expected_positions=z(c, np.int64), verify_prev_slot_indices=z(c, np.int64),
-                       verify_num_valid=z(1, np.int32), enable=z(1, np.int32), status=z(1, np.int32)),
+                       verify_num_valid=z(1, np.int32), enable=z(1, np.int32), status=z(1, np.int32),
+                       verify_cursors=z(max_reqs, np.int64)),
             WritePlan(write_offsets=z(r + 1, np.int64), write_seed_slot_indices=z(r, np.int64),
                       write_num_valid_reqs=z(1, np.int32)),
         )
@@ -232,7 +239,20 @@ def _placement(backend: str) -> str:
 
 
 def _buffers(plan_pair) -> list[tuple[str, Any]]:
-    return [(f.name, getattr(p, f.name)) for p in plan_pair for f in fields(p)]
+    return [(f.name, getattr(p, f.name)) for p in plan_pair for f in fields(p) if getattr(p, f.name) is not None]
+
+
+# The planner's state, not an output: poisoning it would change which entries the next sampled step verifies.
+STATE_FIELDS = ("verify_cursors",)
+
+
+def _want(entries: int, cap: int, sample: bool) -> list[int]:
+    """(status, enable, verify_num_valid) of a clean step with ``entries`` verify entries (SPEC 3.2)."""
+    if entries <= cap:
+        return [int(PlanStatus.OK), 1, entries]
+    if sample:
+        return [int(PlanStatus.SAMPLED), 1, cap]
+    return [int(PlanStatus.OVERFLOW), 0, cap]
 
 
 def _diff(step: int, got: list, want: list) -> list[str]:
@@ -311,10 +331,12 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
     r2t, lut = sched.req_to_token, sched.full_to_swa_index_mapping
     dev_r2t = arrays.put(r2t)
     dev_lut = None if lut is None else arrays.put(lut)
-    plans = arrays.plans(cap, mbs)
+    max_reqs = r2t.shape[0]
+    plans = arrays.plans(cap, mbs, max_reqs)
     pool = None if session is None else session.pool
+    sample = args.on_overflow == "sample"
     static = dict(req_to_token=dev_r2t, swa_window_size=args.swa_window, full_to_swa_index_mapping=dev_lut,
-                  max_batch_size=mbs, req_to_verify_expected_tokens=pool)
+                  max_batch_size=mbs, req_to_verify_expected_tokens=pool, on_overflow=args.on_overflow)
     planner = CanaryPlanner(backend=args.backend, verify_plan_out=plans[0], write_plan_out=plans[1], **static)
     planner.warmup()
     ref_plans = ref = None
@@ -322,10 +344,14 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
     # on the GPU.
     ref_pool = pool if pool is None or arrays.kind == "host" else np.zeros(pool.shape, dtype=np.int32)
     if args.check_every:
-        ref_plans = (VerifyPlan.allocate(verify_capacity=cap), WritePlan.allocate(write_req_capacity=mbs))
+        # Its own cursors, advanced on every step that moves the device's (below), so that they and the entries
+        # they choose compare byte for byte on every checked step.
+        ref_plans = (VerifyPlan.allocate(verify_capacity=cap, max_reqs=max_reqs),
+                     WritePlan.allocate(write_req_capacity=mbs))
         ref = CanaryPlanner(backend="reference", verify_plan_out=ref_plans[0], write_plan_out=ref_plans[1],
                             req_to_token=r2t, swa_window_size=args.swa_window, full_to_swa_index_mapping=lut,
-                            max_batch_size=mbs, req_to_verify_expected_tokens=ref_pool)
+                            max_batch_size=mbs, req_to_verify_expected_tokens=ref_pool,
+                            on_overflow=args.on_overflow)
     rng = np.random.default_rng([args.seed, 1])  # poison values, independent of the scheduler's stream
 
     verify, write, times_us, bs_active, bs_padded = [], [], [], [], []
@@ -349,8 +375,12 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
             if q is not None:
                 inputs["expected_token_pool_indices"] = arrays.put(q)
             compare = bool(args.check_every) and step.index % args.check_every == 0
+            # Only a sampled step moves the cursors (SPEC 3.7): the reference must plan each of them too.
+            mirror = bool(args.check_every) and sample and step.verify_entries > cap
             if compare:
-                for (_, buf), (_, ref_buf) in zip(_buffers(plans), _buffers(ref_plans)):
+                for (name, buf), (_, ref_buf) in zip(_buffers(plans), _buffers(ref_plans)):
+                    if name in STATE_FIELDS:
+                        continue
                     poison = rng.integers(np.iinfo(ref_buf.dtype).min, np.iinfo(ref_buf.dtype).max,
                                           size=ref_buf.shape, dtype=ref_buf.dtype, endpoint=True)
                     arrays.fill(buf, poison)
@@ -361,22 +391,22 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
             arrays.sync()
             times_us.append((time.perf_counter_ns() - t0) / 1e3)
 
-            want_status = PlanStatus.OVERFLOW if step.verify_entries > cap else PlanStatus.OK
             got = [int(to_host(getattr(plans[0], f))[0]) for f in ("status", "enable", "verify_num_valid")]
-            want = [int(want_status), int(want_status == PlanStatus.OK), min(step.verify_entries, cap)]
+            want = _want(step.verify_entries, cap, sample)
             if got != want:
                 problems.append(f"step {step.index}: (status, enable, verify_num_valid) = {got}, expected {want}")
-            if compare:
-                if ref_pool is not None and ref_pool is not pool:
-                    ref_pool[...] = to_host(pool)
+            if compare or mirror:
+                if compare and ref_pool is not None and ref_pool is not pool:
+                    ref_pool[...] = to_host(pool)  # the pool moves no cursor: only compared steps need it fresh
                 ref.plan(req_pool_indices=step.req_pool_indices, prefix_lens=step.prefix_lens,
                          extend_seq_lens=step.extend_seq_lens, req_to_verify_expected_tokens_valid_lens=valid,
                          expected_token_pool_indices=q)
+            if compare:
                 problems += _diff(step.index, _buffers(plans), _buffers(ref_plans))
                 checked += 1
             if session is not None:
                 session.run(step, plans, req_to_token=dev_r2t, lut=dev_lut)
-            overflow += bool(got[0] & PlanStatus.OVERFLOW)
+            overflow += step.verify_entries > cap  # what the scheduler knows; the plan's status is checked above
             verify.append(step.verify_entries)
             write.append(step.write_entries)
             bs_active.append(step.num_active)
@@ -398,6 +428,7 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
         "arrays": arrays.kind,
         "max_batch_size": mbs,
         "verify_capacity": cap,
+        "on_overflow": args.on_overflow,
         "page_size": args.page_size,
         "chunk_size": args.chunk_size,
         "swa_window": args.swa_window,
@@ -440,7 +471,8 @@ def _table(s: dict, Table) -> Any:
     t.add_row("batch size, mean (active / padded)", f"{bs['mean_active']:.1f} / {bs['mean_padded']:.1f}")
     t.add_row("verify entries / step", *dist(s["verify_entries_per_step"], "{:.0f}"))
     t.add_row("write entries / step", *dist(s["write_entries_per_step"], "{:.0f}"))
-    t.add_row(f"overflow steps (capacity {s['verify_capacity']})", str(s["overflow_steps"]))
+    what = "sampled" if s["on_overflow"] == "sample" else "skipped"
+    t.add_row(f"overflow steps (capacity {s['verify_capacity']}, {what})", str(s["overflow_steps"]))
     t.add_row("plan time / step (us)", *dist(s["plan_time_us"], "{:.1f}"))
     t.add_row("steps checked vs reference", str(s["checked_steps"]))
     t.add_row("mismatches", str(s["mismatches"]))

@@ -36,7 +36,7 @@ class _Engine:
         self.r2t_host = np.zeros((3, MAX_SEQ_LEN), dtype=np.int32)
         self.r2t = to_xp(self.r2t_host, xp)
         self.pool = to_xp(np.zeros((pool_rows, MAX_SEQ_LEN), dtype=np.int32), xp)
-        self.vp = VerifyPlan.allocate(verify_capacity=64, device=device, max_reqs=3)
+        self.vp = VerifyPlan.allocate(verify_capacity=64, device=device, max_reqs=self.r2t_host.shape[0])
         self.wp = WritePlan.allocate(write_req_capacity=2, device=device)
         self.planner = CanaryPlanner(verify_plan_out=self.vp, write_plan_out=self.wp, req_to_token=self.r2t,
                                      req_to_verify_expected_tokens=self.pool, backend=backend)

@@ -190,6 +190,7 @@ def test_torch_outputs_show_the_result_zero_copy(torch):
         verify_num_valid=torch.zeros(1, dtype=torch.int32),
         enable=torch.zeros(1, dtype=torch.int32),
         status=torch.full((1,), 99, dtype=torch.int32),
+        verify_cursors=torch.zeros(case.req_to_token.shape[0], dtype=torch.int64),
     )
     wp = WritePlan(write_offsets=torch.full((case.write_req_capacity + 1,), 7, dtype=torch.int64),
                    write_seed_slot_indices=torch.full((case.write_req_capacity,), 7, dtype=torch.int64),
@@ -261,7 +262,7 @@ def test_reference_plan_imports_no_gpu_or_torch_library():
     code = """
         import numpy as np
         import canary
-        vp = canary.VerifyPlan.allocate(verify_capacity=4)
+        vp = canary.VerifyPlan.allocate(verify_capacity=4, max_reqs=4)
         wp = canary.WritePlan.allocate(write_req_capacity=2)
         r2t = np.arange(32, dtype=np.int32).reshape(4, 8)
         one = np.ones(1, dtype=np.int64)

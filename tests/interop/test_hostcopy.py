@@ -86,10 +86,14 @@ def test_check_true_with_torch_cpu_ok_and_overflow(torch, api):
     status, raw = _torch_plan(ok, api=api)
     assert status == PlanStatus.OK
     assert {k: to_numpy(v).tolist() for k, v in raw.items()} == {k: v.tolist() for k, v in expected_outputs(ok).items()}
-    over = make_case("over", [(1, 3, 1), (2, 2, 1)], C=4)
+    over = make_case("over", [(1, 3, 1), (2, 2, 1)], C=4, on_overflow="skip")
     status, raw = _torch_plan(over, api=api)
     assert status == PlanStatus.OVERFLOW
     assert (int(raw["enable"][0]), int(raw["verify_num_valid"][0])) == (0, 4)
+    sampled = make_case("sampled", [(1, 3, 1), (2, 2, 1)], C=4)
+    status, raw = _torch_plan(sampled, api=api)
+    assert status == PlanStatus.SAMPLED
+    assert (int(raw["enable"][0]), int(raw["verify_num_valid"][0])) == (1, 4)
 
 
 @pytest.mark.parametrize("api", ["planner", "launch"])

@@ -632,7 +632,7 @@ def test_ring_overflow_end_to_end():
 
 
 def test_disabled_verify_end_to_end():
-    e = Engine(requests=40, verify_capacity=2048)
+    e = Engine(requests=40, verify_capacity=2048, on_overflow="skip")
     logs = e.run(120)
     disabled = [log for log in logs if log.enable == 0]
     assert disabled and len(disabled) < len(logs)
@@ -640,3 +640,13 @@ def test_disabled_verify_end_to_end():
     h = e.state.health()
     assert h.verify_launches == len(logs)  # disabled launches count
     assert h.verify_slots == sum(log.verify_entries for log in logs)
+
+
+def test_sampled_verify_end_to_end():
+    """The same run sampled (the default): no step is disabled, the steps above 2048 entries verify 2048 of them,
+    and a clean run stays clean (a sample wrapping round a window keeps each entry's real predecessor)."""
+    e = Engine(requests=40, verify_capacity=2048)
+    logs = e.run(120)
+    assert all(log.enable == 1 for log in logs) and all(log.report.total == 0 for log in logs)
+    assert any(log.verify_entries == 2048 for log in logs)
+    assert e.state.health().verify_slots == sum(log.verify_entries for log in logs)

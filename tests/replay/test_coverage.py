@@ -36,29 +36,59 @@ def two_requests(tmp_path):
     return ["--trace", str(path), "--max-batch-size", "2", "--no-pad", "--kv-pool-tokens", "1024"]
 
 
-@pytest.mark.parametrize("capacity,unverified,verified,staleness", [
-    (8, 0, 20, 0),  # nothing overflows
-    (6, 1, 12, 1),  # step 2 (8 entries) overflows
-    (5, 3, 0, 3),  # steps 1 to 3 overflow: A's first tokens go unverified in all three
+@pytest.mark.parametrize("capacity,overflow,unverified,verified,staleness", [
+    (8, 0, 0, 20, 0),  # nothing overflows
+    (6, 1, 1, 12, 1),  # step 2 (8 entries) overflows
+    (5, 3, 3, 0, 3),  # steps 1 to 3 overflow: A's first tokens go unverified in all three
 ])
-def test_two_requests_by_hand(tmp_path, two_requests, capacity, unverified, verified, staleness):
-    rc, s = _coverage(tmp_path, *two_requests, "--verify-budget", str(capacity))
+def test_two_requests_by_hand_skip(tmp_path, two_requests, capacity, overflow, unverified, verified, staleness):
+    """SGLang's ``--on-overflow skip``: an overflowing step verifies nothing."""
+    rc, s = _coverage(tmp_path, *two_requests, "--verify-budget", str(capacity), "--on-overflow", "skip")
     c = s["canary"]
-    assert rc == 0 and s["steps"] == 4 and s["verify_capacity"] == capacity
-    assert s["overflow_steps"] == unverified
+    assert rc == 0 and s["steps"] == 4 and s["verify_capacity"] == capacity and s["on_overflow"] == "skip"
+    assert s["overflow_steps"] == overflow
     assert (c["unverified_steps"], c["sampled_steps"], c["max_staleness_steps"]) == (unverified, 0, staleness)
     assert (c["cached_token_steps"], c["verified_token_steps"]) == (20, verified)
     assert c["verified_fraction"] == verified / 20
 
 
+@pytest.mark.parametrize("capacity,sampled,verified,staleness,sweep", [
+    (8, 0, 20, 0, 0),
+    # Step 2 (L = 5, 3): C - n = 4 shared by L - 1 = 4, 2: takes 3 and 3, from cursors 0. A's 3 and 4 wait a step.
+    (6, 1, 18, 1, 2),
+    # Step 1 (L = 4, 2): takes 3, 2: A 0-2, B 0-1. Step 2 (L = 5, 3): takes 3, 2: A 3, 4, 0 (wrapping), B 0-1.
+    # Step 3 (A alone, L = 6): take 5: A 1-5. Each token waits one step at most: 5 + 5 + 5 verified.
+    (5, 3, 15, 1, 2),
+])
+def test_two_requests_by_hand_sample(tmp_path, two_requests, capacity, sampled, verified, staleness, sweep):
+    """The default ``--on-overflow sample``: an overflowing step verifies ``capacity`` entries (SPEC 3.7)."""
+    rc, s = _coverage(tmp_path, *two_requests, "--verify-budget", str(capacity))
+    c = s["canary"]
+    assert rc == 0 and s["on_overflow"] == "sample" and s["overflow_steps"] == sampled and s["mismatches"] == 0
+    assert (c["unverified_steps"], c["sampled_steps"], c["max_staleness_steps"]) == (0, sampled, staleness)
+    assert (c["cached_token_steps"], c["verified_token_steps"], c["max_sweep_steps"]) == (20, verified, sweep)
+    assert c["verified_token_steps"] == c["health"]["verify_slots"]  # the canary's own count
+
+
 def test_two_requests_sliding_window(tmp_path, two_requests):
-    """Window 2: asked 0 + (2 + 2) + (2 + 2) + 2 = 10 pairs; capacity 3 overflows steps 1 and 2. A's position 3
-    is cached and unverified in both (position 2 leaves the window after step 1): staleness 2."""
-    rc, s = _coverage(tmp_path, *two_requests, "--swa-window", "2", "--verify-capacity", "3")
+    """Window 2: asked 0 + (2 + 2) + (2 + 2) + 2 = 10 pairs; capacity 3 overflows steps 1 and 2. Skipped: A's
+    position 3 is cached and unverified in both (position 2 leaves the window after step 1): staleness 2."""
+    rc, s = _coverage(tmp_path, *two_requests, "--swa-window", "2", "--verify-capacity", "3", "--on-overflow", "skip")
     c = s["canary"]
     assert rc == 0 and s["overflow_steps"] == 2
     assert (c["unverified_steps"], c["max_staleness_steps"], c["cached_token_steps"]) == (2, 2, 10)
     assert c["verified_fraction"] == 0.2
+
+
+def test_two_requests_sliding_window_sampled(tmp_path, two_requests):
+    """Sampled, the same run: takes 1 (A) and 2 (B) in steps 1 and 2. A's cursor 0 lies below its window [2, 4):
+    the run restarts at 2, then continues at 3 in step 2 (window [3, 5)); B's restarts at 1 in step 2. A's 3
+    waits one step, its 4 one step, and step 3 verifies both: 3 + 3 + 2 of 10 pairs."""
+    rc, s = _coverage(tmp_path, *two_requests, "--swa-window", "2", "--verify-capacity", "3", "--check-every", "1")
+    c = s["canary"]
+    assert rc == 0 and s["overflow_steps"] == 2 and s["mismatches"] == 0
+    assert (c["unverified_steps"], c["sampled_steps"], c["max_staleness_steps"]) == (0, 2, 1)
+    assert c["verified_fraction"] == 0.8
 
 
 def _step(index: int, prefix: int, r2t: np.ndarray) -> Step:
@@ -68,8 +98,10 @@ def _step(index: int, prefix: int, r2t: np.ndarray) -> Step:
 
 
 def _plan(slots: list[int], *, status: int = 0, enable: int = 1, num_valid: int | None = None) -> VerifyPlan:
+    """A plan of the request in row 1 verifying ``slots`` (slot of position p = 100 + p)."""
     plan = VerifyPlan.allocate(verify_capacity=8)
     plan.verify_slot_indices[: len(slots)] = slots
+    plan.verify_expected_positions[: len(slots)] = np.asarray(slots, dtype=np.int64) - 100
     plan.verify_num_valid[0] = len(slots) if num_valid is None else num_valid
     plan.enable[0], plan.status[0] = enable, status
     return plan
@@ -108,13 +140,28 @@ def test_a_reused_row_starts_clean():
     assert cov.max_staleness == 2 and cov.run[1, 0] == 1
 
 
-def test_unverified_steps_are_the_overflow_steps(tmp_path):
-    rc, s = _coverage(tmp_path, "--max-requests", "30", "--verify-capacity", "4096", "--token-budget", "1024")
+SMALL_BUDGET = ("--max-requests", "30", "--verify-capacity", "4096", "--token-budget", "1024")
+
+
+def test_skip_leaves_the_overflow_steps_unverified(tmp_path):
+    rc, s = _coverage(tmp_path, *SMALL_BUDGET, "--on-overflow", "skip")
     c = s["canary"]
     # An overflow step asked for more than the capacity (> 0 entries), so it has cached tokens, and verified none.
     assert rc == 0 and c["unverified_steps"] == s["overflow_steps"] > 0 and c["sampled_steps"] == 0
     assert c["verified_token_steps"] == c["health"]["verify_slots"]  # the canary's own count
     assert 0 < c["verified_fraction"] < 1 and c["max_staleness_steps"] >= 1
+
+
+def test_sample_verifies_every_overflow_step(tmp_path):
+    """The same run sampled: the overflow steps verify 4096 entries each instead of none."""
+    rc, s = _coverage(tmp_path, *SMALL_BUDGET)
+    rc_skip, skip = _coverage(tmp_path, *SMALL_BUDGET, "--on-overflow", "skip")
+    c, cs = s["canary"], skip["canary"]
+    assert rc == rc_skip == 0 and s["overflow_steps"] == skip["overflow_steps"] > 0
+    assert c["unverified_steps"] == 0 and c["sampled_steps"] == s["overflow_steps"]
+    assert c["verified_token_steps"] == c["health"]["verify_slots"]
+    assert c["verified_token_steps"] == cs["verified_token_steps"] + 4096 * s["overflow_steps"]
+    assert c["max_staleness_steps"] <= c["max_sweep_steps"]
 
 
 def test_enough_capacity_verifies_everything(tmp_path, capsys):
