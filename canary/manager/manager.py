@@ -16,12 +16,12 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from ..errors import INPUT_ERROR_BITS, PlanStatus, fail
-from ..interop.adapter import HOST, as_view
+from ..interop.adapter import as_view
 from ..interop.devices import allocator, cuda_ordinal
 from ..interop.hostcopy import to_host
 from ..interop.streams import is_capturing, launch_stream
 from ..records.api import scatter_expected_tokens
-from ..records.ring import FailReason, KernelTag, decode
+from ..records.ring import KernelTag, decode
 from .groups import BoundGroup, KVGroup, bind_group, check_groups
 from .pool import RequestPool
 from .report import (
@@ -177,7 +177,7 @@ class CanaryManager:
         capturing = self._capturing(stream)
         if not capturing:
             self.begin_step(request_ids, groups=groups, stream=stream)
-        bs = int(as_view(req_pool_indices, "req_pool_indices").shape[0])
+        bs = int(req_pool_indices.shape[0])  # an attribute read: no DLPack export inside a capture
         if not capturing and bs != self._step.bs:
             raise fail(ValueError, f"request_ids: expected one id per batch row (bs = {bs}), got {self._step.bs}")
         if bs > self.max_batch_size:
@@ -304,10 +304,9 @@ class CanaryManager:
         return self.ordinal is not None and is_capturing(self._handle(stream))
 
     def _translate(self, g: BoundGroup, loc: Any) -> Any:
-        n = int(as_view(loc, "out_cache_loc").shape[0])
-        if n > int(as_view(g.loc_scratch, "scratch").shape[0]):
-            raise fail(ValueError, f"out_cache_loc: expected at most max_step_tokens = "
-                                   f"{as_view(g.loc_scratch, 'scratch').shape[0]} tokens, got {n}")
+        n, cap = int(loc.shape[0]), int(g.loc_scratch.shape[0])
+        if n > cap:
+            raise fail(ValueError, f"out_cache_loc: expected at most max_step_tokens = {cap} tokens, got {n}")
         out = g.loc_scratch[:n]
         lut = g.spec.full_to_swa_index_mapping
         module = type(out).__module__.split(".")[0]
