@@ -11,10 +11,15 @@ The canary records (SPEC 4, ``docs/records.md``, ``canary.records``):
 (real KV bytes to hash), :func:`scatter_expected_tokens`, the decoded ring records (:class:`Violation`,
 :class:`FailReason`) and the hashes (:func:`splitmix64`, :func:`mix3`). :func:`to_host` copies any array to
 NumPy (a sync for device arrays). :class:`LaunchConfig`: launch choices at bind time.
+
+The engine-facing manager (``docs/integration.md``, ``canary.manager``): :class:`CanaryManager` bound over
+:class:`KVGroup` s, two calls per step, violations reported as :class:`SlotViolation` records,
+:class:`CanaryViolationError` / :class:`CanaryHealthError`.
 """
 from .backends.args import LaunchConfig
 from .errors import BackendUnavailableError, CanaryInputError, PlanStatus
 from .interop.hostcopy import to_host
+from .manager import CanaryHealthError, CanaryManager, CanaryViolationError, KVGroup, SlotViolation
 from .plan.planner import CanaryPlanner, launch_canary_plan_kernels
 from .plan.plans import MISSING_SLOT, SKIP_SEED, VerifyPlan, WritePlan
 from .records.api import CanaryRecords, scatter_expected_tokens
@@ -28,13 +33,17 @@ from .records.state import CanaryState
 __all__ = [
     "DEFAULT_CHECK_FLAGS",
     "BackendUnavailableError",
+    "CanaryHealthError",
     "CanaryInputError",
+    "CanaryManager",
     "CanaryPlanner",
     "CanaryRecords",
     "CanaryState",
+    "CanaryViolationError",
     "CheckFlags",
     "FailReason",
     "Health",
+    "KVGroup",
     "KernelTag",
     "LaunchConfig",
     "MISSING_SLOT",
@@ -43,6 +52,7 @@ __all__ = [
     "RealKVMode",
     "RingReport",
     "SKIP_SEED",
+    "SlotViolation",
     "VerifyPlan",
     "Violation",
     "WritePlan",

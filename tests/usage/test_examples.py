@@ -44,3 +44,22 @@ def test_detect_corruption_on_gpu():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     _check_detection(done.stdout)
+
+
+def _check_integration(done) -> None:
+    assert done.returncode == 0, done.stderr
+    assert "clean steps: violations {}" in done.stdout
+    assert "after the flip: violations {'REAL_KV': 1}" in done.stdout
+    assert ("kv-canary: violation group=full kernel=verify step=3 slot=118 position=2 reasons=REAL_KV "
+            "stored_token=13 expected_token=13 requests=req-1@2 count=1") in done.stderr
+
+
+def test_engine_integration_on_cpu():
+    _check_integration(subprocess.run([sys.executable, str(EXAMPLES / "engine_integration.py"), "--device", "cpu"],
+                                      capture_output=True, text=True, timeout=300))
+
+
+@pytest.mark.gpu
+def test_engine_integration_on_gpu_by_default():
+    _check_integration(subprocess.run([sys.executable, str(EXAMPLES / "engine_integration.py")],
+                                      capture_output=True, text=True, timeout=300))

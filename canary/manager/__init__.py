@@ -1,0 +1,7 @@
+"""The engine-facing host side (issue 13): :class:`CanaryManager` over :class:`KVGroup` s, reporting
+:class:`SlotViolation` records (docs/integration.md). Imports no GPU library until a device is used."""
+from .groups import KVGroup
+from .manager import CanaryManager
+from .report import CanaryHealthError, CanaryViolationError, SlotViolation
+
+__all__ = ["CanaryHealthError", "CanaryManager", "CanaryViolationError", "KVGroup", "SlotViolation"]

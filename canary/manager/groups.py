@@ -1,0 +1,131 @@
+"""What a manager binds per KV group: :class:`KVGroup` (the engine's description) and :class:`BoundGroup` (the
+plans, state, planner and canary allocated for it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import fail
+from ..interop.adapter import as_view
+from ..plan.planner import CanaryPlanner
+from ..plan.plans import VerifyPlan, WritePlan
+from ..records.api import CanaryRecords
+from ..records.realkv import RealKVMode, real_kv
+from ..records.state import CanaryState
+
+
+@dataclass(kw_only=True)
+class KVGroup:
+    """One KV pool an engine's attention reads, as the manager binds it.
+
+    - ``name``: unique label used in reports, stats and metrics (``"full"``, ``"swa"``, ``"draft"``...).
+    - ``req_to_token``: ``[max_reqs, max_seq_len]`` int32, the engine's own table (row 0 = padding), read in place.
+    - ``num_slots``: slots of this group's KV pool (the canary keeps one record per slot; SWA: the SWA pool's).
+    - ``verify_capacity``: verify entries per step (a cost budget: steps with more are sampled, SPEC 3.7).
+    - ``real_kv_sources``: up to 4 sources as :func:`canary.real_kv` takes them, typically the K and V buffers:
+      ``[(k_buffer, page_size, k_bytes_per_token), (v_buffer, page_size, v_bytes_per_token)]``; ``()`` hashes
+      no KV bytes. ``real_kv_mode``: ``"all"`` (default), ``"partial"`` or ``"none"``.
+    - ``swa_window_size`` / ``full_to_swa_index_mapping``: a sliding-window group (window in tokens, ``[lut_len]``
+      int64 full slot -> SWA slot); its writes translate ``out_cache_loc`` through the mapping.
+    - ``kv_token_id_vs_position_offset``: 0 for a target model, +1 for an EAGLE draft model's pool.
+    - ``padding_rows_carry_tokens``: SPEC 3.2 (False: SGLang's layout).
+    """
+
+    name: str
+    req_to_token: Any
+    num_slots: int
+    verify_capacity: int
+    real_kv_sources: Sequence[Any] = ()
+    real_kv_mode: Any = RealKVMode.ALL
+    swa_window_size: int = 0
+    full_to_swa_index_mapping: Any = None
+    kv_token_id_vs_position_offset: int = 0
+    padding_rows_carry_tokens: bool = False
+
+    @property
+    def kind(self) -> str:
+        if self.swa_window_size > 0:
+            return "swa"
+        return "draft" if self.kv_token_id_vs_position_offset else "full"
+
+
+def check_groups(groups: Any) -> list[KVGroup]:
+    """The groups list, checked: at least one, each a :class:`KVGroup`, unique names, one ``req_to_token`` shape."""
+    if isinstance(groups, KVGroup):
+        groups = [groups]
+    groups = list(groups)
+    if not groups:
+        raise fail(ValueError, "groups: expected at least one KVGroup, got none")
+    names = set()
+    for i, g in enumerate(groups):
+        if not isinstance(g, KVGroup):
+            raise fail(TypeError, f"groups[{i}]: expected a KVGroup, got {type(g).__name__}")
+        if not isinstance(g.name, str) or not g.name:
+            raise fail(ValueError, f"groups[{i}].name: expected a non-empty str, got {g.name!r}")
+        if g.name in names:
+            raise fail(ValueError, f"groups[{i}].name: expected a name unique among the groups, got {g.name!r} twice")
+        names.add(g.name)
+        for attr in ("num_slots", "verify_capacity"):
+            value = getattr(g, attr)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
+                raise fail(ValueError, f"groups[{i}].{attr}: expected an int >= 1, got {value!r}")
+    shapes = {tuple(as_view(g.req_to_token, f"{g.name}.req_to_token").shape) for g in groups}
+    max_cols = {s[1] for s in shapes if len(s) == 2}
+    if len(max_cols) > 1:
+        raise fail(ValueError, f"groups: expected every req_to_token to have the same max_seq_len (the "
+                               f"expected-token pool is shared), got {sorted(max_cols)}")
+    return groups
+
+
+@dataclass
+class BoundGroup:
+    """A group with everything allocated for it: launch tags ``2 * index`` (verify) and ``2 * index + 1``
+    (write) tell its ring rows apart from other groups'."""
+
+    index: int
+    spec: KVGroup
+    verify_plan: VerifyPlan
+    write_plan: WritePlan
+    state: CanaryState
+    planner: CanaryPlanner
+    records: CanaryRecords
+    loc_scratch: Any = None  # SWA groups: the step's out_cache_loc translated to SWA slots
+    scheduled: int = field(default=0)  # steps since the last report that listed this group
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def verify_tag(self) -> int:
+        return 2 * self.index
+
+    @property
+    def write_tag(self) -> int:
+        return 2 * self.index + 1
+
+
+def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: str | None, backend: str,
+               max_batch_size: int, ring_capacity: int, max_step_tokens: int, empty) -> BoundGroup:
+    """Allocate and bind one group (every buffer once; nothing is allocated per step)."""
+    r2t = as_view(spec.req_to_token, f"groups[{index}].req_to_token")
+    if len(r2t.shape) != 2:
+        raise fail(ValueError, f"groups[{index}].req_to_token: expected a 2-D [max_reqs, max_seq_len] array, got "
+                               f"shape {r2t.shape}")
+    max_reqs = r2t.shape[0]
+    vp = VerifyPlan.allocate(verify_capacity=int(spec.verify_capacity), device=device, library=library,
+                             max_reqs=max_reqs)
+    wp = WritePlan.allocate(write_req_capacity=max_batch_size, device=device, library=library)
+    state = CanaryState.allocate(num_slots=int(spec.num_slots), ring_capacity=ring_capacity, device=device,
+                                 library=library)
+    planner = CanaryPlanner(
+        verify_plan_out=vp, write_plan_out=wp, req_to_token=spec.req_to_token, swa_window_size=spec.swa_window_size,
+        full_to_swa_index_mapping=spec.full_to_swa_index_mapping, req_to_verify_expected_tokens=pool,
+        kv_token_id_vs_position_offset=spec.kv_token_id_vs_position_offset,
+        padding_rows_carry_tokens=spec.padding_rows_carry_tokens, max_batch_size=max_batch_size, backend=backend,
+    )
+    records = CanaryRecords(state, real_kv(spec.real_kv_sources, spec.real_kv_mode), backend=backend)
+    scratch = empty(max_step_tokens, np.int64) if spec.full_to_swa_index_mapping is not None else None
+    return BoundGroup(index, spec, vp, wp, state, planner, records, scratch)

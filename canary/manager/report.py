@@ -1,0 +1,132 @@
+"""What the manager reports: :class:`SlotViolation` records, their deduplication across steps, the errors, and
+the fixed-format log lines."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from ..records.ring import FailReason, KernelTag, Violation
+
+log = logging.getLogger("kv_canary")
+
+MAX_STEPS_KEPT = 16  # steps listed per record; the count keeps counting
+
+
+@dataclass
+class SlotViolation:
+    """One corrupted KV slot as the manager reports it (the same slot seen again later updates this record).
+
+    - ``group``: the :class:`~canary.manager.KVGroup` name; ``kernel``: ``"verify"`` (a cached record no longer
+      matches) or ``"write"`` (a write-time assert failed).
+    - ``slot``: the slot in the group's pool (an SWA group's own slots); ``position``: the token position.
+    - ``reasons``: :class:`~canary.FailReason` bits (``reason_names`` as strings).
+    - ``requests``: ``(request_id, position)`` of every request found holding the slot when the report was
+      decoded: the step's batch rows whose ``req_to_token`` row maps that position to the slot, and running
+      requests whose last ``req_to_token`` row does (a recycled row names both the stale and the new owner).
+    - ``first_step``, ``last_step``: manager step indices (0-based, counted by ``before_forward``);
+      ``steps``: the first :data:`MAX_STEPS_KEPT` steps it was seen in; ``count``: how many steps it was seen in.
+    - ``stored_token``, ``expected_token`` (-1: none), ``raw``: the first ring row (:class:`~canary.Violation`).
+    """
+
+    group: str
+    kernel: str
+    slot: int
+    position: int
+    reasons: FailReason
+    requests: tuple[tuple[Hashable, int], ...]
+    first_step: int
+    last_step: int
+    count: int
+    stored_token: int
+    expected_token: int
+    raw: Violation
+    steps: list[int] = field(default_factory=list)
+
+    @property
+    def reason_names(self) -> tuple[str, ...]:
+        return self.reasons.names
+
+    @property
+    def request_ids(self) -> tuple[Hashable, ...]:
+        seen = []
+        for rid, _ in self.requests:
+            if rid not in seen:
+                seen.append(rid)
+        return tuple(seen)
+
+    def line(self) -> str:
+        """The fixed-format log line (one per violation)."""
+        reqs = ",".join(f"{rid}@{pos}" for rid, pos in self.requests) or "-"
+        return (f"kv-canary: violation group={self.group} kernel={self.kernel} step={self.first_step} "
+                f"slot={self.slot} position={self.position} reasons={'|'.join(self.reason_names) or 'NONE'} "
+                f"stored_token={self.stored_token} expected_token={self.expected_token} requests={reqs} "
+                f"count={self.count}")
+
+
+class CanaryViolationError(RuntimeError):
+    """Raised at a step boundary (``before_forward``) by a manager in mode ``"raise"``.
+
+    ``violations``: the new :class:`SlotViolation` records of the decoded step(s); ``dropped``: ring rows lost to
+    overflow; ``step``: the step the violations happened in.
+    """
+
+    def __init__(self, message: str, violations: list[SlotViolation], dropped: int, step: int):
+        super().__init__(message)
+        self.violations = violations
+        self.dropped = dropped
+        self.step = step
+
+
+class CanaryHealthError(RuntimeError):
+    """The canary kernels stopped running (their launch counters did not advance): raised in every mode."""
+
+
+def kernel_name(v: Violation) -> str:
+    return v.kernel.name.lower() if isinstance(v.kernel, KernelTag) else f"kind{v.kernel}"
+
+
+class Deduplicator:
+    """Keeps the records of slots seen recently; one seen again within ``forget_after`` steps is a repeat."""
+
+    def __init__(self, forget_after: int = 64):
+        self.forget_after = forget_after
+        self.open: dict[tuple, SlotViolation] = {}
+
+    def see(self, key: tuple, step: int, make) -> SlotViolation | None:
+        """The new record (first sight), or ``None`` for a repeat (whose record is updated)."""
+        rec = self.open.get(key)
+        if rec is not None and step - rec.last_step <= self.forget_after:
+            if step != rec.last_step:
+                rec.count += 1
+                if len(rec.steps) < MAX_STEPS_KEPT:
+                    rec.steps.append(step)
+            rec.last_step = step
+            return None
+        rec = make()
+        self.open[key] = rec
+        return rec
+
+    def expire(self, step: int) -> None:
+        stale = [k for k, r in self.open.items() if step - r.last_step > self.forget_after]
+        for k in stale:
+            del self.open[k]
+
+
+def log_violations(new: list[SlotViolation], step: int, limit: int) -> None:
+    """One line per new violation, at most ``limit`` per step, then one summary line of what was not logged."""
+    for v in new[:limit]:
+        log.error(v.line())
+    rest = new[limit:]
+    if rest:
+        by_reason: dict[str, int] = {}
+        for v in rest:
+            name = "|".join(v.reason_names) or "NONE"
+            by_reason[name] = by_reason.get(name, 0) + 1
+        summary = ", ".join(f"{k}={n}" for k, n in sorted(by_reason.items()))
+        log.error(f"kv-canary: {len(rest)} more violations of step {step} not logged (log_limit={limit}): {summary}")
+
+
+def overflow_line(group: str, step: int, dropped: int, capacity: int) -> str:
+    return (f"kv-canary: ring overflow group={group} step={step} dropped={dropped} ring_capacity={capacity}: "
+            f"violations past the capacity were counted, not kept; raise ring_capacity")

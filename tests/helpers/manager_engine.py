@@ -1,0 +1,159 @@
+"""A toy engine around :class:`canary.CanaryManager`: the tests' stand-in for a serving engine.
+
+Paged KV pools of page size 1 (``req_to_token`` rows of slots from a free list), K and V bytes derived from
+``(request, position, token)``, a sliding-window group whose slots are the full slots through a permuting
+``full_to_swa_index_mapping``, and an EAGLE-style draft pool (``kv_token_id_vs_position_offset = 1``: the draft
+KV at position ``p`` is written with the token at ``p + 1``). ``xp`` is NumPy (reference backend, or Numba's
+simulator) or CuPy. The engine calls exactly what docs/integration.md tells an engine to call; faults are
+injected by the tests through the attributes (``k``, ``req_to_token``...).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from canary import CanaryManager, KVGroup
+
+MAX_REQS, MAX_SEQ_LEN, NUM_SLOTS, WINDOW = 8, 32, 256, 8
+BYTES = 32  # per token, per K or V source
+
+
+def kv_row(req: int, pos: int, token: int) -> np.ndarray:
+    rng = np.random.default_rng((int(req) * 1000003 + int(pos)) * 7919 + int(token))
+    return rng.integers(0, 256, size=BYTES, dtype=np.uint8)
+
+
+class ToyEngine:
+    def __init__(self, *, xp: Any = np, groups=("full",), device: Any = "cpu", backend: str = "auto",
+                 library: str | None = None, **manager_kw):
+        self.xp = xp
+        self.r2t_host = np.zeros((MAX_REQS, MAX_SEQ_LEN), dtype=np.int32)
+        self.req_to_token = xp.asarray(self.r2t_host)
+        self.free_slots = list(range(1, NUM_SLOTS))
+        self.free_rows = list(range(1, MAX_REQS))
+        perm = np.random.default_rng(0).permutation(np.arange(1, NUM_SLOTS))
+        lut = np.zeros(NUM_SLOTS, dtype=np.int64)
+        lut[1:] = perm  # full slot -> SWA slot (slot 0 stays the padding slot)
+        self.lut_host = lut
+        self.lut = xp.asarray(lut)
+        self.kv = {g: (xp.zeros((NUM_SLOTS, BYTES), dtype=xp.uint8), xp.zeros((NUM_SLOTS, BYTES), dtype=xp.uint8))
+                   for g in groups}
+        specs = []
+        for g in groups:
+            k, v = self.kv[g]
+            extra = {}
+            if g == "swa":
+                extra = dict(swa_window_size=WINDOW, full_to_swa_index_mapping=self.lut)
+            elif g == "draft":
+                extra = dict(kv_token_id_vs_position_offset=1)
+            specs.append(KVGroup(name=g, req_to_token=self.req_to_token, num_slots=NUM_SLOTS, verify_capacity=512,
+                                 real_kv_sources=[(k, 1, BYTES), (v, 1, BYTES)], **extra))
+        self.manager = CanaryManager(specs, max_batch_size=4, device=device, backend=backend, library=library,
+                                     **manager_kw)
+        self.manager.warmup()
+        self.reqs: dict[Any, dict] = {}  # rid -> {"row", "tokens", "kv_len", "draft_len"}
+        self.groups = groups
+
+    # -- requests -------------------------------------------------------------------------------------------------
+    def add(self, rid, prompt) -> None:
+        row = self.free_rows.pop(0)
+        self.reqs[rid] = {"row": row, "tokens": list(prompt), "kv_len": 0, "draft_len": 0}
+        self.manager.add_request(rid, prompt)
+
+    def finish(self, rid, *, free_row: bool = True) -> None:
+        req = self.reqs.pop(rid)
+        self.manager.finish_request(rid)
+        if free_row:
+            self.free_rows.insert(0, req["row"])  # reused at once: the row-recycle scenario needs that
+
+    def _alloc(self, row: int, lo: int, hi: int) -> None:
+        for p in range(lo, hi):
+            if self.r2t_host[row, p] == 0:
+                self.r2t_host[row, p] = self.free_slots.pop(0)
+        self.req_to_token[row, lo:hi] = self.xp.asarray(self.r2t_host[row, lo:hi])
+
+    def a(self, values, dtype=np.int64):
+        return self.xp.asarray(np.asarray(values, dtype=dtype))
+
+    # -- one forward ----------------------------------------------------------------------------------------------
+    def forward(self, batch, *, group_names=None, write_tokens=None, prefix_override=None, store=True) -> None:
+        """One target forward: ``batch`` = list of ``(rid, n_new)``; the new tokens are the request's next known
+        tokens (``write_tokens[rid]`` overrides what is written: rejected drafts). Padding rows: ``(None, 0)``."""
+        groups = [g for g in (group_names or self.groups) if g != "draft"]
+        rpi, prefix, ext, ids, loc, tok, pos = [], [], [], [], [], [], []
+        for rid, n in batch:
+            if rid is None:
+                rpi.append(0), prefix.append(0), ext.append(0), ids.append(None)
+                continue
+            req = self.reqs[rid]
+            p = req["kv_len"] if prefix_override is None or rid not in prefix_override else prefix_override[rid]
+            self._alloc(req["row"], p, p + n)
+            toks = (write_tokens or {}).get(rid, req["tokens"][p:p + n])
+            assert len(toks) == n, (rid, p, n, req["tokens"])
+            rpi.append(req["row"]), prefix.append(p), ext.append(n), ids.append(rid)
+            loc += self.r2t_host[req["row"], p:p + n].tolist()
+            tok += list(toks)
+            pos += list(range(p, p + n))
+            req["kv_len"] = p + n
+        self.manager.before_forward(req_pool_indices=self.a(rpi), prefix_lens=self.a(prefix),
+                                    extend_seq_lens=self.a(ext), request_ids=ids, groups=groups)
+        if store:
+            self.store(groups, loc, ids_for(batch, self.reqs, loc), tok, pos)
+        self.manager.after_kv_store(out_cache_loc=self.a(loc), input_ids=self.a(tok), positions=self.a(pos),
+                                    groups=groups)
+
+    def draft_forward(self, batch) -> None:
+        """One draft-model forward: ``(rid, n)`` writes the draft KV of the next ``n`` positions, each with the
+        token at position + 1 (which must be known)."""
+        rpi, prefix, ext, ids, loc, tok, pos = [], [], [], [], [], [], []
+        for rid, n in batch:
+            req = self.reqs[rid]
+            p = req["draft_len"]
+            rpi.append(req["row"]), prefix.append(p), ext.append(n), ids.append(rid)
+            loc += self.r2t_host[req["row"], p:p + n].tolist()
+            tok += req["tokens"][p + 1:p + 1 + n]
+            pos += list(range(p, p + n))
+            req["draft_len"] = p + n
+        self.manager.before_forward(req_pool_indices=self.a(rpi), prefix_lens=self.a(prefix),
+                                    extend_seq_lens=self.a(ext), request_ids=ids, groups=["draft"])
+        self.store(["draft"], loc, ids_for(batch, self.reqs, loc), tok, pos)
+        self.manager.after_kv_store(out_cache_loc=self.a(loc), input_ids=self.a(tok), positions=self.a(pos),
+                                    groups=["draft"])
+
+    def store(self, groups, loc, owners, tok, pos) -> None:
+        for g in groups:
+            k, v = self.kv[g]
+            for s, rid, t, p in zip(loc, owners, tok, pos):
+                slot = int(self.lut_host[s]) if g == "swa" else s
+                row = kv_row(hash(rid) & 0xFFFF, p, t)
+                k[slot] = self.xp.asarray(row)
+                v[slot] = self.xp.asarray(row[::-1].copy())
+
+    def accept(self, rid, tokens) -> None:
+        self.reqs[rid]["tokens"] += list(tokens)
+        self.manager.accept_tokens(rid, tokens)
+
+    def decode_step(self, rids, *, next_token=lambda rid, n: 1000 + n) -> None:
+        """A decode step of every request in ``rids`` (each writes its last known token), then each accepts one
+        sampled token."""
+        self.forward([(rid, len(self.reqs[rid]["tokens"]) - self.reqs[rid]["kv_len"]) for rid in rids])
+        for rid in rids:
+            self.accept(rid, [next_token(rid, len(self.reqs[rid]["tokens"]))])
+
+    def slot_of(self, rid, pos: int, group: str = "full") -> int:
+        s = int(self.r2t_host[self.reqs[rid]["row"], pos])
+        return int(self.lut_host[s]) if group == "swa" else s
+
+    def flip(self, group: str, slot: int) -> None:
+        """Corrupt one bit of a slot's K bytes (what a stray write would do)."""
+        k = self.kv[group][0]
+        k[slot, 3] = k[slot, 3] ^ 0x10
+
+
+def ids_for(batch, reqs, loc) -> list:
+    out = []
+    for rid, n in batch:
+        if rid is not None:
+            out += [rid] * n
+    return out

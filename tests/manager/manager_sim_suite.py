@@ -1,0 +1,50 @@
+"""CanaryManager on the Numba backend under the CUDA simulator (host arrays): a clean run and a detection.
+
+Run by ``test_manager_sim.py`` in a child process with ``NUMBA_ENABLE_CUDASIM=1`` (numba reads it once, at
+import); by hand: ``NUMBA_ENABLE_CUDASIM=1 python -m pytest -q -m sim tests/manager/manager_sim_suite.py``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+    pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (tests/manager/test_manager_sim.py does)", allow_module_level=True)
+
+from helpers.manager_engine import ToyEngine  # noqa: E402
+
+from canary import BackendUnavailableError, FailReason  # noqa: E402
+
+pytestmark = [pytest.mark.sim, pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+
+
+def engine(got) -> ToyEngine:
+    try:
+        e = ToyEngine(backend="numba", groups=("full", "swa"), on_violation=got.append)
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    e.add("a", [5, 6, 7, 8])
+    e.add("b", [9, 10])
+    for _ in range(2):
+        e.decode_step(["a", "b"])
+    return e
+
+
+def test_clean_run():
+    got = []
+    e = engine(got)
+    e.manager.flush()
+    s = e.manager.stats()
+    assert got == [] and s["decoded_steps"] == 2 and s["verified_entries"]["full"] == 6
+
+
+def test_detection_one_step_late():
+    got = []
+    e = engine(got)
+    e.flip("full", e.slot_of("b", 1))
+    e.decode_step(["a", "b"])
+    assert got == []
+    e.forward([("a", 1), ("b", 1)])
+    v = got[0][0]
+    assert (v.group, v.position, v.reasons, v.requests) == ("full", 1, FailReason.REAL_KV, (("b", 1),))

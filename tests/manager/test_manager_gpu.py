@@ -1,0 +1,99 @@
+"""CanaryManager on CuPy arrays (GPU only): the device transfers (pinned memory, side stream, events), the CuPy
+backend, and CUDA-graph capture of the two per-step calls with torch and with CuPy (child processes)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.manager_engine import ToyEngine
+
+from canary import FailReason
+
+CHILD = Path(__file__).resolve().parent / "manager_capture_child.py"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _engine(got, **kw) -> ToyEngine:
+    cupy = pytest.importorskip("cupy")
+    e = ToyEngine(xp=cupy, device=0, on_violation=got.append, **kw)
+    e.add("a", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+    e.add("b", [20, 21, 22])
+    for _ in range(3):
+        e.decode_step(["a", "b"])
+    return e
+
+
+@pytest.mark.gpu
+def test_cupy_clean_run_and_detection_one_step_late():
+    got = []
+    e = _engine(got)
+    e.manager.flush()
+    s = e.manager.stats()
+    assert got == [] and s["decoded_steps"] == 3 and s["verified_entries"]["full"] == (10 + 3) + (11 + 4)
+    e.flip("full", e.slot_of("a", 4))
+    e.decode_step(["a", "b"])  # step 3
+    assert got == []  # nothing is read back inside the step
+    e.forward([("a", 1), ("b", 1)])  # decodes step 3's report if its copy has landed, never waits
+    e.manager.flush()
+    v = got[0][0]
+    assert (v.group, v.position, v.first_step, v.reasons, v.requests) == ("full", 4, 3, FailReason.REAL_KV,
+                                                                          (("a", 4),))
+    e.manager.close()
+
+
+@pytest.mark.gpu
+def test_cupy_full_swa_and_draft_groups_and_blind_spots():
+    got = []
+    e = _engine(got, groups=("full", "swa", "draft"))
+    e.draft_forward([("a", 5), ("b", 2)])
+    e.draft_forward([("a", 2)])
+    e.manager.flush()
+    assert got == []
+    e.flip("swa", e.slot_of("a", 11, "swa"))
+    e.flip("draft", e.slot_of("a", 3))
+    e.decode_step(["a", "b"])
+    e.draft_forward([("a", 0)])
+    e.manager.flush()
+    found = sorted((v.group, v.position) for vs in got for v in vs)
+    assert found == [("draft", 3), ("swa", 11)]
+    e.manager.close()
+
+
+@pytest.mark.gpu
+def test_cupy_expected_tokens_reach_the_device_pool():
+    """Rejected drafts: only the accepted tokens are expected, staged through pinned memory."""
+    cupy = pytest.importorskip("cupy")
+    got = []
+    e = ToyEngine(xp=cupy, device=0, on_violation=got.append)
+    e.add("r", [10, 11, 12, 13])
+    e.forward([("r", 4)])
+    e.accept("r", [14])
+    e.forward([("r", 4)], write_tokens={"r": [14, 15, 16, 17]})
+    e.reqs["r"]["tokens"] += [15, 26]
+    e.manager.accept_tokens("r", [15, 26])
+    e.reqs["r"]["tokens"] += [27]
+    e.forward([("r", 1)], prefix_override={"r": 7}, write_tokens={"r": [27]})
+    e.forward([("r", 0)])
+    e.manager.flush()
+    found = [(v.position, v.reasons, v.stored_token, v.expected_token) for vs in got for v in vs]
+    assert found == [(6, FailReason.VERIFY_TOKEN, 16, 26)]
+    e.manager.close()
+
+
+def _capture(library: str) -> str:
+    pytest.importorskip("torch")
+    pytest.importorskip("cupy")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, str(CHILD), library], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("library", ["torch", "cupy"])
+def test_graph_capture_of_the_two_per_step_calls(library):
+    assert _capture(library) == "OK"
