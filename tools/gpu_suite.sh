@@ -7,7 +7,7 @@ run() { name=$1; shift; python3 -m pytest -q -p no:cacheprovider -m "not sim and
 run records tests/records &
 run plan_cupy tests/plan/test_plan_backends.py &
 run plan_rest tests/plan --deselect tests/plan/test_plan_backends.py --ignore tests/plan/test_plan_backends.py &
-run other tests/interop tests/replay tests/usage tests/kernels &
+run other tests/interop tests/replay tests/usage tests/kernels tests/manager &
 wait
 for f in "$out"/*.log; do echo "== $(basename "$f"): $(grep -E '^[0-9]+ (passed|failed)|^rc=' "$f" | tr '\n' ' ')"; done
 grep -h "^FAILED\|^ERROR" "$out"/*.log | head -40
