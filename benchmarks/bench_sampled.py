@@ -36,6 +36,8 @@ FIELDS = ("verify_slot_indices", "verify_expected_tokens", "verify_expected_posi
 
 def batch(rng, bs, p_lo, p_hi, C, W=0):
     P = rng.integers(p_lo, p_hi + 1, size=bs).astype(np.int64)
+    if W:
+        P = np.maximum(P, 1)
     E = np.ones(bs, np.int64)
     rpi = rng.permutation(np.arange(1, bs + 1)).astype(np.int64)
     r2t, num_slots = paged_table(rng, bs + 1, p_hi + 1)
@@ -52,7 +54,7 @@ def pairs(rng):
                                    ("bs8_tiny_budget", 8, 512, 4096, 64, 0)]:
         sampled = batch(rng, bs, lo, hi, C, W)
         per_row = C // bs
-        full = batch(rng, bs, per_row, per_row, C, 0)
+        full = batch(rng, bs, per_row, per_row, C, W)  # the same configuration (LUT included), C entries
         full["P"][: C - per_row * bs] += 1  # exactly C entries
         assert int(full["P"].sum()) == C
         out.append((name, sampled, full))

@@ -79,7 +79,7 @@ def step_inputs():
 
 
 def build(device, lib, make):
-    vp = VerifyPlan.allocate(verify_capacity=BS * SEQ, device=device, **lib)
+    vp = VerifyPlan.allocate(verify_capacity=BS * SEQ, device=device, max_reqs=ROWS, **lib)
     wp = WritePlan.allocate(write_req_capacity=BS, device=device, **lib)
     state = CanaryState.allocate(SLOTS, ring_capacity=256, device=device, **lib)
     if device != "cpu" and OWNER == "cai":
