@@ -178,6 +178,35 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
     """The plain Python kernels ``(canary_write, canary_verify, canary_scatter)`` for the given block sizes
     (constants to Numba: they size shared arrays)."""
     WT = int(write_threads)
+    VT = int(verify_threads)
+    for name, value in (("write_threads", WT), ("verify_threads", VT)):
+        if value < 1 or value & (value - 1):  # the block sums halve the block
+            raise ValueError(f"{name}: expected a power of two, got {value}")
+
+    def make_block_count(threads):
+        """records.cu's ``add_block_count`` for one block size: the block's processed entries, added once to a
+        run counter. A tree sum through shared memory (records.cu sums each warp with shuffles first, which the
+        simulator lacks); either way no longer one shared atomic per thread, the verify kernel's main stall."""
+
+        @cuda.jit(device=True)
+        def add_block_count(mine, counter, index):
+            part = cuda.shared.array(threads, uint64)
+            t = cuda.threadIdx.x
+            part[t] = mine
+            cuda.syncthreads()
+            d = threads // 2
+            while d > 0:
+                if t < d:
+                    part[t] += part[t + d]
+                cuda.syncthreads()
+                d //= 2
+            if t == 0 and part[0] != U0:
+                cuda.atomic.add(counter, index, part[0])
+
+        return add_block_count
+
+    write_block_count = make_block_count(WT)
+    verify_block_count = make_block_count(VT)
 
     def canary_write(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity, ring_write_index,
                      slot_run_counter, kernel_run_counter, check_flags, tag, kv0, kv1, kv2, kv3, kvp, num_sources,
@@ -190,7 +219,6 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
         s_pos = cuda.shared.array(WT, uint64)
         s_run = cuda.shared.array(WT, uint64)
         s_chain_exp = cuda.shared.array(WT, uint64)
-        s_processed = cuda.shared.array(1, uint64)
         tid = cuda.threadIdx.x
         if cuda.blockIdx.x == 0 and tid == 0:
             cuda.atomic.add(kernel_run_counter, 0, U1)
@@ -207,7 +235,6 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
         running = ANCHOR_LINK
         prev_pos = ALL_ONES
         if tid == 0:
-            s_processed[0] = U0
             seed = write_seed_slot_indices[r]
             if seed >= 0 and seed < num_slots:
                 at = seed * slot_stride_words
@@ -288,25 +315,17 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                     canary[at + 3] = kvh
             cuda.syncthreads()  # the next chunk reuses the staging arrays
             base += WT
-        if processed != U0:
-            cuda.atomic.add(s_processed, 0, processed)
-        cuda.syncthreads()
-        if tid == 0 and s_processed[0] != U0:
-            cuda.atomic.add(slot_run_counter, 0, s_processed[0])
+        write_block_count(processed, slot_run_counter, 0)
 
     def canary_verify(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity, ring_write_index,
                       slot_run_counter, kernel_run_counter, check_flags, tag, kv0, kv1, kv2, kv3, kvp, num_sources,
                       verify_slot_indices, verify_expected_tokens, verify_expected_positions,
                       verify_prev_slot_indices, verify_capacity, verify_num_valid, enable):
         """Any grid: one thread per entry, grid-stride (records.cu's canary_verify)."""
-        s_processed = cuda.shared.array(1, uint64)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
             cuda.atomic.add(kernel_run_counter, 1, U1)
         if enable[0] == 0:
             return
-        if cuda.threadIdx.x == 0:
-            s_processed[0] = U0
-        cuda.syncthreads()
         n = clamp64(int64(verify_num_valid[0]), int64(0), verify_capacity)
         token_on = (check_flags[0] & CHECK_VERIFY_TOKEN) != 0
         processed = U0
@@ -353,11 +372,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                         append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), ep,
                                    tok, et, stored_hash, expected, uint64(bits))
             i += stride
-        if processed != U0:
-            cuda.atomic.add(s_processed, 0, processed)
-        cuda.syncthreads()
-        if cuda.threadIdx.x == 0 and s_processed[0] != U0:
-            cuda.atomic.add(slot_run_counter, 1, s_processed[0])
+        verify_block_count(processed, slot_run_counter, 1)
 
     def canary_scatter(pool, pool_rows, pool_cols, pool_row_stride, req_pool_indices, bs, tokens, num_tokens,
                        token_offsets, column_starts, column_offset):
