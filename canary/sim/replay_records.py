@@ -169,7 +169,7 @@ def table_rows(c: dict) -> list[tuple[str, ...]]:
         ("steps unverified / sampled", f"{c['unverified_steps']} / {c['sampled_steps']}"),
         ("verified fraction (token-steps)", f"{c['verified_fraction']:.4f}"),
         ("max staleness (steps)", str(c["max_staleness_steps"])),
-        ("sweep bound, max over sampled steps", str(c["max_sweep_steps"])),
+        ("max sweep bound (steps, SPEC 3.7)", str(c["max_sweep_steps"])),
     ]
 
 
