@@ -41,7 +41,7 @@
 #define SCRATCH_ROW_FLAGS 2   // two-pass only: row checks of the rows kernel
 #define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
 #define SCRATCH_TABLE 4       // two-pass only: the row table, TABLE_ARRAYS arrays of R + 1 (RowTable)
-#define TABLE_ARRAYS 9
+#define TABLE_ARRAYS 8
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -144,7 +144,6 @@ struct RowTable {
     i64* lo;      // window_start
     i64* len;     // verify count of the row (its window length)
     i64* rank;    // rows with entries before r
-    i64* run;     // sampling: where the row's run starts in its window (its cursor, SPEC 3.7)
 };
 
 // Exclusive block-wide scan of three int64 per thread (warp shuffles, then one warp over the warp totals).
@@ -202,11 +201,11 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
     int flags = 0, bad = 0;
     for (i64 group = 0; group < bs; group += (i64)THREADS * ROW_BATCH) {  // uniform: the scans have barriers
         Row f[ROW_BATCH];
-        i64 rp[ROW_BATCH], e[ROW_BATCH], len[ROW_BATCH], vl[ROW_BATCH], seed[ROW_BATCH], q[ROW_BATCH], cur[ROW_BATCH];
+        i64 rp[ROW_BATCH], e[ROW_BATCH], len[ROW_BATCH], vl[ROW_BATCH], seed[ROW_BATCH], q[ROW_BATCH];
 #pragma unroll
         for (int k = 0; k < ROW_BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
-            rp[k] = 0; e[k] = 0; len[k] = 0; vl[k] = 0; q[k] = 0; cur[k] = 0;
+            rp[k] = 0; e[k] = 0; len[k] = 0; vl[k] = 0; q[k] = 0;
             if (r < bs) { rp[k] = p.req_pool_indices[r]; e[k] = p.extend_seq_lens[r]; len[k] = p.prefix_lens[r]; }
         }
 #pragma unroll
@@ -216,8 +215,6 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                 vl[k] = p.valid_lens[r];
                 q[k] = p.expected_token_pool_indices ? p.expected_token_pool_indices[r] : rp[k];
             }
-            // Sampling: the cursor comes with this round of loads, whether or not the step turns out sampled.
-            if (p.sample && r < bs && rp[k] > 0 && rp[k] < p.rp_bound) cur[k] = p.cursors[rp[k]];
         }
 #pragma unroll
         for (int k = 0; k < ROW_BATCH; ++k) {
@@ -245,7 +242,6 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                     const i64 start = f[k].len - f[k].vcount;
                     t.base[r] = f[k].rp * p.r2t_row_stride + start - voff;
                     t.pdelta[r] = start - voff;
-                    t.run[r] = (cur[k] >= start && cur[k] < f[k].len) ? cur[k] - start : 0;
                     if (HAS_POOL) {
                         t.pbase[r] = q[k] * p.pool_row_stride;
                         t.vlim[r] = vl[k];
@@ -284,17 +280,32 @@ __device__ __forceinline__ i64 rotation_head(const PlanParams& p, i64 requests) 
 }
 
 // Turn the row table into a sampled step's (SPEC 3.7): off[r] becomes first[r], the row's first output entry,
-// and base / pdelta start the row at its run (its cursor, read by the scan). Each thread rewrites only its own
-// rows, ROW_BATCH of them per round with their loads issued together (the two-pass table is in global memory).
+// and base / pdelta start the row at its run (its cursor). Each thread rewrites only its own rows, ROW_BATCH of
+// them per round with their loads issued together (the two-pass table is in global memory). The cursors are
+// read here, not in the scan, so that a step that does not sample pays nothing for them. Every block that
+// needs the table does this itself; only the last block writes the cursors (update_cursors).
 __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64 total, i64 requests) {
     const i64 cap = p.verify_capacity;
     const i64 head = cap < requests ? rotation_head(p, requests) : 0;
     for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * ROW_BATCH) {
-        i64 m[ROW_BATCH], off[ROW_BATCH], len[ROW_BATCH], run[ROW_BATCH];
+        i64 m[ROW_BATCH], off[ROW_BATCH], len[ROW_BATCH], run[ROW_BATCH], rp[ROW_BATCH];
 #pragma unroll
         for (int k = 0; k < ROW_BATCH; ++k) {
             const i64 r = r0 + (i64)k * blockDim.x;
-            if (r < p.bs) { m[k] = t.rank[r]; off[k] = t.off[r]; len[k] = t.len[r]; run[k] = len[k] > 0 ? t.run[r] : 0; }
+            if (r < p.bs) { m[k] = t.rank[r]; off[k] = t.off[r]; len[k] = t.len[r]; rp[k] = p.req_pool_indices[r]; }
+        }
+#pragma unroll
+        for (int k = 0; k < ROW_BATCH; ++k) {  // a row with entries is trusted: 0 < rp < max_reqs
+            const i64 r = r0 + (i64)k * blockDim.x;
+            run[k] = (r < p.bs && len[k] > 0) ? p.cursors[rp[k]] : 0;
+        }
+#pragma unroll
+        for (int k = 0; k < ROW_BATCH; ++k) {
+            const i64 r = r0 + (i64)k * blockDim.x;
+            if (r < p.bs && len[k] > 0) {
+                const i64 lo = t.lo[r];
+                run[k] = (run[k] >= lo && run[k] < lo + len[k]) ? run[k] - lo : 0;
+            }
         }
 #pragma unroll
         for (int k = 0; k < ROW_BATCH; ++k) {
@@ -345,7 +356,7 @@ __device__ __forceinline__ void update_cursors(const PlanParams& p, const RowTab
             if (r >= p.bs) continue;
             const i64 n = t.off[r + 1] - t.off[r];
             if (n > 0) {
-                const i64 lo = t.lo[r], len = t.len[r], run = t.run[r];
+                const i64 lo = t.lo[r], len = t.len[r], run = t.pdelta[r] + t.off[r] - lo;
                 atomicMax(reinterpret_cast<long long*>(p.cursors + p.req_pool_indices[r]),
                           (long long)(lo + (run + n) % len));
             }
@@ -383,9 +394,9 @@ __device__ __forceinline__ i64 find_row(const RowTable& t, const RowSamples& s, 
     return owning_row(t.off, j * s.step, min((j + 1) * s.step, bs), i);
 }
 
-template <bool HAS_LUT, bool HAS_POOL>
-__device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, RowSamples samples, i64 total,
-                                            bool sampled) {
+// SAMPLED is a template flag so that a plan that verifies everything runs the code it ran before sampling.
+template <bool HAS_LUT, bool HAS_POOL, bool SAMPLED>
+__device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, RowSamples samples, i64 total) {
     int bad = 0;
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -403,7 +414,7 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, Row
             r_of[k] = r;
             idx[k] = t.base[r] + i;
             pos[k] = i + t.pdelta[r];
-            if (sampled && pos[k] >= t.lo[r] + t.len[r]) {  // the run wrapped to the window's start
+            if (SAMPLED && pos[k] >= t.lo[r] + t.len[r]) {  // the run wrapped to the window's start
                 pos[k] -= t.len[r];
                 idx[k] -= t.len[r];
             }
@@ -430,7 +441,7 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, Row
             if (i >= total) continue;
             // Same row as the lane to the left? (the window does not reset the chain: a window head keeps
             // its real predecessor, read below)
-            const bool inside = lane > 0 && i > t.off[r_of[k]] && !(sampled && pos[k] == t.lo[r_of[k]]);
+            const bool inside = lane > 0 && i > t.off[r_of[k]] && !(SAMPLED && pos[k] == t.lo[r_of[k]]);
             i64 prev = -1;
             if (inside) prev = left;
             else if (pos[k] > 0) prev = translate<HAS_LUT>((i64)p.req_to_token[idx[k] - 1], p.lut, p.lut_len, bad);
@@ -484,8 +495,8 @@ template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     __shared__ i64 s_off[FUSED_MAX_BS + 1], s_base[FUSED_MAX_BS], s_pdelta[FUSED_MAX_BS];
     __shared__ i64 s_pbase[HAS_POOL ? FUSED_MAX_BS : 1], s_vlim[HAS_POOL ? FUSED_MAX_BS : 1];
-    __shared__ i64 s_lo[FUSED_MAX_BS], s_len[FUSED_MAX_BS], s_rank[FUSED_MAX_BS], s_run[FUSED_MAX_BS];
-    const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim, s_lo, s_len, s_rank, s_run};
+    __shared__ i64 s_lo[FUSED_MAX_BS], s_len[FUSED_MAX_BS], s_rank[FUSED_MAX_BS];
+    const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim, s_lo, s_len, s_rank};
     int row_flags, seed_bad;
     i64 requests;
     const i64 total = blockIdx.x == 0
@@ -496,9 +507,10 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     if (!HAS_LUT && !sampled && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
     if (sampled) sample_rows(p, t, total, requests);
     int bad = seed_bad;
-    if ((total <= p.verify_capacity || sampled) && !(row_flags & CANARY_NO_ENTRIES))
-        bad |= emit_entries<HAS_LUT, HAS_POOL>(p, t, RowSamples{nullptr, 0, 0}, sampled ? p.verify_capacity : total,
-                                               sampled);
+    if (sampled)
+        bad |= emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity);
+    else if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
+        bad |= emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{nullptr, 0, 0}, total);
     if (HAS_LUT || sampled) finalize(p, t, row_flags, total, requests, bad, sampled);
 }
 
@@ -506,7 +518,7 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
 __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
     i64* t = p.scratch + SCRATCH_TABLE;
     const i64 n = p.write_req_capacity + 1;  // bs <= R is checked on the host
-    return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n, t + 8 * n};
+    return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n};
 }
 
 // One block: the scans, and for a sampled step the sampled table and the cursors' advance (this block is the
@@ -542,8 +554,10 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     if (threadIdx.x == 0) s_samples[count] = emitted;
     __syncthreads();
     int bad = 0;
-    if ((total <= p.verify_capacity || sampled) && !(row_flags & CANARY_NO_ENTRIES))
-        bad = emit_entries<HAS_LUT, HAS_POOL>(p, t, RowSamples{s_samples, step, count}, emitted, sampled);
+    if (sampled)
+        bad = emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{s_samples, step, count}, emitted);
+    else if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
+        bad = emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{s_samples, step, count}, emitted);
     if (HAS_LUT) finalize(p, t, row_flags, total, 0, bad, false);
 }
 

@@ -89,7 +89,7 @@ SCRATCH_BAD_SLOT = 1  # BAD_SLOT bits from entries and seeds (LUT only)
 SCRATCH_ROW_FLAGS = 2  # two-pass only: row checks of the rows kernel
 SCRATCH_TOTAL = 3  # two-pass only: verify entries in all
 SCRATCH_TABLE = 4  # two-pass only: the row table, TABLE_ARRAYS arrays of write_req_capacity + 1
-TABLE_ARRAYS = 9  # off, base, pdelta, pbase, vlim, lo, len, rank, run
+TABLE_ARRAYS = 8  # off, base, pdelta, pbase, vlim, lo, len, rank
 _FUSED_STRIDE = FUSED_MAX_BS + 1  # a shared array's shape must be a plain constant for Numba
 _SAMPLES_LEN = ROW_SAMPLES + 1
 
@@ -333,10 +333,6 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                             start = ln[k] - vc[k]
                             tab[t0 + tn + r] = rp[k] * r2t_row_stride + start - voff
                             tab[t0 + 2 * tn + r] = start - voff
-                            # Sampling: the row's run starts at its cursor when that lies in the window
-                            # (rp is trusted here: the row has entries).
-                            cur = cursors[rp[k]] if sample != 0 else int64(0)
-                            tab[t0 + 8 * tn + r] = cur - start if (cur >= start and cur < ln[k]) else int64(0)
                             if HAS_POOL:
                                 tab[t0 + 3 * tn + r] = q[k] * pool_row_stride
                                 tab[t0 + 4 * tn + r] = vl[k]
@@ -397,8 +393,12 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                 first = min(max(m - head, int64(0)), cap)
             else:  # ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
                 first = min(m, head + cap - requests) + max(m - head, int64(0))
-            if tab[t0 + 6 * tn + r] > 0:
-                shift = tab[t0 + r] - first + tab[t0 + 8 * tn + r]  # base and pdelta were relative to off[r], lo
+            ln = tab[t0 + 6 * tn + r]
+            if ln > 0:  # a row with entries is trusted: 0 < rp < max_reqs
+                lo = tab[t0 + 5 * tn + r]
+                at = cursors[req_pool_indices[r]]
+                run = at - lo if (at >= lo and at < lo + ln) else int64(0)
+                shift = tab[t0 + r] - first + run  # base and pdelta were relative to off[r] and lo
                 tab[t0 + tn + r] += shift
                 tab[t0 + 2 * tn + r] += shift
             tab[t0 + r] = first
@@ -423,7 +423,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             if take > 0:
                 lo = tab[t0 + 5 * tn + r]
                 ln = tab[t0 + 6 * tn + r]
-                run = tab[t0 + 8 * tn + r]
+                run = tab[t0 + 2 * tn + r] + tab[t0 + r] - lo
                 cuda.atomic.max(cursors, req_pool_indices[r], lo + (run + take) % ln)
             r += cuda.blockDim.x
         if cuda.threadIdx.x == 0 and verify_capacity < requests:
