@@ -251,7 +251,8 @@ class CanaryManager:
         self.stats_.steps += 1
 
     def end_step(self, *, stream: Any = None) -> None:
-        """The host half of :meth:`after_kv_store`: queue the device-to-host copy of the step's report."""
+        """The host half of :meth:`after_kv_store`: stage and launch the cached-prefix sweep of the step's groups
+        (eager, never captured), then queue the device-to-host copy of the step's report."""
         if self._step is None:
             raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
         self._run_sweep(self._step, stream)
