@@ -31,6 +31,8 @@ class KVGroup:
       int64 full slot -> SWA slot); its writes translate ``out_cache_loc`` through the mapping.
     - ``kv_token_id_vs_position_offset``: 0 for a target model, +1 for an EAGLE draft model's pool.
     - ``padding_rows_carry_tokens``: SPEC 3.2 (False: SGLang's layout).
+    - ``sweep_budget``: cached-prefix entries this group verifies per step (docs/integration.md 5b); ``None``
+      takes the manager's ``sweep_budget``, 0 turns the sweep off. Sliding-window groups are not swept.
     """
 
     name: str
@@ -43,6 +45,7 @@ class KVGroup:
     full_to_swa_index_mapping: Any = None
     kv_token_id_vs_position_offset: int = 0
     padding_rows_carry_tokens: bool = False
+    sweep_budget: int | None = None
 
     @property
     def kind(self) -> str:

@@ -29,6 +29,7 @@ from .report import (
     overflow_line,
 )
 from .stats import PrometheusMetrics, Stats
+from .sweep import Sweeper, check_budget
 from .transfer import CudaTransfer, HostTransfer, Piece, piece
 
 MODES = ("log", "raise")
@@ -40,6 +41,7 @@ class _StepRecord:
     request_ids: tuple
     groups: tuple[str, ...]
     bs: int
+    sweep: tuple[str, ...] | None = None  # groups whose sweep runs at end_step (None: those of ``groups``)
 
 
 class CanaryManager:
@@ -66,6 +68,10 @@ class CanaryManager:
       (launch counters unchanged) raises :class:`CanaryHealthError`, in every mode.
     - ``forget_after``: a reported slot seen again within this many steps is a repeat (counted in the record),
       not a new report.
+    - ``sweep_budget``: cached-prefix entries each group verifies per step (a :class:`KVGroup`'s own
+      ``sweep_budget`` wins; 0, the default: no sweep). ``prefix_source``: ``None`` (register prefixes with
+      :meth:`cache_prefix` / :meth:`evict_prefix`) or a callable, called once per step, returning the cache's
+      prefixes as ``(key, slots, tokens[, start_position])`` tuples (docs/integration.md 5b).
 
     Raises ``ValueError`` / ``TypeError`` (``kv-canary:`` messages) for bad arguments,
     :class:`~canary.BackendUnavailableError` when the device's libraries are missing.
@@ -75,7 +81,7 @@ class CanaryManager:
                  library: str | None = None, backend: str = "auto", on_violation: str | Callable = "log",
                  ring_capacity: int = 256, max_requests: int | None = None, max_step_tokens: int | None = None,
                  log_limit: int = 8, stats_every: int = 0, metrics: Any = None, health_steps: int = 4,
-                 forget_after: int = 64):
+                 forget_after: int = 64, sweep_budget: int = 0, prefix_source: Callable | None = None):
         specs = check_groups(groups)
         for name, value, low in (("max_batch_size", max_batch_size, 1), ("ring_capacity", ring_capacity, 1),
                                  ("log_limit", log_limit, 0), ("stats_every", stats_every, 0),
@@ -118,6 +124,9 @@ class CanaryManager:
             snap = len(self.groups) * per_group + 3 * 8 * (self.max_batch_size + 1) + 8
             self._transfer = CudaTransfer(self.ordinal, staging=staging, snapshot_bytes=snap,
                                           scatter=self._scatter_device)
+        # -- sweep hook (canary/manager/sweep.py) --
+        self._sweep = Sweeper(self.groups, check_budget("sweep_budget", sweep_budget), empty, self.ordinal,
+                              prefix_source)
         self.stats_ = Stats([g.name for g in self.groups])
         self.metrics = None if metrics is None or metrics is False else PrometheusMetrics(metrics)
         self._dedup = Deduplicator(int(forget_after))
@@ -139,6 +148,7 @@ class CanaryManager:
         """Free the pinned host buffers and the side stream (GPU); the manager is unusable afterwards."""
         if isinstance(self._transfer, CudaTransfer):
             self._transfer.close()
+        self._sweep.close()
 
     # -- expected tokens -----------------------------------------------------------------------------------------
     def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int] | np.ndarray) -> None:
@@ -241,9 +251,11 @@ class CanaryManager:
         self.stats_.steps += 1
 
     def end_step(self, *, stream: Any = None) -> None:
-        """The host half of :meth:`after_kv_store`: queue the device-to-host copy of the step's report."""
+        """The host half of :meth:`after_kv_store`: stage and launch the cached-prefix sweep of the step's groups
+        (eager, never captured), then queue the device-to-host copy of the step's report."""
         if self._step is None:
             raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
+        self._run_sweep(self._step, stream)
         pieces: list[Piece] = []
         for g in self.groups:
             s = g.state
@@ -265,13 +277,59 @@ class CanaryManager:
         """Wait for every queued step report and handle it (a host sync: at shutdown, or in tests)."""
         self._handle_reports(wait=True)
 
+    # -- cached-prefix sweep (docs/integration.md 5b; the rotation lives in canary/manager/sweep.py) -------------
+    def cache_prefix(self, key: Hashable, slots: Any, tokens: Any, start_position: int = 0, *,
+                     prev_slot: int | None = None, groups: Sequence[str] | None = None) -> None:
+        """Register a cached prefix for the sweep: ``slots`` (``[n]`` ints, host or device: a device array is
+        copied, a sync) hold positions ``start_position .. start_position + n - 1``; ``tokens`` (``[n]`` ints or
+        ``None``: no token check) their token ids. Position ``p``'s predecessor is the slot of ``p - 1`` in the same
+        prefix; the first entry's is ``prev_slot`` (``None``: the chain anchor at position 0, otherwise the chain
+        check of that one entry is skipped). ``groups``: the groups holding this KV (default: every swept
+        group). Register only KV whose store was already launched (this step's included). Raises ``ValueError``
+        / ``TypeError`` (``kv-canary:``) for a key already cached, slots outside a group's pool, bad lengths."""
+        self._sweep.cache(key, slots, tokens, start_position, prev_slot, groups, self._by_name)
+
+    def evict_prefix(self, key: Hashable) -> None:
+        """Stop sweeping a cached prefix. Call it when the cache frees the slots, before they are handed out
+        again: a slot swept after its reuse is reported. ``KeyError`` for a key not cached."""
+        self._sweep.evict(key)
+
+    def sweep(self, *, stream: Any = None) -> None:
+        """An idle step: verify the next ``sweep_budget`` cached entries of every swept group with no forward
+        (an engine with nothing to run calls it from its idle loop). Handles ready reports first, like
+        :meth:`before_forward`; its own report is read at a later call. Not graph-capturable (host staging)."""
+        if self._capturing(stream):
+            raise fail(RuntimeError, "sweep: expected a stream that is not capturing a CUDA graph, got a capturing "
+                                     "one (the sweep stages its entries on the host)")
+        inputs, self._inputs = self._inputs, None
+        try:
+            self.begin_step([], groups=[], stream=stream)
+            self._step.sweep = tuple(self._sweep.sweeps)
+            self.end_step(stream=stream)
+        finally:
+            self._inputs = inputs
+
+    def _run_sweep(self, rec: _StepRecord, stream: Any) -> None:
+        # Staged and launched here, after the step's writes and on the host just before the launch: a prefix
+        # registered with this step's tokens is verified after they are written, and one evicted before this call
+        # is never staged. Both are eager, outside any CUDA graph (end_step always is).
+        if not self._sweep:
+            return
+        self._sweep.refresh(self._by_name)
+        names = rec.groups if rec.sweep is None else rec.sweep
+        for sw in self._sweep.stage(names, self._handle(stream)):
+            sw.group.records.verify(sw.plan, launch_tag=sw.tag, stream=stream)
+
     # -- stats ---------------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Totals: ``steps``, ``decoded_steps``, ``protected_tokens`` (expected tokens held for running requests),
         per group ``verified_entries`` / ``written_entries`` (the kernels' counters) / ``sampled_steps`` /
         ``input_error_steps``, ``violations_by_reason`` (new violations per reason name), ``repeated_sightings``,
         ``ring_dropped``. As of the last decoded report."""
-        return self.stats_.as_dict(self.requests.protected_tokens())
+        out = self.stats_.as_dict(self.requests.protected_tokens())
+        if self._sweep:
+            out.update(self._sweep.stats())
+        return out
 
     @property
     def open_violations(self) -> list[SlotViolation]:
@@ -413,10 +471,12 @@ class CanaryManager:
         return new, dropped
 
     def _record(self, g: BoundGroup, v, rec: _StepRecord, data) -> SlotViolation:
-        return SlotViolation(group=g.name, kernel=kernel_name(v), slot=v.slot, position=v.position, reasons=v.reasons,
+        sw = self._sweep.sweeps.get(g.name)
+        kernel = "sweep" if sw is not None and v.launch_tag == sw.tag else kernel_name(v)
+        return SlotViolation(group=g.name, kernel=kernel, slot=v.slot, position=v.position, reasons=v.reasons,
                              requests=self._holders(g, v, rec, data), first_step=rec.index, last_step=rec.index,
                              count=1, stored_token=v.stored_token, expected_token=v.expected_token, raw=v,
-                             steps=[rec.index])
+                             steps=[rec.index], prefixes=self._sweep.holders(g.name, v.slot, v.position))
 
     def _holders(self, g: BoundGroup, v, rec: _StepRecord, data) -> tuple[tuple[Hashable, int], ...]:
         """Requests whose ``req_to_token`` row maps ``v.position`` to ``v.slot`` now: the step's batch rows, then

@@ -27,6 +27,8 @@ class SlotViolation:
     - ``first_step``, ``last_step``: manager step indices (0-based, counted by ``before_forward``);
       ``steps``: the first :data:`MAX_STEPS_KEPT` steps it was seen in; ``count``: how many steps it was seen in.
     - ``stored_token``, ``expected_token`` (-1: none), ``raw``: the first ring row (:class:`~canary.Violation`).
+    - ``prefixes``: ``(key, position)`` of every cached prefix registered for the sweep that holds the slot at
+      that position when the report was decoded (``kernel == "sweep"``: a cached block no request was reading).
     """
 
     group: str
@@ -42,6 +44,7 @@ class SlotViolation:
     expected_token: int
     raw: Violation
     steps: list[int] = field(default_factory=list)
+    prefixes: tuple[tuple[Hashable, int], ...] = ()
 
     @property
     def reason_names(self) -> tuple[str, ...]:
@@ -58,9 +61,12 @@ class SlotViolation:
     def line(self) -> str:
         """The fixed-format log line (one per violation)."""
         reqs = ",".join(f"{rid}@{pos}" for rid, pos in self.requests) or "-"
+        # Only sweep-era reports carry the field, so the line of a manager without a sweep keeps its format.
+        cached = ",".join(f"{key}@{pos}" for key, pos in self.prefixes)
+        cached = f" prefixes={cached}" if cached else ""
         return (f"kv-canary: violation group={self.group} kernel={self.kernel} step={self.first_step} "
                 f"slot={self.slot} position={self.position} reasons={'|'.join(self.reason_names) or 'NONE'} "
-                f"stored_token={self.stored_token} expected_token={self.expected_token} requests={reqs} "
+                f"stored_token={self.stored_token} expected_token={self.expected_token} requests={reqs}{cached} "
                 f"count={self.count}")
 
 
