@@ -1,47 +1,70 @@
-"""A torch engine calling kv-canary zero-copy: torch tensors in and out, the plan captured in a CUDA graph
-and replayed after the step inputs are refilled in place. Needs a GPU, torch and the [cuda13] extra.
+"""A torch engine with the KV canary inside a CUDA graph: a CanaryManager over torch tensors (zero-copy), its
+before_forward / after_kv_store captured once with the step's static buffers, then replayed after the inputs
+are refilled in place; begin_step / end_step (the host halves) run around each replay. Needs a GPU, torch and
+the [cuda13] extra.
 
     python examples/torch_cuda_graph.py
 """
 import torch
 
-from canary import CanaryPlanner, VerifyPlan, WritePlan
+from canary import CanaryManager, KVGroup
 
 dev = torch.device("cuda")
-max_reqs, max_seq_len, bs, capacity = 65, 4096, 64, 1 << 18
-req_to_token = torch.randint(1, 1 << 20, (max_reqs, max_seq_len), dtype=torch.int32, device=dev)
+max_reqs, max_seq_len, bs, num_slots = 65, 4096, 64, 65 * 4096
 i64 = dict(dtype=torch.int64, device=dev)
-verify = VerifyPlan(
-    verify_slot_indices=torch.empty(capacity, **i64), verify_expected_tokens=torch.empty(capacity, **i64),
-    verify_expected_positions=torch.empty(capacity, **i64), verify_prev_slot_indices=torch.empty(capacity, **i64),
-    verify_num_valid=torch.empty(1, dtype=torch.int32, device=dev),
-    enable=torch.empty(1, dtype=torch.int32, device=dev), status=torch.empty(1, dtype=torch.int32, device=dev),
-    # The sampling state (SPEC 3.7): zeroed once, then owned by the planner for the engine's lifetime.
-    verify_cursors=torch.zeros(max_reqs, **i64),
-)
-write = WritePlan(write_offsets=torch.empty(bs + 1, **i64), write_seed_slot_indices=torch.empty(bs, **i64),
-                  write_num_valid_reqs=torch.empty(1, dtype=torch.int32, device=dev))
-planner = CanaryPlanner(verify_plan_out=verify, write_plan_out=write, req_to_token=req_to_token)
-planner.warmup()
+# Row r holds slots r * max_seq_len + position: every request has its own slots.
+req_to_token = (torch.arange(max_reqs * max_seq_len, dtype=torch.int32, device=dev)).reshape(max_reqs, max_seq_len)
+k_pool = torch.zeros((num_slots, 64), dtype=torch.bfloat16, device=dev)
+canary = CanaryManager([KVGroup(name="full", req_to_token=req_to_token, num_slots=num_slots, verify_capacity=1 << 18,
+                                real_kv_sources=[(k_pool, 1, 128)])],
+                       max_batch_size=bs, device=0, library="torch", on_violation="raise")
+canary.warmup()
 
-# The engine's static step buffers, refilled in place every step.
+# The engine's static step buffers, refilled in place every step (one decode token per request).
 rpi = torch.arange(1, bs + 1, **i64)
-prefix = torch.randint(0, 2048, (bs,), **i64)
+prefix = torch.zeros(bs, **i64)
 extend = torch.ones(bs, **i64)
+loc, ids, pos = torch.zeros(bs, **i64), torch.zeros(bs, **i64), torch.zeros(bs, **i64)
+ids_of = lambda p: (rpi * 7 + p) % 32000  # noqa: E731 - the toy "model": token at (request, position)
+rids = [f"req-{r}" for r in range(1, bs + 1)]
 
+
+def fill(step: int) -> None:
+    prefix.fill_(step)
+    loc.copy_(rpi * max_seq_len + step)
+    pos.fill_(step)
+    ids.copy_(ids_of(step))
+
+
+def step_body() -> None:
+    canary.before_forward(req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend, request_ids=rids)
+    k_pool[loc] = ids.to(torch.bfloat16)[:, None]  # the forward's KV store
+    canary.after_kv_store(out_cache_loc=loc, input_ids=ids, positions=pos)
+
+
+for r in range(bs):
+    canary.add_request(rids[r], [int(ids_of(0)[r])])
+fill(0)
 side = torch.cuda.Stream()
 side.wait_stream(torch.cuda.current_stream())
 with torch.cuda.stream(side):
-    planner.plan(req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend)  # warm the launch path
-torch.cuda.current_stream().wait_stream(side)
-graph = torch.cuda.CUDAGraph()
-with torch.cuda.graph(graph):
-    planner.plan(req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend)
+    step_body()  # step 0 eagerly: warms the launch path
+    for r in range(bs):
+        canary.accept_tokens(rids[r], [int(ids_of(1)[r])])
+    graph = torch.cuda.CUDAGraph()
+    fill(1)
+    with torch.cuda.graph(graph, stream=side):
+        step_body()  # captured: only the launches are recorded
 
-for step in range(3):
-    prefix.copy_(torch.randint(0, 2048, (bs,), **i64))  # the next step's lengths, same buffer
+for step in range(1, 4):
+    fill(step)
+    canary.begin_step(rids)
     graph.replay()
-    torch.cuda.synchronize()
-    n = int(verify.verify_num_valid[0])
-    assert n == int(prefix.sum()) and int(verify.status[0]) == 0
-    print(f"step {step}: {n} verify entries, enable={int(verify.enable[0])}, first slots {verify.verify_slot_indices[:4].tolist()}")
+    canary.end_step()
+    for r in range(bs):
+        canary.accept_tokens(rids[r], [int(ids_of(step + 1)[r])])
+    canary.flush()
+    st = canary.stats()
+    print(f"step {step}: violations {st['violations_by_reason']}, protected tokens {st['protected_tokens']}, "
+          f"verified {st['verified_entries']['full']}")
+canary.close()

@@ -33,6 +33,7 @@ class KVGroup:
     - ``padding_rows_carry_tokens``: SPEC 3.2 (False: SGLang's layout).
     - ``sweep_budget``: cached-prefix entries this group verifies per step (docs/integration.md 5b); ``None``
       takes the manager's ``sweep_budget``, 0 turns the sweep off. Sliding-window groups are not swept.
+    - ``on_overflow``: ``"sample"`` (default) or ``"skip"``, as for :class:`canary.CanaryPlanner`.
     """
 
     name: str
@@ -46,6 +47,7 @@ class KVGroup:
     kv_token_id_vs_position_offset: int = 0
     padding_rows_carry_tokens: bool = False
     sweep_budget: int | None = None
+    on_overflow: str = "sample"  # the planner's (SPEC 3.7): "skip" verifies nothing on a step over the budget
 
     @property
     def kind(self) -> str:
@@ -128,6 +130,7 @@ def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: st
         full_to_swa_index_mapping=spec.full_to_swa_index_mapping, req_to_verify_expected_tokens=pool,
         kv_token_id_vs_position_offset=spec.kv_token_id_vs_position_offset,
         padding_rows_carry_tokens=spec.padding_rows_carry_tokens, max_batch_size=max_batch_size, backend=backend,
+        on_overflow=spec.on_overflow,
     )
     records = CanaryRecords(state, real_kv(spec.real_kv_sources, spec.real_kv_mode), backend=backend)
     scratch = empty(max_step_tokens, np.int64) if spec.full_to_swa_index_mapping is not None else None

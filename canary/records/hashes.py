@@ -56,13 +56,35 @@ def as_u64(x: Any) -> np.ndarray:
 
 
 def splitmix64_inplace(v: np.ndarray) -> np.ndarray:
-    """``v`` is a 1-D uint64 array, updated in place. Array ops wrap silently; errstate covers 0-d corner cases."""
-    with np.errstate(over="ignore"):
-        v ^= v >> _S30
-        v *= _M1
-        v ^= v >> _S27
-        v *= _M2
-        v ^= v >> _S31
+    """``v`` is a uint64 ndarray, updated in place. Array ufuncs wrap silently (only NumPy scalars warn on
+    overflow), so no errstate: entering one costs more than a small array's whole hash in the write chain."""
+    if not isinstance(v, np.ndarray):
+        with np.errstate(over="ignore"):
+            v ^= v >> _S30
+            v *= _M1
+            v ^= v >> _S27
+            v *= _M2
+            v ^= v >> _S31
+        return v
+    v ^= v >> _S30
+    v *= _M1
+    v ^= v >> _S27
+    v *= _M2
+    v ^= v >> _S31
+    return v
+
+
+def splitmix64_into(v: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """:func:`splitmix64_inplace` with a caller's scratch array ``tmp`` (same shape) for the shifted copies: no
+    allocation, which matters for the reference's large per-step folds (fresh pages cost more than the math)."""
+    np.right_shift(v, _S30, out=tmp)
+    v ^= tmp
+    v *= _M1
+    np.right_shift(v, _S27, out=tmp)
+    v ^= tmp
+    v *= _M2
+    np.right_shift(v, _S31, out=tmp)
+    v ^= tmp
     return v
 
 

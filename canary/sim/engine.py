@@ -121,7 +121,8 @@ class EngineKV:
     ``device``: ``"cpu"`` or a CUDA ordinal (where :class:`CanaryState` allocates). ``backend``: the
     :class:`CanaryRecords` / scatter backend. ``with_pool``: keep an expected-token pool (the planner must be bound
     to :attr:`pool`, and each plan given :meth:`valid_lens` and :meth:`pool_indices`). ``pool_by_request``: the
-    pool's rows are owned by requests (module docstring), else by ``req_to_token`` rows.
+    pool's rows are owned by requests (module docstring), else by ``req_to_token`` rows. ``own_canary=False``: no
+    canary state or records of its own (a :class:`canary.CanaryManager` client, ``replay_manager.py``).
     """
 
     def __init__(
@@ -136,6 +137,7 @@ class EngineKV:
         ring_capacity: int = RING_CAPACITY,
         check_flags: CheckFlags | int = DEFAULT_CHECK_FLAGS,
         pool_by_request: bool = True,
+        own_canary: bool = True,
     ):
         self.sched = sched
         self.xp = xp
@@ -150,10 +152,12 @@ class EngineKV:
         self.k = xp.zeros((self.num_slots // ps, ps, 2, 8), dtype=xp.float16)
         self.v = xp.zeros((self.num_slots, V_BYTES), dtype=xp.uint8)
         self.real_kv = real_kv([(self.k, ps, K_BYTES), (self.v, 1, V_BYTES, V_READ)], mode)
-        self.state = CanaryState.allocate(num_slots=self.num_slots, slot_stride_bytes=48, ring_capacity=ring_capacity,
-                                          device=device, check_flags=check_flags)
-        self.canary = CanaryRecords(self.state, self.real_kv, backend=backend)
-        self.canary.warmup()  # compile and load now, so no step's canary time includes it
+        self.state = self.canary = None
+        if own_canary:  # False: a CanaryManager client (replay_manager.py), whose manager owns the canary
+            self.state = CanaryState.allocate(num_slots=self.num_slots, slot_stride_bytes=48,
+                                              ring_capacity=ring_capacity, device=device, check_flags=check_flags)
+            self.canary = CanaryRecords(self.state, self.real_kv, backend=backend)
+            self.canary.warmup()  # compile and load now, so no step's canary time includes it
         self.pool_by_request = bool(with_pool and pool_by_request)
         rows = self.r2t.shape[0]
         if self.pool_by_request:  # twice the running requests: a freed row waits for as many others

@@ -32,7 +32,8 @@ import numpy as np
 from canary import BackendUnavailableError, CanaryPlanner, PlanStatus, VerifyPlan, WritePlan, to_host
 
 from .faults import KINDS, parse_inject
-from .replay_records import CanaryReplay, fault_lines, fault_table, table_rows
+from .replay_manager import ManagerReplay
+from .replay_records import fault_lines, fault_table, manager_table, table_rows
 from .scheduler import BUNDLED_TRACES, Scheduler, default_buckets, load_trace
 
 MAX_SHOWN_MISMATCHES = 5
@@ -128,11 +129,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-every", type=_count, default=0, metavar="N",
                    help="every N steps also plan with the reference backend and compare all output buffers "
                    "byte for byte; 0 = never (default)")
+    p.add_argument("--plan-only", action="store_true",
+                   help="only plan every step (no canary, no CanaryManager): the planner's checks alone")
     p.add_argument("--canary", action="store_true",
-                   help="also run the canary every step: scatter expected tokens, verify, store KV, write, drain")
+                   help="accepted for compatibility, does nothing: the canary runs through CanaryManager by default")
     p.add_argument("--inject", action="append", type=parse_inject, default=[], metavar="KIND@STEP",
                    help=f"inject a fault at STEP (or the first later step where it applies); KIND: {', '.join(KINDS)}; "
-                   "repeatable; implies --canary")
+                   "repeatable; not with --plan-only")
     p.add_argument("--json", type=_json_path, metavar="PATH",
                    help="also write the summary as JSON to PATH (its directory must exist)")
 
@@ -147,6 +150,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if cap is not None and budget is not None and cap != budget:
         p.error(f"argument --verify-budget: expected the value of --verify-capacity ({cap}) when both are given, "
                 f"got {budget}")
+    if args.plan_only and args.inject:
+        p.error("argument --inject: expected the canary, got --plan-only (a fault needs the canary to be caught)")
     # One value from here on: the budget is another name for the capacity.
     args.verify_capacity = budget if budget is not None else cap or 0
 
@@ -299,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
         if c["unattributed_violations"] > len(c["first_unattributed"]):
             console.print(f"... and {c['unattributed_violations'] - len(c['first_unattributed'])} more", markup=False)
     console.print(_table(summary, Table))
+    if c is not None:
+        console.print(manager_table(c["manager"], Table))
     if c is not None and c["faults"]:
         console.print(fault_table(c, Table))
     if args.json:
@@ -322,23 +329,31 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
     )
     cap = args.verify_capacity or max(1024, int(args.kv_pool_tokens * 0.6) // 1024 * 1024)
     kind = _placement(args.backend)
-    if (args.canary or args.inject) and kind == "numba":  # refused before numba is imported, or any work done
-        raise BackendUnavailableError(
-            "kv-canary: --canary: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
-            "[cuda12]), got Numba device arrays only (CuPy is missing or sees no GPU)")
+    want_canary = not args.plan_only
+    if want_canary and kind == "numba":  # refused before numba is imported, or any work done
+        if args.canary or args.inject:
+            raise BackendUnavailableError(
+                "kv-canary: --canary: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
+                "[cuda12]), got Numba device arrays only (CuPy is missing or sees no GPU)")
+        console.print("kv-canary replay: Numba device arrays only (no CuPy): planning only, as with --plan-only",
+                      markup=False, highlight=False)
+        want_canary = False
     arrays = _Arrays(kind)
-    session = _canary(args, sched, arrays)
     r2t, lut = sched.req_to_token, sched.full_to_swa_index_mapping
     dev_r2t = arrays.put(r2t)
     dev_lut = None if lut is None else arrays.put(lut)
     max_reqs = r2t.shape[0]
-    plans = arrays.plans(cap, mbs, max_reqs)
-    pool = None if session is None else session.pool
     sample = args.on_overflow == "sample"
-    static = dict(req_to_token=dev_r2t, swa_window_size=args.swa_window, full_to_swa_index_mapping=dev_lut,
-                  max_batch_size=mbs, req_to_verify_expected_tokens=pool, on_overflow=args.on_overflow)
-    planner = CanaryPlanner(backend=args.backend, verify_plan_out=plans[0], write_plan_out=plans[1], **static)
-    planner.warmup()
+    session = _canary(args, sched, arrays, dev_r2t, dev_lut, cap) if want_canary else None
+    if session is None:
+        plans = arrays.plans(cap, mbs, max_reqs)
+        static = dict(req_to_token=dev_r2t, swa_window_size=args.swa_window, full_to_swa_index_mapping=dev_lut,
+                      max_batch_size=mbs, on_overflow=args.on_overflow)
+        planner = CanaryPlanner(backend=args.backend, verify_plan_out=plans[0], write_plan_out=plans[1], **static)
+        planner.warmup()
+        pool = None
+    else:  # the manager's planner, plans and expected-token pool
+        plans, planner, pool = session.plans, session.group.planner, session.pool
     ref_plans = ref = None
     # The reference reads a host pool: the canary's own on the host, a copy refreshed before each compared step
     # on the GPU.
@@ -368,12 +383,6 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
                 arrays.update(dev_lut, lut)
             inputs = dict(req_pool_indices=arrays.put(step.req_pool_indices),
                           prefix_lens=arrays.put(step.prefix_lens), extend_seq_lens=arrays.put(step.extend_seq_lens))
-            valid = None if session is None else session.valid_lens(step)
-            if valid is not None:
-                inputs["req_to_verify_expected_tokens_valid_lens"] = arrays.put(valid)
-            q = None if session is None else session.pool_indices(step)  # the pool keyed by request
-            if q is not None:
-                inputs["expected_token_pool_indices"] = arrays.put(q)
             compare = bool(args.check_every) and step.index % args.check_every == 0
             # Only a sampled step moves the cursors (SPEC 3.7): the reference must plan each of them too.
             mirror = bool(args.check_every) and sample and step.verify_entries > cap
@@ -387,7 +396,12 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
                     ref_buf[...] = poison
             arrays.sync()  # the copies above are not part of the plan's time
             t0 = time.perf_counter_ns()
-            planner.plan(**inputs)
+            valid = q = None
+            if session is None:
+                planner.plan(**inputs)
+            else:  # the manager plans (and verifies) with the pool rows and valid lengths it keeps by request
+                session.before_forward(step, inputs)
+                valid, q = session.pool_inputs(step.bs)
             arrays.sync()
             times_us.append((time.perf_counter_ns() - t0) / 1e3)
 
@@ -449,12 +463,11 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
     return summary, problems
 
 
-def _canary(args, sched: Scheduler, arrays: _Arrays) -> CanaryReplay | None:
-    """The canary side of the replay when ``--canary`` or ``--inject`` asks for it."""
-    if not (args.canary or args.inject):
-        return None
+def _canary(args, sched: Scheduler, arrays: _Arrays, dev_r2t: Any, dev_lut: Any, cap: int) -> ManagerReplay:
+    """The canary side of the replay: the simulated engine as a :class:`canary.CanaryManager` client."""
     device = "cpu" if arrays.kind == "host" else arrays.xp.cuda.Device().id
-    return CanaryReplay(sched, xp=arrays.xp, device=device, backend=args.backend, faults=args.inject)
+    return ManagerReplay(sched, xp=arrays.xp, device=device, backend=args.backend, faults=args.inject,
+                         req_to_token=dev_r2t, lut=dev_lut, verify_capacity=cap, on_overflow=args.on_overflow)
 
 
 def _table(s: dict, Table) -> Any:
@@ -474,7 +487,9 @@ def _table(s: dict, Table) -> Any:
     # Steps above the capacity: each verified a sample, or (skip) nothing.
     what = "sampled" if s["on_overflow"] == "sample" else "overflow"
     t.add_row(f"{what} steps (capacity {s['verify_capacity']})", str(s["overflow_steps"]))
-    t.add_row("plan time / step (us)", *dist(s["plan_time_us"], "{:.1f}"))
+    # With the canary the manager's before_forward is timed: the plan and the verify.
+    what = "before_forward (plan + verify)" if "canary" in s else "plan time"
+    t.add_row(f"{what} / step (us)", *dist(s["plan_time_us"], "{:.1f}"))
     t.add_row("steps checked vs reference", str(s["checked_steps"]))
     t.add_row("mismatches", str(s["mismatches"]))
     if "canary" in s:

@@ -66,6 +66,11 @@ class CanaryReplay:
     def pool(self) -> Any:
         return self.kv.pool
 
+    @property
+    def health_state(self):
+        """The canary state whose counters the summary reports."""
+        return self.kv.state
+
     def valid_lens(self, step: Step) -> np.ndarray:
         return self.kv.valid_lens(step)
 
@@ -110,7 +115,7 @@ class CanaryReplay:
         return any(not hits for hits in self.by_fault)
 
     def summary(self) -> dict:
-        h = self.kv.state.health()
+        h = self.health_state.health()
         faults = []
         for f, hits in zip(self.faults, self.by_fault):
             first = hits[0][0] if hits else None
@@ -134,7 +139,7 @@ class CanaryReplay:
         times = np.array(self.times_us or [0.0])
         return {
             "drain_every_steps": 1,
-            "ring_capacity": self.kv.state.ring.shape[0],
+            "ring_capacity": self.health_state.ring.shape[0],
             "real_kv_mode": self.kv.real_kv.mode.name,
             "violations": self.total,
             "dropped": self.dropped,
@@ -165,12 +170,28 @@ def table_rows(c: dict) -> list[tuple[str, ...]]:
     return [
         ("canary entries verified / written", f"{h['verify_slots']} / {h['write_slots']}"),
         ("canary violations (unattributed)", f"{c['violations']} ({c['unattributed_violations']})"),
-        ("canary time / step (us)", f"{t['p50']:.1f}", f"{t['p99']:.1f}", f"{t['max']:.1f}"),
+        ("canary after the plan / step (us)", f"{t['p50']:.1f}", f"{t['p99']:.1f}", f"{t['max']:.1f}"),
         ("steps unverified / sampled", f"{c['unverified_steps']} / {c['sampled_steps']}"),
         ("verified fraction (token-steps)", f"{c['verified_fraction']:.4f}"),
         ("max staleness (steps)", str(c["max_staleness_steps"])),
         ("max sweep bound (steps, SPEC 3.7)", str(c["max_sweep_steps"])),
     ]
+
+
+def manager_table(st: dict, Table) -> Any:
+    """``CanaryManager.stats()`` as a table (``Table``: rich's): one row per counter, per group where it has one."""
+    t = Table(title="kv-canary replay: CanaryManager.stats()")
+    t.add_column("stat", justify="left")
+    t.add_column("value", justify="right")
+    for key, value in st.items():
+        if isinstance(value, dict):
+            if not value:
+                t.add_row(key, "-")
+            for name, v in value.items():
+                t.add_row(f"{key} [{name}]", str(v))
+        else:
+            t.add_row(key, str(value))
+    return t
 
 
 def fault_table(c: dict, Table) -> Any:

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+import canary.manager.groups
 import canary.sim.replay
 from canary.sim import cli
 from canary.sim.scheduler import Scheduler, default_buckets, load_trace
@@ -166,7 +167,7 @@ def test_cli_replay_check_every_step_with_json(tmp_path, capsys):
     assert s["mismatches"] == 0 and s["backend"] == "reference" and s["swa_window"] == 128
     assert s["verify_entries_per_step"]["max"] <= 40 * 128
     assert s["batch_size"]["mean_padded"] > s["batch_size"]["mean_active"]
-    assert "mismatches" in text and "plan time / step" in text
+    assert "mismatches" in text and "before_forward (plan + verify)" in text  # the manager plans by default
 
 
 def test_cli_replay_counts_overflow_steps(tmp_path):
@@ -196,6 +197,7 @@ def test_check_every_catches_a_write_into_the_untouched_region(monkeypatch, caps
         return (Scribbler if len(made) == 1 else real)(backend=backend, **kw)
 
     monkeypatch.setattr(canary.sim.replay, "CanaryPlanner", factory)
+    monkeypatch.setattr(canary.manager.groups, "CanaryPlanner", factory)  # the manager's planner, built first
     assert cli.main(["replay", "--backend", "reference", "--max-requests", "10", "--check-every", "5"]) == 1
     text = capsys.readouterr().out
     assert "MISMATCH step 0: verify_expected_positions[77823] = 12345" in text

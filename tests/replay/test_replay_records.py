@@ -12,6 +12,7 @@ from helpers import naive_records as naive
 
 import canary.sim.engine
 import canary.sim.replay
+import canary.sim.replay_manager
 from canary.sim import cli
 from canary.sim.engine import _splitmix64, kv_bytes, token_of
 from canary.sim.faults import KINDS
@@ -100,7 +101,9 @@ EXPECTED = {
     "kv-flip": (["verify"], {"REAL_KV"}, 1, {"REAL_KV"}),
     "overwrite": (["write", "verify"], {"CHAIN"}, 1, {"CHAIN"}),
     "position": (["write"], {"WRITE_POSITION"}, 0, {"POSITION"}),
-    "token": (["write"], {"WRITE_TOKEN"}, 0, {"VERIFY_TOKEN"}),
+    # Through the manager the write has no token assert (an engine has no truth beyond what it fed the forward):
+    # the next verify reads the record against the request's accepted token.
+    "token": (["verify"], {"VERIFY_TOKEN"}, 1, {"VERIFY_TOKEN"}),
     "stale-row": (["verify"], {"CHAIN"}, 1, {"CHAIN"}),
     # An all-zero record and all-zero KV: the real-KV fold of zero bytes is never the unwritten 0.
     "zero-kv": (["verify"], {"REAL_KV", "CHAIN", "POSITION"}, 1, {"REAL_KV"}),
@@ -180,15 +183,15 @@ def test_a_fault_never_applied_fails_the_run(tmp_path, capsys):
 
 
 def test_a_clean_run_with_violations_fails(tmp_path, monkeypatch, capsys):
-    real = canary.sim.engine.EngineKV.run
+    real = canary.sim.replay_manager.ManagerReplay.run
 
     def run(self, step, *args, **kw):  # a stray kernel flips every V byte after step 10
         log = real(self, step, *args, **kw)
         if step.index == 10:
-            self.v ^= 1
+            self.kv.v ^= 1
         return log
 
-    monkeypatch.setattr(canary.sim.engine.EngineKV, "run", run)
+    monkeypatch.setattr(canary.sim.replay_manager.ManagerReplay, "run", run)
     rc, s = _replay(tmp_path, "--canary", "--max-requests", "8")  # every later step reports: keep the run short
     text = capsys.readouterr().out
     c = s["canary"]

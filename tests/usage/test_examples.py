@@ -25,7 +25,7 @@ def test_quickstart():
 def test_torch_cuda_graph_example():
     pytest.importorskip("torch")
     out = _run("torch_cuda_graph.py")
-    assert out.count("enable=1") == 3
+    assert out.count("violations {}") == 3 and "protected tokens" in out
 
 
 def _check_detection(out: str) -> None:
@@ -63,3 +63,14 @@ def test_engine_integration_on_cpu():
 def test_engine_integration_on_gpu_by_default():
     _check_integration(subprocess.run([sys.executable, str(EXAMPLES / "engine_integration.py")],
                                       capture_output=True, text=True, timeout=300))
+
+
+def test_jax_engine():
+    pytest.importorskip("jax")
+    done = subprocess.run([sys.executable, str(EXAMPLES / "jax_engine.py")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "clean steps: violations {}" in done.stdout
+    assert "after the fault: violations {'VERIFY_TOKEN': 1}" in done.stdout
+    assert "requests named: ['b']" in done.stdout
+    assert "reasons=VERIFY_TOKEN" in done.stderr and "requests=b@8" in done.stderr

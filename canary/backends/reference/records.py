@@ -15,7 +15,7 @@ import numpy as np
 
 from ...plan.plans import MISSING_SLOT, SKIP_SEED
 from ...records.hashes import ANCHOR_LINK, as_u64, mix3, splitmix64_inplace
-from ...records.realkv import RealKV, fold
+from ...records.realkv import RealKV, _rows_of, fold
 from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
 from ...records.ring import (
@@ -57,7 +57,7 @@ def _rows(tag: int, *cols: np.ndarray) -> np.ndarray:
 
 def _gather_fields(fields: np.ndarray, slots: np.ndarray, ok: np.ndarray) -> np.ndarray:
     """``fields[slots]`` where ``ok``, zeros elsewhere (never reads out of bounds)."""
-    rec = fields[np.where(ok, slots, 0)]
+    rec = _rows_of(fields, np.where(ok, slots, 0))
     rec[~ok] = 0
     return rec
 

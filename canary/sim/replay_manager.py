@@ -1,0 +1,158 @@
+"""``kv-canary replay`` (the default): the simulated engine as the first client of :class:`canary.CanaryManager`.
+
+The engine does what docs/integration.md asks of a serving engine and nothing more: ``add_request`` with the
+prompt when a request is first scheduled, ``before_forward`` with the step's batch and request ids (the manager
+plans, then verifies), the KV stores, ``after_kv_store`` with the step's slots, tokens and positions (the manager
+writes the records), ``accept_tokens`` with each sampled token, ``finish_request`` at the end. The manager owns
+the expected-token pool (keyed by request id), the plans and the canary state; the replay reads the manager's
+plans for its checks (status against the scheduler, ``--check-every`` against the reference planner) and
+attributes the manager's :class:`canary.SlotViolation` records to the injected faults.
+
+The replay flushes the manager after every step (one sync per step, as the ``EngineKV`` path drained its ring):
+an engine never needs to, but it makes each violation's step exact and lets the attribution read
+``req_to_token`` as the step left it. The manager writes without the write-time token / position asserts
+(an engine has no truth to assert against beyond what it fed the forward), so ``position`` and ``token`` faults
+are caught by the next verify (``POSITION``, ``VERIFY_TOKEN``) rather than by the same step's write.
+"""
+from __future__ import annotations
+
+from time import perf_counter_ns
+from typing import Any
+
+import numpy as np
+
+from canary import CanaryManager, KVGroup, to_host
+
+from .coverage import Coverage
+from .engine import K_BYTES, V_BYTES, V_READ, EngineKV, token_of
+from .faults import Fault, Injector
+from .replay_records import MAX_SHOWN_VIOLATIONS, CanaryReplay, violation_requests
+from .scheduler import Scheduler, Step
+
+RING_CAPACITY = 4096
+
+
+class ManagerReplay(CanaryReplay):
+    """The canary side of a replay through a :class:`CanaryManager`: :meth:`before_forward` plans and verifies a
+    step (the replay then checks the manager's plans), :meth:`finish_step` stores the KV and writes the records."""
+
+    def __init__(self, sched: Scheduler, *, xp: Any, device: Any, backend: str, faults: list[Fault],
+                 req_to_token: Any, lut: Any, verify_capacity: int, on_overflow: str):
+        # The engine's KV buffers and fault hooks; its own canary is not used (the manager has one).
+        self.kv = EngineKV(sched, xp=xp, device=device, backend=backend, with_pool=False, own_canary=False)
+        self.kv.pool_by_request = True  # what the faults must assume: the manager keys its pool by request
+        self.injector = Injector(list(faults))
+        self.faults = self.injector.faults
+        self.total = self.dropped = 0
+        self.unattributed: list = []
+        self.unattributed_count = 0
+        self.by_fault: list[list] = [[] for _ in self.faults]
+        self.times_us: list[float] = []
+        self.coverage = Coverage(self.kv.r2t, self.kv.lut, self.kv.window)
+        self.xp = xp
+        self.r2t_dev, self.lut_dev = req_to_token, lut
+        self.name = "swa" if self.kv.window else "full"
+        ps = sched.page_size
+        step_tokens = sched.max_batch_size * sched.chunk_size
+        if sched.token_budget:
+            step_tokens = min(step_tokens, sched.token_budget + sched.max_batch_size)
+        self.manager = CanaryManager(
+            [KVGroup(name=self.name, req_to_token=req_to_token, num_slots=self.kv.num_slots,
+                     verify_capacity=verify_capacity, on_overflow=on_overflow,
+                     real_kv_sources=[(self.kv.k, ps, K_BYTES), (self.kv.v, 1, V_BYTES, V_READ)],
+                     swa_window_size=self.kv.window, full_to_swa_index_mapping=lut)],
+            max_batch_size=sched.max_batch_size, device=device, backend=backend, on_violation=self._collect,
+            ring_capacity=RING_CAPACITY, max_step_tokens=max(4096, step_tokens))
+        self.manager.warmup()
+        self.group = self.manager.groups[0]
+        self._step: Step | None = None
+        self._t0 = 0
+        self.context = sched.trace.context_tokens
+
+    # -- what the replay reads -----------------------------------------------------------------------------------
+    @property
+    def plans(self):
+        return self.group.verify_plan, self.group.write_plan
+
+    @property
+    def pool(self) -> Any:
+        return self.manager.pool_array
+
+    def pool_inputs(self, bs: int) -> tuple[np.ndarray, np.ndarray]:
+        """The step's valid lengths and pool rows as the manager staged them (host copies, for the reference)."""
+        return to_host(self.manager._valid[:bs]), to_host(self.manager._q[:bs])
+
+    # -- the engine's calls ----------------------------------------------------------------------------------------
+    def before_forward(self, step: Step, inputs: dict) -> None:
+        """Admit new requests, then ``before_forward``: the manager plans and verifies the step."""
+        self._step = step
+        n = step.num_active
+        for i in range(n):
+            req = int(step.request_ids[i])
+            if req not in self.manager.requests.live:  # its first step
+                self.manager.add_request(req, token_of(req, np.arange(int(self.context[req]))))
+        ids = [int(r) for r in step.request_ids[:n]] + [None] * (step.bs - n)
+        self._t0 = perf_counter_ns()
+        self.manager.before_forward(req_pool_indices=inputs["req_pool_indices"], prefix_lens=inputs["prefix_lens"],
+                                    extend_seq_lens=inputs["extend_seq_lens"], request_ids=ids)
+
+    def run(self, step: Step, plans, *, req_to_token: Any, lut: Any):
+        """The rest of the step after the plan: KV stores and ``after_kv_store``, sampled tokens, finished
+        requests; then the step's report (flushed) is attributed."""
+        self.coverage.add(step, self.group.verify_plan)  # before the faults' hooks edit req_to_token
+        kv, inj = self.kv, self.injector
+        t0 = perf_counter_ns()
+        data = kv.entries(step, req_to_token, lut)
+        inj.before_write(kv, data)
+        kv.store_kv(data.out_cache_loc, data.kv_request, data.kv_position)
+        by_group = {self.name: data.out_cache_loc} if self.kv.window else None  # already SWA slots
+        self.manager.after_kv_store(out_cache_loc=data.out_cache_loc, input_ids=data.input_ids,
+                                    positions=data.positions, out_cache_loc_by_group=by_group)
+        inj.after_write(kv, data)
+        kv.prev_r2t[data.rows] = kv.r2t[data.rows]
+        end = data.prefix + data.extend
+        for i, req in enumerate(step.request_ids[: step.num_active].tolist()):
+            if not data.continues[i]:
+                self.manager.finish_request(req)
+            elif end[i] >= self.context[req]:  # the sampler's token at position `end` (prompt tokens are known)
+                self.manager.accept_tokens(req, [int(token_of(req, int(end[i])))])
+        self.manager.flush()
+        self.times_us.append((perf_counter_ns() - t0) / 1e3)
+
+    def _collect(self, new: list) -> None:
+        """``on_violation``: attribute each new record to a fault (faults.py's rule, on the manager's records)."""
+        step = self._step
+        owners = violation_requests([v.raw for v in new], step, self.kv.r2t, self.kv.lut, self.kv.window)
+        self.total += len(new)
+        for v, req in zip(new, owners.tolist()):
+            k = self._fault_of_record(v, req)
+            if k is None:
+                self.unattributed_count += 1
+                if len(self.unattributed) < MAX_SHOWN_VIOLATIONS:
+                    self.unattributed.append((v.first_step, v.raw))
+            else:
+                self.by_fault[k].append((v.first_step, v.raw))
+
+    def _fault_of_record(self, v, req: int) -> int | None:
+        k = self._fault_of(v.raw, req, v.first_step)
+        if k is not None:
+            return k
+        for rid in v.request_ids:  # the manager's own holders of the slot
+            k = self._fault_of(v.raw, int(rid), v.first_step)
+            if k is not None:
+                return k
+        return None
+
+    def summary(self) -> dict:
+        st = self.manager.stats()
+        self.dropped = st["ring_dropped"]
+        out = super().summary()
+        out["drain_every_steps"] = 1
+        out["ring_capacity"] = RING_CAPACITY
+        out["violations"] = self.total  # new SlotViolation records; repeats are in manager.repeated_sightings
+        out["manager"] = st
+        return out
+
+    @property
+    def health_state(self):
+        return self.group.state
