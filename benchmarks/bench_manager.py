@@ -128,6 +128,7 @@ def run(repeats: int) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder of the JSON record")
     args = ap.parse_args()
     try:
         import cupy as cp
@@ -148,7 +149,8 @@ def main() -> int:
                                 text=True).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
-    out = ROOT / "benchmarks" / "results" / f"manager-{time.strftime('%Y%m%d-%H%M%S')}-{gpu}-{commit}.json"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) / f"manager-{time.strftime('%Y%m%d-%H%M%S')}-{gpu}-{commit}.json"
     out.write_text(json.dumps({"benchmark": "manager", "gpu": gpu, "commit": commit, "repeats": args.repeats,
                                "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")

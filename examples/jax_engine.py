@@ -16,6 +16,9 @@ import logging
 import jax
 
 jax.config.update("jax_enable_x64", True)  # the manager's step inputs are int64
+# Host JAX arrays with the reference backend, also where JAX finds a GPU (a JAX-on-GPU engine passes device=0 to
+# CanaryManager instead; that path is the same calls on device arrays).
+jax.config.update("jax_platforms", "cpu")
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
