@@ -46,6 +46,14 @@ def build(cp, bs: int, context: int):
     for i, rid in enumerate(ids):
         m.add_request(rid, np.zeros(context, dtype=np.int64))
     rpi = cp.arange(1, bs + 1, dtype=cp.int64)
+    # Prefill every request's first context - 1 tokens once, so that the timed decode steps verify a clean cache
+    # (an unwritten one would fill the ring with violations and time the reporting instead).
+    n = context - 1
+    m.before_forward(request_ids=ids, req_pool_indices=rpi, prefix_lens=cp.zeros(bs, dtype=cp.int64),
+                     extend_seq_lens=cp.full(bs, n, dtype=cp.int64))
+    m.after_kv_store(out_cache_loc=(rpi[:, None] * max_seq + cp.arange(n)[None, :]).reshape(-1),
+                     input_ids=cp.zeros(bs * n, dtype=cp.int64), positions=cp.tile(cp.arange(n, dtype=cp.int64), bs))
+    m.flush()
     prefix = cp.full(bs, context - 1, dtype=cp.int64)
     extend = cp.ones(bs, dtype=cp.int64)
     loc = rpi * max_seq + context - 1
