@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import cupy  # noqa: E402
 
-from bench_plan import git_commit, gpu_info, paged_lut, paged_table  # noqa: E402
+from bench_plan import git_commit, gpu_info, graph_us, paged_lut, paged_table  # noqa: E402
 from canary import CanaryPlanner, PlanStatus, VerifyPlan, WritePlan  # noqa: E402
 from canary.backends.reference.plan import plan_arrays  # noqa: E402
 
@@ -112,28 +112,6 @@ class Bound:
             return "verify_cursors differ"
         return None
 
-    def graph_us(self, replays=200) -> float:
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            self.call(stream)
-            stream.synchronize()
-            stream.begin_capture()
-            self.call(stream)
-            graph = stream.end_capture()
-            graph.upload(stream)
-            for _ in range(3):
-                graph.launch(stream)
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            times = []
-            for _ in range(7):
-                start.record(stream)
-                for _ in range(replays):
-                    graph.launch(stream)
-                stop.record(stream)
-                stop.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / replays)
-        return float(np.median(times))
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -153,7 +131,7 @@ def main() -> int:
                 if err or (status & PlanStatus.SAMPLED) != want_bit:
                     ok = False
                     print(f"CHECK FAILED {name} {backend} {kind}: {err or f'status {status}'}")
-                res[kind] = b.graph_us()
+                res[kind] = graph_us([b], 200)
                 res[f"{kind}_entries"] = int((np.minimum(w["P"], w["W"]) if w["W"] else w["P"]).sum())
             rows.append(dict(workload=name, backend=backend, capacity=sampled["C"], **res))
             print(f"{name:16} {backend:6} C={sampled['C']:8d} sampled {res['sampled']:7.1f} us "

@@ -60,12 +60,11 @@ def splitmix64_inplace(v: np.ndarray) -> np.ndarray:
     overflow), so no errstate: entering one costs more than a small array's whole hash in the write chain."""
     if not isinstance(v, np.ndarray):
         with np.errstate(over="ignore"):
-            v ^= v >> _S30
-            v *= _M1
-            v ^= v >> _S27
-            v *= _M2
-            v ^= v >> _S31
-        return v
+            return _splitmix64_steps(v)
+    return _splitmix64_steps(v)
+
+
+def _splitmix64_steps(v):
     v ^= v >> _S30
     v *= _M1
     v ^= v >> _S27

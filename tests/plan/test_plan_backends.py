@@ -273,47 +273,12 @@ def test_sampled_rotation_advances_inside_a_graph(backend, xp, bs, capacity):
 
 
 def test_torch_cuda_graph_capture_and_replay(backend):
-    torch = pytest.importorskip("torch")
-
-    def capture(planner, step):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            planner.plan(**step)  # warm the launch path outside the capture too
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            planner.plan(**step)
-
-        def replay():
-            graph.replay()
-            torch.cuda.synchronize()
-
-        return replay
-
-    _graph_roundtrip(backend, "torch_cuda", capture)
+    pytest.importorskip("torch")
+    _graph_roundtrip(backend, "torch_cuda", _torch_capture)
 
 
 def test_cupy_stream_capture_and_replay(backend):
-    import cupy
-
-    def capture(planner, step):
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            planner.plan(**step, stream=stream)
-            stream.synchronize()
-            stream.begin_capture()
-            planner.plan(**step, stream=stream)
-            graph = stream.end_capture()
-
-        def replay():
-            graph.launch(stream)
-            stream.synchronize()
-
-        return replay
-
-    _graph_roundtrip(backend, "cupy", capture)
+    _graph_roundtrip(backend, "cupy", _cupy_capture)
 
 
 def test_check_raises_on_device_status(backend):
