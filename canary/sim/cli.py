@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
+import sys
 
 from canary import __version__
 
@@ -24,8 +26,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def keep_freed_memory() -> None:
+    """Ask glibc's allocator to keep freed memory for reuse. The NumPy reference allocates and frees the same
+    large per-step arrays (megabytes) every step; by default glibc hands each back to the kernel (munmap) and the
+    next step page-faults it in again: 5 million faults and 9 s of system time in a 32 s default replay on two
+    cores, 0.2 s with this. A tuning of this process only (the library never calls it); elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: heap, not mmap, for blocks up to 32 MiB (glibc's maximum)
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of free heap top
+        libc.mallopt(-2, 64 << 20)  # M_TOP_PAD: grow the heap 64 MiB at a time
+    except (OSError, AttributeError):  # not glibc (musl, ...): keep its defaults
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 mismatches, 2 usage or setup error)."""
     args = build_parser().parse_args(argv)
     args.check(args)
+    keep_freed_memory()
     return args.func(args)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...plan.plans import MISSING_SLOT, SKIP_SEED
-from ...records.hashes import ANCHOR_LINK, as_u64, mix3, splitmix64_inplace
+from ...records.hashes import ANCHOR_LINK, SPLITMIX64_MUL1, SPLITMIX64_MUL2, as_u64, mix3, splitmix64_inplace
 from ...records.realkv import RealKV, _rows_of, fold
 from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
@@ -104,7 +104,14 @@ def verify(
     prev_in = (prev > 0) & (prev < num_slots)
     prev_none = prev == -1
     prev_bad = ~(prev_in | prev_none | (prev == 0))
-    prec = _gather_fields(fields, prev, prev_in)
+    # A plan lists each request's window in position order, so most predecessors are the previous entry's slot,
+    # whose record is gathered already: gather only the others (the first of each run, a wrap, a gap).
+    after = np.zeros(slot.shape[0], dtype=bool)
+    after[1:] = prev_in[1:] & (prev[1:] == slot[:-1])
+    prec = np.empty_like(rec)
+    prec[1:][after[1:]] = rec[:-1][after[1:]]
+    other = np.flatnonzero(~after)
+    prec[other] = _gather_fields(fields, prev[other], prev_in[other])
     link = np.where(prev_in, mix3(prec[:, PREV_HASH], prec[:, TOKEN], prec[:, POSITION]), _I64(ANCHOR_LINK))
     chain_checked = slot_ok & (prev_in | prev_none)
     expected_link = np.where(chain_checked, link, 0)
@@ -145,8 +152,13 @@ def _chain(running0: np.ndarray, counts: np.ndarray, tok: np.ndarray, pos: np.nd
     tok_u, pos_u = as_u64(tok), as_u64(pos)
     # active[k] = number of requests with counts >= k (sorted_counts is non-increasing).
     active = np.searchsorted(-sorted_counts, -np.arange(int(sorted_counts[0]) + 1), side="right")
-    for k in range(1, int(sorted_counts[0]) + 1):
+    top = int(sorted_counts[0])
+    for k in range(1, top + 1):
         m = int(active[k])
+        if m <= _SCALAR_CHAINS:  # the few long chains left (a prefill): Python ints beat tiny-array ufuncs
+            for r in range(m):
+                _scalar_chain(run, int(base_o[r]), int(first_o[r]), k, int(sorted_counts[r]), tok_u, pos_u)
+            break
         at = base_o[:m] + k
         j = first_o[:m] + (k - 1)
         v = run[at - 1]  # a copy (fancy index): mix3 in place
@@ -156,6 +168,32 @@ def _chain(running0: np.ndarray, counts: np.ndarray, tok: np.ndarray, pos: np.nd
         v ^= pos_u[j]
         run[at] = splitmix64_inplace(v)
     return run, base
+
+
+# Below this many requests still chaining, one loop step costs more in NumPy call overhead than in arithmetic.
+_SCALAR_CHAINS = 2
+_MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _scalar_chain(run: np.ndarray, base: int, first: int, k0: int, count: int, tok: np.ndarray,
+                  pos: np.ndarray) -> None:
+    """``run[base + k]`` for ``k`` in ``[k0, count]`` of one request, in Python ints (the same mix3)."""
+    m1, m2, mask = SPLITMIX64_MUL1, SPLITMIX64_MUL2, _MASK
+    toks = tok[first + k0 - 1: first + count].tolist()
+    poss = pos[first + k0 - 1: first + count].tolist()
+    h = int(run[base + k0 - 1])
+    out = []
+    for t, p in zip(toks, poss):
+        for x in (t, p, None):
+            h ^= h >> 30
+            h = (h * m1) & mask
+            h ^= h >> 27
+            h = (h * m2) & mask
+            h ^= h >> 31
+            if x is not None:
+                h ^= x
+        out.append(h)
+    run[base + k0: base + count + 1] = np.array(out, dtype=np.uint64)
 
 
 def write(
