@@ -131,6 +131,8 @@ class CanaryManager:
         self.metrics = None if metrics is None or metrics is False else PrometheusMetrics(metrics)
         self._dedup = Deduplicator(int(forget_after))
         self._pending: deque = deque()
+        self._state_pieces: list[Piece] | None = None  # end_step views the state arrays once
+        self._resets: list = []
         self._step: _StepRecord | None = None
         self._inputs: tuple | None = None
         self._launches = {g.name: (0, 0) for g in self.groups}
@@ -256,16 +258,20 @@ class CanaryManager:
         if self._step is None:
             raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
         self._run_sweep(self._step, stream)
-        pieces: list[Piece] = []
-        for g in self.groups:
-            s = g.state
-            pieces += [piece(s.ring, f"{g.name}.ring"), piece(s.ring_write_index, f"{g.name}.index"),
-                       piece(s.slot_run_counter, f"{g.name}.slots"), piece(s.kernel_run_counter, f"{g.name}.launches"),
-                       piece(g.verify_plan.status, f"{g.name}.status")]
+        if self._state_pieces is None:  # the groups' state arrays never move: viewed once
+            self._state_pieces = []
+            for g in self.groups:
+                s = g.state
+                self._state_pieces += [
+                    piece(s.ring, f"{g.name}.ring"), piece(s.ring_write_index, f"{g.name}.index"),
+                    piece(s.slot_run_counter, f"{g.name}.slots"), piece(s.kernel_run_counter, f"{g.name}.launches"),
+                    piece(g.verify_plan.status, f"{g.name}.status")]
+            self._resets = [g.state.ring_write_index for g in self.groups]
+        pieces: list[Piece] = list(self._state_pieces)
         if self._inputs is not None:
             rpi, prefix, ext, bs = self._inputs
             pieces += [piece(rpi, "rpi", bs), piece(prefix, "prefix", bs), piece(ext, "extend", bs)]
-        token = self._transfer.snapshot(pieces, [g.state.ring_write_index for g in self.groups], self._handle(stream))
+        token = self._transfer.snapshot(pieces, self._resets, self._handle(stream))
         self._pending.append((self._step, token))
         self._step = None
 

@@ -17,6 +17,8 @@ ahead of the GPU), and :meth:`CudaTransfer.wait` (``manager.flush()``, a deliber
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -36,16 +38,14 @@ class Piece:
     shape: tuple[int, ...]
     dtype: np.dtype
     ptr: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+    nbytes: int = 0  # computed once by piece(): the per-step snapshot only reads it
 
 
 def piece(array: Any, name: str, length: int | None = None) -> Piece:
     v = as_view(array, name)
-    shape = v.shape if length is None else (length,) + tuple(v.shape[1:])
-    return Piece(name, array, tuple(shape), np.dtype(v.dtype), v.ptr)
+    shape = tuple(v.shape if length is None else (length,) + tuple(v.shape[1:]))
+    dtype = np.dtype(v.dtype)
+    return Piece(name, array, shape, dtype, v.ptr, math.prod(shape) * dtype.itemsize)
 
 
 class HostTransfer:
