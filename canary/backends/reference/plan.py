@@ -32,17 +32,29 @@ def translate(raw: np.ndarray, lut: np.ndarray | None) -> tuple[np.ndarray, bool
     return out, bool(bad.any())
 
 
+def _flat_rows(a: np.ndarray) -> tuple[np.ndarray, int]:
+    """A 2-D array with unit inner stride as one 1-D view over its rows (row stride in elements), so that a
+    gather of (row, column) pairs is one ``np.take`` of ``row * stride + column`` (2-D fancy indexing is several
+    times slower). The view ends at the last row's last element: it never reaches past the caller's array."""
+    rows, cols = a.shape
+    stride = a.strides[0] // a.itemsize if rows > 1 else cols
+    length = (rows - 1) * stride + cols if rows else 0
+    return np.lib.stride_tricks.as_strided(a, shape=(length,), strides=(a.itemsize,), writeable=False), stride
+
+
 def _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, rp, row, pos, q=None) -> PlanStatus:
     """Entries ``[0, len(pos))``: batch row ``row``, request row ``rp``, position ``pos`` each (SPEC 3.2);
     ``q``: each entry's pool row (``None``: ``rp``)."""
     n = pos.shape[0]
-    raw = req_to_token[rp, pos].astype(np.int64)
+    flat, stride = _flat_rows(req_to_token)
+    at = rp * stride + pos
+    raw = np.take(flat, at).astype(np.int64)
     slot, bad_slot = translate(raw, lut)
     # A real slot mapped to 0: its SWA page was freed inside the window. Left as 0, verify would skip it as
     # padding; predecessors and seeds keep the 0 (outside the window, eviction is legitimate).
     slot = np.where((raw > 0) & (slot == 0), np.int64(MISSING_SLOT), slot)
     has_prev = pos > 0
-    prev_raw = np.where(has_prev, req_to_token[rp, np.maximum(pos - 1, 0)].astype(np.int64), -1)
+    prev_raw = np.where(has_prev, np.take(flat, np.where(has_prev, at - 1, at)).astype(np.int64), -1)
     prev, bad_prev = translate(prev_raw, lut)
     expected = np.full(n, -1, dtype=np.int64)
     if pool is not None:

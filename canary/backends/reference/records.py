@@ -104,14 +104,7 @@ def verify(
     prev_in = (prev > 0) & (prev < num_slots)
     prev_none = prev == -1
     prev_bad = ~(prev_in | prev_none | (prev == 0))
-    # A plan lists each request's window in position order, so most predecessors are the previous entry's slot,
-    # whose record is gathered already: gather only the others (the first of each run, a wrap, a gap).
-    after = np.zeros(slot.shape[0], dtype=bool)
-    after[1:] = prev_in[1:] & (prev[1:] == slot[:-1])
-    prec = np.empty_like(rec)
-    prec[1:][after[1:]] = rec[:-1][after[1:]]
-    other = np.flatnonzero(~after)
-    prec[other] = _gather_fields(fields, prev[other], prev_in[other])
+    prec = _gather_fields(fields, prev, prev_in)
     link = np.where(prev_in, mix3(prec[:, PREV_HASH], prec[:, TOKEN], prec[:, POSITION]), _I64(ANCHOR_LINK))
     chain_checked = slot_ok & (prev_in | prev_none)
     expected_link = np.where(chain_checked, link, 0)
