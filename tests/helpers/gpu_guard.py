@@ -131,3 +131,15 @@ def fail_environment_skip(report) -> None:
         return
     report.outcome = "failed"
     report.longrepr = f"{ENV}=1: this test may not skip for a missing GPU stack; it skipped with: {reason}"
+
+
+def backend_or_skip(backend: str) -> None:
+    """Skip the calling test when the ``backend``'s library cannot be loaded (its ``kv-canary:`` reason, which
+    :func:`fail_environment_skip` turns into a failure in a GPU run)."""
+    from canary import BackendUnavailableError
+    from canary.backends import load
+
+    try:
+        load(backend)
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))

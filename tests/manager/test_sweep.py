@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.sim_child import run_simulator_suite
 from helpers.manager_engine import ToyEngine
 
 from canary import CanaryManager, FailReason, KVGroup
 from canary.manager.sweep import POSITION, PREV, SLOT, TOKEN, GroupSweep
 
-ROOT = Path(__file__).resolve().parents[2]
 SIM_SUITE = Path(__file__).resolve().parent / "sweep_sim_suite.py"
 PROMPTS = {"c0": [31, 32, 33, 34, 35], "c1": [41, 42, 43, 44, 45, 46, 47], "c2": [51, 52, 53, 54]}
 
@@ -326,14 +323,9 @@ def test_argument_errors_name_the_argument():
 @pytest.mark.sim
 @pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda: pip install -e '.[sim]'")
 def test_sweep_simulator_suite():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    env.pop("KV_CANARY_REQUIRE_GPU", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "sim", str(SIM_SUITE)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    report = (proc.stdout + proc.stderr)[-20000:]
-    assert proc.returncode == 0, report
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    assert re.search(r"\b1 passed", summary), report
+    run = run_simulator_suite(SIM_SUITE, timeout=1200)
+    assert run.returncode == 0, run.report
+    assert re.search(r"\b1 passed", run.summary), run.report
 
 
 @pytest.mark.gpu

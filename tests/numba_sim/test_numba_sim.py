@@ -25,11 +25,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.sim_child import run_simulator_suite
 
 from canary import BackendUnavailableError
 
@@ -50,19 +50,12 @@ def _numpy_too_new() -> bool:
 @pytest.mark.skipif(not HAS_NUMBA_CUDA, reason=NO_NUMBA_CUDA)
 @pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
 def test_simulator_suite():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    env.pop("KV_CANARY_REQUIRE_GPU", None)  # the simulator run is a CPU run, even inside a GPU run
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "sim", str(SUITE)]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    elapsed = time.perf_counter() - start
-    report = (proc.stdout + proc.stderr)[-20000:]
-    assert proc.returncode == 0, f"simulator suite failed (rc {proc.returncode}, {elapsed:.0f} s):\n{report}"
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    passed = re.search(r"(\d+) passed", summary)
+    run = run_simulator_suite(SUITE, timeout=1800)
+    assert run.returncode == 0, f"simulator suite failed (rc {run.returncode}, {run.seconds:.0f} s):\n{run.report}"
+    passed = re.search(r"(\d+) passed", run.summary)
     # A suite that skipped itself wholesale (e.g. the env var did not reach it) must not pass silently.
-    assert passed and int(passed.group(1)) >= 100, f"simulator suite ran too few tests: {summary!r}\n{report}"
-    print(f"numba simulator suite: {summary} ({elapsed:.0f} s)")
+    assert passed and int(passed.group(1)) >= 100, f"simulator suite ran too few tests: {run.summary!r}\n{run.report}"
+    print(f"numba simulator suite: {run.summary} ({run.seconds:.0f} s)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

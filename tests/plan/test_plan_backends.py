@@ -10,6 +10,7 @@ os.environ.setdefault("JAX_ENABLE_X64", "1")  # int64 arrays, not silently int32
 import numpy as np
 import pytest
 
+from helpers.gpu_guard import backend_or_skip
 from helpers.plan_cases import (
     GPU_RANDOM_KNOBS,
     OUTPUTS, POISON, POISON_ALT, PlanCase, assert_same, expected_outputs, hand_cases, make_plans, poisoned_outputs,
@@ -20,19 +21,9 @@ pytestmark = pytest.mark.gpu
 BACKENDS = ["cupy", "numba"]
 
 
-def _backend_or_skip(backend: str) -> None:
-    from canary import BackendUnavailableError
-    from canary.backends import load
-
-    try:
-        load(backend)
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    _backend_or_skip(request.param)
+    backend_or_skip(request.param)
     return request.param
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.naive_plan import naive_plan
+from helpers.gpu_guard import backend_or_skip
 from helpers.plan_cases import (
     BAD_REQ_POOL_INDEX, POISON, POISON_ALT, assert_same, expected_outputs, hand_case, hand_cases, make_case,
     make_plans, plan_cases, poisoned_outputs, random_case, run_case, std_pool,
@@ -186,21 +187,11 @@ def test_q_may_share_memory_with_inputs():
 # The GPU backends on the same cases
 
 
-def _backend_or_skip(backend: str) -> None:
-    from canary import BackendUnavailableError
-    from canary.backends import load
-
-    try:
-        load(backend)
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cupy", "numba"])
 @pytest.mark.parametrize("case", POOL_Q_CASES, ids=lambda c: c.name)
 def test_gpu_hand_cases(backend, case):
-    _backend_or_skip(backend)
+    backend_or_skip(backend)
     for poison in (POISON, POISON_ALT):
         assert_same(run_case(case, backend, "cupy", poison), expected_outputs(case, poison), case)
     assert_same(run_case(case, backend, "cupy", api="launch"), expected_outputs(case), case)
@@ -210,7 +201,7 @@ def test_gpu_hand_cases(backend, case):
 @pytest.mark.parametrize("backend", ["cupy", "numba"])
 @pytest.mark.parametrize("seed", range(100))
 def test_gpu_random_cases(backend, seed):
-    _backend_or_skip(backend)
+    backend_or_skip(backend)
     knobs = dict(bs=(1, 300), max_seq_len=(1, 200), capacity="loose") if seed % 2 else dict(bs=(500, 1100))
     case = random_case(seed, pool=True, pool_indices=True, fault_prob=0.05, name=f"gpu-q-{seed}", **knobs)
     assert_same(run_case(case, backend, "cupy"), expected_outputs(case), case)
@@ -219,7 +210,7 @@ def test_gpu_random_cases(backend, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cupy", "numba"])
 def test_gpu_q_on_another_device_or_host_is_refused(backend):
-    _backend_or_skip(backend)
+    backend_or_skip(backend)
     case, _, _ = _setup()
     vp, wp, _raw = make_plans(case, "cupy")
     from helpers.plan_cases import to_xp

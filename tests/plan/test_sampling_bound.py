@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from canary import CanaryPlanner, PlanStatus, VerifyPlan, WritePlan
+from canary.sim.coverage import sweep_bound  # K of SPEC 3.7, the bound the replay reports
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
@@ -121,17 +122,6 @@ def test_a_stable_layout_is_swept_within_k_steps(layout):
         if lengths[i]:
             # Any bound[i] consecutive steps verify each token: it is never unverified bound[i] steps in a row.
             assert longest[r] <= bound[i] - 1, (r, longest[r], bound[i])
-
-
-def sweep_bound(lengths: np.ndarray, cap: int) -> int:
-    """``K`` of SPEC 3.7 for one step's layout (1 when everything fits)."""
-    lengths = lengths[lengths > 0]
-    n, total = len(lengths), int(lengths.sum())
-    if total <= cap:
-        return 1
-    if cap > n:
-        return ceil_div(total - n, cap - n)
-    return ceil_div(n, cap) * int(lengths.max())
 
 
 @hypothesis.settings(max_examples=100, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))

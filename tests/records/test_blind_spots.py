@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.blind_spots import row_recycle, spec_reject
+from helpers.gpu_guard import backend_or_skip
 
 from canary import FailReason
 
@@ -32,21 +33,11 @@ def test_row_recycle_is_blind_with_the_pool_keyed_by_the_row():
     assert row_recycle(keyed_by_identity=False) == []
 
 
-def _backend_or_skip(backend: str) -> None:
-    from canary import BackendUnavailableError
-    from canary.backends import load
-
-    pytest.importorskip("cupy")
-    try:
-        load(backend)
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cupy", "numba"])
 def test_gpu_spec_reject(backend):
-    _backend_or_skip(backend)
+    pytest.importorskip("cupy")
+    backend_or_skip(backend)
     assert spec_reject(backend, "cupy") == [(6, TOKEN), (7, TOKEN)]
     assert spec_reject(backend, "cupy", with_pool=False) == []
 
@@ -54,6 +45,7 @@ def test_gpu_spec_reject(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cupy", "numba"])
 def test_gpu_row_recycle(backend):
-    _backend_or_skip(backend)
+    pytest.importorskip("cupy")
+    backend_or_skip(backend)
     assert row_recycle(backend, "cupy", keyed_by_identity=True) == [(p, TOKEN) for p in range(6)]
     assert row_recycle(backend, "cupy", keyed_by_identity=False) == []

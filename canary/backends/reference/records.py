@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...plan.plans import MISSING_SLOT, SKIP_SEED
-from ...records.hashes import ANCHOR_LINK, SPLITMIX64_MUL1, SPLITMIX64_MUL2, as_u64, mix3, splitmix64_inplace
+from ...records.hashes import ANCHOR_LINK, MASK64, SPLITMIX64_MUL1, SPLITMIX64_MUL2, as_u64, mix3, splitmix64_inplace
 from ...records.realkv import RealKV, _rows_of, fold
 from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
@@ -165,13 +165,12 @@ def _chain(running0: np.ndarray, counts: np.ndarray, tok: np.ndarray, pos: np.nd
 
 # Below this many requests still chaining, one loop step costs more in NumPy call overhead than in arithmetic.
 _SCALAR_CHAINS = 2
-_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
 
 def _scalar_chain(run: np.ndarray, base: int, first: int, k0: int, count: int, tok: np.ndarray,
                   pos: np.ndarray) -> None:
     """``run[base + k]`` for ``k`` in ``[k0, count]`` of one request, in Python ints (the same mix3)."""
-    m1, m2, mask = SPLITMIX64_MUL1, SPLITMIX64_MUL2, _MASK
+    m1, m2, mask = SPLITMIX64_MUL1, SPLITMIX64_MUL2, MASK64
     toks = tok[first + k0 - 1: first + count].tolist()
     poss = pos[first + k0 - 1: first + count].tolist()
     h = int(run[base + k0 - 1])
