@@ -63,6 +63,8 @@ def test_canary_cu_compiles(arch):
         assert kernel in cubin
 
 
+@pytest.mark.sim
+@needs_nvrtc
 def test_fold_vectors_test_kernel_compiles():
     """The GPU suite's fold-vector kernel (helpers/hash_vectors.py) builds on records.cu's fold_slot: compile it
     here so that a change of the fold's signature or of RealKVParams fails without a GPU."""
