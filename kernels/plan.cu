@@ -32,7 +32,8 @@
 #define ITEMS 4             // verify entries per thread per pass: independent loads in flight
 #define ENTRY_CHUNK (ITEMS * 32)  // entries of one warp pass
 #define ROW_SAMPLES 512     // two-pass: row offsets sampled into shared memory to shorten the row search
-#define ROW_BATCH 4         // row tiles whose loads a scan issues together
+#define ROW_BATCH 2         // row tiles whose loads the rows kernel issues together (4 spilled: 64 registers at 1024 threads)
+#define FUSED_BATCH (FUSED_MAX_BS / ENTRY_THREADS)  // the fused scan: every row in one batch, no more registers
 #define ENTRY_MIN_BLOCKS 4  // resident blocks per SM the register budget must allow (__launch_bounds__)
 
 // Scratch words (int64, owned by the planner, zeroed once at bind, re-armed by every launch).
@@ -40,7 +41,8 @@
 #define SCRATCH_BAD_SLOT 1    // BAD_SLOT bits from entries and seeds
 #define SCRATCH_ROW_FLAGS 2   // two-pass only: row checks of the rows kernel
 #define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
-#define SCRATCH_TABLE 4       // two-pass only: the row table, TABLE_ARRAYS arrays of R + 1 (RowTable)
+#define SCRATCH_READERS 4     // fused, sampled steps: blocks done reading the cursors
+#define SCRATCH_TABLE 5       // two-pass only: the row table, TABLE_ARRAYS arrays of R + 1 (RowTable)
 #define TABLE_ARRAYS 8
 
 typedef long long i64;
@@ -146,29 +148,31 @@ struct RowTable {
     i64* rank;    // rows with entries before r
 };
 
-// Exclusive block-wide scan of three int64 per thread (warp shuffles, then one warp over the warp totals).
-template <int THREADS>
-__device__ __forceinline__ void block_scan3(const i64 (&v)[3], i64 (&excl)[3], i64 (&tot)[3]) {
+// Exclusive block-wide scan of N int64 per thread (warp shuffles, then one warp over the warp totals).
+template <int THREADS, int N>
+__device__ __forceinline__ void block_scan(const i64 (&v)[N], i64 (&excl)[N], i64 (&tot)[N]) {
     constexpr int WARPS = THREADS / 32;
-    __shared__ i64 warp_sum[3][WARPS];
+    __shared__ i64 warp_sum[N][WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    i64 in[3] = {v[0], v[1], v[2]};
+    i64 in[N];
+#pragma unroll
+    for (int q = 0; q < N; ++q) in[q] = v[q];
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
 #pragma unroll
-        for (int q = 0; q < 3; ++q) {
+        for (int q = 0; q < N; ++q) {
             const i64 u = __shfl_up_sync(0xffffffffu, in[q], d);
             if (lane >= d) in[q] += u;
         }
     }
     if (lane == 31) {
 #pragma unroll
-        for (int q = 0; q < 3; ++q) warp_sum[q][warp] = in[q];
+        for (int q = 0; q < N; ++q) warp_sum[q][warp] = in[q];
     }
     __syncthreads();
     if (warp == 0) {
 #pragma unroll
-        for (int q = 0; q < 3; ++q) {
+        for (int q = 0; q < N; ++q) {
             i64 w = lane < WARPS ? warp_sum[q][lane] : 0;
 #pragma unroll
             for (int d = 1; d < 32; d <<= 1) {
@@ -180,7 +184,7 @@ __device__ __forceinline__ void block_scan3(const i64 (&v)[3], i64 (&excl)[3], i
     }
     __syncthreads();
 #pragma unroll
-    for (int q = 0; q < 3; ++q) {
+    for (int q = 0; q < N; ++q) {
         excl[q] = (warp ? warp_sum[q][warp - 1] : 0) + in[q] - v[q];
         tot[q] = warp_sum[q][WARPS - 1];
     }
@@ -191,25 +195,25 @@ __device__ __forceinline__ void block_scan3(const i64 (&v)[3], i64 (&excl)[3], i
 // running sums across tiles. The loads of ROW_BATCH tiles (and then their seeds) are issued together, so a
 // batch costs two memory round trips, not two per tile. Fills the row table (shared or global memory) and,
 // when WRITE_SIDE, the write offsets, the zeroed tail and the seeds. Returns the verify total; row_flags gets
-// the OR of all row flags (every thread), seed_bad whether a seed fell outside the LUT, requests the number of
-// rows with verify entries.
-template <int THREADS, bool HAS_LUT, bool HAS_POOL, bool WRITE_SIDE>
-__device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& row_flags, int& seed_bad,
-                                         i64& requests) {
+// the OR of all row flags (every thread), seed_bad whether a seed fell outside the LUT. Only what every step
+// needs: a sampled step derives the rest of its table in sample_rows (a third scanned value and three more
+// stores here cost every plan registers, spills and 10-18% of its time).
+template <int THREADS, int BATCH, bool HAS_LUT, bool HAS_POOL, bool WRITE_SIDE>
+__device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& row_flags, int& seed_bad) {
     const i64 bs = p.bs;
-    i64 vcarry = 0, wcarry = 0, ncarry = 0;
+    i64 vcarry = 0, wcarry = 0;
     int flags = 0, bad = 0;
-    for (i64 group = 0; group < bs; group += (i64)THREADS * ROW_BATCH) {  // uniform: the scans have barriers
-        Row f[ROW_BATCH];
-        i64 rp[ROW_BATCH], e[ROW_BATCH], len[ROW_BATCH], vl[ROW_BATCH], seed[ROW_BATCH], q[ROW_BATCH];
+    for (i64 group = 0; group < bs; group += (i64)THREADS * BATCH) {  // uniform: the scans have barriers
+        Row f[BATCH];
+        i64 rp[BATCH], e[BATCH], len[BATCH], vl[BATCH], seed[BATCH], q[BATCH];
 #pragma unroll
-        for (int k = 0; k < ROW_BATCH; ++k) {
+        for (int k = 0; k < BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
             rp[k] = 0; e[k] = 0; len[k] = 0; vl[k] = 0; q[k] = 0;
             if (r < bs) { rp[k] = p.req_pool_indices[r]; e[k] = p.extend_seq_lens[r]; len[k] = p.prefix_lens[r]; }
         }
 #pragma unroll
-        for (int k = 0; k < ROW_BATCH; ++k) {
+        for (int k = 0; k < BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
             if (HAS_POOL && r < bs && rp[k] != 0) {
                 vl[k] = p.valid_lens[r];
@@ -217,7 +221,7 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
             }
         }
 #pragma unroll
-        for (int k = 0; k < ROW_BATCH; ++k) {
+        for (int k = 0; k < BATCH; ++k) {
             f[k] = row_facts<HAS_POOL>(p, rp[k], e[k], len[k], vl[k], q[k]);
             seed[k] = -1;
             if (WRITE_SIDE && f[k].wlen > 0 && rp[k] == 0) seed[k] = CANARY_SKIP_SEED;
@@ -226,18 +230,15 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                 seed[k] = (i64)p.req_to_token[f[k].rp * p.r2t_row_stride + (f[k].len - 1)];
         }
 #pragma unroll
-        for (int k = 0; k < ROW_BATCH; ++k) {
+        for (int k = 0; k < BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
             if (group + k * THREADS >= bs) break;  // uniform across the block
-            const i64 v[3] = {f[k].vcount, f[k].wlen, f[k].vcount > 0 ? 1 : 0};
-            i64 excl[3], tot[3];
-            block_scan3<THREADS>(v, excl, tot);
+            const i64 v[2] = {f[k].vcount, f[k].wlen};
+            i64 excl[2], tot[2];
+            block_scan<THREADS, 2>(v, excl, tot);
             const i64 voff = excl[0] + vcarry, woff = excl[1] + wcarry;
             if (r < bs) {
                 t.off[r] = voff;
-                t.lo[r] = f[k].vcount > 0 ? f[k].len - f[k].vcount : 0;
-                t.len[r] = f[k].vcount;
-                t.rank[r] = excl[2] + ncarry;
                 if (f[k].vcount > 0) {
                     const i64 start = f[k].len - f[k].vcount;
                     t.base[r] = f[k].rp * p.r2t_row_stride + start - voff;
@@ -255,11 +256,9 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
             }
             vcarry += tot[0];
             wcarry += tot[1];
-            ncarry += tot[2];
         }
     }
     if (threadIdx.x == 0) t.off[bs] = vcarry;
-    requests = ncarry;
     if (WRITE_SIDE) {
         for (i64 r = bs + 1 + threadIdx.x; r <= p.write_req_capacity; r += THREADS) p.write_offsets[r] = 0;
         if (threadIdx.x == 0) { p.write_offsets[bs] = wcarry; *p.write_num_valid_reqs = (int)bs; }
@@ -279,28 +278,55 @@ __device__ __forceinline__ i64 rotation_head(const PlanParams& p, i64 requests) 
     return head >= 0 && head < requests ? head : 0;
 }
 
+// A sampled step's extra columns of the row table, from the scan's (off and pdelta still unsampled): lo[r] the
+// window start, len[r] the verify count, rank[r] the rows with entries before r. Returns the number of rows with
+// entries. Thread x owns rows x, x + THREADS, ... here as in sample_rows, so each reads back only its own rows.
+template <int THREADS>
+__device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t) {
+    i64 carry = 0;
+    for (i64 tile = 0; tile < p.bs; tile += THREADS) {  // uniform: the scan has barriers
+        const i64 r = tile + threadIdx.x;
+        i64 len = 0, lo = 0;
+        if (r < p.bs) {
+            len = t.off[r + 1] - t.off[r];
+            lo = len > 0 ? t.pdelta[r] + t.off[r] : 0;
+        }
+        const i64 v[1] = {len > 0 ? 1 : 0};
+        i64 excl[1], tot[1];
+        block_scan<THREADS, 1>(v, excl, tot);
+        if (r < p.bs) { t.lo[r] = lo; t.len[r] = len; t.rank[r] = excl[0] + carry; }
+        carry += tot[0];
+    }
+    __syncthreads();  // every read of off[r + 1] is done before sample_rows rewrites off
+    return carry;
+}
+
 // Turn the row table into a sampled step's (SPEC 3.7): off[r] becomes first[r], the row's first output entry,
 // and base / pdelta start the row at its run (its cursor). Each thread rewrites only its own rows, ROW_BATCH of
-// them per round with their loads issued together (the two-pass table is in global memory). The cursors are
+// them per round with their loads issued together when the table is in global memory (two-pass: BATCH =
+// ROW_BATCH); from shared memory (fused) one row a round, as batching there only costs registers and spills. The cursors are
 // read here, not in the scan, so that a step that does not sample pays nothing for them. Every block that
-// needs the table does this itself; only the last block writes the cursors (update_cursors).
-__device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64 total, i64 requests) {
+// needs the table does this itself; one warp moves the cursors once all have read them (fused_sampled). Returns the
+// number of rows with entries.
+template <int THREADS, int BATCH>
+__device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 total) {
+    const i64 requests = rank_rows<THREADS>(p, t);
     const i64 cap = p.verify_capacity;
     const i64 head = cap < requests ? rotation_head(p, requests) : 0;
-    for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * ROW_BATCH) {
-        i64 m[ROW_BATCH], off[ROW_BATCH], len[ROW_BATCH], run[ROW_BATCH], rp[ROW_BATCH];
+    for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * BATCH) {
+        i64 m[BATCH], off[BATCH], len[BATCH], run[BATCH], rp[BATCH];
 #pragma unroll
-        for (int k = 0; k < ROW_BATCH; ++k) {
+        for (int k = 0; k < BATCH; ++k) {
             const i64 r = r0 + (i64)k * blockDim.x;
             if (r < p.bs) { m[k] = t.rank[r]; off[k] = t.off[r]; len[k] = t.len[r]; rp[k] = p.req_pool_indices[r]; }
         }
 #pragma unroll
-        for (int k = 0; k < ROW_BATCH; ++k) {  // a row with entries is trusted: 0 < rp < max_reqs
+        for (int k = 0; k < BATCH; ++k) {  // a row with entries is trusted: 0 < rp < max_reqs
             const i64 r = r0 + (i64)k * blockDim.x;
             run[k] = (r < p.bs && len[k] > 0) ? p.cursors[rp[k]] : 0;
         }
 #pragma unroll
-        for (int k = 0; k < ROW_BATCH; ++k) {
+        for (int k = 0; k < BATCH; ++k) {
             const i64 r = r0 + (i64)k * blockDim.x;
             if (r < p.bs && len[k] > 0) {
                 const i64 lo = t.lo[r];
@@ -308,7 +334,7 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
             }
         }
 #pragma unroll
-        for (int k = 0; k < ROW_BATCH; ++k) {
+        for (int k = 0; k < BATCH; ++k) {
             const i64 r = r0 + (i64)k * blockDim.x;
             if (r >= p.bs) continue;
             i64 first;
@@ -323,46 +349,36 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
                 const i64 shift = off[k] - first + run[k];  // base and pdelta were relative to off[r] and lo
                 t.base[r] += shift;
                 t.pdelta[r] += shift;
+                t.rank[r] = rp[k];  // the rank is spent; update_cursors needs the row's cursor index
             }
             t.off[r] = first;
         }
     }
     if (threadIdx.x == 0) t.off[p.bs] = cap;
     __syncthreads();
+    return requests;
 }
 
-// After every block has read the cursors: advance each sampled row's cursor past its run, and the rotation
-// head. One block. A request row in two batch rows (an engine fault) keeps the larger new cursor, so the
-// result does not depend on the order of the stores.
+// After every reader has read the cursors: advance each sampled row's cursor past its run, and the rotation
+// head. Either the whole block (the rows kernel) or only warp 0 (the fused launch, WARP). A request row in two
+// batch rows (an engine fault) keeps the larger new cursor, so the result does not depend on the order of the
+// stores. rank[r] holds the row's req_pool_indices value by now (sample_rows), so nothing is read from global
+// memory again.
+template <bool WARP>
 __device__ __forceinline__ void update_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
+    const i64 tid = WARP ? (threadIdx.x & 31) : threadIdx.x, threads = WARP ? 32 : blockDim.x;
+    for (i64 r = tid; r < p.bs; r += threads)
+        if (t.off[r + 1] > t.off[r]) p.cursors[t.rank[r]] = (i64)(-0x7fffffffffffffffLL - 1);
+    if (WARP) __syncwarp(); else __syncthreads();
+    for (i64 r = tid; r < p.bs; r += threads) {
+        const i64 n = t.off[r + 1] - t.off[r];
+        if (n > 0) {
+            const i64 lo = t.lo[r], len = t.len[r], run = t.pdelta[r] + t.off[r] - lo;
+            atomicMax(reinterpret_cast<long long*>(p.cursors + t.rank[r]), (long long)(lo + (run + n) % len));
+        }
+    }
     const i64 cap = p.verify_capacity;
-    i64 rp[ROW_BATCH], take[ROW_BATCH];
-    for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * ROW_BATCH) {
-#pragma unroll
-        for (int k = 0; k < ROW_BATCH; ++k) {
-            const i64 r = r0 + (i64)k * blockDim.x;
-            take[k] = r < p.bs ? t.off[r + 1] - t.off[r] : 0;
-            rp[k] = take[k] > 0 ? p.req_pool_indices[r] : 0;
-        }
-#pragma unroll
-        for (int k = 0; k < ROW_BATCH; ++k)
-            if (take[k] > 0) p.cursors[rp[k]] = (i64)(-0x7fffffffffffffffLL - 1);
-    }
-    __syncthreads();
-    for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * ROW_BATCH) {
-#pragma unroll
-        for (int k = 0; k < ROW_BATCH; ++k) {
-            const i64 r = r0 + (i64)k * blockDim.x;
-            if (r >= p.bs) continue;
-            const i64 n = t.off[r + 1] - t.off[r];
-            if (n > 0) {
-                const i64 lo = t.lo[r], len = t.len[r], run = t.pdelta[r] + t.off[r] - lo;
-                atomicMax(reinterpret_cast<long long*>(p.cursors + p.req_pool_indices[r]),
-                          (long long)(lo + (run + n) % len));
-            }
-        }
-    }
-    if (threadIdx.x == 0 && cap < requests) p.cursors[0] = (rotation_head(p, requests) + cap) % requests;
+    if (tid == 0 && cap < requests) p.cursors[0] = (rotation_head(p, requests) + cap) % requests;
 }
 
 // The row holding entry i, given off[lo] <= i < off[hi]: the last r with off[r] <= i (empty rows are
@@ -468,27 +484,42 @@ __device__ __forceinline__ bool sampling(const PlanParams& p, int row_flags, i64
     return p.sample && total > p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES);
 }
 
-// With a LUT, any block may find a BAD_SLOT; with sampling, the cursors may move only once every block has
-// read them. Then every block calls this once, last thing, and the last block to arrive composes the status,
-// advances the cursors (its whole block: `t` is its own row table) and re-arms the scratch words. (Otherwise
-// the row scan alone decides the status, and one block writes it: no atomics.)
-__device__ __forceinline__ void finalize(const PlanParams& p, const RowTable& t, int row_flags, i64 total,
-                                         i64 requests, int bad_slot, bool move_cursors) {
-    __shared__ int s_last;
+// With a LUT, any block may find a BAD_SLOT: every block calls this once, last thing, and the last block to
+// arrive composes the status and re-arms the scratch words. (Without a LUT the row scan alone decides the
+// status, and one block writes it: no atomics.)
+__device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64 total, int bad_slot) {
     const int any_bad = __syncthreads_or(bad_slot);  // also: every thread of the block has finished its stores
     if (threadIdx.x == 0) {
         u64* scratch = reinterpret_cast<u64*>(p.scratch);
         if (any_bad) atomicOr(scratch + SCRATCH_BAD_SLOT, (u64)CANARY_BAD_SLOT);
         __threadfence();
-        s_last = atomicAdd(scratch + SCRATCH_DONE, 1ull) == (u64)gridDim.x - 1;
-        if (s_last) {
+        if (atomicAdd(scratch + SCRATCH_DONE, 1ull) == (u64)gridDim.x - 1) {
             __threadfence();
             write_status(p, row_flags | (int)atomicExch(scratch + SCRATCH_BAD_SLOT, 0ull), total);
             scratch[SCRATCH_DONE] = 0;
         }
     }
-    __syncthreads();
-    if (move_cursors && s_last) update_cursors(p, t, requests);
+}
+
+// A sampled step of the fused launch. Every block reads the cursors (sample_rows) and the cursors may move only
+// once all have: warp 0 of each block counts its block in once the block's reads are done, and the last block
+// counted moves them with its warp 0 while its other warps, and every other block, go on emitting. (Moving them
+// in the last block to finish would put the update on the plan's tail, after every entry.)
+template <bool HAS_LUT, bool HAS_POOL>
+__device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, int row_flags, i64 total, int bad) {
+    const i64 requests = sample_rows<ENTRY_THREADS, 1>(p, t, total);  // ends on a barrier: the block's reads are done
+    if (threadIdx.x < 32) {
+        int last = 0;
+        if (threadIdx.x == 0) {
+            u64* readers = reinterpret_cast<u64*>(p.scratch) + SCRATCH_READERS;
+            last = atomicAdd(readers, 1ull) == (u64)gridDim.x - 1;
+            if (last) *readers = 0;  // every block has been counted: re-armed for the next launch
+        }
+        if (__shfl_sync(0xffffffffu, last, 0)) update_cursors<true>(p, t, requests);
+    }
+    bad |= emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity);
+    if (HAS_LUT) finalize(p, row_flags, total, bad);
+    else if (blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
 }
 
 template <bool HAS_LUT, bool HAS_POOL>
@@ -498,20 +529,19 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     __shared__ i64 s_lo[FUSED_MAX_BS], s_len[FUSED_MAX_BS], s_rank[FUSED_MAX_BS];
     const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim, s_lo, s_len, s_rank};
     int row_flags, seed_bad;
-    i64 requests;
     const i64 total = blockIdx.x == 0
-        ? scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad, requests)
-        : scan_rows<ENTRY_THREADS, HAS_LUT, HAS_POOL, false>(p, t, row_flags, seed_bad, requests);
-    const bool sampled = sampling(p, row_flags, total);
-    // Without a LUT and without a sample to take, the row scan alone decides everything: block 0 writes it.
-    if (!HAS_LUT && !sampled && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
-    if (sampled) sample_rows(p, t, total, requests);
+        ? scan_rows<ENTRY_THREADS, FUSED_BATCH, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad)
+        : scan_rows<ENTRY_THREADS, FUSED_BATCH, HAS_LUT, HAS_POOL, false>(p, t, row_flags, seed_bad);
+    if (sampling(p, row_flags, total)) {
+        fused_sampled<HAS_LUT, HAS_POOL>(p, t, row_flags, total, seed_bad);
+        return;
+    }
+    // Without a LUT, the row scan alone decides everything: block 0 writes it.
+    if (!HAS_LUT && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
     int bad = seed_bad;
-    if (sampled)
-        bad |= emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity);
-    else if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
+    if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
         bad |= emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{nullptr, 0, 0}, total);
-    if (HAS_LUT || sampled) finalize(p, t, row_flags, total, requests, bad, sampled);
+    if (HAS_LUT) finalize(p, row_flags, total, bad);
 }
 
 // The two-pass row table lives in scratch after the head words: TABLE_ARRAYS arrays of stride R + 1.
@@ -521,24 +551,31 @@ __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
     return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n};
 }
 
+// Not inlined, for the reason fused_sampled is not.
+__device__ __forceinline__ void rows_sampled(const PlanParams& p, RowTable t, i64 total) {
+    update_cursors<false>(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
+}
+
 // One block: the scans, and for a sampled step the sampled table and the cursors' advance (this block is the
 // only reader of the cursors, so it may move them once its threads have read them).
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_rows(const PlanParams& p) {
     const RowTable t = global_table(p);
     int row_flags, seed_bad;
-    i64 requests;
-    const i64 total = scan_rows<ROWS_THREADS, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad, requests);
+    const i64 total = scan_rows<ROWS_THREADS, ROW_BATCH, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad);
     row_flags |= seed_bad ? CANARY_BAD_SLOT : 0;
-    if (sampling(p, row_flags, total)) {
-        sample_rows(p, t, total, requests);
-        update_cursors(p, t, requests);
-    }
+    if (sampling(p, row_flags, total)) rows_sampled(p, t, total);
     if (threadIdx.x == 0) {
         p.scratch[SCRATCH_ROW_FLAGS] = row_flags;
         p.scratch[SCRATCH_TOTAL] = total;
         if (!HAS_LUT) write_status(p, row_flags, total);
     }
+}
+
+// Not inlined, for the reason fused_sampled is not.
+template <bool HAS_LUT, bool HAS_POOL>
+__device__ __forceinline__ int entries_sampled(const PlanParams& p, RowTable t, RowSamples samples) {
+    return emit_entries<HAS_LUT, HAS_POOL, true>(p, t, samples, p.verify_capacity);
 }
 
 template <bool HAS_LUT, bool HAS_POOL>
@@ -555,10 +592,10 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     __syncthreads();
     int bad = 0;
     if (sampled)
-        bad = emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{s_samples, step, count}, emitted);
+        bad = entries_sampled<HAS_LUT, HAS_POOL>(p, t, RowSamples{s_samples, step, count});
     else if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
         bad = emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{s_samples, step, count}, emitted);
-    if (HAS_LUT) finalize(p, t, row_flags, total, 0, bad, false);
+    if (HAS_LUT) finalize(p, row_flags, total, bad);
 }
 
 #define CANARY_SPECIALIZE(SUFFIX, HAS_LUT, HAS_POOL)                                                           \

@@ -35,8 +35,10 @@ Deliberate differences from plan.cu (speed structure only; the outputs are the s
 - ``scan_rows`` gives each thread ``ROW_BATCH`` consecutive rows per batch (plan.cu: one row per thread in
   each of ROW_BATCH tiles). The loads of a batch are still issued together, and a batch needs one block
   scan instead of ROW_BATCH: barriers, not bandwidth, dominate a shared-memory scan here.
-- The scratch (this backend's own) has plan.cu's layout: the four head words (``SCRATCH_*``), then the
-  two-pass row table, 5 arrays of ``write_req_capacity + 1`` (``scratch_words``).
+- The scratch (this backend's own) has plan.cu's head words (``SCRATCH_*``) but its ``SCRATCH_READERS``,
+  then the two-pass row table, ``TABLE_ARRAYS`` arrays of ``write_req_capacity + 1`` (``scratch_words``). A
+  sampled fused step moves the cursors in the last block to finish (``finalize``), where plan.cu moves them in
+  warp 0 of the last block to have read them, off the tail: the same cursors, one counter fewer.
 - Compile-time specializations are the constants ``kernel_functions`` closes over (Numba folds them):
   ``HAS_LUT`` and ``HAS_POOL`` as in plan.cu, and the two block sizes, which size shared arrays (the
   simulator, one Python thread per CUDA thread, runs the same code with small blocks, at least one warp).
