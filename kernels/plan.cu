@@ -35,12 +35,6 @@
 #define ROW_BATCH 2         // row tiles whose loads the rows kernel issues together (4 spilled: 64 registers at 1024 threads)
 #define FUSED_BATCH (FUSED_MAX_BS / ENTRY_THREADS)  // the fused scan: every row in one batch, no more registers
 #define ENTRY_MIN_BLOCKS 4  // resident blocks per SM the register budget must allow (__launch_bounds__)
-#define RANK_BATCH 4        // row tiles whose table reads rank_rows issues together
-// The scan loads each row's sampling cursor when sampling is on, so that a sampled step finds it waiting (0: a
-// sampled step loads it after the scan, one more dependent round trip). A benchmark switch.
-#ifndef CANARY_PREFETCH_CURSORS
-#define CANARY_PREFETCH_CURSORS 1
-#endif
 
 // Scratch words (int64, owned by the planner, zeroed once at bind, re-armed by every launch).
 #define SCRATCH_DONE 0        // blocks finished (the last one finalizes)
@@ -49,7 +43,7 @@
 #define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
 #define SCRATCH_READERS 4     // fused, sampled steps: blocks done reading the cursors
 #define SCRATCH_TABLE 5       // two-pass only: the row table, TABLE_ARRAYS arrays of R + 1 (RowTable)
-#define TABLE_ARRAYS 10
+#define TABLE_ARRAYS 8
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -151,9 +145,7 @@ struct RowTable {
     i64* vlim;    // valid_lens[r]                                  (HAS_POOL)
     i64* lo;      // window_start
     i64* len;     // verify count of the row (its window length)
-    i64* rank;    // rows with entries before r (sampled steps)
-    i64* rp;      // req_pool_indices[r] (sampled steps)
-    i64* cur;     // the row's cursor as read ([bs]: the rotation head), then its new cursor (sampled steps)
+    i64* rank;    // rows with entries before r
 };
 
 // Exclusive block-wide scan of N int64 per thread (warp shuffles, then one warp over the warp totals).
@@ -213,7 +205,7 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
     int flags = 0, bad = 0;
     for (i64 group = 0; group < bs; group += (i64)THREADS * BATCH) {  // uniform: the scans have barriers
         Row f[BATCH];
-        i64 rp[BATCH], e[BATCH], len[BATCH], vl[BATCH], seed[BATCH], q[BATCH], cur[BATCH];
+        i64 rp[BATCH], e[BATCH], len[BATCH], vl[BATCH], seed[BATCH], q[BATCH];
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
@@ -227,8 +219,6 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                 vl[k] = p.valid_lens[r];
                 q[k] = p.expected_token_pool_indices ? p.expected_token_pool_indices[r] : rp[k];
             }
-            // Stored only after the block scan below, so the load's latency hides behind it.
-            cur[k] = CANARY_PREFETCH_CURSORS && p.sample && r < bs && rp[k] > 0 && rp[k] < p.rp_bound ? p.cursors[rp[k]] : 0;
         }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
@@ -262,17 +252,13 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                     p.write_offsets[r] = woff;
                     p.seeds[r] = translate<HAS_LUT>(seed[k], p.lut, p.lut_len, bad);
                 }
-                if (CANARY_PREFETCH_CURSORS && p.sample) { t.rp[r] = rp[k]; t.cur[r] = cur[k]; }
                 flags |= f[k].flags;
             }
             vcarry += tot[0];
             wcarry += tot[1];
         }
     }
-    if (threadIdx.x == 0) {
-        t.off[bs] = vcarry;
-        if (CANARY_PREFETCH_CURSORS && p.sample) t.cur[bs] = p.cursors[0];
-    }
+    if (threadIdx.x == 0) t.off[bs] = vcarry;
     if (WRITE_SIDE) {
         for (i64 r = bs + 1 + threadIdx.x; r <= p.write_req_capacity; r += THREADS) p.write_offsets[r] = 0;
         if (threadIdx.x == 0) { p.write_offsets[bs] = wcarry; *p.write_num_valid_reqs = (int)bs; }
@@ -286,10 +272,9 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
     return vcarry;
 }
 
-// Head of the request rotation of a step with fewer entries than requests (SPEC 3.7): cursors[0] as the step
-// read it (cur[bs]), if in range.
-__device__ __forceinline__ i64 rotation_head(const RowTable& t, i64 bs, i64 requests) {
-    const i64 head = t.cur[bs];
+// Head of the request rotation of a step with fewer entries than requests (SPEC 3.7): cursors[0], if in range.
+__device__ __forceinline__ i64 rotation_head(const PlanParams& p, i64 requests) {
+    const i64 head = p.cursors[0];
     return head >= 0 && head < requests ? head : 0;
 }
 
@@ -299,27 +284,18 @@ __device__ __forceinline__ i64 rotation_head(const RowTable& t, i64 bs, i64 requ
 template <int THREADS>
 __device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t) {
     i64 carry = 0;
-    for (i64 group = 0; group < p.bs; group += (i64)THREADS * RANK_BATCH) {  // uniform: the scans have barriers
-        i64 len[RANK_BATCH], lo[RANK_BATCH];
-#pragma unroll
-        for (int k = 0; k < RANK_BATCH; ++k) {
-            const i64 r = group + k * THREADS + threadIdx.x;
-            len[k] = 0; lo[k] = 0;
-            if (r < p.bs) {
-                len[k] = t.off[r + 1] - t.off[r];
-                lo[k] = len[k] > 0 ? t.pdelta[r] + t.off[r] : 0;
-            }
+    for (i64 tile = 0; tile < p.bs; tile += THREADS) {  // uniform: the scan has barriers
+        const i64 r = tile + threadIdx.x;
+        i64 len = 0, lo = 0;
+        if (r < p.bs) {
+            len = t.off[r + 1] - t.off[r];
+            lo = len > 0 ? t.pdelta[r] + t.off[r] : 0;
         }
-#pragma unroll
-        for (int k = 0; k < RANK_BATCH; ++k) {
-            const i64 r = group + k * THREADS + threadIdx.x;
-            if (group + k * THREADS >= p.bs) break;  // uniform across the block
-            const i64 v[1] = {len[k] > 0 ? 1 : 0};
-            i64 excl[1], tot[1];
-            block_scan<THREADS, 1>(v, excl, tot);
-            if (r < p.bs) { t.lo[r] = lo[k]; t.len[r] = len[k]; t.rank[r] = excl[0] + carry; }
-            carry += tot[0];
-        }
+        const i64 v[1] = {len > 0 ? 1 : 0};
+        i64 excl[1], tot[1];
+        block_scan<THREADS, 1>(v, excl, tot);
+        if (r < p.bs) { t.lo[r] = lo; t.len[r] = len; t.rank[r] = excl[0] + carry; }
+        carry += tot[0];
     }
     __syncthreads();  // every read of off[r + 1] is done before sample_rows rewrites off
     return carry;
@@ -336,22 +312,18 @@ template <int THREADS, int BATCH>
 __device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 total) {
     const i64 requests = rank_rows<THREADS>(p, t);
     const i64 cap = p.verify_capacity;
-    if (!CANARY_PREFETCH_CURSORS) {  // the scan did not load them: load them now, as it would have
-        for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x) {
-            const i64 rp = p.req_pool_indices[r];
-            t.rp[r] = rp;
-            t.cur[r] = t.len[r] > 0 ? p.cursors[rp] : 0;
-        }
-        if (threadIdx.x == 0) t.cur[p.bs] = p.cursors[0];
-        __syncthreads();
-    }
-    const i64 head = cap < requests ? rotation_head(t, p.bs, requests) : 0;
+    const i64 head = cap < requests ? rotation_head(p, requests) : 0;
     for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * BATCH) {
-        i64 m[BATCH], off[BATCH], len[BATCH], run[BATCH];
+        i64 m[BATCH], off[BATCH], len[BATCH], run[BATCH], rp[BATCH];
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
             const i64 r = r0 + (i64)k * blockDim.x;
-            if (r < p.bs) { m[k] = t.rank[r]; off[k] = t.off[r]; len[k] = t.len[r]; run[k] = t.cur[r]; }
+            if (r < p.bs) { m[k] = t.rank[r]; off[k] = t.off[r]; len[k] = t.len[r]; rp[k] = p.req_pool_indices[r]; }
+        }
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {  // a row with entries is trusted: 0 < rp < max_reqs
+            const i64 r = r0 + (i64)k * blockDim.x;
+            run[k] = (r < p.bs && len[k] > 0) ? p.cursors[rp[k]] : 0;
         }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
@@ -377,6 +349,7 @@ __device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 
                 const i64 shift = off[k] - first + run[k];  // base and pdelta were relative to off[r] and lo
                 t.base[r] += shift;
                 t.pdelta[r] += shift;
+                t.rank[r] = rp[k];  // the rank is spent; update_cursors needs the row's cursor index
             }
             t.off[r] = first;
         }
@@ -389,50 +362,23 @@ __device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 
 // After every reader has read the cursors: advance each sampled row's cursor past its run, and the rotation
 // head. Either the whole block (the rows kernel) or only warp 0 (the fused launch, WARP). A request row in two
 // batch rows (an engine fault) keeps the larger new cursor, so the result does not depend on the order of the
-// stores: every cursor to move is reset first, then raised to its new value. Each participant re-reads only its
-// own rows' table entries between the two passes (cur[r] now the new cursor, INT64_MIN for a row without take).
-template <bool WARP, int BATCH>
+// stores. rank[r] holds the row's req_pool_indices value by now (sample_rows), so nothing is read from global
+// memory again.
+template <bool WARP>
 __device__ __forceinline__ void update_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
     const i64 tid = WARP ? (threadIdx.x & 31) : threadIdx.x, threads = WARP ? 32 : blockDim.x;
-    const i64 none = (i64)(-0x7fffffffffffffffLL - 1);
-    for (i64 r0 = tid; r0 < p.bs; r0 += threads * BATCH) {
-        i64 first[BATCH], n[BATCH], lo[BATCH], len[BATCH], pd[BATCH], rp[BATCH];
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const i64 r = r0 + k * threads;
-            n[k] = 0;
-            if (r < p.bs) {
-                first[k] = t.off[r]; n[k] = t.off[r + 1] - first[k];
-                lo[k] = t.lo[r]; len[k] = t.len[r]; pd[k] = t.pdelta[r]; rp[k] = t.rp[r];
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const i64 r = r0 + k * threads;
-            if (r >= p.bs) continue;
-            i64 next = none;
-            if (n[k] > 0) {
-                next = lo[k] + (pd[k] + first[k] - lo[k] + n[k]) % len[k];
-                p.cursors[rp[k]] = none;
-            }
-            t.cur[r] = next;
-        }
-    }
+    for (i64 r = tid; r < p.bs; r += threads)
+        if (t.off[r + 1] > t.off[r]) p.cursors[t.rank[r]] = (i64)(-0x7fffffffffffffffLL - 1);
     if (WARP) __syncwarp(); else __syncthreads();
-    for (i64 r0 = tid; r0 < p.bs; r0 += threads * BATCH) {
-        i64 next[BATCH], rp[BATCH];
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const i64 r = r0 + k * threads;
-            next[k] = none;
-            if (r < p.bs) { next[k] = t.cur[r]; rp[k] = t.rp[r]; }
+    for (i64 r = tid; r < p.bs; r += threads) {
+        const i64 n = t.off[r + 1] - t.off[r];
+        if (n > 0) {
+            const i64 lo = t.lo[r], len = t.len[r], run = t.pdelta[r] + t.off[r] - lo;
+            atomicMax(reinterpret_cast<long long*>(p.cursors + t.rank[r]), (long long)(lo + (run + n) % len));
         }
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k)
-            if (next[k] != none) atomicMax(reinterpret_cast<long long*>(p.cursors + rp[k]), (long long)next[k]);
     }
     const i64 cap = p.verify_capacity;
-    if (tid == 0 && cap < requests) p.cursors[0] = (rotation_head(t, p.bs, requests) + cap) % requests;
+    if (tid == 0 && cap < requests) p.cursors[0] = (rotation_head(p, requests) + cap) % requests;
 }
 
 // The row holding entry i, given off[lo] <= i < off[hi]: the last r with off[r] <= i (empty rows are
@@ -555,25 +501,23 @@ __device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64
     }
 }
 
-// A sampled step of the fused launch. Every block reads the cursors (in its scan) and the cursors may move only
-// once all have: thread 0 counts its block in once the block's reads are done, and warp 0 of the last block
-// counted moves them after its own entries. The count's answer is used only then, so no warp waits for it; a
-// block that finishes emitting before the last one has read no longer reads the cursors, so none reads a moved
-// one. (The last block to finish would wait for every other block, and put the update on the plan's tail.)
+// A sampled step of the fused launch. Every block reads the cursors (sample_rows) and the cursors may move only
+// once all have: warp 0 of each block counts its block in once the block's reads are done, and the last block
+// counted moves them with its warp 0 while its other warps, and every other block, go on emitting. (Moving them
+// in the last block to finish would put the update on the plan's tail, after every entry.)
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, int row_flags, i64 total, int bad) {
-    __shared__ i64 s_requests;  // not a register across emit_entries, whose registers are the plan's speed
     const i64 requests = sample_rows<ENTRY_THREADS, 1>(p, t, total);  // ends on a barrier: the block's reads are done
-    unsigned counted = 0;  // 32 bits of the scratch word (little-endian): one register held across emit_entries
-    if (threadIdx.x == 0) {
-        s_requests = requests;
-        counted = atomicAdd(reinterpret_cast<unsigned*>(p.scratch + SCRATCH_READERS), 1u);
+    if (threadIdx.x < 32) {
+        int last = 0;
+        if (threadIdx.x == 0) {
+            u64* readers = reinterpret_cast<u64*>(p.scratch) + SCRATCH_READERS;
+            last = atomicAdd(readers, 1ull) == (u64)gridDim.x - 1;
+            if (last) *readers = 0;  // every block has been counted: re-armed for the next launch
+        }
+        if (__shfl_sync(0xffffffffu, last, 0)) update_cursors<true>(p, t, requests);
     }
     bad |= emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity);
-    if (threadIdx.x < 32 && __shfl_sync(0xffffffffu, counted == gridDim.x - 1, 0)) {
-        if (threadIdx.x == 0) p.scratch[SCRATCH_READERS] = 0;  // every block has been counted: re-armed
-        update_cursors<true, 1>(p, t, s_requests);
-    }
     if (HAS_LUT) finalize(p, row_flags, total, bad);
     else if (blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
 }
@@ -582,9 +526,8 @@ template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     __shared__ i64 s_off[FUSED_MAX_BS + 1], s_base[FUSED_MAX_BS], s_pdelta[FUSED_MAX_BS];
     __shared__ i64 s_pbase[HAS_POOL ? FUSED_MAX_BS : 1], s_vlim[HAS_POOL ? FUSED_MAX_BS : 1];
-    __shared__ i64 s_lo[FUSED_MAX_BS], s_len[FUSED_MAX_BS], s_rank[FUSED_MAX_BS], s_rp[FUSED_MAX_BS];
-    __shared__ i64 s_cur[FUSED_MAX_BS + 1];
-    const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim, s_lo, s_len, s_rank, s_rp, s_cur};
+    __shared__ i64 s_lo[FUSED_MAX_BS], s_len[FUSED_MAX_BS], s_rank[FUSED_MAX_BS];
+    const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim, s_lo, s_len, s_rank};
     int row_flags, seed_bad;
     const i64 total = blockIdx.x == 0
         ? scan_rows<ENTRY_THREADS, FUSED_BATCH, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad)
@@ -605,12 +548,12 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
 __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
     i64* t = p.scratch + SCRATCH_TABLE;
     const i64 n = p.write_req_capacity + 1;  // bs <= R is checked on the host
-    return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n, t + 8 * n, t + 9 * n};
+    return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n};
 }
 
 // Not inlined, for the reason fused_sampled is not.
 __device__ __forceinline__ void rows_sampled(const PlanParams& p, RowTable t, i64 total) {
-    update_cursors<false, ROW_BATCH>(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
+    update_cursors<false>(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
 }
 
 // One block: the scans, and for a sampled step the sampled table and the cursors' advance (this block is the
