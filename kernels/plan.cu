@@ -35,7 +35,6 @@
 #define ROW_BATCH 2         // row tiles whose loads the rows kernel issues together (4 spilled: 64 registers at 1024 threads)
 #define FUSED_BATCH (FUSED_MAX_BS / ENTRY_THREADS)  // the fused scan: every row in one batch, no more registers
 #define ENTRY_MIN_BLOCKS 4  // resident blocks per SM the register budget must allow (__launch_bounds__)
-#define RANK_BATCH 4        // row tiles whose global table reads the rows kernel's rank_rows issues together
 
 // Scratch words (int64, owned by the planner, zeroed once at bind, re-armed by every launch).
 #define SCRATCH_DONE 0        // blocks finished (the last one finalizes)
@@ -282,30 +281,21 @@ __device__ __forceinline__ i64 rotation_head(const PlanParams& p, i64 requests) 
 // A sampled step's extra columns of the row table, from the scan's (off and pdelta still unsampled): lo[r] the
 // window start, len[r] the verify count, rank[r] the rows with entries before r. Returns the number of rows with
 // entries. Thread x owns rows x, x + THREADS, ... here as in sample_rows, so each reads back only its own rows.
-template <int THREADS, int BATCH>
+template <int THREADS>
 __device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t) {
     i64 carry = 0;
-    for (i64 group = 0; group < p.bs; group += (i64)THREADS * BATCH) {  // uniform: the scans have barriers
-        i64 len[BATCH], lo[BATCH];
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {  // the loads of BATCH tiles first: one round trip (two-pass: global)
-            const i64 r = group + k * THREADS + threadIdx.x;
-            len[k] = 0; lo[k] = 0;
-            if (r < p.bs) {
-                len[k] = t.off[r + 1] - t.off[r];
-                lo[k] = len[k] > 0 ? t.pdelta[r] + t.off[r] : 0;
-            }
+    for (i64 tile = 0; tile < p.bs; tile += THREADS) {  // uniform: the scan has barriers
+        const i64 r = tile + threadIdx.x;
+        i64 len = 0, lo = 0;
+        if (r < p.bs) {
+            len = t.off[r + 1] - t.off[r];
+            lo = len > 0 ? t.pdelta[r] + t.off[r] : 0;
         }
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const i64 r = group + k * THREADS + threadIdx.x;
-            if (group + k * THREADS >= p.bs) break;  // uniform across the block
-            const i64 v[1] = {len[k] > 0 ? 1 : 0};
-            i64 excl[1], tot[1];
-            block_scan<THREADS, 1>(v, excl, tot);
-            if (r < p.bs) { t.lo[r] = lo[k]; t.len[r] = len[k]; t.rank[r] = excl[0] + carry; }
-            carry += tot[0];
-        }
+        const i64 v[1] = {len > 0 ? 1 : 0};
+        i64 excl[1], tot[1];
+        block_scan<THREADS, 1>(v, excl, tot);
+        if (r < p.bs) { t.lo[r] = lo; t.len[r] = len; t.rank[r] = excl[0] + carry; }
+        carry += tot[0];
     }
     __syncthreads();  // every read of off[r + 1] is done before sample_rows rewrites off
     return carry;
@@ -320,7 +310,7 @@ __device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t) {
 // number of rows with entries.
 template <int THREADS, int BATCH>
 __device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 total) {
-    const i64 requests = rank_rows<THREADS, BATCH == 1 ? 1 : RANK_BATCH>(p, t);
+    const i64 requests = rank_rows<THREADS>(p, t);
     const i64 cap = p.verify_capacity;
     const i64 head = cap < requests ? rotation_head(p, requests) : 0;
     for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * BATCH) {
@@ -374,44 +364,20 @@ __device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 
 // batch rows (an engine fault) keeps the larger new cursor, so the result does not depend on the order of the
 // stores. rank[r] holds the row's req_pool_indices value by now (sample_rows), so nothing is read from global
 // memory again.
-template <bool WARP, int BATCH>
+template <bool WARP>
 __device__ __forceinline__ void update_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
     const i64 tid = WARP ? (threadIdx.x & 31) : threadIdx.x, threads = WARP ? 32 : blockDim.x;
-    const i64 none = (i64)(-0x7fffffffffffffffLL - 1);
-    for (i64 r0 = tid; r0 < p.bs; r0 += threads * BATCH) {
-        i64 n[BATCH], rp[BATCH];
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const i64 r = r0 + k * threads;
-            n[k] = r < p.bs ? t.off[r + 1] - t.off[r] : 0;
-            rp[k] = r < p.bs ? t.rank[r] : 0;
-        }
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k)
-            if (n[k] > 0) p.cursors[rp[k]] = none;
-    }
+    for (i64 r = tid; r < p.bs; r += threads)
+        if (t.off[r + 1] > t.off[r]) p.cursors[t.rank[r]] = (i64)(-0x7fffffffffffffffLL - 1);
     if (WARP) __syncwarp(); else __syncthreads();
-    for (i64 r0 = tid; r0 < p.bs; r0 += threads * BATCH) {
-        i64 n[BATCH], rp[BATCH], lo[BATCH], len[BATCH], run[BATCH];
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const i64 r = r0 + k * threads;
-            n[k] = 0;
-            if (r < p.bs) {
-                const i64 first = t.off[r];
-                n[k] = t.off[r + 1] - first;
-                rp[k] = t.rank[r]; lo[k] = t.lo[r]; len[k] = t.len[r];
-                run[k] = t.pdelta[r] + first - lo[k];
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            if (n[k] <= 0) continue;
-            // run < len and take <= len (SPEC 3.7), so one subtraction wraps: no 64-bit modulo, whose ~300-cycle
-            // latency, 8 rows deep per lane of the fused launch's warp 0, was most of a sampled step's extra time.
-            i64 next = run[k] + n[k];
-            if (next >= len[k]) next -= len[k];
-            atomicMax(reinterpret_cast<long long*>(p.cursors + rp[k]), (long long)(lo[k] + next));
+    for (i64 r = tid; r < p.bs; r += threads) {
+        const i64 n = t.off[r + 1] - t.off[r];
+        if (n > 0) {
+            const i64 lo = t.lo[r], len = t.len[r], run = t.pdelta[r] + t.off[r] - lo;
+            // run < len and take <= len (SPEC 3.7): one subtraction wraps. A 64-bit modulo here, rows deep per
+            // lane of the fused launch's warp 0, cost 0.5 us of a bs=256 sampled step (run 43).
+            const i64 next = run + n >= len ? run + n - len : run + n;
+            atomicMax(reinterpret_cast<long long*>(p.cursors + t.rank[r]), (long long)(lo + next));
         }
     }
     const i64 cap = p.verify_capacity;
@@ -555,7 +521,7 @@ __device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, i
             last = atomicAdd(readers, 1ull) == (u64)gridDim.x - 1;
             if (last) *readers = 0;  // every block has been counted: re-armed for the next launch
         }
-        if (__shfl_sync(0xffffffffu, last, 0)) update_cursors<true, 1>(p, t, requests);
+        if (__shfl_sync(0xffffffffu, last, 0)) update_cursors<true>(p, t, requests);
     }
     bad |= emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity);
     if (HAS_LUT) finalize(p, row_flags, total, bad);
@@ -593,7 +559,7 @@ __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
 
 // Not inlined, for the reason fused_sampled is not.
 __device__ __forceinline__ void rows_sampled(const PlanParams& p, RowTable t, i64 total) {
-    update_cursors<false, ROW_BATCH>(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
+    update_cursors<false>(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
 }
 
 // One block: the scans, and for a sampled step the sampled table and the cursors' advance (this block is the
