@@ -41,7 +41,7 @@
 #define SCRATCH_BAD_SLOT 1    // BAD_SLOT bits from entries and seeds
 #define SCRATCH_ROW_FLAGS 2   // two-pass only: row checks of the rows kernel
 #define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
-#define SCRATCH_READERS 4     // fused, sampled steps: blocks done reading the cursors
+#define SCRATCH_READERS 4     // fused, sampled steps: emitting blocks done reading the cursors
 #define SCRATCH_TABLE 5       // two-pass only: the row table, TABLE_ARRAYS arrays of R + 1 (RowTable)
 #define TABLE_ARRAYS 8
 
@@ -418,10 +418,11 @@ __device__ __forceinline__ i64 find_row(const RowTable& t, const RowSamples& s, 
 
 // SAMPLED is a template flag so that a plan that verifies everything runs the code it ran before sampling.
 template <bool HAS_LUT, bool HAS_POOL, bool SAMPLED>
-__device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, RowSamples samples, i64 total) {
+__device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, RowSamples samples, i64 total,
+                                            i64 blocks) {
     int bad = 0;
     const int lane = threadIdx.x & 31;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const i64 warps = blocks * (blockDim.x >> 5);
     const i64 warp = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     for (i64 first = warp * ENTRY_CHUNK; first < total; first += warps * ENTRY_CHUNK) {
         const i64 last = min(first + ENTRY_CHUNK, total) - 1;
@@ -508,22 +509,28 @@ __device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64
 }
 
 // A sampled step of the fused launch. Every block reads the cursors (sample_rows) and the cursors may move only
-// once all have: warp 0 of each block counts its block in once the block's reads are done, and the last block
-// counted moves them with its warp 0 while its other warps, and every other block, go on emitting. (Moving them
-// in the last block to finish would put the update on the plan's tail, after every entry.)
+// once all have. A sampling planner's fused grid has one block more than its entries need (plan_layout.py
+// fused_grid): that last block emits nothing, waits until every other block has counted itself in (after its
+// reads, without waiting for an answer), and moves the cursors with all its threads. No emitting warp waits for
+// anything, so the update is off the plan's path (run 42: one warp of an emitting block moving them cost 1.9 us
+// of a bs=256 step). The wait is a spin on co-resident blocks: the grid fits on the device at once, and the
+// other blocks never wait for this one, so they always finish.
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, int row_flags, i64 total, int bad) {
     const i64 requests = sample_rows<ENTRY_THREADS, 1>(p, t, total);  // ends on a barrier: the block's reads are done
-    if (threadIdx.x < 32) {
-        int last = 0;
+    unsigned long long* readers = reinterpret_cast<unsigned long long*>(p.scratch) + SCRATCH_READERS;
+    const i64 emitters = (i64)gridDim.x - 1;
+    if (blockIdx.x == emitters) {
         if (threadIdx.x == 0) {
-            u64* readers = reinterpret_cast<u64*>(p.scratch) + SCRATCH_READERS;
-            last = atomicAdd(readers, 1ull) == (u64)gridDim.x - 1;
-            if (last) *readers = 0;  // every block has been counted: re-armed for the next launch
+            while (atomicAdd(readers, 0ull) < (unsigned long long)emitters) __nanosleep(32);
+            *readers = 0;  // every other block has been counted: re-armed for the next launch
         }
-        if (__shfl_sync(0xffffffffu, last, 0)) update_cursors<true>(p, t, requests);
+        __syncthreads();
+        update_cursors<false>(p, t, requests);
+    } else {
+        if (threadIdx.x == 0) atomicAdd(readers, 1ull);
+        bad |= emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity, emitters);
     }
-    bad |= emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity);
     if (HAS_LUT) finalize(p, row_flags, total, bad);
     else if (blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
 }
@@ -546,7 +553,7 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     if (!HAS_LUT && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
     int bad = seed_bad;
     if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad |= emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{nullptr, 0, 0}, total);
+        bad |= emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{nullptr, 0, 0}, total, gridDim.x);
     if (HAS_LUT) finalize(p, row_flags, total, bad);
 }
 
@@ -557,11 +564,6 @@ __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
     return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n};
 }
 
-// Not inlined, for the reason fused_sampled is not.
-__device__ __forceinline__ void rows_sampled(const PlanParams& p, RowTable t, i64 total) {
-    update_cursors<false>(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
-}
-
 // One block: the scans, and for a sampled step the sampled table and the cursors' advance (this block is the
 // only reader of the cursors, so it may move them once its threads have read them).
 template <bool HAS_LUT, bool HAS_POOL>
@@ -570,18 +572,12 @@ __device__ __forceinline__ void plan_rows(const PlanParams& p) {
     int row_flags, seed_bad;
     const i64 total = scan_rows<ROWS_THREADS, ROW_BATCH, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad);
     row_flags |= seed_bad ? CANARY_BAD_SLOT : 0;
-    if (sampling(p, row_flags, total)) rows_sampled(p, t, total);
+    if (sampling(p, row_flags, total)) update_cursors<false>(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
     if (threadIdx.x == 0) {
         p.scratch[SCRATCH_ROW_FLAGS] = row_flags;
         p.scratch[SCRATCH_TOTAL] = total;
         if (!HAS_LUT) write_status(p, row_flags, total);
     }
-}
-
-// Not inlined, for the reason fused_sampled is not.
-template <bool HAS_LUT, bool HAS_POOL>
-__device__ __forceinline__ int entries_sampled(const PlanParams& p, RowTable t, RowSamples samples) {
-    return emit_entries<HAS_LUT, HAS_POOL, true>(p, t, samples, p.verify_capacity);
 }
 
 template <bool HAS_LUT, bool HAS_POOL>
@@ -598,9 +594,9 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     __syncthreads();
     int bad = 0;
     if (sampled)
-        bad = entries_sampled<HAS_LUT, HAS_POOL>(p, t, RowSamples{s_samples, step, count});
+        bad = emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{s_samples, step, count}, emitted, gridDim.x);
     else if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad = emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{s_samples, step, count}, emitted);
+        bad = emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{s_samples, step, count}, emitted, gridDim.x);
     if (HAS_LUT) finalize(p, row_flags, total, bad);
 }
 

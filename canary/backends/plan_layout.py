@@ -31,6 +31,16 @@ def entry_grid(verify_capacity: int, sms: int, blocks_per_sm: int, threads: int 
     return max(1, min(-(-int(verify_capacity) // (threads * ITEMS)), int(sms) * max(1, int(blocks_per_sm))))
 
 
+def fused_grid(verify_capacity: int, sms: int, blocks_per_sm: int, sample: bool) -> int:
+    """Blocks of the fused launch: ``entry_grid``, and for a sampling planner one more that emits nothing and moves
+    the cursors once every other block has read them (plan.cu ``fused_sampled``). That block spins until the others
+    have counted in, so the whole grid must fit on the device at once: the emitting blocks are capped one short of
+    a full wave."""
+    if not sample:
+        return entry_grid(verify_capacity, sms, blocks_per_sm)
+    return 1 + max(1, min(-(-int(verify_capacity) // (ENTRY_THREADS * ITEMS)), int(sms) * max(1, int(blocks_per_sm)) - 1))
+
+
 def scratch_words(write_req_capacity: int) -> int:
     """int64 words of planner scratch: the head words, then the two-pass row table (TABLE_ARRAYS arrays of
     R + 1)."""

@@ -172,3 +172,17 @@ def test_missing_slot_is_the_same_everywhere():
     assert _cuda_i64_define(cuda_source("records"), "MISSING_SLOT") == MISSING_SLOT
     assert _numba_define("plan_numba.py", "CANARY_MISSING_SLOT") == MISSING_SLOT
     assert _numba_define("records_numba.py", "MISSING_SLOT") == MISSING_SLOT
+
+
+def test_fused_grid_adds_one_cursor_block_to_a_sampling_planner():
+    """plan.cu fused_sampled: the last block of a sampling planner's fused grid emits nothing and spins until the
+    emitting blocks have counted in, so the grid must fit on the device at once (one wave)."""
+    from canary.backends.plan_layout import ENTRY_THREADS, ITEMS, entry_grid, fused_grid
+
+    per_block = ENTRY_THREADS * ITEMS
+    for cap in (1, per_block, per_block + 1, 65536, 10**9):
+        assert fused_grid(cap, 132, 4, sample=False) == entry_grid(cap, 132, 4)
+    assert fused_grid(1, 132, 4, sample=True) == 2
+    assert fused_grid(per_block + 1, 132, 4, sample=True) == 3
+    assert fused_grid(10**9, 132, 4, sample=True) == 132 * 4  # a full wave, the cursor block included
+    assert fused_grid(10**9, 1, 1, sample=True) == 2  # never fewer than one emitting block

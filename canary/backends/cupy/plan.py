@@ -10,7 +10,7 @@ host sync, so the call can be captured in a CUDA graph.
 from __future__ import annotations
 
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
-from ..plan_layout import ENTRY_THREADS, FUSED_MAX_BS, PARAM_FIELDS, ROWS_THREADS, entry_grid, scratch_words
+from ..plan_layout import ENTRY_THREADS, FUSED_MAX_BS, PARAM_FIELDS, ROWS_THREADS, entry_grid, fused_grid, scratch_words
 from . import Params, Streams, cupy, occupancy, raw_module
 
 NAME = "cupy"
@@ -67,8 +67,9 @@ class Bound:
             with cupy.cuda.Device(self.device_id):
                 fns = tuple(k.kernel for k in (self._fused, self._rows, self._entries))
                 cap = self.static.verify_capacity
-                self._grids = tuple(
-                    (entry_grid(cap, self._sms, occupancy(fn, ENTRY_THREADS)),) for fn in (fns[0], fns[2])
+                self._grids = (
+                    (fused_grid(cap, self._sms, occupancy(fns[0], ENTRY_THREADS), self.static.sample),),
+                    (entry_grid(cap, self._sms, occupancy(fns[2], ENTRY_THREADS)),),
                 )
                 self._fns = fns
 
