@@ -1,0 +1,19 @@
+"""Run one canary workload's verify + write a few times through the CuPy backend: a target for Nsight Compute.
+
+    ncu --clock-control none -k regex:canary_verify python benchmarks/profile_canary.py bs1_decode_ctx4k ALL
+"""
+import sys
+
+import cupy
+import numpy as np
+
+import bench_canary
+from canary import RealKVMode
+
+name, mode = sys.argv[1], sys.argv[2]
+w = next(w for w in bench_canary.workloads(None) if w["name"] == name)
+step = bench_canary.Step(w, "cupy", RealKVMode[mode], np.random.default_rng(2026))
+for _ in range(3):
+    step()
+cupy.cuda.Device().synchronize()
+print(name, mode, "ok")
