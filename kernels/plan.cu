@@ -4,8 +4,9 @@
 // (a few KB from L2), keeps the row offsets in shared memory, then emits its share of the verify entries;
 // block 0 also writes the write side. Larger batches take two launches: canary_plan_rows_* (one block: the
 // scans, seeds, row flags into scratch) and canary_plan_entries_* (entries, rows found in the scratch scan).
-// In both, the last block to finish composes status / enable / verify_num_valid and re-arms the scratch
-// counters, so each launch leaves the scratch as it found it (CUDA-graph replays stay correct).
+// With a LUT, the last block to finish composes status / enable / verify_num_valid and re-arms the scratch
+// counters, so each launch leaves the scratch as it found it (CUDA-graph replays stay correct). A sampling
+// planner's fused grid has one extra block that moves the sampling cursors (fused_sampled).
 // Grids are sized from verify_capacity, never from data: a captured graph is valid for any later input.
 // Specialized at compile time only on what changes the code path: HAS_LUT, HAS_POOL. 64-bit indices.
 
