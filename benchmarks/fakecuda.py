@@ -88,7 +88,7 @@ class ndarray:  # noqa: N801 - CuPy's name, which the library checks
 
     def reshape(self, *shape):
         out = self._a.reshape(*shape)
-        assert np.shares_memory(out, self._a)
+        assert out.size == 0 or np.shares_memory(out, self._a)
         return ndarray(out)
 
     def view(self, dtype):

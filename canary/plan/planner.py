@@ -207,6 +207,7 @@ class CanaryPlanner:
         self.backend = self._module.NAME
         self._bound = bound if bound is not None else self._module.bind(static, launch_config)
         self._step_views: dict = {}  # CallViews' cache: last step's views of the same buffers
+        self.last_step: StepArgs | None = None
         # Host outputs' NumPy arrays: a caller may clear their writeable flag after binding, and the reference
         # would then fail half-way through a plan; plan() reads the flags first (a few attribute reads).
         self._host_outputs = tuple(
@@ -316,6 +317,7 @@ class CanaryPlanner:
         step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens, go,
                           expected_token_pool_indices)
         self._bound.launch(step, go.handle)
+        self.last_step = step  # the manager's report copies the step's req_pool_indices through its view
         if not check:
             return None
         status = PlanStatus(int(to_host(self.static.status.owner)[0]))
