@@ -99,6 +99,7 @@ class BoundGroup:
     records: CanaryRecords
     loc_scratch: Any = None  # SWA groups: the step's out_cache_loc translated to SWA slots
     scheduled: int = field(default=0)  # steps since the last report that listed this group
+    verify_launch: Any = None  # records.prepare_verify of verify_plan (manager.warmup), when the backend has one
 
     @property
     def name(self) -> str:

@@ -133,6 +133,7 @@ class CanaryManager:
         self.metrics = None if metrics is None or metrics is False else PrometheusMetrics(metrics)
         self._dedup = Deduplicator(int(forget_after))
         self._pending: deque = deque()
+        self._prepared = False  # _prepare_verifies ran
         self._step: _StepRecord | None = None
         self._inputs: tuple | None = None
         self._launches = {g.name: (0, 0) for g in self.groups}
@@ -145,6 +146,15 @@ class CanaryManager:
         for g in self.groups:
             g.planner.warmup()
             g.records.warmup()
+        self._prepare_verifies(self._launch(None)[1])
+
+    def _prepare_verifies(self, stream: Any) -> None:
+        # Each group's plan arrays are the manager's and never move: their verify is checked and packed once
+        # (eager: at warmup, else the first step outside a capture), then only launched.
+        self._prepared = True
+        if self.ordinal is not None:
+            for g in self.groups:
+                g.verify_launch = g.records.prepare_verify(g.verify_plan, launch_tag=g.verify_tag, stream=stream)
 
     def close(self) -> None:
         """Free the pinned host buffers and the side stream (GPU); the manager is unusable afterwards."""
@@ -190,6 +200,8 @@ class CanaryManager:
         capturing = self.ordinal is not None and is_capturing(handle)
         if not capturing:
             self._begin(request_ids, groups, handle)
+            if not self._prepared:
+                self._prepare_verifies(st)
         bs = int(req_pool_indices.shape[0])  # an attribute read: no DLPack export inside a capture
         if not capturing and bs != self._step.bs:
             raise fail(ValueError, f"request_ids: expected one id per batch row (bs = {bs}), got {self._step.bs}")
@@ -204,7 +216,10 @@ class CanaryManager:
             g.planner.plan(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens,
                            req_to_verify_expected_tokens_valid_lens=valid, expected_token_pool_indices=q,
                            stream=st)
-            g.records.verify(g.verify_plan, launch_tag=g.verify_tag, stream=st)
+            if g.verify_launch is not None:  # the group's own plan, checked and packed at warmup
+                g.records.launch_prepared(g.verify_launch, stream=st)
+            else:
+                g.records.verify(g.verify_plan, launch_tag=g.verify_tag, stream=st)
         # The report copies req_pool_indices through the planner's view of it (ordered on this stream).
         rpi = sel[0].planner.last_step.req_pool_indices if sel else as_view(req_pool_indices, "req_pool_indices")
         self._inputs = (rpi, bs)
@@ -251,13 +266,12 @@ class CanaryManager:
         if bs > self.max_batch_size:
             raise fail(ValueError, f"request_ids: expected at most max_batch_size = {self.max_batch_size} ids, "
                                    f"got {bs}")
-        q = np.zeros(bs, dtype=np.int64)
-        valid = np.zeros(bs, dtype=np.int64)
-        lookup = self.requests.lookup
-        for r, rid in enumerate(ids):
-            req = lookup(rid)
-            if req is not None:  # an id never added has no expected tokens: only chain, position, KV checks
-                q[r], valid[r] = req.row, len(req.tokens)
+        # RequestPool.lookup inlined (a few hundred ids a step): running, else finished but not reused, else None
+        # (None itself is never a key). An id never added has no expected tokens: only chain, position, KV checks.
+        live, retired = self.requests.live.get, self.requests.retired.get
+        reqs = [live(rid) or retired(rid) for rid in ids]
+        q = [0 if r is None else r.row for r in reqs]
+        valid = [0 if r is None else len(r.tokens) for r in reqs]
         self._transfer.stage(self.pool_array, self.requests.take_updates(), self._q, self._valid, q, valid, handle)
         names = self._all_names if groups is None else tuple(g.name for g in self._select(groups))
         self._step = _StepRecord(self.stats_.steps, tuple(ids), names, bs)
@@ -417,10 +431,12 @@ class CanaryManager:
         st.decoded_steps += 1
         rpi = data.get("rpi")
         if rpi is not None:
+            live, retired = self.requests.live.get, self.requests.retired.get
             for rid, rp in zip(rec.request_ids, rpi.tolist()):
-                req = self.requests.lookup(rid)
-                if req is not None and rp:
-                    req.last_req_pool_index = int(rp)
+                if rp:
+                    req = live(rid) or retired(rid)
+                    if req is not None:
+                        req.last_req_pool_index = rp
         new, dropped = [], 0
         for g in self.groups:
             name = g.name

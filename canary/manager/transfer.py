@@ -33,11 +33,11 @@ from .block import ReportBlock
 class HostTransfer:
     """Host arrays: every transfer is a copy done in the call."""
 
-    def stage(self, pool: np.ndarray, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream) -> None:
+    def stage(self, pool: np.ndarray, updates, q_out, valid_out, q: list[int], valid: list[int], stream) -> None:
         for row, col, toks in updates:
             pool[row, col:col + toks.shape[0]] = toks  # the low 32 bits, as the scatter stores them
-        q_out[: q.shape[0]] = q
-        valid_out[: valid.shape[0]] = valid
+        q_out[: len(q)] = q
+        valid_out[: len(valid)] = valid
 
     def __init__(self, block: ReportBlock):
         self.block = block
@@ -189,7 +189,7 @@ class CudaTransfer:
         buf.wait()  # the host is len(stage_bufs) steps ahead of the GPU: the only wait on this path
         return buf
 
-    def stage(self, pool, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream: int) -> None:
+    def stage(self, pool, updates, q_out, valid_out, q: list[int], valid: list[int], stream: int) -> None:
         rt = _rt()
         h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
         u = self.u_cap
@@ -206,7 +206,7 @@ class CudaTransfer:
                 _check(rt.cudaEventRecord(buf.event, stream), "cudaEventRecord")
                 buf.pending = True
             buf = self._stage_buf()
-            n, b = q.shape[0], self.b_cap
+            n, b = len(q), self.b_cap
             w = buf.words
             w[:n], w[b:b + n] = q, valid
             _check(rt.cudaMemcpyAsync(self.qv_ptr, buf.ptr, 8 * (b + n), h2d, stream), "cudaMemcpyAsync")

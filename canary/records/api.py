@@ -20,6 +20,7 @@ from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, Reco
 from ..errors import fail
 from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check_view
 from ..interop.overlap import Spans, spans
+from ..interop.streams import launch_stream
 from ..interop.callviews import CallViews, Reuse, fingerprint
 from ..plan.plans import INT32, INT64, VerifyPlan, WritePlan, view_verify_plan, view_write_plan
 from .realkv import RealKV
@@ -175,6 +176,23 @@ class CanaryRecords:
                          go.handle)
             return
         self._bound.verify(args, go.handle)
+
+    def prepare_verify(self, verify_plan: VerifyPlan, *, launch_tag: int = 0, stream: Any = None) -> Any:
+        """Check a verify of ``verify_plan`` once, as :meth:`verify` does (same errors), and pack its launch for
+        :meth:`launch_prepared`; ``None`` where the backend launches no prepared call (the host's reference, Numba)
+        or an array needed a DLPack stream handshake. For a caller that owns the plan and never moves its arrays
+        (the manager): the launch then costs no view, check or argument packing."""
+        go = CallViews(self.views.device_id, stream, self.state.canary_buffer, self.views.spans, self._views)
+        encode_tag(KernelTag.VERIFY, launch_tag)
+        vp = view_verify_plan(verify_plan, go.view, name="verify_plan", writable=False, status=False)
+        _same_device(vp.all(), self.views.device_id, "state.canary_buffer")
+        if self._prepare is None or not go.reusable:
+            return None
+        return self._prepare[1](RecordVerifyArgs(vp, int(launch_tag)))
+
+    def launch_prepared(self, prepared: Any, *, stream: Any = None) -> None:
+        """Launch what :meth:`prepare_verify` returned, on ``stream`` (as in :meth:`verify`). Never syncs."""
+        self._bound.launch_prepared(prepared, launch_stream(self.views.device_id, stream, self.state.canary_buffer)[0])
 
     def _launch(self, prepared, handle: int) -> None:
         self._bound.launch_prepared(prepared, handle)
