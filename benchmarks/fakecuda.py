@@ -54,12 +54,11 @@ class ndarray:  # noqa: N801 - CuPy's name, which the library checks
     """A CuPy-like array over a NumPy array (its address stands for the device pointer)."""
 
     __module__ = "cupy._core.core"
-    __slots__ = ("_a",)
+    __slots__ = ("_a", "data")
 
     def __init__(self, a: np.ndarray):
         self._a = a
-
-    data = property(lambda self: _Mem(self._a.ctypes.data))
+        self.data = _Mem(a.__array_interface__["data"][0])  # CuPy keeps its MemoryPointer: a plain attribute
     shape = property(lambda self: self._a.shape)
     strides = property(lambda self: self._a.strides)
     itemsize = property(lambda self: self._a.itemsize)
@@ -163,15 +162,20 @@ class _Kernel:
             _bump_counter(self.name, args)
 
 
+_COUNTER_AT: dict = {}  # kernel name -> (word index of kernel_run_counter, counter index)
+
+
 def _bump_counter(name: str, args) -> None:
     """What the manager's health check reads: the kernel's launch counter, one more per launch."""
-    from canary.backends.records_layout import VERIFY_FIELDS, WRITE_FIELDS
-    from canary.records.ring import KernelTag
+    at = _COUNTER_AT.get(name)
+    if at is None:
+        from canary.backends.records_layout import VERIFY_FIELDS, WRITE_FIELDS
+        from canary.records.ring import KernelTag
 
-    fields, tag = (WRITE_FIELDS, KernelTag.WRITE) if name == "canary_write" else (VERIFY_FIELDS, KernelTag.VERIFY)
-    words = (ctypes.c_uint64 * len(fields)).from_address(args[0].address)
-    counters = (ctypes.c_int64 * 2).from_address(words[fields.index("kernel_run_counter")])
-    counters[tag.counter_index] += 1
+        fields, tag = (WRITE_FIELDS, KernelTag.WRITE) if name == "canary_write" else (VERIFY_FIELDS, KernelTag.VERIFY)
+        at = _COUNTER_AT[name] = (fields.index("kernel_run_counter"), tag.counter_index)
+    word = ctypes.c_uint64.from_address(args[0].address + 8 * at[0]).value
+    ctypes.c_int64.from_address(word + 8 * at[1]).value += 1
 
 
 class _Function:
