@@ -20,7 +20,6 @@ from ..interop.adapter import as_view
 from ..interop.devices import allocator, cuda_ordinal
 from ..interop.hostcopy import to_host
 from ..interop.streams import LaunchStream, is_capturing, launch_stream
-from ..records.api import scatter_expected_tokens
 from ..records.ring import KernelTag, decode
 from .groups import BoundGroup, KVGroup, bind_group, check_groups
 from .pool import RequestPool
@@ -31,7 +30,7 @@ from .report import (
 from .stats import PrometheusMetrics, Stats
 from .sweep import Sweeper, check_budget
 from .block import ReportBlock
-from .transfer import CudaTransfer, HostTransfer
+from .transfer import CudaTransfer, DeviceScatter, HostTransfer
 
 MODES = ("log", "raise")
 
@@ -123,9 +122,9 @@ class CanaryManager:
             self._transfer = HostTransfer(self._block)
         else:
             u = max(64, 2 * self.max_batch_size)
-            staging = {"qv": self._qv, "upd": empty(3 * u + 1 + step_tokens, np.int64)}
-            self._transfer = CudaTransfer(self.ordinal, block=self._block, staging=staging, u_cap=u,
-                                          scatter=self._scatter_device)
+            upd = empty(3 * u + 1 + step_tokens, np.int64)
+            self._transfer = CudaTransfer(self.ordinal, block=self._block, staging={"qv": self._qv, "upd": upd},
+                                          u_cap=u, scatter=DeviceScatter(self.pool_array, upd, u, self.backend))
         # -- sweep hook (canary/manager/sweep.py) --
         self._sweep = Sweeper(self.groups, check_budget("sweep_budget", sweep_budget), empty, self.ordinal,
                               prefix_source)
@@ -400,10 +399,6 @@ class CanaryManager:
             raise fail(TypeError, f"out_cache_loc_by_group: expected the {g.name!r} group's SWA slots for "
                                   f"{type(out).__name__} arrays (the manager translates torch, CuPy and NumPy only)")
         return out
-
-    def _scatter_device(self, rows, tokens, offsets, cols, stream: int) -> None:
-        scatter_expected_tokens(req_to_verify_expected_tokens=self.pool_array, req_pool_indices=rows, tokens=tokens,
-                                token_offsets=offsets, column_starts=cols, backend=self.backend, stream=stream)
 
     def _handle_reports(self, wait: bool) -> None:
         new: list[SlotViolation] = []

@@ -20,6 +20,7 @@ ahead of the GPU), and :meth:`CudaTransfer.wait` (``manager.flush()``, a deliber
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,8 @@ class HostTransfer:
 
     def stage(self, pool: np.ndarray, updates, q_out, valid_out, q: list[int], valid: list[int], stream) -> None:
         for row, col, toks in updates:
-            pool[row, col:col + toks.shape[0]] = toks  # the low 32 bits, as the scatter stores them
+            # int64 first: the pool keeps the low 32 bits, as the scatter stores them
+            pool[row, col:col + len(toks)] = np.asarray(toks, dtype=np.int64)
         q_out[: len(q)] = q
         valid_out[: len(valid)] = valid
 
@@ -155,8 +157,8 @@ class CudaTransfer:
     ``block``: the :class:`ReportBlock` a snapshot copies. ``staging``: the device arrays the host-to-device
     copies fill: ``qv`` ``[2 B]`` int64 (the plan's pool rows ``[0, B)`` and valid lengths ``[B, 2 B)``,
     ``B = max_batch_size``) and ``upd`` ``[3 U + 1 + T]`` int64 (a scatter's ``rows`` ``[U]``, ``cols`` ``[U]``,
-    ``offsets`` ``[U + 1]`` and ``tokens`` ``[T]``, back to back). ``scatter(rows, tokens, offsets, cols,
-    stream)`` launches the expected-token scatter on slices of ``upd``.
+    ``offsets`` ``[U + 1]`` and ``tokens`` ``[T]``, back to back). ``scatter(k, t, stream)`` launches the
+    expected-token scatter of the first ``k`` rows and ``t`` tokens staged there (a :class:`DeviceScatter`).
     """
 
     def __init__(self, ordinal: int, *, block: ReportBlock, staging: dict[str, Any], u_cap: int, scatter,
@@ -172,8 +174,6 @@ class CudaTransfer:
         self.u_cap = int(u_cap)
         self.t_cap = int(as_view(self.upd, "upd").shape[0]) - 3 * self.u_cap - 1
         u = self.u_cap
-        self.upd_rows, self.upd_cols = self.upd[:u], self.upd[u:2 * u]
-        self.upd_offsets, self.upd_tokens = self.upd[2 * u:3 * u + 1], self.upd[3 * u + 1:]
         self.block_bytes = 8 * block.words
         with _OnDevice(ordinal):
             stage_bytes = 8 * max(2 * self.b_cap, 3 * u + 1 + self.t_cap)
@@ -201,8 +201,7 @@ class CudaTransfer:
                 w[:k], w[u:u + k], w[2 * u:2 * u + k + 1] = rows, cols, offsets
                 w[3 * u + 1:3 * u + 1 + t] = tokens
                 _check(rt.cudaMemcpyAsync(self.upd_ptr, buf.ptr, 8 * (3 * u + 1 + t), h2d, stream), "cudaMemcpyAsync")
-                self.scatter(self.upd_rows[:k], self.upd_tokens[:t], self.upd_offsets[:k + 1], self.upd_cols[:k],
-                             stream)
+                self.scatter(k, t, stream)
                 _check(rt.cudaEventRecord(buf.event, stream), "cudaEventRecord")
                 buf.pending = True
             buf = self._stage_buf()
@@ -258,25 +257,57 @@ class CudaTransfer:
                 b.free()
 
 
+class DeviceScatter:
+    """The expected-token scatter of :class:`CudaTransfer`'s ``upd`` staging into the pool, on ``backend``: views
+    of both checked once here (the public ``scatter_expected_tokens`` checks every argument on every call), a
+    call then only sizes them (``k`` rows, ``t`` tokens) and launches."""
+
+    def __init__(self, pool: Any, upd: Any, u_cap: int, backend: str):
+        from .. import backends
+        from ..interop.adapter import check_view
+
+        pv = check_view(as_view(pool, "req_to_verify_expected_tokens"), dtype=np.int32, ndim=2, writable=True)
+        uv = check_view(as_view(upd, "staging.upd"), dtype=np.int64, ndim=1)
+        self.module = backends.resolve(backend, pv.device_id, family="records")
+        self.pool = pv
+        u = int(u_cap)
+        self.parts = [uv._replace(name=name, ptr=uv.ptr + 8 * off, strides=(1,))
+                      for name, off in (("rows", 0), ("cols", u), ("offsets", 2 * u), ("tokens", 3 * u + 1))]
+
+    def __call__(self, k: int, t: int, stream: int) -> None:
+        from ..backends.args import ScatterArgs
+
+        rows, cols, offsets, tokens = self.parts
+        self.module.scatter(ScatterArgs(self.pool, rows._replace(shape=(k,)), tokens._replace(shape=(t,)),
+                                        offsets._replace(shape=(k + 1,)), cols._replace(shape=(k,)), 0), stream)
+
+
 def _chunks(updates, u_cap: int, t_cap: int):
-    """Split ``(row, col, tokens)`` updates into scatter launches of at most ``u_cap`` rows, ``t_cap`` tokens."""
-    rows, cols, toks, n = [], [], [], 0
+    """Split ``(row, col, tokens)`` updates (tokens: an int64 array or a list of ints) into scatter launches of at
+    most ``u_cap`` rows and ``t_cap`` tokens: ``(rows, cols, offsets, tokens)`` int64 arrays each."""
+    rows, cols, lens, toks, n = [], [], [], [], 0
 
     def emit():
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum([t.shape[0] for t in toks], out=offsets[1:])
-        return (np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64), offsets,
-                np.concatenate(toks).astype(np.int64))
+        np.cumsum(lens, out=offsets[1:])
+        if all(type(t) is list for t in toks):  # a decode step: one token or a few per request
+            flat = np.array(list(chain.from_iterable(toks)), dtype=np.int64)
+        else:
+            flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in toks])
+        return np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64), offsets, flat
 
     for row, col, t in updates:
-        for lo in range(0, t.shape[0], t_cap):  # a prompt longer than the staging area: several pieces
-            part = t[lo:lo + t_cap]
-            if len(rows) == u_cap or n + part.shape[0] > t_cap:
+        total = len(t)
+        for lo in range(0, total, t_cap):  # a prompt longer than the staging area: several pieces
+            part = t[lo:lo + t_cap] if total > t_cap else t
+            k = len(part)
+            if len(rows) == u_cap or n + k > t_cap:
                 yield emit()
-                rows, cols, toks, n = [], [], [], 0
+                rows, cols, lens, toks, n = [], [], [], [], 0
             rows.append(row)
             cols.append(col + lo)
+            lens.append(k)
             toks.append(part)
-            n += part.shape[0]
+            n += k
     if rows:
         yield emit()

@@ -41,9 +41,11 @@ scattered = []
 scatter = m._transfer.scatter
 
 
-def recording_scatter(rows, tokens, offsets, cols, stream):
-    scattered.append(tuple(a.get().tolist() for a in (rows, tokens, offsets, cols)))
-    scatter(rows, tokens, offsets, cols, stream)
+def recording_scatter(k, t, stream):
+    upd, u = m._transfer.upd.get(), m._transfer.u_cap  # the staging the scatter reads, copied by then
+    scattered.append((upd[:k].tolist(), upd[3 * u + 1:3 * u + 1 + t].tolist(), upd[2 * u:2 * u + k + 1].tolist(),
+                      upd[u:u + k].tolist()))
+    scatter(k, t, stream)
 
 
 m._transfer.scatter = recording_scatter
