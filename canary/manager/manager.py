@@ -156,7 +156,7 @@ class CanaryManager:
                 g.verify_launch = g.records.prepare_verify(g.verify_plan, launch_tag=g.verify_tag, stream=stream)
 
     def close(self) -> None:
-        """Free the pinned host buffers and the side stream (GPU); the manager is unusable afterwards."""
+        """Free the pinned host buffers (GPU); the manager is unusable afterwards."""
         if isinstance(self._transfer, CudaTransfer):
             self._transfer.close()
         self._sweep.close()

@@ -110,6 +110,7 @@ class _Pinned:
         self.event = _check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreateWithFlags")
         self.pending = False
         self.words = self.array(0, (self.nbytes // 8,), np.int64)  # viewed once: a view costs ~5 us to make
+        self.step, self.stream = -1, None  # the step and stream of the last copy that used it
 
     def array(self, offset: int, shape, dtype) -> np.ndarray:
         return host_view(self.ptr + offset, tuple(shape), _strides(shape, dtype), dtype, self)
@@ -149,6 +150,8 @@ def _strides(shape, dtype) -> tuple[int, ...]:
 class _Snap:
     buf: _Pinned
     bs: int | None  # req_pool_indices copied after the block (None: not this step)
+    step: int
+    stream: int
 
 
 class CudaTransfer:
@@ -181,13 +184,22 @@ class CudaTransfer:
             self.snap_bufs = [_Pinned(self.block_bytes + 8 * self.b_cap) for _ in range(depth + 1)]
         self._next_stage = 0
         self._free_snaps = list(self.snap_bufs)
+        self._step = 0  # snapshots taken
+        # stream -> the last step whose snapshot is known to have run there: everything the stream ran before it
+        # has too, its staging copies included, so their buffers are free without asking the driver.
+        self._done: dict[int, int] = {}
 
     # -- host -> device ------------------------------------------------------------------------------------------
     def _stage_buf(self) -> _Pinned:
         buf = self.stage_bufs[self._next_stage]
         self._next_stage = (self._next_stage + 1) % len(self.stage_bufs)
+        if buf.pending and self._done.get(buf.stream, -1) >= buf.step:
+            buf.pending = False
         buf.wait()  # the host is len(stage_bufs) steps ahead of the GPU: the only wait on this path
         return buf
+
+    def _used(self, buf: _Pinned, stream: int) -> None:
+        buf.pending, buf.step, buf.stream = True, self._step, stream
 
     def stage(self, pool, updates, q_out, valid_out, q: list[int], valid: list[int], stream: int) -> None:
         rt = _rt()
@@ -203,14 +215,14 @@ class CudaTransfer:
                 _check(rt.cudaMemcpyAsync(self.upd_ptr, buf.ptr, 8 * (3 * u + 1 + t), h2d, stream), "cudaMemcpyAsync")
                 self.scatter(k, t, stream)
                 _check(rt.cudaEventRecord(buf.event, stream), "cudaEventRecord")
-                buf.pending = True
+                self._used(buf, stream)
             buf = self._stage_buf()
             n, b = len(q), self.b_cap
             w = buf.words
             w[:n], w[b:b + n] = q, valid
             _check(rt.cudaMemcpyAsync(self.qv_ptr, buf.ptr, 8 * (b + n), h2d, stream), "cudaMemcpyAsync")
             _check(rt.cudaEventRecord(buf.event, stream), "cudaEventRecord")
-            buf.pending = True
+            self._used(buf, stream)
 
     # -- device -> host ------------------------------------------------------------------------------------------
     def snapshot(self, rpi: ArrayView | None, bs: int, stream: int) -> _Snap:
@@ -231,13 +243,22 @@ class CudaTransfer:
             buf.pending = True
             # Behind the copy on the same stream: the next step's rows start at 0 and this snapshot keeps these.
             _check(rt.cudaMemsetAsync(self.block_ptr, 0, 8 * self.block.index_words, stream), "cudaMemsetAsync")
-            return _Snap(buf, None if rpi is None else bs)
+            self._step += 1
+            return _Snap(buf, None if rpi is None else bs, self._step - 1, stream)
+
+    def _ran(self, snap: _Snap) -> None:
+        if self._done.get(snap.stream, -1) < snap.step:
+            self._done[snap.stream] = snap.step
 
     def ready(self, snap: _Snap) -> bool:
-        return snap.buf.done()
+        if snap.buf.done():
+            self._ran(snap)
+            return True
+        return False
 
     def wait(self, snap: _Snap) -> None:
         snap.buf.wait()
+        self._ran(snap)
 
     def read(self, snap: _Snap) -> dict[str, np.ndarray]:
         n = self.block.words
