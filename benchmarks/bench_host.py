@@ -11,7 +11,8 @@ outside the clock after each call): median over ``--repeats`` calls, us.
 
 ``--fake``: no GPU needed: a NumPy-backed stand-in for CuPy and the CUDA runtime (``benchmarks/fakecuda.py``)
 whose launches do nothing, so the numbers are the pure Python host path (a proxy: compare before / after in
-one run; timed in this thread's CPU time), with the driver calls a GPU would pay counted per call. ``--profile NAME``: cProfile of one row.
+one run; timed in this thread's CPU time), with the driver calls a GPU would pay counted per call.
+``--profile NAME``: cProfile of one row.
 
     python benchmarks/bench_host.py [--repeats 300] [--fake] [--only manager] [--profile "manager bs1"]
 """

@@ -82,7 +82,8 @@ class Bound:
     def _write_words(a: RecordWriteArgs) -> dict:
         return dict(
             tag=encode_tag(KernelTag.WRITE, a.launch_tag), write_offsets=a.plan.write_offsets.ptr,
-            write_seed_slot_indices=a.plan.write_seed_slot_indices.ptr, write_num_valid_reqs=a.plan.write_num_valid_reqs.ptr,
+            write_seed_slot_indices=a.plan.write_seed_slot_indices.ptr,
+            write_num_valid_reqs=a.plan.write_num_valid_reqs.ptr,
             write_req_capacity=a.plan.write_seed_slot_indices.shape[0], out_cache_loc=a.out_cache_loc.ptr,
             input_ids=a.input_ids.ptr, positions=a.positions.ptr, num_entries=a.out_cache_loc.shape[0],
             expected_input_ids=_ptr(a.expected_input_ids), expected_positions=_ptr(a.expected_positions),
