@@ -200,7 +200,7 @@ class CanaryRecords:
     def _keep(self, key, objs: tuple, handle: int, launch_tag, prepared):
         prints = fingerprint(objs)
         if prints is not None:
-            if len(self._reuse) >= 8 and key not in self._reuse:
+            if len(self._reuse) >= 4 and key not in self._reuse:  # each entry keeps its arrays alive
                 self._reuse.pop(next(iter(self._reuse)))
             self._reuse[key] = Reuse(objs, prints, handle, (type(launch_tag), launch_tag), prepared)
         return prepared
