@@ -220,16 +220,24 @@ def fast_device_view(obj: Any, name: str, launch_stream: int, ordered_lib: str |
     return None
 
 
+_IDENTITY_KIND: dict = {}  # type -> 1 (CuPy ndarray), 2 (torch Tensor), 0 (neither): decided once per type
+
+
 def identity(obj: Any) -> tuple | None:
     """``(data pointer, shape)`` of a CuPy array or torch tensor, read cheaply; ``None`` for other types.
 
     Lets a caller that keeps static step buffers (as CUDA-graph engines do) reuse last call's view of the same
     object: same object, same pointer, same shape means the same view.
     """
-    module = type(obj).__module__
-    if module.startswith("cupy") and type(obj).__name__ == "ndarray":
+    t = type(obj)
+    kind = _IDENTITY_KIND.get(t)
+    if kind is None:
+        module, name = t.__module__, t.__name__
+        kind = _IDENTITY_KIND[t] = (1 if module.startswith("cupy") and name == "ndarray"
+                                    else 2 if module == "torch" and name == "Tensor" else 0)
+    if kind == 1:
         return obj.data.ptr, obj.shape
-    if module == "torch" and type(obj).__name__ == "Tensor":
+    if kind == 2:
         try:
             return obj.data_ptr(), obj.shape
         except RuntimeError:  # no storage (a sparse tensor): never cached, as_view refuses it

@@ -18,7 +18,7 @@ class CallViews:
     handshake orders the producer's writes before this call's launch, every call.
     """
 
-    __slots__ = ("handle", "stream_ptr", "launch_stream", "ordered_lib", "written", "cache")
+    __slots__ = ("handle", "stream_ptr", "launch_stream", "ordered_lib", "written", "cache", "reusable")
 
     def __init__(self, device_id: int, stream: Any, owner: Any, written: Spans | None = None,
                  cache: dict | None = None):
@@ -28,6 +28,7 @@ class CallViews:
         self.launch_stream = self.handle if on_device else None
         self.written = written
         self.cache = cache
+        self.reusable = on_device  # every view so far may be reused by a later call (see view())
 
     def view(self, obj: Any, name: str) -> ArrayView:
         cache, stream = self.cache, self.launch_stream
@@ -41,6 +42,7 @@ class CallViews:
                 v = fast_device_view(obj, name, stream, self.ordered_lib)
         if v is None:
             ident = None
+            self.reusable = False
             v = as_view(obj, name, stream_ptr=self.stream_ptr, launch_stream=stream, ordered_lib=self.ordered_lib)
         if self.written is not None:
             self.written.check(v)  # the kernels write there: an input sharing it would change under them
@@ -50,3 +52,42 @@ class CallViews:
 
     def vec(self, obj: Any, name: str, dtype, length: int | None = None, writable: bool = False) -> ArrayView:
         return check_view(self.view(obj, name), dtype=dtype, ndim=1, length=length, writable=writable)
+
+
+def fingerprint(objs) -> tuple | None:
+    """:func:`~canary.interop.adapter.identity` of each object (``None`` stays ``None``), or ``None`` when one
+    has no identity (its views are never reused)."""
+    out = []
+    for o in objs:
+        if o is None:
+            out.append(None)
+            continue
+        ident = identity(o)
+        if ident is None:
+            return None
+        out.append(ident)
+    return tuple(out)
+
+
+class Reuse:
+    """One call's checked launch, kept for the next call over the same arrays: ``objs`` (the call's arrays,
+    ``None`` for absent ones), their :func:`fingerprint`, the launch stream and ``extra`` (plain values that must
+    be equal, such as a launch tag); ``launch``: what the backend prepared.
+
+    A later call may skip its views and checks only if :meth:`matches`: the same objects (``is``) with the same
+    pointers and shapes, on the same stream. Only calls whose every view was reusable (:class:`CallViews`'s
+    ``reusable``: no DLPack stream handshake needed) are kept.
+    """
+
+    __slots__ = ("objs", "prints", "handle", "extra", "launch")
+
+    def __init__(self, objs: tuple, prints: tuple, handle: int, extra: Any, launch: Any):
+        self.objs, self.prints, self.handle, self.extra, self.launch = objs, prints, handle, extra, launch
+
+    def matches(self, objs: tuple, handle: int, extra: Any) -> bool:
+        if handle != self.handle or extra != self.extra:
+            return False
+        for a, b in zip(objs, self.objs):
+            if a is not b:
+                return False
+        return fingerprint(objs) == self.prints

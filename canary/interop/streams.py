@@ -75,11 +75,25 @@ def dlpack_stream(handle: int) -> int:
     return 1 if handle == 0 else handle
 
 
+class LaunchStream:
+    """A launch stream already resolved by :func:`launch_stream` (``handle``, ``ordered_lib``): what a caller
+    making several library calls on one stream passes as their ``stream``, so that each call skips resolving it
+    again (the current-stream query and the other libraries' capture checks cost microseconds each)."""
+
+    __slots__ = ("handle", "ordered_lib")
+
+    def __init__(self, handle: int, ordered_lib: str | None):
+        self.handle, self.ordered_lib = handle, ordered_lib
+
+
 def launch_stream(device_id: int, stream: Any, owner: Any) -> tuple[int, str | None]:
     """``(handle, ordered_lib)`` of a launch on ``device_id`` (-1: host, ``(0, None)``): ``stream`` if given, else
     the current stream of the library owning ``owner`` (an output array), whose arrays are then known to be
     ordered on it (``ordered_lib``: that library's name, for the adapter's fast path). ``ValueError`` for a
-    stream with host arrays: nothing would run on it, and silently dropping it would hide a caller's mix-up."""
+    stream with host arrays: nothing would run on it, and silently dropping it would hide a caller's mix-up.
+    A :class:`LaunchStream` is returned as it was resolved."""
+    if type(stream) is LaunchStream:
+        return stream.handle, stream.ordered_lib
     if device_id < 0:
         if stream is not None:
             shown = repr(stream) if isinstance(stream, int) else type(stream).__name__

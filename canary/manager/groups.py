@@ -2,6 +2,7 @@
 plans, state, planner and canary allocated for it)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -98,6 +99,7 @@ class BoundGroup:
     records: CanaryRecords
     loc_scratch: Any = None  # SWA groups: the step's out_cache_loc translated to SWA slots
     scheduled: int = field(default=0)  # steps since the last report that listed this group
+    verify_launch: Any = None  # records.prepare_verify of verify_plan (manager.warmup), when the backend has one
 
     @property
     def name(self) -> str:
@@ -113,8 +115,11 @@ class BoundGroup:
 
 
 def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: str | None, backend: str,
-               max_batch_size: int, ring_capacity: int, max_step_tokens: int, empty) -> BoundGroup:
-    """Allocate and bind one group (every buffer once; nothing is allocated per step)."""
+               max_batch_size: int, ring_capacity: int, max_step_tokens: int, empty,
+               report: tuple | None = None) -> BoundGroup:
+    """Allocate and bind one group (every buffer once; nothing is allocated per step). ``report``: the group's
+    ``(ring, ring_write_index, slot_run_counter, kernel_run_counter, status)`` in the manager's
+    :class:`~canary.manager.block.ReportBlock` (``None``: allocated here)."""
     r2t = as_view(spec.req_to_token, f"groups[{index}].req_to_token")
     if len(r2t.shape) != 2:
         raise fail(ValueError, f"groups[{index}].req_to_token: expected a 2-D [max_reqs, max_seq_len] array, got "
@@ -123,8 +128,13 @@ def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: st
     vp = VerifyPlan.allocate(verify_capacity=int(spec.verify_capacity), device=device, library=library,
                              max_reqs=max_reqs)
     wp = WritePlan.allocate(write_req_capacity=max_batch_size, device=device, library=library)
-    state = CanaryState.allocate(num_slots=int(spec.num_slots), ring_capacity=ring_capacity, device=device,
-                                 library=library)
+    state = CanaryState.allocate(num_slots=int(spec.num_slots), ring_capacity=1 if report else ring_capacity,
+                                 device=device, library=library)
+    if report is not None:
+        ring, write_index, slots, launches, status = report
+        state = CanaryState(canary_buffer=state.canary_buffer, ring=ring, ring_write_index=write_index,
+                            slot_run_counter=slots, kernel_run_counter=launches, check_flags=state.check_flags)
+        vp = dataclasses.replace(vp, status=status)
     planner = CanaryPlanner(
         verify_plan_out=vp, write_plan_out=wp, req_to_token=spec.req_to_token, swa_window_size=spec.swa_window_size,
         full_to_swa_index_mapping=spec.full_to_swa_index_mapping, req_to_verify_expected_tokens=pool,

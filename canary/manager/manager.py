@@ -19,8 +19,7 @@ from ..errors import INPUT_ERROR_BITS, PlanStatus, fail
 from ..interop.adapter import as_view
 from ..interop.devices import allocator, cuda_ordinal
 from ..interop.hostcopy import to_host
-from ..interop.streams import is_capturing, launch_stream
-from ..records.api import scatter_expected_tokens
+from ..interop.streams import LaunchStream, is_capturing, launch_stream
 from ..records.ring import KernelTag, decode
 from .groups import BoundGroup, KVGroup, bind_group, check_groups
 from .pool import RequestPool
@@ -30,7 +29,8 @@ from .report import (
 )
 from .stats import PrometheusMetrics, Stats
 from .sweep import Sweeper, check_budget
-from .transfer import CudaTransfer, HostTransfer, Piece, piece
+from .block import ReportBlock
+from .transfer import CudaTransfer, DeviceScatter, HostTransfer
 
 MODES = ("log", "raise")
 
@@ -103,27 +103,28 @@ class CanaryManager:
         cols = max_seq_len + 1  # + 1: a draft group reads column position + 1
         self.pool_array = empty(rows * cols, np.int32).reshape(rows, cols)
         self.requests = RequestPool(rows, cols)
-        self._q = empty(self.max_batch_size, np.int64)
-        self._valid = empty(self.max_batch_size, np.int64)
+        b = self.max_batch_size
+        self._qv = empty(2 * b, np.int64)  # the plan's pool rows, then valid lengths: one host-to-device copy
+        self._q, self._valid = self._qv[:b], self._qv[b:]
+        self._step_inputs: dict[int, tuple] = {}  # bs -> (q[:bs], valid[:bs]): the same objects every step
         step_tokens = int(max_step_tokens or max(4096, max_seq_len))
+        self._block = ReportBlock([s.name for s in specs], int(ring_capacity), empty)
         self.groups: list[BoundGroup] = [
             bind_group(i, g, pool=self.pool_array, device=device, library=library, backend=backend,
                        max_batch_size=self.max_batch_size, ring_capacity=int(ring_capacity),
-                       max_step_tokens=step_tokens, empty=empty)
+                       max_step_tokens=step_tokens, empty=empty, report=self._block.groups[i])
             for i, g in enumerate(specs)
         ]
         self._by_name = {g.name: g for g in self.groups}
+        self._all_names = tuple(g.name for g in self.groups)
         self.backend = self.groups[0].records.backend
         if self.ordinal is None:
-            self._transfer = HostTransfer()
+            self._transfer = HostTransfer(self._block)
         else:
             u = max(64, 2 * self.max_batch_size)
-            staging = {"rows": empty(u, np.int64), "cols": empty(u, np.int64), "offsets": empty(u + 1, np.int64),
-                       "tokens": empty(step_tokens, np.int64), "q": self._q, "valid": self._valid}
-            per_group = 64 * int(ring_capacity) + 4 + 16 + 16 + 4 + 4 * 8
-            snap = len(self.groups) * per_group + 3 * 8 * (self.max_batch_size + 1) + 8
-            self._transfer = CudaTransfer(self.ordinal, staging=staging, snapshot_bytes=snap,
-                                          scatter=self._scatter_device)
+            upd = empty(3 * u + 1 + step_tokens, np.int64)
+            self._transfer = CudaTransfer(self.ordinal, block=self._block, staging={"qv": self._qv, "upd": upd},
+                                          u_cap=u, scatter=DeviceScatter(self.pool_array, upd, u, self.backend))
         # -- sweep hook (canary/manager/sweep.py) --
         self._sweep = Sweeper(self.groups, check_budget("sweep_budget", sweep_budget), empty, self.ordinal,
                               prefix_source)
@@ -131,8 +132,7 @@ class CanaryManager:
         self.metrics = None if metrics is None or metrics is False else PrometheusMetrics(metrics)
         self._dedup = Deduplicator(int(forget_after))
         self._pending: deque = deque()
-        self._state_pieces: list[Piece] | None = None  # end_step views the state arrays once
-        self._resets: list = []
+        self._prepared = False  # _prepare_verifies ran
         self._step: _StepRecord | None = None
         self._inputs: tuple | None = None
         self._launches = {g.name: (0, 0) for g in self.groups}
@@ -145,9 +145,18 @@ class CanaryManager:
         for g in self.groups:
             g.planner.warmup()
             g.records.warmup()
+        self._prepare_verifies(self._launch(None)[1])
+
+    def _prepare_verifies(self, stream: Any) -> None:
+        # Each group's plan arrays are the manager's and never move: their verify is checked and packed once
+        # (eager: at warmup, else the first step outside a capture), then only launched.
+        self._prepared = True
+        if self.ordinal is not None:
+            for g in self.groups:
+                g.verify_launch = g.records.prepare_verify(g.verify_plan, launch_tag=g.verify_tag, stream=stream)
 
     def close(self) -> None:
-        """Free the pinned host buffers and the side stream (GPU); the manager is unusable afterwards."""
+        """Free the pinned host buffers (GPU); the manager is unusable afterwards."""
         if isinstance(self._transfer, CudaTransfer):
             self._transfer.close()
         self._sweep.close()
@@ -186,22 +195,33 @@ class CanaryManager:
         Never syncs the engine's stream.
         """
         sel = self._select(groups)
-        capturing = self._capturing(stream)
+        handle, st = self._launch(stream)
+        capturing = self.ordinal is not None and is_capturing(handle)
         if not capturing:
-            self.begin_step(request_ids, groups=groups, stream=stream)
+            self._begin(request_ids, groups, handle)
+            if not self._prepared:
+                self._prepare_verifies(st)
         bs = int(req_pool_indices.shape[0])  # an attribute read: no DLPack export inside a capture
         if not capturing and bs != self._step.bs:
             raise fail(ValueError, f"request_ids: expected one id per batch row (bs = {bs}), got {self._step.bs}")
         if bs > self.max_batch_size:
             raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {self.max_batch_size}, "
                                    f"got {bs}")
-        q, valid = self._q[:bs], self._valid[:bs]
+        qv = self._step_inputs.get(bs)
+        if qv is None:  # sliced once per batch size: the planner then reuses its views of the same objects
+            qv = self._step_inputs[bs] = (self._q[:bs], self._valid[:bs])
+        q, valid = qv
         for g in sel:
             g.planner.plan(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens,
                            req_to_verify_expected_tokens_valid_lens=valid, expected_token_pool_indices=q,
-                           stream=stream)
-            g.records.verify(g.verify_plan, launch_tag=g.verify_tag, stream=stream)
-        self._inputs = (req_pool_indices, prefix_lens, extend_seq_lens, bs)
+                           stream=st)
+            if g.verify_launch is not None:  # the group's own plan, checked and packed at warmup
+                g.records.launch_prepared(g.verify_launch, stream=st)
+            else:
+                g.records.verify(g.verify_plan, launch_tag=g.verify_tag, stream=st)
+        # The report copies req_pool_indices through the planner's view of it (ordered on this stream).
+        rpi = sel[0].planner.last_step.req_pool_indices if sel else as_view(req_pool_indices, "req_pool_indices")
+        self._inputs = (rpi, bs)
 
     def after_kv_store(self, *, out_cache_loc: Any, input_ids: Any, positions: Any,
                        groups: Sequence[str] | None = None, out_cache_loc_by_group: dict[str, Any] | None = None,
@@ -215,63 +235,59 @@ class CanaryManager:
         ``out_cache_loc_by_group[name]`` gives them. ``groups`` and ``stream`` as in :meth:`before_forward`.
         """
         sel = self._select(groups)
-        capturing = self._capturing(stream)
+        handle, st = self._launch(stream)
+        capturing = self.ordinal is not None and is_capturing(handle)
         for g in sel:
-            loc = (out_cache_loc_by_group or {}).get(g.name)
+            loc = out_cache_loc_by_group.get(g.name) if out_cache_loc_by_group else None
             if loc is None:
                 loc = out_cache_loc if g.loc_scratch is None else self._translate(g, out_cache_loc)
             g.records.write(g.write_plan, out_cache_loc=loc, input_ids=input_ids, positions=positions,
-                            launch_tag=g.write_tag, stream=stream)
+                            launch_tag=g.write_tag, stream=st)
         if not capturing:
-            self.end_step(stream=stream)
+            self._end(handle, st)
 
     def begin_step(self, request_ids: Sequence[Hashable] | None, *, groups: Sequence[str] | None = None,
                    stream: Any = None) -> None:
         """The host half of :meth:`before_forward`: handle ready reports, then stage the step's expected-token
         pool rows and valid lengths (and queued tokens) on ``stream``. A CUDA-graph engine calls it before each
         replay of a graph that captured :meth:`before_forward` / :meth:`after_kv_store`."""
+        self._begin(request_ids, groups, self._launch(stream)[0])
+
+    def _begin(self, request_ids, groups, handle: int) -> None:
         if self._step is not None:
             raise fail(RuntimeError, f"before_forward: expected the previous step ({self._step.index}) closed by "
                                      f"after_kv_store / end_step, got a new step first")
-        self.poll()
+        if self._pending:
+            self.poll()
         ids = [] if request_ids is None else (request_ids.tolist() if isinstance(request_ids, np.ndarray)
                                               else list(request_ids))
         bs = len(ids)
         if bs > self.max_batch_size:
             raise fail(ValueError, f"request_ids: expected at most max_batch_size = {self.max_batch_size} ids, "
                                    f"got {bs}")
-        q = np.zeros(bs, dtype=np.int64)
-        valid = np.zeros(bs, dtype=np.int64)
-        for r, rid in enumerate(ids):
-            req = self.requests.lookup(rid)
-            if req is not None:  # an id never added has no expected tokens: only chain, position, KV checks
-                q[r], valid[r] = req.row, len(req.tokens)
-        self._transfer.stage(self.pool_array, self.requests.take_updates(), self._q, self._valid, q, valid,
-                             self._handle(stream))
-        names = tuple(g.name for g in self._select(groups))
+        # RequestPool.lookup inlined (a few hundred ids a step): running, else finished but not reused, else None
+        # (None itself is never a key). An id never added has no expected tokens: only chain, position, KV checks.
+        live, retired = self.requests.live.get, self.requests.retired.get
+        reqs = [live(rid) or retired(rid) for rid in ids]
+        q = [0 if r is None else r.row for r in reqs]
+        valid = [0 if r is None else len(r.tokens) for r in reqs]
+        self._transfer.stage(self.pool_array, self.requests.take_updates(), self._q, self._valid, q, valid, handle)
+        names = self._all_names if groups is None else tuple(g.name for g in self._select(groups))
         self._step = _StepRecord(self.stats_.steps, tuple(ids), names, bs)
         self.stats_.steps += 1
 
     def end_step(self, *, stream: Any = None) -> None:
         """The host half of :meth:`after_kv_store`: stage and launch the cached-prefix sweep of the step's groups
         (eager, never captured), then queue the device-to-host copy of the step's report."""
+        self._end(*self._launch(stream))
+
+    def _end(self, handle: int, st: Any) -> None:
         if self._step is None:
             raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
-        self._run_sweep(self._step, stream)
-        if self._state_pieces is None:  # the groups' state arrays never move: viewed once
-            self._state_pieces = []
-            for g in self.groups:
-                s = g.state
-                self._state_pieces += [
-                    piece(s.ring, f"{g.name}.ring"), piece(s.ring_write_index, f"{g.name}.index"),
-                    piece(s.slot_run_counter, f"{g.name}.slots"), piece(s.kernel_run_counter, f"{g.name}.launches"),
-                    piece(g.verify_plan.status, f"{g.name}.status")]
-            self._resets = [g.state.ring_write_index for g in self.groups]
-        pieces: list[Piece] = list(self._state_pieces)
-        if self._inputs is not None:
-            rpi, prefix, ext, bs = self._inputs
-            pieces += [piece(rpi, "rpi", bs), piece(prefix, "prefix", bs), piece(ext, "extend", bs)]
-        token = self._transfer.snapshot(pieces, self._resets, self._handle(stream))
+        if self._sweep:
+            self._run_sweep(self._step, handle, st)
+        rpi, bs = self._inputs if self._inputs is not None else (None, 0)
+        token = self._transfer.snapshot(rpi, bs, handle)
         self._pending.append((self._step, token))
         self._step = None
 
@@ -304,26 +320,25 @@ class CanaryManager:
         """An idle step: verify the next ``sweep_budget`` cached entries of every swept group with no forward
         (an engine with nothing to run calls it from its idle loop). Handles ready reports first, like
         :meth:`before_forward`; its own report is read at a later call. Not graph-capturable (host staging)."""
-        if self._capturing(stream):
+        handle, st = self._launch(stream)
+        if self.ordinal is not None and is_capturing(handle):
             raise fail(RuntimeError, "sweep: expected a stream that is not capturing a CUDA graph, got a capturing "
                                      "one (the sweep stages its entries on the host)")
         inputs, self._inputs = self._inputs, None
         try:
-            self.begin_step([], groups=[], stream=stream)
+            self._begin([], [], handle)
             self._step.sweep = tuple(self._sweep.sweeps)
-            self.end_step(stream=stream)
+            self._end(handle, st)
         finally:
             self._inputs = inputs
 
-    def _run_sweep(self, rec: _StepRecord, stream: Any) -> None:
+    def _run_sweep(self, rec: _StepRecord, handle: int, stream: Any) -> None:
         # Staged and launched here, after the step's writes and on the host just before the launch: a prefix
         # registered with this step's tokens is verified after they are written, and one evicted before this call
         # is never staged. Both are eager, outside any CUDA graph (end_step always is).
-        if not self._sweep:
-            return
         self._sweep.refresh(self._by_name)
         names = rec.groups if rec.sweep is None else rec.sweep
-        for sw in self._sweep.stage(names, self._handle(stream)):
+        for sw in self._sweep.stage(names, handle):
             sw.group.records.verify(sw.plan, launch_tag=sw.tag, stream=stream)
 
     # -- stats ---------------------------------------------------------------------------------------------------
@@ -356,16 +371,16 @@ class CanaryManager:
             out.append(g)
         return out
 
-    def _handle(self, stream: Any) -> int:
+    def _launch(self, stream: Any) -> tuple[int, Any]:
+        """The launch stream, resolved once per call: ``(raw handle, what the planner and records take as their
+        stream)``; host arrays: ``(0, None)``."""
         if self.ordinal is None:
             if stream is not None:
                 raise fail(ValueError, "stream: expected None for a manager on device='cpu' (host arrays take no "
                                        f"stream), got {type(stream).__name__}")
-            return 0
-        return launch_stream(self.ordinal, stream, self.pool_array)[0]
-
-    def _capturing(self, stream: Any) -> bool:
-        return self.ordinal is not None and is_capturing(self._handle(stream))
+            return 0, None
+        handle, lib = launch_stream(self.ordinal, stream, self.pool_array)
+        return handle, LaunchStream(handle, lib)
 
     def _translate(self, g: BoundGroup, loc: Any) -> Any:
         n, cap = int(loc.shape[0]), int(g.loc_scratch.shape[0])
@@ -384,10 +399,6 @@ class CanaryManager:
             raise fail(TypeError, f"out_cache_loc_by_group: expected the {g.name!r} group's SWA slots for "
                                   f"{type(out).__name__} arrays (the manager translates torch, CuPy and NumPy only)")
         return out
-
-    def _scatter_device(self, rows, tokens, offsets, cols, stream: int) -> None:
-        scatter_expected_tokens(req_to_verify_expected_tokens=self.pool_array, req_pool_indices=rows, tokens=tokens,
-                                token_offsets=offsets, column_starts=cols, backend=self.backend, stream=stream)
 
     def _handle_reports(self, wait: bool) -> None:
         new: list[SlotViolation] = []
@@ -415,10 +426,12 @@ class CanaryManager:
         st.decoded_steps += 1
         rpi = data.get("rpi")
         if rpi is not None:
+            live, retired = self.requests.live.get, self.requests.retired.get
             for rid, rp in zip(rec.request_ids, rpi.tolist()):
-                req = self.requests.lookup(rid)
-                if req is not None and rp:
-                    req.last_req_pool_index = int(rp)
+                if rp:
+                    req = live(rid) or retired(rid)
+                    if req is not None:
+                        req.last_req_pool_index = rp
         new, dropped = [], 0
         for g in self.groups:
             name = g.name

@@ -16,6 +16,10 @@ import numpy as np
 from ..errors import fail
 
 
+_SEQUENCES = (list, tuple)
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 @dataclass
 class _Request:
     row: int
@@ -32,7 +36,7 @@ class RequestPool:
         self.retired: dict[Hashable, _Request] = {}  # finished, row not yet reused
         self._free = deque(range(1, rows))
         self._owner_of_free: dict[int, Hashable] = {}
-        self.updates: list[tuple[int, int, np.ndarray]] = []  # (pool row, first column, tokens)
+        self.updates: list[tuple[int, int, Any]] = []  # (pool row, first column, tokens: int64 array or int list)
 
     def add(self, request_id: Hashable, tokens: Any) -> None:
         if request_id is None:
@@ -72,17 +76,22 @@ class RequestPool:
         return self.live.get(request_id) or self.retired.get(request_id)
 
     def _append(self, request_id: Hashable, req: _Request, tokens: Any, name: str) -> None:
-        arr = np.asarray(tokens if tokens is not None else [], dtype=np.int64).reshape(-1) if not isinstance(
-            tokens, np.ndarray) else tokens.astype(np.int64, copy=False).reshape(-1)
+        if type(tokens) in _SEQUENCES and all(type(t) is int and _I64_MIN <= t <= _I64_MAX for t in tokens):
+            toks: Any = list(tokens)  # a decode step's token or few: kept as ints, no array made per request
+        else:
+            arr = np.asarray(tokens if tokens is not None else [], dtype=np.int64).reshape(-1) if not isinstance(
+                tokens, np.ndarray) else tokens.astype(np.int64, copy=False).reshape(-1)
+            toks = arr
+        n = len(toks)
         start = len(req.tokens)
-        if start + arr.shape[0] > self.cols:
+        if start + n > self.cols:
             raise fail(ValueError, f"{name}: expected at most {self.cols} tokens per request (the pool's columns, "
-                                   f"max_seq_len + 1), got {start + arr.shape[0]} for request {request_id!r}")
-        if arr.shape[0]:
-            req.tokens.extend(arr.tolist())
-            self.updates.append((req.row, start, arr))
+                                   f"max_seq_len + 1), got {start + n} for request {request_id!r}")
+        if n:
+            req.tokens.extend(toks if type(toks) is list else toks.tolist())
+            self.updates.append((req.row, start, toks))
 
-    def take_updates(self) -> list[tuple[int, int, np.ndarray]]:
+    def take_updates(self) -> list[tuple[int, int, Any]]:
         out, self.updates = self.updates, []
         return out
 

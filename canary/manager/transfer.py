@@ -2,65 +2,54 @@
 
 :class:`HostTransfer` (host arrays, the reference backend and Numba's simulator): plain reads and writes, done
 in the call. :class:`CudaTransfer` (CUDA arrays of any library): pinned host memory and the CUDA runtime
-(``cuda.bindings``, which the GPU backends already need), so it works the same for torch, CuPy and Numba arrays:
+(``cuda.bindings``, which the GPU backends already need), so it works the same for torch, CuPy and Numba arrays.
+Every runtime call costs the host a driver round trip, so each direction is one copy per step:
 
-- host -> device (expected tokens, pool rows and valid lengths of the step): staged in one of a few pinned
-  buffers, copied asynchronously on the engine's stream; an event per buffer says when it may be refilled.
-- device -> host (violation ring, counters, plan status, the step's batch inputs): after the step's writes, a
-  side stream waits for the engine's stream and copies into pinned memory; the engine's stream then waits for
-  that copy (a device-side dependency, not a host sync) before clearing the ring's write index, so every
-  snapshot holds exactly one step's rows. The host reads a snapshot once its event has completed
-  (``cudaEventQuery``: never blocks).
+- host -> device (pool rows and valid lengths of the step, one buffer; queued expected tokens, one buffer per
+  scatter launch): staged in one of a few pinned buffers, copied asynchronously on the engine's stream; an
+  event per buffer says when it may be refilled.
+- device -> host (the :class:`~canary.manager.block.ReportBlock`: every group's ring, write index, counters and
+  plan status; then the step's ``req_pool_indices``): after the step's writes, copied on the engine's stream
+  into pinned memory, then the ring write indexes cleared by one memset behind the copy (stream order, not a
+  host sync), so every snapshot holds exactly one step's rows. The host reads a snapshot once its event has
+  completed (``cudaEventQuery``: never blocks).
 
 The only host waits: reusing a pinned buffer whose previous copy has not run yet (the host is ``depth`` steps
 ahead of the GPU), and :meth:`CudaTransfer.wait` (``manager.flush()``, a deliberate sync).
 """
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass
-from typing import Any, Sequence
+from itertools import chain
+from typing import Any
 
 import numpy as np
 
 from ..errors import fail
-from ..interop.adapter import as_view
+from ..interop.adapter import ArrayView, as_view
 from ..interop.memview import host_view
-
-
-@dataclass
-class Piece:
-    """One array to snapshot: ``name``, its view's pointer, shape and dtype (device) or the array (host)."""
-
-    name: str
-    array: Any
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    ptr: int = 0
-    nbytes: int = 0  # computed once by piece(): the per-step snapshot only reads it
-
-
-def piece(array: Any, name: str, length: int | None = None) -> Piece:
-    v = as_view(array, name)
-    shape = tuple(v.shape if length is None else (length,) + tuple(v.shape[1:]))
-    dtype = np.dtype(v.dtype)
-    return Piece(name, array, shape, dtype, v.ptr, math.prod(shape) * dtype.itemsize)
+from .block import ReportBlock
 
 
 class HostTransfer:
     """Host arrays: every transfer is a copy done in the call."""
 
-    def stage(self, pool: np.ndarray, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream) -> None:
+    def stage(self, pool: np.ndarray, updates, q_out, valid_out, q: list[int], valid: list[int], stream) -> None:
         for row, col, toks in updates:
-            pool[row, col:col + toks.shape[0]] = toks  # the low 32 bits, as the scatter stores them
-        q_out[: q.shape[0]] = q
-        valid_out[: valid.shape[0]] = valid
+            # int64 first: the pool keeps the low 32 bits, as the scatter stores them
+            pool[row, col:col + len(toks)] = np.asarray(toks, dtype=np.int64)
+        q_out[: len(q)] = q
+        valid_out[: len(valid)] = valid
 
-    def snapshot(self, pieces: Sequence[Piece], resets: Sequence[Any], stream) -> dict[str, np.ndarray]:
-        out = {p.name: np.array(as_view(p.array, p.name).host[: p.shape[0]]) for p in pieces}
-        for index in resets:
-            index[0] = 0
+    def __init__(self, block: ReportBlock):
+        self.block = block
+
+    def snapshot(self, rpi: ArrayView | None, bs: int, stream) -> dict[str, np.ndarray]:
+        b = self.block
+        out = b.split(np.array(b.array))
+        if rpi is not None:
+            out["rpi"] = np.array(rpi.host[:bs])
+        b.array[:b.index_words] = 0
         return out
 
     def ready(self, token) -> bool:
@@ -116,10 +105,12 @@ class _Pinned:
 
     def __init__(self, nbytes: int):
         rt = _rt()
-        self.nbytes = max(int(nbytes), 64)
+        self.nbytes = -(-max(int(nbytes), 64) // 8) * 8
         self.ptr = int(_check(rt.cudaMallocHost(self.nbytes), "cudaMallocHost"))
         self.event = _check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreateWithFlags")
         self.pending = False
+        self.words = self.array(0, (self.nbytes // 8,), np.int64)  # viewed once: a view costs ~5 us to make
+        self.step, self.stream = -1, None  # the step and stream of the last copy that used it
 
     def array(self, offset: int, shape, dtype) -> np.ndarray:
         return host_view(self.ptr + offset, tuple(shape), _strides(shape, dtype), dtype, self)
@@ -158,144 +149,186 @@ def _strides(shape, dtype) -> tuple[int, ...]:
 @dataclass
 class _Snap:
     buf: _Pinned
-    layout: list[tuple[str, int, tuple[int, ...], np.dtype]]
+    bs: int | None  # req_pool_indices copied after the block (None: not this step)
+    step: int
+    stream: int
 
 
 class CudaTransfer:
-    """Pinned buffers and a side stream on CUDA device ``ordinal`` (module docstring).
+    """Pinned buffers on CUDA device ``ordinal`` (module docstring).
 
-    ``staging``: the device arrays the host-to-device copies fill: ``rows``, ``cols`` ``[U]``, ``offsets``
-    ``[U + 1]``, ``tokens`` ``[T]`` int64 (expected-token updates, scattered by ``scatter``), and the plan inputs
-    ``q``, ``valid`` ``[max_batch_size]`` int64. ``scatter(rows, tokens, offsets, cols, stream)`` launches the
-    expected-token scatter on slices of them.
+    ``block``: the :class:`ReportBlock` a snapshot copies. ``staging``: the device arrays the host-to-device
+    copies fill: ``qv`` ``[2 B]`` int64 (the plan's pool rows ``[0, B)`` and valid lengths ``[B, 2 B)``,
+    ``B = max_batch_size``) and ``upd`` ``[3 U + 1 + T]`` int64 (a scatter's ``rows`` ``[U]``, ``cols`` ``[U]``,
+    ``offsets`` ``[U + 1]`` and ``tokens`` ``[T]``, back to back). ``scatter(k, t, stream)`` launches the
+    expected-token scatter of the first ``k`` rows and ``t`` tokens staged there (a :class:`DeviceScatter`).
     """
 
-    def __init__(self, ordinal: int, *, staging: dict[str, Any], snapshot_bytes: int, scatter, depth: int = 3):
-        rt = _rt()
+    def __init__(self, ordinal: int, *, block: ReportBlock, staging: dict[str, Any], u_cap: int, scatter,
+                 depth: int = 3):
         self.ordinal = ordinal
+        self.block = block
         self.scatter = scatter
-        self.dev = staging
-        self.ptrs = {k: as_view(v, f"staging.{k}").ptr for k, v in staging.items()}
-        self.u_cap = int(as_view(staging["rows"], "rows").shape[0])
-        self.t_cap = int(as_view(staging["tokens"], "tokens").shape[0])
-        self.b_cap = int(as_view(staging["q"], "q").shape[0])
+        self.qv, self.upd = staging["qv"], staging["upd"]
+        self.qv_ptr = as_view(self.qv, "staging.qv").ptr
+        self.upd_ptr = as_view(self.upd, "staging.upd").ptr
+        self.block_ptr = as_view(block.array, "report_block").ptr
+        self.b_cap = int(as_view(self.qv, "qv").shape[0]) // 2
+        self.u_cap = int(u_cap)
+        self.t_cap = int(as_view(self.upd, "upd").shape[0]) - 3 * self.u_cap - 1
+        u = self.u_cap
+        self.block_bytes = 8 * block.words
         with _OnDevice(ordinal):
-            self.side = _check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
-            self.step_done = _check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreate")
-            stage_bytes = 8 * (2 * self.b_cap + 3 * self.u_cap + 1 + self.t_cap)
+            stage_bytes = 8 * max(2 * self.b_cap, 3 * u + 1 + self.t_cap)
             self.stage_bufs = [_Pinned(stage_bytes) for _ in range(depth)]
-            self.snap_bufs = [_Pinned(snapshot_bytes) for _ in range(depth + 1)]
+            self.snap_bufs = [_Pinned(self.block_bytes + 8 * self.b_cap) for _ in range(depth + 1)]
         self._next_stage = 0
         self._free_snaps = list(self.snap_bufs)
+        self._step = 0  # snapshots taken
+        # stream -> the last step whose snapshot is known to have run there: everything the stream ran before it
+        # has too, its staging copies included, so their buffers are free without asking the driver.
+        self._done: dict[int, int] = {}
 
     # -- host -> device ------------------------------------------------------------------------------------------
     def _stage_buf(self) -> _Pinned:
         buf = self.stage_bufs[self._next_stage]
         self._next_stage = (self._next_stage + 1) % len(self.stage_bufs)
+        if buf.pending and self._done.get(buf.stream, -1) >= buf.step:
+            buf.pending = False
         buf.wait()  # the host is len(stage_bufs) steps ahead of the GPU: the only wait on this path
         return buf
 
-    def _h2d(self, buf: _Pinned, host: np.ndarray, dst: str, stream: int) -> None:
-        rt = _rt()
-        src = host.__array_interface__["data"][0]
-        _check(rt.cudaMemcpyAsync(self.ptrs[dst], src, host.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
-                                  stream), "cudaMemcpyAsync")
+    def _used(self, buf: _Pinned, stream: int) -> None:
+        buf.pending, buf.step, buf.stream = True, self._step, stream
 
-    def stage(self, pool, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream: int) -> None:
+    def stage(self, pool, updates, q_out, valid_out, q: list[int], valid: list[int], stream: int) -> None:
         rt = _rt()
+        h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        u = self.u_cap
         with _OnDevice(self.ordinal):
-            chunks = _chunks(updates, self.u_cap, self.t_cap)
-            for rows, cols, offsets, tokens in chunks:
+            for rows, cols, offsets, tokens in _chunks(updates, self.u_cap, self.t_cap) if updates else ():
                 buf = self._stage_buf()
-                u, t = rows.shape[0], tokens.shape[0]
-                parts = [("rows", rows), ("cols", cols), ("offsets", offsets), ("tokens", tokens)]
-                off = 0
-                for name, host in parts:
-                    view = buf.array(off, host.shape, np.int64)
-                    view[:] = host
-                    self._h2d(buf, view, name, stream)
-                    off += host.nbytes
-                self.scatter(self.dev["rows"][:u], self.dev["tokens"][:t], self.dev["offsets"][:u + 1],
-                             self.dev["cols"][:u], stream)
+                k, t = rows.shape[0], tokens.shape[0]
+                w = buf.words
+                w[:k], w[u:u + k], w[2 * u:2 * u + k + 1] = rows, cols, offsets
+                w[3 * u + 1:3 * u + 1 + t] = tokens
+                _check(rt.cudaMemcpyAsync(self.upd_ptr, buf.ptr, 8 * (3 * u + 1 + t), h2d, stream), "cudaMemcpyAsync")
+                self.scatter(k, t, stream)
                 _check(rt.cudaEventRecord(buf.event, stream), "cudaEventRecord")
-                buf.pending = True
+                self._used(buf, stream)
             buf = self._stage_buf()
-            n = q.shape[0]
-            qv, vv = buf.array(0, (n,), np.int64), buf.array(8 * n, (n,), np.int64)
-            qv[:], vv[:] = q, valid
-            self._h2d(buf, qv, "q", stream)
-            self._h2d(buf, vv, "valid", stream)
+            n, b = len(q), self.b_cap
+            w = buf.words
+            w[:n], w[b:b + n] = q, valid
+            _check(rt.cudaMemcpyAsync(self.qv_ptr, buf.ptr, 8 * (b + n), h2d, stream), "cudaMemcpyAsync")
             _check(rt.cudaEventRecord(buf.event, stream), "cudaEventRecord")
-            buf.pending = True
+            self._used(buf, stream)
 
     # -- device -> host ------------------------------------------------------------------------------------------
-    def snapshot(self, pieces: Sequence[Piece], resets: Sequence[Any], stream: int) -> _Snap:
+    def snapshot(self, rpi: ArrayView | None, bs: int, stream: int) -> _Snap:
         rt = _rt()
+        d2h = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
         with _OnDevice(self.ordinal):
             if not self._free_snaps:  # every buffer holds an unread snapshot: the host is far ahead; wait
                 raise fail(RuntimeError, "snapshot: expected a free pinned report buffer, got none (read the "
                                          "pending reports first)")
             buf = self._free_snaps.pop(0)
-            _check(rt.cudaEventRecord(self.step_done, stream), "cudaEventRecord")
-            _check(rt.cudaStreamWaitEvent(self.side, self.step_done, 0), "cudaStreamWaitEvent")
-            layout, off = [], 0
-            for p in pieces:
-                off = -(-off // 8) * 8
-                _check(rt.cudaMemcpyAsync(buf.ptr + off, p.ptr, p.nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
-                                          self.side), "cudaMemcpyAsync")
-                layout.append((p.name, off, p.shape, p.dtype))
-                off += p.nbytes
-            if off > buf.nbytes:
-                raise fail(RuntimeError, f"snapshot: expected at most {buf.nbytes} bytes, got {off}")
-            _check(rt.cudaEventRecord(buf.event, self.side), "cudaEventRecord")
+            _check(rt.cudaMemcpyAsync(buf.ptr, self.block_ptr, self.block_bytes, d2h, stream), "cudaMemcpyAsync")
+            if rpi is not None:
+                if bs > self.b_cap:
+                    raise fail(RuntimeError, f"snapshot: expected bs <= {self.b_cap}, got {bs}")
+                _check(rt.cudaMemcpyAsync(buf.ptr + self.block_bytes, rpi.ptr, 8 * bs, d2h, stream),
+                       "cudaMemcpyAsync")
+            _check(rt.cudaEventRecord(buf.event, stream), "cudaEventRecord")
             buf.pending = True
-            _check(rt.cudaStreamWaitEvent(stream, buf.event, 0), "cudaStreamWaitEvent")
-            for index in resets:
-                _check(rt.cudaMemsetAsync(as_view(index, "ring_write_index").ptr, 0, 4, stream), "cudaMemsetAsync")
-            return _Snap(buf, layout)
+            # Behind the copy on the same stream: the next step's rows start at 0 and this snapshot keeps these.
+            _check(rt.cudaMemsetAsync(self.block_ptr, 0, 8 * self.block.index_words, stream), "cudaMemsetAsync")
+            self._step += 1
+            return _Snap(buf, None if rpi is None else bs, self._step - 1, stream)
+
+    def _ran(self, snap: _Snap) -> None:
+        if self._done.get(snap.stream, -1) < snap.step:
+            self._done[snap.stream] = snap.step
 
     def ready(self, snap: _Snap) -> bool:
-        return snap.buf.done()
+        if snap.buf.done():
+            self._ran(snap)
+            return True
+        return False
 
     def wait(self, snap: _Snap) -> None:
         snap.buf.wait()
+        self._ran(snap)
 
     def read(self, snap: _Snap) -> dict[str, np.ndarray]:
-        return {name: np.array(snap.buf.array(off, shape, dtype)) for name, off, shape, dtype in snap.layout}
+        n = self.block.words
+        host = np.array(snap.buf.words[:n + (snap.bs or 0)])  # one copy out of the pinned buffer it reuses
+        out = self.block.split(host[:n])
+        if snap.bs is not None:
+            out["rpi"] = host[n:]
+        return out
 
     def release(self, snap: _Snap) -> None:
         self._free_snaps.append(snap.buf)
 
     def close(self) -> None:
-        rt = _rt()
         with _OnDevice(self.ordinal):
-            rt.cudaStreamSynchronize(self.side)
             for b in self.stage_bufs + self.snap_bufs:
                 b.wait()
                 b.free()
-            rt.cudaEventDestroy(self.step_done)
-            rt.cudaStreamDestroy(self.side)
+
+
+class DeviceScatter:
+    """The expected-token scatter of :class:`CudaTransfer`'s ``upd`` staging into the pool, on ``backend``: views
+    of both checked once here (the public ``scatter_expected_tokens`` checks every argument on every call), a
+    call then only sizes them (``k`` rows, ``t`` tokens) and launches."""
+
+    def __init__(self, pool: Any, upd: Any, u_cap: int, backend: str):
+        from .. import backends
+        from ..interop.adapter import check_view
+
+        pv = check_view(as_view(pool, "req_to_verify_expected_tokens"), dtype=np.int32, ndim=2, writable=True)
+        uv = check_view(as_view(upd, "staging.upd"), dtype=np.int64, ndim=1)
+        self.module = backends.resolve(backend, pv.device_id, family="records")
+        self.pool = pv
+        u = int(u_cap)
+        self.parts = [uv._replace(name=name, ptr=uv.ptr + 8 * off, strides=(1,))
+                      for name, off in (("rows", 0), ("cols", u), ("offsets", 2 * u), ("tokens", 3 * u + 1))]
+
+    def __call__(self, k: int, t: int, stream: int) -> None:
+        from ..backends.args import ScatterArgs
+
+        rows, cols, offsets, tokens = self.parts
+        self.module.scatter(ScatterArgs(self.pool, rows._replace(shape=(k,)), tokens._replace(shape=(t,)),
+                                        offsets._replace(shape=(k + 1,)), cols._replace(shape=(k,)), 0), stream)
 
 
 def _chunks(updates, u_cap: int, t_cap: int):
-    """Split ``(row, col, tokens)`` updates into scatter launches of at most ``u_cap`` rows, ``t_cap`` tokens."""
-    rows, cols, toks, n = [], [], [], 0
+    """Split ``(row, col, tokens)`` updates (tokens: an int64 array or a list of ints) into scatter launches of at
+    most ``u_cap`` rows and ``t_cap`` tokens: ``(rows, cols, offsets, tokens)`` int64 arrays each."""
+    rows, cols, lens, toks, n = [], [], [], [], 0
 
     def emit():
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum([t.shape[0] for t in toks], out=offsets[1:])
-        return (np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64), offsets,
-                np.concatenate(toks).astype(np.int64))
+        np.cumsum(lens, out=offsets[1:])
+        if all(type(t) is list for t in toks):  # a decode step: one token or a few per request
+            flat = np.array(list(chain.from_iterable(toks)), dtype=np.int64)
+        else:
+            flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in toks])
+        return np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64), offsets, flat
 
     for row, col, t in updates:
-        for lo in range(0, t.shape[0], t_cap):  # a prompt longer than the staging area: several pieces
-            part = t[lo:lo + t_cap]
-            if len(rows) == u_cap or n + part.shape[0] > t_cap:
+        total = len(t)
+        for lo in range(0, total, t_cap):  # a prompt longer than the staging area: several pieces
+            part = t[lo:lo + t_cap] if total > t_cap else t
+            k = len(part)
+            if len(rows) == u_cap or n + k > t_cap:
                 yield emit()
-                rows, cols, toks, n = [], [], [], 0
+                rows, cols, lens, toks, n = [], [], [], [], 0
             rows.append(row)
             cols.append(col + lo)
+            lens.append(k)
             toks.append(part)
-            n += part.shape[0]
+            n += k
     if rows:
         yield emit()

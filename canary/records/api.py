@@ -20,7 +20,8 @@ from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, Reco
 from ..errors import fail
 from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check_view
 from ..interop.overlap import Spans, spans
-from ..interop.callviews import CallViews
+from ..interop.streams import launch_stream
+from ..interop.callviews import CallViews, Reuse, fingerprint
 from ..plan.plans import INT32, INT64, VerifyPlan, WritePlan, view_verify_plan, view_write_plan
 from .realkv import RealKV
 from .realkv import real_kv as make_real_kv
@@ -83,6 +84,11 @@ class CanaryRecords:
         if not isinstance(launch_config, LaunchConfig):
             raise fail(TypeError, f"launch_config: expected a LaunchConfig, got {type(launch_config).__name__}")
         self._bound = self._module.bind(self.views, real_kv, launch_config)
+        # Calls repeated over the same arrays on the same stream (callviews.Reuse): by plan, a few at a time
+        # (the manager alternates its step's plan and its sweep's).
+        self._reuse: dict = {}
+        prepare = getattr(self._bound, "prepare_write", None)
+        self._prepare = (prepare, self._bound.prepare_verify) if prepare else None
 
     def warmup(self) -> None:
         """Compile and load the kernels, so that later calls only launch (graph-capturable)."""
@@ -116,8 +122,16 @@ class CanaryRecords:
         them for an array sharing memory with the state (which the kernels write) and, on the host, for state
         made read-only after binding.
         """
-        encode_tag(KernelTag.WRITE, launch_tag)
         go = CallViews(self.views.device_id, stream, self.state.canary_buffer, self.views.spans, self._views)
+        objs = None
+        if go.reusable and type(write_plan) is WritePlan:
+            objs = (write_plan.write_offsets, write_plan.write_seed_slot_indices, write_plan.write_num_valid_reqs,
+                    out_cache_loc, input_ids, positions, expected_input_ids, expected_positions)
+            hit = self._reuse.get(("w", id(write_plan)))
+            if hit is not None and hit.matches(objs, go.handle, (type(launch_tag), launch_tag)):
+                self._launch(hit.launch, go.handle)
+                return
+        encode_tag(KernelTag.WRITE, launch_tag)
         if self._host_state:
             self._check_host_state()
         _vec = go.vec
@@ -130,19 +144,66 @@ class CanaryRecords:
         exp_pos = None if expected_positions is None else _vec(expected_positions, "expected_positions", INT64, length=n)
         views = wp.all() + [loc, ids, pos] + [v for v in (exp_ids, exp_pos) if v is not None]
         _same_device(views, self.views.device_id, "state.canary_buffer")
-        self._bound.write(RecordWriteArgs(wp, loc, ids, pos, exp_ids, exp_pos, int(launch_tag)), go.handle)
+        args = RecordWriteArgs(wp, loc, ids, pos, exp_ids, exp_pos, int(launch_tag))
+        if objs is not None and go.reusable and self._prepare is not None:
+            self._launch(self._keep(("w", id(write_plan)), objs, go.handle, launch_tag, self._prepare[0](args)),
+                         go.handle)
+            return
+        self._bound.write(args, go.handle)
 
     def verify(self, verify_plan: VerifyPlan, *, launch_tag: int = 0, stream: Any = None) -> None:
         """Verify the entries of a :class:`VerifyPlan` (docs/records.md, "Verify"): ``[C]`` int64 entry arrays,
         ``[1]`` int32 ``verify_num_valid`` and ``enable``. ``launch_tag`` and ``stream`` as in :meth:`write`.
         Never syncs; errors as in :meth:`write`."""
-        encode_tag(KernelTag.VERIFY, launch_tag)
         go = CallViews(self.views.device_id, stream, self.state.canary_buffer, self.views.spans, self._views)
+        objs = None
+        if go.reusable and type(verify_plan) is VerifyPlan:
+            p = verify_plan
+            objs = (p.verify_slot_indices, p.verify_expected_tokens, p.verify_expected_positions,
+                    p.verify_prev_slot_indices, p.verify_num_valid, p.enable)
+            hit = self._reuse.get(("v", id(verify_plan)))
+            if hit is not None and hit.matches(objs, go.handle, (type(launch_tag), launch_tag)):
+                self._launch(hit.launch, go.handle)
+                return
+        encode_tag(KernelTag.VERIFY, launch_tag)
         if self._host_state:
             self._check_host_state()
         vp = view_verify_plan(verify_plan, go.view, name="verify_plan", writable=False, status=False)
         _same_device(vp.all(), self.views.device_id, "state.canary_buffer")
-        self._bound.verify(RecordVerifyArgs(vp, int(launch_tag)), go.handle)
+        args = RecordVerifyArgs(vp, int(launch_tag))
+        if objs is not None and go.reusable and self._prepare is not None:
+            self._launch(self._keep(("v", id(verify_plan)), objs, go.handle, launch_tag, self._prepare[1](args)),
+                         go.handle)
+            return
+        self._bound.verify(args, go.handle)
+
+    def prepare_verify(self, verify_plan: VerifyPlan, *, launch_tag: int = 0, stream: Any = None) -> Any:
+        """Check a verify of ``verify_plan`` once, as :meth:`verify` does (same errors), and pack its launch for
+        :meth:`launch_prepared`; ``None`` where the backend launches no prepared call (the host's reference, Numba)
+        or an array needed a DLPack stream handshake. For a caller that owns the plan and never moves its arrays
+        (the manager): the launch then costs no view, check or argument packing."""
+        go = CallViews(self.views.device_id, stream, self.state.canary_buffer, self.views.spans, self._views)
+        encode_tag(KernelTag.VERIFY, launch_tag)
+        vp = view_verify_plan(verify_plan, go.view, name="verify_plan", writable=False, status=False)
+        _same_device(vp.all(), self.views.device_id, "state.canary_buffer")
+        if self._prepare is None or not go.reusable:
+            return None
+        return self._prepare[1](RecordVerifyArgs(vp, int(launch_tag)))
+
+    def launch_prepared(self, prepared: Any, *, stream: Any = None) -> None:
+        """Launch what :meth:`prepare_verify` returned, on ``stream`` (as in :meth:`verify`). Never syncs."""
+        self._bound.launch_prepared(prepared, launch_stream(self.views.device_id, stream, self.state.canary_buffer)[0])
+
+    def _launch(self, prepared, handle: int) -> None:
+        self._bound.launch_prepared(prepared, handle)
+
+    def _keep(self, key, objs: tuple, handle: int, launch_tag, prepared):
+        prints = fingerprint(objs)
+        if prints is not None:
+            if len(self._reuse) >= 4 and key not in self._reuse:  # each entry keeps its arrays alive
+                self._reuse.pop(next(iter(self._reuse)))
+            self._reuse[key] = Reuse(objs, prints, handle, (type(launch_tag), launch_tag), prepared)
+        return prepared
 
     def _check_host_state(self) -> None:
         for name, arr in self._host_state:

@@ -59,7 +59,7 @@ class Bound:
         self.state = state
         self.real_kv = real_kv  # keeps the sources alive while their pointers sit in the params
         self.device_id = state.device_id
-        fixed = {**state_words(state), **real_kv_words(real_kv)}
+        fixed = self._fixed = {**state_words(state), **real_kv_words(real_kv)}
         self._write = Params(WRITE_FIELDS, fixed)
         self._verify = Params(VERIFY_FIELDS, fixed)
         self._streams = Streams()
@@ -78,17 +78,33 @@ class Bound:
             self._sms = sms
             self._fns = (write, verify)
 
+    @staticmethod
+    def _write_words(a: RecordWriteArgs) -> dict:
+        return dict(
+            tag=encode_tag(KernelTag.WRITE, a.launch_tag), write_offsets=a.plan.write_offsets.ptr,
+            write_seed_slot_indices=a.plan.write_seed_slot_indices.ptr,
+            write_num_valid_reqs=a.plan.write_num_valid_reqs.ptr,
+            write_req_capacity=a.plan.write_seed_slot_indices.shape[0], out_cache_loc=a.out_cache_loc.ptr,
+            input_ids=a.input_ids.ptr, positions=a.positions.ptr, num_entries=a.out_cache_loc.shape[0],
+            expected_input_ids=_ptr(a.expected_input_ids), expected_positions=_ptr(a.expected_positions),
+        )
+
+    @staticmethod
+    def _verify_words(a: RecordVerifyArgs) -> dict:
+        return dict(
+            tag=encode_tag(KernelTag.VERIFY, a.launch_tag), verify_slot_indices=a.plan.verify_slot_indices.ptr,
+            verify_expected_tokens=a.plan.verify_expected_tokens.ptr,
+            verify_expected_positions=a.plan.verify_expected_positions.ptr,
+            verify_prev_slot_indices=a.plan.verify_prev_slot_indices.ptr,
+            verify_capacity=a.plan.verify_slot_indices.shape[0],
+            verify_num_valid=a.plan.verify_num_valid.ptr, enable=a.plan.enable.ptr,
+        )
+
     def write(self, a: RecordWriteArgs, stream: int) -> None:
         if self._fns is None:
             self.warmup()
         r_cap = a.plan.write_seed_slot_indices.shape[0]
-        self._write.set(dict(
-            tag=encode_tag(KernelTag.WRITE, a.launch_tag), write_offsets=a.plan.write_offsets.ptr,
-            write_seed_slot_indices=a.plan.write_seed_slot_indices.ptr, write_num_valid_reqs=a.plan.write_num_valid_reqs.ptr,
-            write_req_capacity=r_cap, out_cache_loc=a.out_cache_loc.ptr, input_ids=a.input_ids.ptr,
-            positions=a.positions.ptr, num_entries=a.out_cache_loc.shape[0],
-            expected_input_ids=_ptr(a.expected_input_ids), expected_positions=_ptr(a.expected_positions),
-        ))
+        self._write.set(self._write_words(a))
         with OnDevice(self.device_id):
             self._fns[0]((max(r_cap, 1),), (WRITE_THREADS,), self._write.args, stream=self._streams.get_stream(stream))
 
@@ -96,16 +112,38 @@ class Bound:
         if self._fns is None:
             self.warmup()
         cap = a.plan.verify_slot_indices.shape[0]
-        self._verify.set(dict(
-            tag=encode_tag(KernelTag.VERIFY, a.launch_tag), verify_slot_indices=a.plan.verify_slot_indices.ptr,
-            verify_expected_tokens=a.plan.verify_expected_tokens.ptr,
-            verify_expected_positions=a.plan.verify_expected_positions.ptr,
-            verify_prev_slot_indices=a.plan.verify_prev_slot_indices.ptr, verify_capacity=cap,
-            verify_num_valid=a.plan.verify_num_valid.ptr, enable=a.plan.enable.ptr,
-        ))
+        self._verify.set(self._verify_words(a))
         grid = verify_grid(cap, self._sms, self._verify_blocks_per_sm)
         with OnDevice(self.device_id):
             self._fns[1]((grid,), (VERIFY_THREADS,), self._verify.args, stream=self._streams.get_stream(stream))
+
+    # A call repeated over the same arrays (CanaryRecords keeps it, callviews.Reuse) launches with words of its
+    # own, packed once: no argument is converted again.
+    def prepare_write(self, a: RecordWriteArgs) -> tuple:
+        if self._fns is None:
+            self.warmup()
+        params = Params(WRITE_FIELDS, {**self._fixed, **self._write_words(a)})
+        return self._fns[0], (max(a.plan.write_seed_slot_indices.shape[0], 1),), (WRITE_THREADS,), params.args, params
+
+    def prepare_verify(self, a: RecordVerifyArgs) -> tuple:
+        if self._fns is None:
+            self.warmup()
+        params = Params(VERIFY_FIELDS, {**self._fixed, **self._verify_words(a)})
+        grid = verify_grid(a.plan.verify_slot_indices.shape[0], self._sms, self._verify_blocks_per_sm)
+        return self._fns[1], (grid,), (VERIFY_THREADS,), params.args, params
+
+    def launch_prepared(self, prepared: tuple, stream: int) -> None:
+        fn, grid, block, args, _ = prepared
+        st = self._streams.get(stream) or self._streams.get_stream(stream)
+        dev = cupy.cuda.runtime.getDevice()
+        if dev != self.device_id:
+            cupy.cuda.runtime.setDevice(self.device_id)
+            try:
+                fn(grid, block, args, stream=st)
+            finally:
+                cupy.cuda.runtime.setDevice(dev)
+        else:
+            fn(grid, block, args, stream=st)
 
 
 def bind(state: StateViews, real_kv: RealKV, launch: LaunchConfig = DEFAULT_LAUNCH) -> Bound:

@@ -1,0 +1,358 @@
+"""A stand-in CuPy and CUDA runtime over host memory, so that the GPU backends' host path runs on a machine
+without a GPU: what ``benchmarks/bench_host.py --fake`` and ``tests/manager/test_transfer_fake.py`` use.
+
+:func:`install` puts a fake ``cupy`` (NumPy-backed arrays whose "device pointer" is their host address, kernels
+that launch nothing) into ``sys.modules`` and stubs what the library asks of the CUDA runtime and driver
+(``cuda.bindings``): copies and memsets really move the bytes (every address is host memory), events and
+streams complete at once, no stream is ever capturing. Nothing here models device time: what it measures is
+the host path's own Python cost, and :data:`COUNTS` counts the calls that cost a driver round trip on a real
+GPU (kernel launches, runtime calls, DLPack / CUDA-Array-Interface views), which is what to compare there.
+
+Must be installed before anything imports ``canary.backends.cupy``; never import this next to a real CuPy.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+import types
+from collections import Counter
+
+import numpy as np
+
+COUNTS: Counter = Counter()  # what a real GPU would pay a driver call for, by name
+
+
+# -- arrays ---------------------------------------------------------------------------------------------------
+class _Mem:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class _Device:
+    id = 0
+    attributes = {"MultiProcessorCount": 132}
+
+    def __init__(self, ordinal: int = 0):
+        self.id = int(ordinal)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+_DEVICE0 = _Device(0)
+
+
+class ndarray:  # noqa: N801 - CuPy's name, which the library checks
+    """A CuPy-like array over a NumPy array (its address stands for the device pointer)."""
+
+    __module__ = "cupy._core.core"
+    __slots__ = ("_a", "data")
+
+    def __init__(self, a: np.ndarray):
+        self._a = a
+        self.data = _Mem(a.__array_interface__["data"][0])  # CuPy keeps its MemoryPointer: a plain attribute
+    shape = property(lambda self: self._a.shape)
+    strides = property(lambda self: self._a.strides)
+    itemsize = property(lambda self: self._a.itemsize)
+    dtype = property(lambda self: self._a.dtype)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    nbytes = property(lambda self: self._a.nbytes)
+    device = property(lambda self: _DEVICE0)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self._a.shape, "strides": self._a.strides, "typestr": self._a.dtype.str,
+                "data": (self._a.ctypes.data, False), "version": 3, "stream": None}
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __len__(self):
+        return len(self._a)
+
+    def __getitem__(self, index):
+        return ndarray(np.asarray(self._a[index]))
+
+    def __setitem__(self, index, value):
+        self._a[index] = value._a if isinstance(value, ndarray) else value
+
+    def reshape(self, *shape):
+        out = self._a.reshape(*shape)
+        assert out.size == 0 or np.shares_memory(out, self._a)
+        return ndarray(out)
+
+    def view(self, dtype):
+        return ndarray(self._a.view(dtype))
+
+    def fill(self, value):
+        self._a.fill(value)
+
+    def get(self):
+        return self._a.copy()
+
+    def set(self, host):
+        self._a[...] = host
+
+    def copy(self):
+        return ndarray(self._a.copy())
+
+    def astype(self, dtype):
+        return ndarray(self._a.astype(dtype))
+
+    def __repr__(self):
+        return f"fakecupy.ndarray({self._a!r})"
+
+
+def _wrap(fn):
+    def out(*args, **kwargs):
+        kwargs.pop("stream", None)
+        args = [a._a if isinstance(a, ndarray) else a for a in args]
+        return ndarray(np.asarray(fn(*args, **kwargs)))
+    return out
+
+
+def asarray(a, dtype=None):
+    return a if isinstance(a, ndarray) and dtype is None else ndarray(np.array(
+        a._a if isinstance(a, ndarray) else a, dtype=dtype))
+
+
+def asnumpy(a):
+    return a.get() if isinstance(a, ndarray) else np.asarray(a)
+
+
+def take(a, indices, out=None):
+    np.take(a._a, indices._a, out=None if out is None else out._a)
+    return out
+
+
+class _Stream:
+    def __init__(self, ptr: int = 0):
+        self.ptr = ptr
+
+    def synchronize(self):
+        pass
+
+
+_CURRENT = _Stream(0)
+
+
+def get_current_stream(device_id: int | None = None):
+    COUNTS["cupy.get_current_stream"] += 1
+    return _CURRENT
+
+
+class _Kernel:
+    ptr = 1
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, grid, block, args, stream=None, shared_mem=0):
+        COUNTS["kernel launch"] += 1
+        if self.name in ("canary_write", "canary_verify"):
+            _bump_counter(self.name, args)
+
+
+_COUNTER_AT: dict = {}  # kernel name -> (word index of kernel_run_counter, counter index)
+
+
+def _bump_counter(name: str, args) -> None:
+    """What the manager's health check reads: the kernel's launch counter, one more per launch."""
+    at = _COUNTER_AT.get(name)
+    if at is None:
+        from canary.backends.records_layout import VERIFY_FIELDS, WRITE_FIELDS
+        from canary.records.ring import KernelTag
+
+        fields, tag = (WRITE_FIELDS, KernelTag.WRITE) if name == "canary_write" else (VERIFY_FIELDS, KernelTag.VERIFY)
+        at = _COUNTER_AT[name] = (fields.index("kernel_run_counter"), tag.counter_index)
+    word = ctypes.c_uint64.from_address(args[0].address + 8 * at[0]).value
+    ctypes.c_int64.from_address(word + 8 * at[1]).value += 1
+
+
+class _Function:
+    def __init__(self, name: str):
+        self.kernel = _Kernel(name)
+
+    def __call__(self, *args, **kwargs):
+        self.kernel(*args, **kwargs)
+
+
+class RawModule:
+    def __init__(self, code: str = "", options=()):
+        pass
+
+    def get_function(self, name: str):
+        return _Function(name)
+
+
+class CPointer:
+    def __init__(self, address: int):
+        self.address = address
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+def _get_device():
+    COUNTS["cupy.getDevice"] += 1
+    return 0
+
+
+def _module(name: str, **attrs) -> types.ModuleType:
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    return m
+
+
+# -- CUDA runtime / driver (cuda.bindings) ----------------------------------------------------------------------
+class _Enum:
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
+class FakeRuntime:
+    """The ``cuda.bindings.runtime`` calls the manager makes; each returns ``(err, value...)`` like the real one."""
+
+    cudaError_t = _Enum(cudaSuccess=0, cudaErrorNotReady=600)
+    cudaMemcpyKind = _Enum(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2, cudaMemcpyDeviceToDevice=3)
+    cudaStreamNonBlocking = 1
+    cudaEventDisableTiming = 2
+
+    def __init__(self):
+        self._host: dict[int, np.ndarray] = {}
+        self._next = 1000
+
+    def _count(self, name):
+        COUNTS[f"cuda.{name}"] += 1
+
+    def _handle(self):
+        self._next += 1
+        return self._next
+
+    def cudaMallocHost(self, n):
+        buf = np.zeros(int(n) + 64, dtype=np.uint8)
+        ptr = -(-buf.ctypes.data // 64) * 64
+        self._host[ptr] = buf
+        return 0, ptr
+
+    def cudaFreeHost(self, ptr):
+        self._host.pop(ptr, None)
+        return (0,)
+
+    def cudaEventCreateWithFlags(self, flags):
+        return 0, self._handle()
+
+    def cudaStreamCreateWithFlags(self, flags):
+        return 0, self._handle()
+
+    def cudaEventDestroy(self, e):
+        return (0,)
+
+    def cudaStreamDestroy(self, s):
+        return (0,)
+
+    def cudaStreamSynchronize(self, s):
+        return (0,)
+
+    def cudaGetDevice(self):
+        self._count("cudaGetDevice")
+        return 0, 0
+
+    def cudaSetDevice(self, d):
+        self._count("cudaSetDevice")
+        return (0,)
+
+    def cudaMemcpyAsync(self, dst, src, n, kind, stream):
+        self._count("cudaMemcpyAsync")
+        ctypes.memmove(int(dst), int(src), int(n))
+        return (0,)
+
+    def cudaMemsetAsync(self, ptr, value, n, stream):
+        self._count("cudaMemsetAsync")
+        ctypes.memset(int(ptr), int(value), int(n))
+        return (0,)
+
+    def cudaEventRecord(self, event, stream):
+        self._count("cudaEventRecord")
+        return (0,)
+
+    def cudaStreamWaitEvent(self, stream, event, flags):
+        self._count("cudaStreamWaitEvent")
+        return (0,)
+
+    def cudaEventQuery(self, event):
+        self._count("cudaEventQuery")
+        return (0,)
+
+    def cudaEventSynchronize(self, event):
+        self._count("cudaEventSynchronize")
+        return (0,)
+
+
+RUNTIME = FakeRuntime()
+
+
+def _not_capturing(handle):
+    COUNTS["cuda.cuStreamIsCapturing"] += 1
+    from cuda.bindings import driver
+
+    return driver.CUresult.CUDA_SUCCESS, driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def _device_view(name, obj, stream_ptr):
+    """``adapter._device_view`` for fake arrays: the same view, read off the CUDA Array Interface (on a GPU this
+    is cuda.core's ``StridedMemoryView``, several microseconds a call: counted)."""
+    from canary.interop.adapter import ArrayView, negative_strides
+
+    COUNTS["dlpack/CAI view"] += 1
+    a = obj._a
+    strides = tuple(s // a.itemsize for s in a.strides)
+    if strides and min(strides) < 0:
+        raise negative_strides(name, strides)
+    return ArrayView(name, a.ctypes.data, a.shape, strides, a.dtype, 0, False, obj)
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Install the fakes (idempotent). Call before importing anything of ``canary`` that imports CuPy."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    if "cupy" in sys.modules and not getattr(sys.modules["cupy"], "FAKE", False):
+        raise RuntimeError("fakecuda: a real CuPy is already imported")
+    runtime = _module("cupy.cuda.runtime", getDevice=_get_device, setDevice=lambda d: None,
+                      CUDARuntimeError=CUDARuntimeError, getDeviceCount=lambda: 1)
+    function = _module("cupy.cuda.function", CPointer=CPointer)
+    cuda = _module("cupy.cuda", get_current_stream=get_current_stream, Device=_Device, runtime=runtime,
+                   function=function, Stream=_Stream)
+    cupy = _module("cupy", FAKE=True, ndarray=ndarray, cuda=cuda, RawModule=RawModule, asarray=asarray,
+                   asnumpy=asnumpy, take=take, int64=np.int64, int32=np.int32, uint8=np.uint8,
+                   float16=np.float16, zeros=_wrap(np.zeros), ones=_wrap(np.ones), full=_wrap(np.full),
+                   arange=_wrap(np.arange), empty=_wrap(np.zeros))
+    driver = _module("cupy_backends.cuda.api.driver", occupancyMaxActiveBlocksPerMultiprocessor=lambda *a: 8)
+    sys.modules.update({
+        "cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.cuda.function": function,
+        "cupy_backends": _module("cupy_backends"), "cupy_backends.cuda": _module("cupy_backends.cuda"),
+        "cupy_backends.cuda.api": _module("cupy_backends.cuda.api"), "cupy_backends.cuda.api.driver": driver,
+    })
+    from cuda.bindings import driver as real_driver
+
+    real_driver.cuStreamIsCapturing = _not_capturing
+    import canary.interop.adapter as adapter
+    import canary.manager.transfer as transfer
+
+    adapter._device_view = _device_view
+    transfer._rt = lambda: RUNTIME
+    _INSTALLED = True

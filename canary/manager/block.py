@@ -1,0 +1,62 @@
+"""The manager's report block: every group's violation ring, ring write index, run counters and plan status in
+one device allocation, so that a step's report reaches the host in one device-to-host copy and the write
+indexes are cleared by one memset (a copy and a memset per array cost a driver call each, on every step).
+
+Layout (int64 words): ``[0, G)`` the ``G`` groups' ring write indexes (an int32 in each word's low half, the
+rest never written), then per group ``slot_run_counter`` [2], ``kernel_run_counter`` [2], the plan's ``status``
+(an int32 in one word) and the ring ``[ring_capacity, 8]``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..records.ring import RING_ROW_WORDS
+
+_HEAD = 5  # counters [2] + [2], status
+
+
+def _int32(words: Any) -> Any:
+    """The first int32 of a ``[1]`` int64 array (the low half of the word: CUDA and x86 are little-endian)."""
+    if type(words).__module__.split(".")[0] == "torch":
+        return words.view(__import__("torch").int32)[:1]
+    return words.view(np.int32)[:1]
+
+
+class ReportBlock:
+    """``names``: the groups, in order; ``ring_capacity`` rows each; ``empty(n, dtype)``: the manager's allocator.
+
+    ``groups[i]``: ``(ring, ring_write_index, slot_run_counter, kernel_run_counter, status)`` device views of
+    group ``i``, to bind its canary state and verify plan over. ``words``: the block's length in int64 words
+    (what a snapshot copies); ``index_words``: the leading words holding the write indexes (what is cleared).
+    """
+
+    def __init__(self, names: Sequence[str], ring_capacity: int, empty):
+        g = len(names)
+        cap = int(ring_capacity)
+        per_group = _HEAD + RING_ROW_WORDS * cap
+        self.names = tuple(names)
+        self.index_words = g
+        self.words = g + g * per_group
+        self.array = empty(self.words, np.int64)
+        a = self.array
+        self.groups = []
+        self._slices = []
+        for i in range(g):
+            o = g + i * per_group
+            ring = slice(o + _HEAD, o + per_group)
+            self.groups.append((a[ring].reshape(cap, RING_ROW_WORDS), _int32(a[i:i + 1]), a[o:o + 2],
+                                a[o + 2:o + 4], _int32(a[o + 4:o + 5])))
+            self._slices.append((i, slice(o, o + 2), slice(o + 2, o + 4), o + 4, ring, cap))
+
+    def split(self, host: np.ndarray) -> dict[str, np.ndarray]:
+        """The host copy of the block (``[words]`` int64) as the manager's report names it (views of ``host``)."""
+        out = {}
+        for name, (i, slots, launches, status, ring, cap) in zip(self.names, self._slices):
+            out[f"{name}.index"] = host[i:i + 1].view(np.int32)[:1]
+            out[f"{name}.slots"] = host[slots]
+            out[f"{name}.launches"] = host[launches]
+            out[f"{name}.status"] = host[status:status + 1].view(np.int32)[:1]
+            out[f"{name}.ring"] = host[ring].reshape(cap, RING_ROW_WORDS)
+        return out

@@ -1,0 +1,105 @@
+"""The manager's CUDA transfer path on benchmarks/fakecuda.py (host memory posing as a device), in its own
+process: the fake CuPy must not meet the test session's imports. Run by ``test_transfer_fake.py``.
+
+What runs for real here: every copy and memset of the step (the fake runtime moves the bytes), the report
+block's layout, the reset of the write indexes behind the snapshot, the staging of pool rows, valid lengths and
+expected tokens. The kernels launch nothing (but count their launches), so the test writes a violation row
+into a group's ring itself, as the verify kernel would. Prints ``OK``; a failure is an assertion error.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+import fakecuda  # noqa: E402
+
+fakecuda.install()
+
+import cupy  # noqa: E402 - the fake
+
+from canary import CanaryManager, FailReason, KVGroup  # noqa: E402
+from canary.records.ring import KernelTag, append_rows, encode_tag  # noqa: E402
+
+ROWS, SEQ = 4, 16
+r2t_host = np.arange(ROWS * SEQ, dtype=np.int32).reshape(ROWS, SEQ)
+r2t_host[0] = 0
+r2t = cupy.asarray(r2t_host)
+got = []
+m = CanaryManager([KVGroup(name="full", req_to_token=r2t, num_slots=ROWS * SEQ, verify_capacity=64),
+                   KVGroup(name="draft", req_to_token=r2t, num_slots=ROWS * SEQ, verify_capacity=64,
+                           kv_token_id_vs_position_offset=1)],
+                  max_batch_size=4, device=0, on_violation=got.append, ring_capacity=4)
+m.warmup()
+assert all(g.verify_launch is not None for g in m.groups), "the groups' verifies were not prepared"
+scattered = []
+scatter = m._transfer.scatter
+
+
+def recording_scatter(k, t, stream):
+    upd, u = m._transfer.upd.get(), m._transfer.u_cap  # the staging the scatter reads, copied by then
+    scattered.append((upd[:k].tolist(), upd[3 * u + 1:3 * u + 1 + t].tolist(), upd[2 * u:2 * u + k + 1].tolist(),
+                      upd[u:u + k].tolist()))
+    scatter(k, t, stream)
+
+
+m._transfer.scatter = recording_scatter
+m.add_request("a", [5, 6, 7])
+m.add_request("b", [9])
+a = cupy.asarray
+rpi = a(np.array([2, 1], dtype=np.int64))
+before = dict(req_pool_indices=rpi, prefix_lens=a(np.array([0, 0], dtype=np.int64)),
+              extend_seq_lens=a(np.array([3, 1], dtype=np.int64)))
+after = dict(out_cache_loc=a(np.array([32, 33, 34, 16], dtype=np.int64)),
+             input_ids=a(np.array([5, 6, 7, 9], dtype=np.int64)), positions=a(np.array([0, 1, 2, 0], dtype=np.int64)))
+fakecuda.COUNTS.clear()
+m.before_forward(request_ids=["a", "b"], **before)
+row_a, row_b = m.requests.live["a"].row, m.requests.live["b"].row
+# Both prompts in one scatter: pool rows, flat tokens, offsets, first columns.
+assert scattered == [([row_a, row_b], [5, 6, 7, 9], [0, 3, 4], [0, 0])], scattered
+qv = m._qv.get()
+assert qv[:2].tolist() == [row_a, row_b] and qv[4:6].tolist() == [3, 1], qv  # pool rows, then valid lengths
+
+# What the draft group's verify kernel would do on finding slot 17 (row 1, position 1) corrupt.
+draft = m.groups[1]
+state = draft.state
+row = np.array([[encode_tag(KernelTag.VERIFY, draft.verify_tag), 17, 1, 1, 2, 0, 0, int(FailReason.VERIFY_TOKEN)]])
+append_rows(state.ring._a, state.ring_write_index._a, row)
+m.after_kv_store(**after)
+counts = dict(fakecuda.COUNTS)
+# One step: the pool-row copy and the scatter's tokens host-to-device, the report block and req_pool_indices
+# device-to-host, one memset of the write indexes.
+assert counts["cuda.cudaMemcpyAsync"] == 4 and counts["cuda.cudaMemsetAsync"] == 1, counts
+assert counts["kernel launch"] == 2 * 3 + 1, counts  # plan, verify, write per group, and the scatter
+assert state.ring_write_index.get()[0] == 0, "the write index was not cleared behind the snapshot"
+assert got == [], "reported before the next step"
+m.flush()
+found = [v for vs in got for v in vs]
+assert [(v.group, v.slot, v.position, v.reasons, v.requests) for v in found] == \
+    [("draft", 17, 1, FailReason.VERIFY_TOKEN, (("b", 1),))], [v.line() for v in found]
+s = m.stats()
+assert s["decoded_steps"] == 1, s
+
+# A clean second step reports nothing new; its counters come through the same block.
+m.accept_tokens("a", [8])
+m.before_forward(request_ids=["a", "b"], **before)
+assert m._qv.get()[4:6].tolist() == [4, 1]
+m.after_kv_store(**after)
+m.flush()
+assert len(got) == 1, [v.line() for vs in got for v in vs]
+assert m.stats()["decoded_steps"] == 2
+# Steady state: a staging buffer reused after its step's report was read needs no wait on its event.
+fakecuda.COUNTS.clear()
+for _ in range(4):
+    m.before_forward(request_ids=["a", "b"], **before)
+    m.after_kv_store(**after)
+    m.poll()
+assert "cuda.cudaEventSynchronize" not in fakecuda.COUNTS, dict(fakecuda.COUNTS)
+assert m.stats()["decoded_steps"] == 6 and len(got) == 1
+m.close()
+print("OK")
