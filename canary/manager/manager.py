@@ -23,6 +23,7 @@ from ..interop.streams import is_capturing, launch_stream
 from ..records.api import scatter_expected_tokens
 from ..records.ring import KernelTag, decode
 from .groups import BoundGroup, KVGroup, bind_group, check_groups
+from .layers import verify_layers, write_layers
 from .pool import RequestPool
 from .report import (
     CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, kernel_name, log, log_violations,
@@ -145,6 +146,8 @@ class CanaryManager:
         for g in self.groups:
             g.planner.warmup()
             g.records.warmup()
+            if g.layers is not None:
+                g.layers.warmup()
 
     def close(self) -> None:
         """Free the pinned host buffers and the side stream (GPU); the manager is unusable afterwards."""
@@ -201,6 +204,7 @@ class CanaryManager:
                            req_to_verify_expected_tokens_valid_lens=valid, expected_token_pool_indices=q,
                            stream=stream)
             g.records.verify(g.verify_plan, launch_tag=g.verify_tag, stream=stream)
+            verify_layers(g, stream)
         self._inputs = (req_pool_indices, prefix_lens, extend_seq_lens, bs)
 
     def after_kv_store(self, *, out_cache_loc: Any, input_ids: Any, positions: Any,
@@ -222,6 +226,7 @@ class CanaryManager:
                 loc = out_cache_loc if g.loc_scratch is None else self._translate(g, out_cache_loc)
             g.records.write(g.write_plan, out_cache_loc=loc, input_ids=input_ids, positions=positions,
                             launch_tag=g.write_tag, stream=stream)
+            write_layers(g, loc, stream)
         if not capturing:
             self.end_step(stream=stream)
 
@@ -479,10 +484,13 @@ class CanaryManager:
     def _record(self, g: BoundGroup, v, rec: _StepRecord, data) -> SlotViolation:
         sw = self._sweep.sweeps.get(g.name)
         kernel = "sweep" if sw is not None and v.launch_tag == sw.tag else kernel_name(v)
+        if v.layer is not None:
+            kernel = "verify"  # the layer rotation's verify_layer: the row names its layer
         return SlotViolation(group=g.name, kernel=kernel, slot=v.slot, position=v.position, reasons=v.reasons,
                              requests=self._holders(g, v, rec, data), first_step=rec.index, last_step=rec.index,
                              count=1, stored_token=v.stored_token, expected_token=v.expected_token, raw=v,
-                             steps=[rec.index], prefixes=self._sweep.holders(g.name, v.slot, v.position))
+                             steps=[rec.index], prefixes=self._sweep.holders(g.name, v.slot, v.position),
+                             layer=v.layer)
 
     def _holders(self, g: BoundGroup, v, rec: _StepRecord, data) -> tuple[tuple[Hashable, int], ...]:
         """Requests whose ``req_to_token`` row maps ``v.position`` to ``v.slot`` now: the step's batch rows, then
