@@ -101,3 +101,28 @@ def test_rotation_defaults_and_errors():
     with pytest.raises(ValueError, match=r"^kv-canary: layer_dwell: expected an int in \[1, 2\*\*31\), got 0"):
         CanaryManager([KVGroup(name="g", req_to_token=r2t, num_slots=16, verify_capacity=8, layer_sources=layers,
                                layer_dwell=0)], max_batch_size=2)
+
+
+@pytest.mark.gpu
+def test_cupy_layer_rotation_finds_a_flip_in_the_last_layer_within_num_layers_steps():
+    cupy = pytest.importorskip("cupy")
+    got: list = []
+    num_layers = 4
+    e = ToyEngine(xp=cupy, device=0, num_layers=num_layers, on_violation=got.append)
+    e.add("a", [5, 6, 7, 8])
+    e.add("b", [9, 10])
+    for _ in range(3):
+        e.decode_step(["a", "b"])
+    e.manager.flush()
+    assert got == []
+    layer_now, _ = e.manager.groups[0].layers.cursor()
+    wait = (num_layers - 1 - layer_now) % num_layers
+    first = e.manager.stats()["steps"]
+    e.flip("full", e.slot_of("a", 2), layer=num_layers - 1)
+    for _ in range(num_layers):
+        e.decode_step(["a", "b"])
+    e.manager.flush()
+    found = [v for vs in got for v in vs]
+    assert [(v.layer, v.position, v.reasons, v.requests, v.first_step) for v in found] == \
+        [(num_layers - 1, 2, FailReason.REAL_KV, (("a", 2),), first + wait)]
+    e.manager.close()

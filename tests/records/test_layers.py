@@ -350,3 +350,41 @@ def test_gpu_graph_capture_rotates_on_replay():
         seen.append((c[0], [(x.layer, x.slot) for x in state.drain()]))
     assert sorted(layer for layer, _ in seen) == list(range(L))
     assert [hits for layer, hits in seen if hits] == [[(L - 1, 5)]]
+
+
+@pytest.mark.sim
+@pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda: pip install -e '.[sim]'")
+def test_numba_layer_kernels_compile_for_sm90(monkeypatch):
+    """The twin's layer kernels type and compile (the simulator runs them as Python and cannot tell), in u64
+    arithmetic only, for a tuple of 2 and of 128 word arrays. Runs in a child: this process may hold the simulator."""
+    import subprocess
+    import sys
+
+    code = (
+        "import re\n"
+        "from types import SimpleNamespace\n"
+        "from numba import cuda\n"
+        "import numba.cuda.dispatcher as dispatcher\n"
+        "from numba.cuda.cudadrv import nvvm\n"
+        "if not nvvm.is_available():\n"
+        "    print('NO-NVVM'); raise SystemExit(0)\n"
+        "from canary.backends.sources import numba_kernels\n"
+        "cn = numba_kernels('records_numba')\n"
+        "dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))\n"
+        "for n in (2, 128):\n"
+        "    sig = 'void({})'.format(', '.join(ty.format(n) for _, ty in cn.LAYER_PARAMS))\n"
+        "    for kernel in cn.layer_kernel_functions():\n"
+        "        ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))\n"
+        "        assert kernel.__name__ in ptx\n"
+        "        assert not re.search(r'\\bcvt\\.rn\\.f64|\\.f64\\b', ptx), kernel.__name__\n"
+        "print('OK')\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = f"{root}"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if proc.stdout.strip().endswith("NO-NVVM"):
+        pytest.skip("NVVM unavailable")
+    assert proc.stdout.strip().endswith("OK")
