@@ -153,6 +153,7 @@ class EngineKV:
         # Every layer's K and V stacked; k / v are layer 0's, the real-KV sources (``--num-layers``: the layer
         # rotation gets them all, each layer's bytes the token's bytes XOR the layer).
         self.num_layers = int(num_layers)
+        self.layer_dwell = 1  # the rotation's dwell (a manager client sets its group's)
         self.layer_k = xp.zeros((self.num_layers, self.num_slots // ps, ps, 2, 8), dtype=xp.float16)
         self.layer_v = xp.zeros((self.num_layers, self.num_slots, V_BYTES), dtype=xp.uint8)
         self.k, self.v = self.layer_k[0], self.layer_v[0]
