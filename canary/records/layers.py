@@ -114,8 +114,8 @@ def layer_kv(layer_sources: Any, mode: Any = RealKVMode.ALL) -> LayerKV:
                 raise fail(ValueError, f"layer_sources[{lay}][0]: expected the device of layer_sources[0][0] "
                                        f"({_where(first.device_id)}), got {_where(kv.device_id)}")
             for k, (a, b) in enumerate(zip(first.sources, kv.sources)):
-                for attr in _LAYOUT:
-                    if getattr(a, attr) != getattr(b, attr) and not (attr == "row_stride_bytes" and min(a.rows, b.rows) == 1):
+                for attr in _LAYOUT:  # the kernels read every layer with layer 0's layout
+                    if getattr(a, attr) != getattr(b, attr):
                         raise fail(ValueError, f"layer_sources[{lay}][{k}]: expected {attr} = {getattr(a, attr)}, "
                                                f"as layer_sources[0][{k}] (every layer shares one layout), got "
                                                f"{getattr(b, attr)}")
