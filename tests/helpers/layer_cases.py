@@ -68,7 +68,7 @@ def _sources(case: LayerCase, arrays: list, place) -> tuple[list, list]:
 
 
 def _flip(case: LayerCase, dev: list, k: int, lay: int, row: int, col: int) -> None:
-    target = dev[k][lay] if case.stacked else dev[k][lay]
+    target = dev[k][lay]  # stacked: a view into source k's [L, rows, stride] array; else layer lay's own array
     target[row, col] = int(to_host(target[row, col:col + 1])[0]) ^ 0x40
 
 
