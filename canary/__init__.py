@@ -8,7 +8,8 @@ Planning (SPEC 3, ``canary.plan``): :class:`CanaryPlanner`, :func:`launch_canary
 tokens"), :data:`MISSING_SLOT` (a verify slot meaning "this in-window position's SWA mapping was cleared").
 The canary records (SPEC 4, ``docs/records.md``, ``canary.records``):
 :class:`CanaryState`, :class:`CanaryRecords` (write / verify / drain), :func:`real_kv` / :func:`real_kv_source`
-(real KV bytes to hash), :func:`scatter_expected_tokens`, the decoded ring records (:class:`Violation`,
+(real KV bytes to hash), :class:`CanaryLayers` / :class:`LayerTable` / :func:`layer_kv` (the layer rotation:
+every layer's real KV over time, ``docs/records.md`` 10), :func:`scatter_expected_tokens`, the decoded ring records (:class:`Violation`,
 :class:`FailReason`) and the hashes (:func:`splitmix64`, :func:`mix3`). :func:`to_host` copies any array to
 NumPy (a sync for device arrays). :class:`LaunchConfig`: launch choices at bind time.
 
@@ -24,6 +25,7 @@ from .plan.planner import CanaryPlanner, launch_canary_plan_kernels
 from .plan.plans import MISSING_SLOT, SKIP_SEED, VerifyPlan, WritePlan
 from .records.api import CanaryRecords, scatter_expected_tokens
 from .records.hashes import mix3, splitmix64
+from .records.layers import CanaryLayers, LayerTable, layer_kv
 from .records.realkv import RealKV, RealKVMode, real_kv, real_kv_source
 from .records.ring import (
     DEFAULT_CHECK_FLAGS, CheckFlags, FailReason, Health, KernelTag, RingReport, Violation,
@@ -35,6 +37,7 @@ __all__ = [
     "BackendUnavailableError",
     "CanaryHealthError",
     "CanaryInputError",
+    "CanaryLayers",
     "CanaryManager",
     "CanaryPlanner",
     "CanaryRecords",
@@ -46,6 +49,7 @@ __all__ = [
     "KVGroup",
     "KernelTag",
     "LaunchConfig",
+    "LayerTable",
     "MISSING_SLOT",
     "PlanStatus",
     "RealKV",
@@ -57,6 +61,7 @@ __all__ = [
     "Violation",
     "WritePlan",
     "launch_canary_plan_kernels",
+    "layer_kv",
     "mix3",
     "real_kv",
     "real_kv_source",

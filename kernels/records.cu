@@ -343,3 +343,116 @@ extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) canary_scatter_i64
 extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) canary_scatter_i32(const ScatterParams p) {
     scatter<int>(p);
 }
+
+// ---- The layer rotation (docs/records.md 10; host: canary/records/layers.py; reference:
+// canary/backends/reference/layers.py). A side table layer_hashes[num_slots, num_layers] holds every layer's
+// real-KV fold of each slot (fold_slot above, unchanged, over that layer's sources); write_layers refreshes the
+// table for the step's written slots and advances the device cursor, verify_layer checks one layer a step.
+#define LAYER_THREADS 256
+#define LAYER_KIND_SHIFT 8  // a VERIFY_LAYER row's tag: the layer sits just above the kernel-kind byte
+
+struct LayerParams {
+    StateParams st;
+    RealKVParams kv;                 // the layout shared by every layer; its base[] is replaced per layer
+    const i64* layer_bases;          // [num_layers * num_sources]: source k of layer l at l * num_sources + k
+    i64 num_layers;
+    i64 dwell;                       // steps a layer stays under the cursor (>= 1)
+    i64* layer_hashes;               // [num_slots, num_layers] int64, C-contiguous
+    int* layer_cursor;               // [2]: the layer verify_layer checks, the steps already spent on it
+    const i64* write_offsets;        // write_layers: the step's write plan and out_cache_loc
+    const i64* write_seed_slot_indices;
+    const int* write_num_valid_reqs;
+    i64 write_req_capacity;
+    const i64* out_cache_loc;
+    i64 num_entries;
+    const i64* verify_slot_indices;  // verify_layer: the step's verify plan
+    const i64* verify_expected_tokens;
+    const i64* verify_expected_positions;
+    i64 verify_capacity;
+    const int* verify_num_valid;
+    const int* enable;
+};
+
+// A corrupt cursor (outside [0, num_layers)) reads as layer 0, in both kernels and the reference.
+__device__ __forceinline__ i64 cursor_layer(const LayerParams& p) {
+    const i64 c = (i64)p.layer_cursor[0];
+    return (c >= 0 && c < p.num_layers) ? c : 0;
+}
+
+__device__ __forceinline__ u64 fold_layer(const LayerParams& p, i64 layer, i64 slot) {
+    RealKVParams kv = p.kv;
+#pragma unroll
+    for (int s = 0; s < MAX_SOURCES; ++s)
+        if (s < kv.num_sources) kv.base[s] = reinterpret_cast<const unsigned char*>(p.layer_bases[layer * kv.num_sources + s]);
+    return fold_slot(kv, slot);
+}
+
+// The request owning entry i: the last r < nreq with clamp(write_offsets[r], 0, N) <= i (-1: none), by binary
+// search. The planner's offsets never decrease, so this is the request whose range the write kernel gives i;
+// the reference runs this very search, so garbage offsets give the same answer everywhere.
+__device__ __forceinline__ i64 owner_of(const LayerParams& p, i64 nreq, i64 i) {
+    i64 lo = 0, hi = nreq;
+    while (lo < hi) {
+        const i64 mid = (lo + hi) >> 1;
+        if (clamp64(p.write_offsets[mid], 0, p.num_entries) <= i) lo = mid + 1; else hi = mid;
+    }
+    return lo - 1;
+}
+
+// Grid-stride over (entry, layer) pairs of the step's new tokens: every layer of every slot the write kernel
+// stores (same request ranges, SKIP_SEED and slot rules) is folded into the table. Two entries naming one slot
+// store the same hashes. Thread 0 advances the cursor: this launch follows the step's verify_layer on the
+// stream and reads no cursor itself, so no read of this step can see the new value.
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS) canary_write_layers(const LayerParams p) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        i64 layer = cursor_layer(p);
+        i64 spent = (i64)p.layer_cursor[1] + 1;
+        if (spent >= p.dwell || spent < 1) {
+            layer = (layer + 1) % p.num_layers;
+            spent = 0;
+        }
+        p.layer_cursor[0] = (int)layer;
+        p.layer_cursor[1] = (int)spent;
+    }
+    const i64 n = p.num_entries;
+    const i64 nreq = clamp64((i64)*p.write_num_valid_reqs, 0, p.write_req_capacity);
+    const i64 total = n * p.num_layers;
+    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < total; j += (i64)gridDim.x * blockDim.x) {
+        const i64 i = j / p.num_layers, layer = j % p.num_layers;
+        const i64 r = owner_of(p, nreq, i);
+        if (r < 0 || i >= clamp64(p.write_offsets[r + 1], 0, n) || p.write_seed_slot_indices[r] == SKIP_SEED) continue;
+        const i64 slot = p.out_cache_loc[i];
+        if (slot < 0 || slot >= p.st.num_slots) continue;
+        p.layer_hashes[slot * p.num_layers + layer] = (i64)fold_layer(p, layer, slot);
+    }
+}
+
+// One thread per verify entry (grid-stride), verify's skip rules: enable, padding slot 0, MISSING / out-of-range
+// slots (verify reports those). Layer cursor_layer's fold of each slot against the table; counted in the verify
+// counters like verify.
+extern "C" __global__ void __launch_bounds__(LAYER_THREADS) canary_verify_layer(const LayerParams p) {
+    __shared__ unsigned long long s_processed;
+    const StateParams& st = p.st;
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&st.kernel_run_counter[1], 1ULL);
+    if (*p.enable == 0) return;
+    if (threadIdx.x == 0) s_processed = 0;
+    __syncthreads();
+    const i64 n = clamp64((i64)*p.verify_num_valid, 0, p.verify_capacity);
+    const i64 layer = cursor_layer(p);
+    unsigned long long processed = 0;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 slot = p.verify_slot_indices[i];
+        if (slot == 0) continue;
+        ++processed;
+        if (slot < 0 || slot >= st.num_slots) continue;
+        const u64 stored = (u64)p.layer_hashes[slot * p.num_layers + layer];
+        const u64 fresh = fold_layer(p, layer, slot);
+        if (stored != fresh) {
+            StateParams rs = st;
+            rs.tag = st.tag | (layer << LAYER_KIND_SHIFT);
+            append_row(rs, (u64)slot, (u64)p.verify_expected_positions[i], slot_record(st, slot)[0],
+                       (u64)p.verify_expected_tokens[i], stored, fresh, FAIL_REAL_KV);
+        }
+    }
+    add_block_count(&s_processed, processed, &st.slot_run_counter[1]);
+}

@@ -409,3 +409,146 @@ def canary_kernels(write_threads: int = WRITE_THREADS, verify_threads: int = VER
     for ty in ("int64[::1]", "int32[::1]"):
         out.append(cuda.jit(_signature(scatter_params(ty)), **_jit_options(scatter_threads))(scatter))
     return tuple(out)
+
+
+# ---- The layer rotation: the twin of records.cu's canary_write_layers / canary_verify_layer (docs/records.md 10).
+# Deliberate difference: records.cu reads a device table of per-layer base pointers; Numba has no raw pointers,
+# so the layers' word arrays arrive as one tuple ``layer_words`` (source k of layer l at ``l * num_sources + k``),
+# a kernel argument whose length is part of the compiled signature (compiled once per tuple length).
+LAYER_THREADS = 256
+LAYER_KIND_SHIFT = 8
+_AU64_TUPLE = "UniTuple(uint64[::1], {})"
+LAYER_PARAMS = STATE_PARAMS + (
+    ("kvp", _AI64), ("num_sources", _I64), ("layer_words", _AU64_TUPLE), ("num_layers", _I64), ("dwell", _I64),
+    ("layer_hashes", _AU64), ("layer_cursor", _AI32),
+    ("write_offsets", _AI64), ("write_seed_slot_indices", _AI64), ("write_num_valid_reqs", _AI32),
+    ("write_req_capacity", _I64), ("out_cache_loc", _AI64), ("num_entries", _I64),
+    ("verify_slot_indices", _AI64), ("verify_expected_tokens", _AI64), ("verify_expected_positions", _AI64),
+    ("verify_capacity", _I64), ("verify_num_valid", _AI32), ("enable", _AI32),
+)
+
+
+@cuda.jit(device=True)
+def cursor_layer(layer_cursor, num_layers):
+    """A corrupt cursor (outside [0, num_layers)) reads as layer 0 (records.cu's cursor_layer)."""
+    c = int64(layer_cursor[0])
+    return c if c >= 0 and c < num_layers else int64(0)
+
+
+@cuda.jit(device=True)
+def fold_layer(layer_words, kvp, num_sources, layer, slot):
+    """fold_slot over layer ``layer``'s sources (absent ones are a repeat of the first: never read)."""
+    b = layer * num_sources
+    last = num_sources - 1
+    return fold_slot(layer_words[b], layer_words[b + min(1, last)], layer_words[b + min(2, last)],
+                     layer_words[b + min(3, last)], kvp, num_sources, slot)
+
+
+@cuda.jit(device=True)
+def owner_of(write_offsets, nreq, num_entries, i):
+    """The last request r < nreq whose clamped start is <= i (-1: none), records.cu's binary search."""
+    lo = int64(0)
+    hi = nreq
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if clamp64(write_offsets[mid], int64(0), num_entries) <= i:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@functools.lru_cache(maxsize=None)
+def layer_kernel_functions(threads: int = LAYER_THREADS):
+    """The plain Python kernels ``(canary_write_layers, canary_verify_layer)`` for a block size (a power of two)."""
+    T = int(threads)
+    if T < 1 or T & (T - 1):
+        raise ValueError(f"threads: expected a power of two, got {T}")
+
+    @cuda.jit(device=True)
+    def add_block_count(mine, counter, index):
+        # kernel_functions' block count, for this block size (a tree sum through shared memory).
+        part = cuda.shared.array(T, uint64)
+        t = cuda.threadIdx.x
+        part[t] = mine
+        cuda.syncthreads()
+        d = T // 2
+        while d > 0:
+            if t < d:
+                part[t] += part[t + d]
+            cuda.syncthreads()
+            d //= 2
+        if t == 0 and part[0] != U0:
+            cuda.atomic.add(counter, index, part[0])
+
+    def canary_write_layers(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity,
+                            ring_write_index, slot_run_counter, kernel_run_counter, check_flags, tag, kvp, num_sources,
+                            layer_words, num_layers, dwell, layer_hashes, layer_cursor, write_offsets,
+                            write_seed_slot_indices, write_num_valid_reqs, write_req_capacity, out_cache_loc,
+                            num_entries, verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+                            verify_capacity, verify_num_valid, enable):
+        """Any grid: grid-stride over (entry, layer) pairs; thread 0 advances the cursor (records.cu)."""
+        if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            layer = cursor_layer(layer_cursor, num_layers)
+            spent = int64(layer_cursor[1]) + 1
+            if spent >= dwell or spent < 1:
+                layer = (layer + 1) % num_layers
+                spent = int64(0)
+            layer_cursor[0] = int32(layer)
+            layer_cursor[1] = int32(spent)
+        nreq = clamp64(int64(write_num_valid_reqs[0]), int64(0), write_req_capacity)
+        total = num_entries * num_layers
+        j = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+        stride = int64(cuda.gridDim.x) * cuda.blockDim.x
+        while j < total:
+            i = j // num_layers
+            layer = j % num_layers
+            r = owner_of(write_offsets, nreq, num_entries, i)
+            if r >= 0 and i < clamp64(write_offsets[r + 1], int64(0), num_entries) and \
+                    write_seed_slot_indices[r] != SKIP_SEED:
+                slot = out_cache_loc[i]
+                if slot >= 0 and slot < num_slots:
+                    layer_hashes[slot * num_layers + layer] = fold_layer(layer_words, kvp, num_sources, layer, slot)
+            j += stride
+
+    def canary_verify_layer(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity,
+                            ring_write_index, slot_run_counter, kernel_run_counter, check_flags, tag, kvp, num_sources,
+                            layer_words, num_layers, dwell, layer_hashes, layer_cursor, write_offsets,
+                            write_seed_slot_indices, write_num_valid_reqs, write_req_capacity, out_cache_loc,
+                            num_entries, verify_slot_indices, verify_expected_tokens, verify_expected_positions,
+                            verify_capacity, verify_num_valid, enable):
+        """Any grid: one thread per verify entry, grid-stride (records.cu's canary_verify_layer)."""
+        if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            cuda.atomic.add(kernel_run_counter, 1, U1)
+        if enable[0] == 0:
+            return
+        n = clamp64(int64(verify_num_valid[0]), int64(0), verify_capacity)
+        layer = cursor_layer(layer_cursor, num_layers)
+        row_tag = tag | (uint64(layer) << uint64(LAYER_KIND_SHIFT))
+        processed = U0
+        i = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+        stride = int64(cuda.gridDim.x) * cuda.blockDim.x
+        while i < n:
+            slot = verify_slot_indices[i]
+            if slot != 0:
+                processed += U1
+                if slot > 0 and slot < num_slots:
+                    stored = layer_hashes[slot * num_layers + layer]
+                    fresh = fold_layer(layer_words, kvp, num_sources, layer, slot)
+                    if stored != fresh:
+                        append_row(ring, ring_row_stride, ring_capacity, ring_write_index, row_tag, uint64(slot),
+                                   uint64(verify_expected_positions[i]), canary[slot * slot_stride_words],
+                                   uint64(verify_expected_tokens[i]), stored, fresh, uint64(FAIL_REAL_KV))
+            i += stride
+        add_block_count(processed, slot_run_counter, 1)
+
+    return canary_write_layers, canary_verify_layer
+
+
+@functools.lru_cache(maxsize=None)
+def layer_kernels(num_arrays: int, threads: int = LAYER_THREADS):
+    """``(canary_write_layers, canary_verify_layer)`` compiled eagerly for a ``layer_words`` tuple of
+    ``num_arrays`` arrays (``num_layers * num_sources``)."""
+    sig = "void({})".format(", ".join(ty.format(int(num_arrays)) for _, ty in LAYER_PARAMS))
+    write, verify = layer_kernel_functions(int(threads))
+    return (cuda.jit(sig, **_jit_options(threads))(write), cuda.jit(sig, **_jit_options(threads))(verify))

@@ -15,6 +15,7 @@ from ..plan.plans import VerifyPlan, WritePlan
 from ..records.api import CanaryRecords
 from ..records.realkv import RealKVMode, real_kv
 from ..records.state import CanaryState
+from .layers import bind_layers
 
 
 @dataclass(kw_only=True)
@@ -35,6 +36,12 @@ class KVGroup:
     - ``sweep_budget``: cached-prefix entries this group verifies per step (docs/integration.md 5b); ``None``
       takes the manager's ``sweep_budget``, 0 turns the sweep off. Sliding-window groups are not swept.
     - ``on_overflow``: ``"sample"`` (default) or ``"skip"``, as for :class:`canary.CanaryPlanner`.
+    - ``layer_sources``: the layer rotation (docs/integration.md 5c): one item per layer, each that layer's
+      sources as ``real_kv_sources`` takes them (``[[(k[l], page_size, nbytes), (v[l], page_size, nbytes)] for l
+      in range(num_layers)]``); every layer with the same layout. ``()``: no rotation.
+      ``layer_real_kv_mode``: ``"all"`` (default) or ``"partial"``. ``layer_rotation``: ``None`` (default: on
+      when two or more layers are given), ``True`` or ``False``. ``layer_dwell``: steps each layer stays under
+      the cursor (1; with sampled verification, the sampling bound K: docs/integration.md 5c).
     """
 
     name: str
@@ -49,6 +56,17 @@ class KVGroup:
     padding_rows_carry_tokens: bool = False
     sweep_budget: int | None = None
     on_overflow: str = "sample"  # the planner's (SPEC 3.7): "skip" verifies nothing on a step over the budget
+    layer_sources: Sequence[Any] = ()
+    layer_real_kv_mode: Any = RealKVMode.ALL
+    layer_rotation: bool | None = None
+    layer_dwell: int = 1
+
+    @property
+    def rotates_layers(self) -> bool:
+        """Whether the manager binds the layer rotation for this group."""
+        if self.layer_rotation is None:
+            return len(self.layer_sources) >= 2
+        return bool(self.layer_rotation)
 
     @property
     def kind(self) -> str:
@@ -98,6 +116,7 @@ class BoundGroup:
     planner: CanaryPlanner
     records: CanaryRecords
     loc_scratch: Any = None  # SWA groups: the step's out_cache_loc translated to SWA slots
+    layers: Any = None  # the layer rotation (canary/records/layers.py CanaryLayers), or None
     scheduled: int = field(default=0)  # steps since the last report that listed this group
     verify_launch: Any = None  # records.prepare_verify of verify_plan (manager.warmup), when the backend has one
 
@@ -144,4 +163,4 @@ def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: st
     )
     records = CanaryRecords(state, real_kv(spec.real_kv_sources, spec.real_kv_mode), backend=backend)
     scratch = empty(max_step_tokens, np.int64) if spec.full_to_swa_index_mapping is not None else None
-    return BoundGroup(index, spec, vp, wp, state, planner, records, scratch)
+    return BoundGroup(index, spec, vp, wp, state, planner, records, scratch, layers=bind_layers(index, spec, records))

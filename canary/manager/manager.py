@@ -22,6 +22,7 @@ from ..interop.hostcopy import to_host
 from ..interop.streams import LaunchStream, is_capturing, launch_stream
 from ..records.ring import KernelTag, decode
 from .groups import BoundGroup, KVGroup, bind_group, check_groups
+from .layers import verify_layers, write_layers
 from .pool import RequestPool
 from .report import (
     CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, kernel_name, log, log_violations,
@@ -145,6 +146,8 @@ class CanaryManager:
         for g in self.groups:
             g.planner.warmup()
             g.records.warmup()
+            if g.layers is not None:
+                g.layers.warmup()
         self._prepare_verifies(self._launch(None)[1])
 
     def _prepare_verifies(self, stream: Any) -> None:
@@ -219,6 +222,7 @@ class CanaryManager:
                 g.records.launch_prepared(g.verify_launch, stream=st)
             else:
                 g.records.verify(g.verify_plan, launch_tag=g.verify_tag, stream=st)
+            verify_layers(g, st)
         # The report copies req_pool_indices through the planner's view of it (ordered on this stream).
         rpi = sel[0].planner.last_step.req_pool_indices if sel else as_view(req_pool_indices, "req_pool_indices")
         self._inputs = (rpi, bs)
@@ -243,6 +247,7 @@ class CanaryManager:
                 loc = out_cache_loc if g.loc_scratch is None else self._translate(g, out_cache_loc)
             g.records.write(g.write_plan, out_cache_loc=loc, input_ids=input_ids, positions=positions,
                             launch_tag=g.write_tag, stream=st)
+            write_layers(g, loc, st)
         if not capturing:
             self._end(handle, st)
 
@@ -492,10 +497,13 @@ class CanaryManager:
     def _record(self, g: BoundGroup, v, rec: _StepRecord, data) -> SlotViolation:
         sw = self._sweep.sweeps.get(g.name)
         kernel = "sweep" if sw is not None and v.launch_tag == sw.tag else kernel_name(v)
+        if v.layer is not None:
+            kernel = "verify"  # the layer rotation's verify_layer: the row names its layer
         return SlotViolation(group=g.name, kernel=kernel, slot=v.slot, position=v.position, reasons=v.reasons,
                              requests=self._holders(g, v, rec, data), first_step=rec.index, last_step=rec.index,
                              count=1, stored_token=v.stored_token, expected_token=v.expected_token, raw=v,
-                             steps=[rec.index], prefixes=self._sweep.holders(g.name, v.slot, v.position))
+                             steps=[rec.index], prefixes=self._sweep.holders(g.name, v.slot, v.position),
+                             layer=v.layer)
 
     def _holders(self, g: BoundGroup, v, rec: _StepRecord, data) -> tuple[tuple[Hashable, int], ...]:
         """Requests whose ``req_to_token`` row maps ``v.position`` to ``v.slot`` now: the step's batch rows, then

@@ -29,6 +29,8 @@ class SlotViolation:
     - ``stored_token``, ``expected_token`` (-1: none), ``raw``: the first ring row (:class:`~canary.Violation`).
     - ``prefixes``: ``(key, position)`` of every cached prefix registered for the sweep that holds the slot at
       that position when the report was decoded (``kernel == "sweep"``: a cached block no request was reading).
+    - ``layer``: the layer whose KV bytes changed, for a ``REAL_KV`` violation found by the layer rotation
+      (docs/integration.md 5c); ``None`` otherwise (the main verify's real-KV check covers its own sources).
     """
 
     group: str
@@ -45,6 +47,7 @@ class SlotViolation:
     raw: Violation
     steps: list[int] = field(default_factory=list)
     prefixes: tuple[tuple[Hashable, int], ...] = ()
+    layer: int | None = None
 
     @property
     def reason_names(self) -> tuple[str, ...]:
@@ -64,7 +67,8 @@ class SlotViolation:
         # Only sweep-era reports carry the field, so the line of a manager without a sweep keeps its format.
         cached = ",".join(f"{key}@{pos}" for key, pos in self.prefixes)
         cached = f" prefixes={cached}" if cached else ""
-        return (f"kv-canary: violation group={self.group} kernel={self.kernel} step={self.first_step} "
+        layer = f" layer={self.layer}" if self.layer is not None else ""  # layer rows only: other lines keep their format
+        return (f"kv-canary: violation group={self.group} kernel={self.kernel}{layer} step={self.first_step} "
                 f"slot={self.slot} position={self.position} reasons={'|'.join(self.reason_names) or 'NONE'} "
                 f"stored_token={self.stored_token} expected_token={self.expected_token} requests={reqs}{cached} "
                 f"count={self.count}")

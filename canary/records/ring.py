@@ -77,14 +77,19 @@ _ALL_REASONS = sum(int(b) for b in FailReason)  # a corrupt row's unknown bits a
 
 
 class KernelTag(enum.IntEnum):
-    """Which kernel wrote a ring row (low 8 bits of the tag column); ``tag - 1`` indexes the counters."""
+    """Which kernel wrote a ring row (low 8 bits of the tag column); ``tag - 1`` indexes the counters.
+
+    ``VERIFY_LAYER`` (the layer rotation, :mod:`canary.records.layers`) counts in the verify counters, and its
+    rows carry the layer in the low :data:`LAYER_BITS` bits of their launch tag (:func:`encode_layer_tag`).
+    """
 
     WRITE = 1
     VERIFY = 2
+    VERIFY_LAYER = 3
 
     @property
     def counter_index(self) -> int:
-        return int(self) - 1
+        return 1 if self == KernelTag.VERIFY_LAYER else int(self) - 1
 
 
 class CheckFlags(enum.IntFlag):
@@ -130,6 +135,22 @@ def encode_tag(kind: KernelTag, launch_tag: int = 0) -> int:
     return (int(launch_tag) << KIND_BITS) | int(kind)
 
 
+LAYER_BITS = 16  # VERIFY_LAYER rows: the layer below the caller's launch tag
+MAX_LAYERS = 1 << LAYER_BITS
+MAX_LAYER_LAUNCH_TAG = MAX_LAUNCH_TAG >> LAYER_BITS
+
+
+def encode_layer_tag(launch_tag: int = 0) -> int:
+    """The tag column of a ``VERIFY_LAYER`` row for layer 0: ``((launch_tag << 16) << 8) | 3``; the kernel ORs
+    ``layer << 8`` into it. ``launch_tag`` is in [0, 2**39). Raises ``TypeError`` / ``ValueError``."""
+    if isinstance(launch_tag, bool) or not isinstance(launch_tag, (int, np.integer)):
+        raise fail(TypeError, f"launch_tag: expected an int, got {type(launch_tag).__name__}")
+    if not 0 <= int(launch_tag) <= MAX_LAYER_LAUNCH_TAG:
+        raise fail(ValueError, f"launch_tag: expected an int in [0, {MAX_LAYER_LAUNCH_TAG}] (layer rows keep "
+                               f"{LAYER_BITS} bits of it for the layer), got {launch_tag}")
+    return encode_tag(KernelTag.VERIFY_LAYER, int(launch_tag) << LAYER_BITS)
+
+
 @dataclass(frozen=True)
 class Health:
     """Health counters: entries processed and launches, per kernel."""
@@ -158,6 +179,7 @@ class Violation:
     stored_chain_hash: int
     expected_aux: int
     reasons: FailReason
+    layer: int | None = None  # VERIFY_LAYER rows: the layer whose bytes changed (launch_tag is then the caller's)
 
     @property
     def reason_names(self) -> tuple[str, ...]:
@@ -176,6 +198,8 @@ class Violation:
     def __str__(self) -> str:
         kind = self.kernel.name.lower() if isinstance(self.kernel, KernelTag) else f"kind{self.kernel}"
         tag = f"[{self.launch_tag}]" if self.launch_tag else ""
+        if self.layer is not None:
+            tag += f" layer {self.layer}"
         parts = [f"{kind}{tag} slot {self.slot} pos {self.position}: {'|'.join(self.reason_names) or 'NONE'}",
                  f"token {self.stored_token}"]
         if self.expected_token != -1:
@@ -218,9 +242,12 @@ def decode_row(row: np.ndarray) -> Violation:
         kernel: KernelTag | int = KernelTag(kind)
     except ValueError:
         kernel = kind
+    launch_tag, layer = tag >> KIND_BITS, None
+    if kernel == KernelTag.VERIFY_LAYER:
+        launch_tag, layer = launch_tag >> LAYER_BITS, launch_tag & (MAX_LAYERS - 1)
     return Violation(
         kernel=kernel,
-        launch_tag=tag >> KIND_BITS,
+        launch_tag=launch_tag,
         slot=int(row[COL_SLOT]),
         position=int(row[COL_POSITION]),
         stored_token=int(row[COL_STORED_TOKEN]),
@@ -228,6 +255,7 @@ def decode_row(row: np.ndarray) -> Violation:
         stored_chain_hash=int(row[COL_STORED_HASH]),
         expected_aux=int(row[COL_EXPECTED_AUX]),
         reasons=FailReason(int(row[COL_REASONS]) & _ALL_REASONS),
+        layer=layer,
     )
 
 

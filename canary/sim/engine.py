@@ -138,6 +138,7 @@ class EngineKV:
         check_flags: CheckFlags | int = DEFAULT_CHECK_FLAGS,
         pool_by_request: bool = True,
         own_canary: bool = True,
+        num_layers: int = 1,
     ):
         self.sched = sched
         self.xp = xp
@@ -149,8 +150,13 @@ class EngineKV:
         self.r2t = sched.req_to_token  # host; faults edit it, the caller mirrors it to the device
         self.lut = sched.full_to_swa_index_mapping
         self.prev_r2t = self.r2t.copy()  # req_to_token before the current step's allocation (stale-row faults)
-        self.k = xp.zeros((self.num_slots // ps, ps, 2, 8), dtype=xp.float16)
-        self.v = xp.zeros((self.num_slots, V_BYTES), dtype=xp.uint8)
+        # Every layer's K and V stacked; k / v are layer 0's, the real-KV sources (``--num-layers``: the layer
+        # rotation gets them all, each layer's bytes the token's bytes XOR the layer).
+        self.num_layers = int(num_layers)
+        self.layer_dwell = 1  # the rotation's dwell (a manager client sets its group's)
+        self.layer_k = xp.zeros((self.num_layers, self.num_slots // ps, ps, 2, 8), dtype=xp.float16)
+        self.layer_v = xp.zeros((self.num_layers, self.num_slots, V_BYTES), dtype=xp.uint8)
+        self.k, self.v = self.layer_k[0], self.layer_v[0]
         self.real_kv = real_kv([(self.k, ps, K_BYTES), (self.v, 1, V_BYTES, V_READ)], mode)
         self.state = self.canary = None
         if own_canary:  # False: a CanaryManager client (replay_manager.py), whose manager owns the canary
@@ -207,10 +213,16 @@ class EngineKV:
         raw = int(self.r2t[row, pos])
         return raw if self.lut is None else int(self.lut[raw])
 
-    def kv_token_bytes(self, slot: int) -> Any:
-        """A writable view of the K bytes of ``slot`` (for fault injection)."""
+    def layer_sources(self) -> list:
+        """Per-layer real-KV sources for the layer rotation (``KVGroup(layer_sources=...)``)."""
         ps = self.page_size
-        return self.k.view(self.xp.uint8).reshape(-1, ps, K_BYTES)[slot // ps, slot % ps]
+        return [[(self.layer_k[i], ps, K_BYTES), (self.layer_v[i], 1, V_BYTES, V_READ)]
+                for i in range(self.num_layers)]
+
+    def kv_token_bytes(self, slot: int, layer: int = 0) -> Any:
+        """A writable view of the K bytes of ``slot`` in ``layer`` (for fault injection)."""
+        ps = self.page_size
+        return self.layer_k[layer].view(self.xp.uint8).reshape(-1, ps, K_BYTES)[slot // ps, slot % ps]
 
     def entries(self, step: Step, req_to_token: Any, lut: Any) -> StepData:
         """The step's write entries, built on ``xp`` from the planner's own (device) tables."""
@@ -241,6 +253,10 @@ class EngineKV:
         kb = self.k.view(self.xp.uint8).reshape(-1, ps, K_BYTES)
         kb[slots // ps, slots % ps] = b[:, :K_BYTES]
         self.v[slots] = b[:, K_BYTES:]
+        for layer in range(1, self.num_layers):
+            kb = self.layer_k[layer].view(self.xp.uint8).reshape(-1, ps, K_BYTES)
+            kb[slots // ps, slots % ps] = b[:, :K_BYTES] ^ layer
+            self.layer_v[layer][slots] = b[:, K_BYTES:] ^ layer
 
     def run(
         self,

@@ -1,6 +1,6 @@
 """Fault injectors for the simulated engine (:mod:`canary.sim.engine`): the corruptions the canary must catch.
 
-Nine kinds, each a hook on one step (``KIND@STEP`` on the command line):
+Ten kinds, each a hook on one step (``KIND@STEP`` on the command line):
 
 | kind | when | what |
 | --- | --- | --- |
@@ -13,6 +13,7 @@ Nine kinds, each a hook on one step (``KIND@STEP`` on the command line):
 | ``swa-evict`` | after the write | the LUT entry of a running request's cached position inside its window is cleared |
 | ``spec-reject`` | before the write | a decoding request's new token is a rejected draft: KV and record (and the write's assert) get the draft, the pool the accepted token |
 | ``row-recycle`` | after the write | a running request's ``req_to_token`` row gets another running request's slots (the row reused while still read) |
+| ``kv-flip-last`` | after the write | as ``kv-flip``, in the last layer's K bytes (``--num-layers`` >= 2: only the layer rotation reads them), at a request running ``dwell * L`` more tokens |
 
 ``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the
 request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never
@@ -94,6 +95,24 @@ def _kv_flip(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
         q = (lo + end) // 2
         slot = kv.host_slot(int(d.rows[i]), q)
         kv.kv_token_bytes(slot)[5] ^= 0x04
+        _record(f, d, slot=slot, position=q, requests=(i,), slots=(slot,))
+        return True
+    return False
+
+
+def _kv_flip_last(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    # The rotation reaches the last layer within layer_dwell * num_layers steps: pick a request running that long.
+    if kv.num_layers < 2:
+        f.needs = "--num-layers >= 2"
+        return False
+    for i in _candidates(d, taken):
+        end = int(d.prefix[i] + d.extend[i])
+        lo = window_start(end, kv.window)
+        if end - lo < 4 or int(kv.sched.kv_len[d.step.request_ids[i]]) - end < kv.layer_dwell * kv.num_layers + 1:
+            continue
+        q = (lo + end) // 2
+        slot = kv.host_slot(int(d.rows[i]), q)
+        kv.kv_token_bytes(slot, kv.num_layers - 1)[5] ^= 0x04
         _record(f, d, slot=slot, position=q, requests=(i,), slots=(slot,))
         return True
     return False
@@ -269,6 +288,7 @@ KINDS: dict[str, tuple[str, Apply]] = {
     "swa-evict": (AFTER_WRITE, _swa_evict),
     "spec-reject": (BEFORE_WRITE, _spec_reject),
     "row-recycle": (AFTER_WRITE, _row_recycle),
+    "kv-flip-last": (AFTER_WRITE, _kv_flip_last),
 }
 
 

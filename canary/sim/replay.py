@@ -136,6 +136,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inject", action="append", type=parse_inject, default=[], metavar="KIND@STEP",
                    help=f"inject a fault at STEP (or the first later step where it applies); KIND: {', '.join(KINDS)}; "
                    "repeatable; not with --plan-only")
+    p.add_argument("--num-layers", type=_size, default=1, metavar="L",
+                   help="KV layers of the simulated model; L >= 2 turns on the layer rotation (docs/integration.md "
+                   "5c; default 1: layer 0 only, as SGLang)")
+    p.add_argument("--layer-dwell", type=_size, default=1, metavar="D",
+                   help="steps each layer stays under the rotation's cursor (with --num-layers; use the sampling "
+                   "bound when the verify samples: docs/integration.md 5c; default 1)")
     p.add_argument("--json", type=_json_path, metavar="PATH",
                    help="also write the summary as JSON to PATH (its directory must exist)")
 
@@ -467,7 +473,8 @@ def _canary(args, sched: Scheduler, arrays: _Arrays, dev_r2t: Any, dev_lut: Any,
     """The canary side of the replay: the simulated engine as a :class:`canary.CanaryManager` client."""
     device = "cpu" if arrays.kind == "host" else arrays.xp.cuda.Device().id
     return ManagerReplay(sched, xp=arrays.xp, device=device, backend=args.backend, faults=args.inject,
-                         req_to_token=dev_r2t, lut=dev_lut, verify_capacity=cap, on_overflow=args.on_overflow)
+                         req_to_token=dev_r2t, lut=dev_lut, verify_capacity=cap, on_overflow=args.on_overflow,
+                         num_layers=args.num_layers, layer_dwell=args.layer_dwell)
 
 
 def _table(s: dict, Table) -> Any:

@@ -37,9 +37,12 @@ class ManagerReplay(CanaryReplay):
     step (the replay then checks the manager's plans), :meth:`finish_step` stores the KV and writes the records."""
 
     def __init__(self, sched: Scheduler, *, xp: Any, device: Any, backend: str, faults: list[Fault],
-                 req_to_token: Any, lut: Any, verify_capacity: int, on_overflow: str):
+                 req_to_token: Any, lut: Any, verify_capacity: int, on_overflow: str, num_layers: int = 1,
+                 layer_dwell: int = 1):
         # The engine's KV buffers and fault hooks; its own canary is not used (the manager has one).
-        self.kv = EngineKV(sched, xp=xp, device=device, backend=backend, with_pool=False, own_canary=False)
+        self.kv = EngineKV(sched, xp=xp, device=device, backend=backend, with_pool=False, own_canary=False,
+                           num_layers=num_layers)
+        self.kv.layer_dwell = layer_dwell
         self.kv.pool_by_request = True  # what the faults must assume: the manager keys its pool by request
         self.injector = Injector(list(faults))
         self.faults = self.injector.faults
@@ -60,7 +63,8 @@ class ManagerReplay(CanaryReplay):
             [KVGroup(name=self.name, req_to_token=req_to_token, num_slots=self.kv.num_slots,
                      verify_capacity=verify_capacity, on_overflow=on_overflow,
                      real_kv_sources=[(self.kv.k, ps, K_BYTES), (self.kv.v, 1, V_BYTES, V_READ)],
-                     swa_window_size=self.kv.window, full_to_swa_index_mapping=lut)],
+                     swa_window_size=self.kv.window, full_to_swa_index_mapping=lut,
+                     layer_sources=self.kv.layer_sources() if num_layers > 1 else (), layer_dwell=layer_dwell)],
             max_batch_size=sched.max_batch_size, device=device, backend=backend, on_violation=self._collect,
             ring_capacity=RING_CAPACITY, max_step_tokens=max(4096, step_tokens))
         self.manager.warmup()

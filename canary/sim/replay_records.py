@@ -141,6 +141,7 @@ class CanaryReplay:
             "drain_every_steps": 1,
             "ring_capacity": self.health_state.ring.shape[0],
             "real_kv_mode": self.kv.real_kv.mode.name,
+            "num_layers": self.kv.num_layers,
             "violations": self.total,
             "dropped": self.dropped,
             "unattributed_violations": self.unattributed_count,

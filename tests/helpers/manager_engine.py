@@ -26,7 +26,7 @@ def kv_row(req: int, pos: int, token: int) -> np.ndarray:
 
 class ToyEngine:
     def __init__(self, *, xp: Any = np, groups=("full",), device: Any = "cpu", backend: str = "auto",
-                 library: str | None = None, **manager_kw):
+                 library: str | None = None, num_layers: int = 1, **manager_kw):
         self.xp = xp
         self.r2t_host = np.zeros((MAX_REQS, MAX_SEQ_LEN), dtype=np.int32)
         self.req_to_token = xp.asarray(self.r2t_host)
@@ -37,12 +37,19 @@ class ToyEngine:
         lut[1:] = perm  # full slot -> SWA slot (slot 0 stays the padding slot)
         self.lut_host = lut
         self.lut = xp.asarray(lut)
-        self.kv = {g: (xp.zeros((NUM_SLOTS, BYTES), dtype=xp.uint8), xp.zeros((NUM_SLOTS, BYTES), dtype=xp.uint8))
-                   for g in groups}
+        # Every layer's K and V, stacked [num_layers, slots, bytes]; the real-KV sources are layer 0's (SGLang's),
+        # and with several layers the layer rotation gets them all.
+        self.num_layers = num_layers
+        self.layers = {g: (xp.zeros((num_layers, NUM_SLOTS, BYTES), dtype=xp.uint8),
+                           xp.zeros((num_layers, NUM_SLOTS, BYTES), dtype=xp.uint8)) for g in groups}
+        self.kv = {g: (k[0], v[0]) for g, (k, v) in self.layers.items()}
         specs = []
         for g in groups:
             k, v = self.kv[g]
             extra = {}
+            if num_layers > 1:
+                lk, lv = self.layers[g]
+                extra["layer_sources"] = [[(lk[i], 1, BYTES), (lv[i], 1, BYTES)] for i in range(num_layers)]
             if g == "swa":
                 extra = dict(swa_window_size=WINDOW, full_to_swa_index_mapping=self.lut)
             elif g == "draft":
@@ -123,12 +130,13 @@ class ToyEngine:
 
     def store(self, groups, loc, owners, tok, pos) -> None:
         for g in groups:
-            k, v = self.kv[g]
+            k, v = self.layers[g]
             for s, rid, t, p in zip(loc, owners, tok, pos):
                 slot = int(self.lut_host[s]) if g == "swa" else s
                 row = kv_row(hash(rid) & 0xFFFF, p, t)
-                k[slot] = self.xp.asarray(row)
-                v[slot] = self.xp.asarray(row[::-1].copy())
+                for layer in range(self.num_layers):  # layer 0's bytes are the row itself
+                    k[layer, slot] = self.xp.asarray(row ^ np.uint8(layer))
+                    v[layer, slot] = self.xp.asarray(row[::-1] ^ np.uint8(layer))
 
     def accept(self, rid, tokens) -> None:
         self.reqs[rid]["tokens"] += list(tokens)
@@ -145,10 +153,10 @@ class ToyEngine:
         s = int(self.r2t_host[self.reqs[rid]["row"], pos])
         return int(self.lut_host[s]) if group == "swa" else s
 
-    def flip(self, group: str, slot: int) -> None:
-        """Corrupt one bit of a slot's K bytes (what a stray write would do)."""
-        k = self.kv[group][0]
-        k[slot, 3] = k[slot, 3] ^ 0x10
+    def flip(self, group: str, slot: int, layer: int = 0) -> None:
+        """Corrupt one bit of a slot's K bytes in ``layer`` (what a stray write would do)."""
+        k = self.layers[group][0]
+        k[layer, slot, 3] = k[layer, slot, 3] ^ 0x10
 
 
 def ids_for(batch, reqs, loc) -> list:

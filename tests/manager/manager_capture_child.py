@@ -6,6 +6,10 @@ eagerly; then ``before_forward`` and ``after_kv_store`` of a decode step are cap
 each later step refills the buffers in place, calls ``begin_step`` before the replay and ``end_step`` after it.
 Clean steps must report nothing and advance the counters; a flipped KV bit must be reported, naming the request.
 Prints ``OK``; any failure is an assertion error (non-zero exit).
+
+``python manager_capture_child.py LIBRARY layers``: the same with 3 layers of K bytes and the layer rotation on
+(``KVGroup(layer_sources=...)``); the flipped bit is in the last layer, which only the rotation reads: it must be
+reported once within 3 replays, naming the layer (the device cursor rotates across graph replays).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import sys
 import numpy as np
 
 LIB = sys.argv[1]
+LAYERS = 3 if sys.argv[2:] == ["layers"] else 0
 
 import cupy  # noqa: E402
 import torch  # noqa: E402
@@ -37,11 +42,12 @@ def refill(d, host):
 r2t_host = np.arange(ROWS * SEQ, dtype=np.int32).reshape(ROWS, SEQ)
 r2t_host[0] = 0
 r2t = dev(r2t_host)
-k_host = np.zeros((SLOTS, 32), dtype=np.uint8)
+k_host = np.zeros((max(LAYERS, 1), SLOTS, 32), dtype=np.uint8)
 k = dev(k_host)
 got = []
+extra = dict(layer_sources=[[(k[i], 1, 32)] for i in range(LAYERS)]) if LAYERS else {}
 mgr = CanaryManager([KVGroup(name="full", req_to_token=r2t, num_slots=SLOTS, verify_capacity=256,
-                             real_kv_sources=[(k, 1, 32)])],
+                             real_kv_sources=[(k[0], 1, 32)], **extra)],
                     max_batch_size=BS, device=0, library=LIB, on_violation=got.append)
 mgr.warmup()
 stream = torch.cuda.Stream() if LIB == "torch" else cupy.cuda.Stream(non_blocking=True)
@@ -53,7 +59,8 @@ for rid, toks in tokens.items():
 
 def store(rid, lo, hi):
     for p in range(lo, hi):
-        k_host[r2t_host[rows[rid], p]] = (np.arange(32) * 7 + p * 13 + rows[rid]) % 251
+        k_host[:, r2t_host[rows[rid], p]] = (np.arange(32) * 7 + p * 13 + rows[rid]) % 251
+        k_host[:, r2t_host[rows[rid], p]] ^= np.arange(k_host.shape[0], dtype=np.uint8)[:, None]
     refill(k, k_host)
 
 
@@ -135,13 +142,14 @@ s = mgr.stats()
 assert got == [], [v.line() for vs in got for v in vs]
 assert s["decoded_steps"] == 2 + 4, s
 assert s["verified_entries"]["full"] > 0 and s["written_entries"]["full"] == 3 + 4 + 2 * 4, s
-k_host[r2t_host[2, 1], 0] ^= 1  # one flipped bit in the K bytes of b's position 1
+k_host[-1, r2t_host[2, 1], 0] ^= 1  # one flipped bit in the (last layer's) K bytes of b's position 1
 refill(k, k_host)
-decode_step()
-decode_step()
+for _ in range(LAYERS or 2):
+    decode_step()
 mgr.flush()
 found = [v for vs in got for v in vs]
-assert [(v.position, v.reasons, v.request_ids, v.count) for v in found] == [(1, FailReason.REAL_KV, ("b",), 2)], \
+want = (1, FailReason.REAL_KV, ("b",), 1, LAYERS - 1) if LAYERS else (1, FailReason.REAL_KV, ("b",), 2, None)
+assert [(v.position, v.reasons, v.request_ids, v.count, v.layer) for v in found] == [want], \
     [v.line() for v in found]
 mgr.close()
 print("OK")

@@ -83,12 +83,12 @@ def test_cupy_expected_tokens_reach_the_device_pool():
     e.manager.close()
 
 
-def _capture(library: str) -> str:
+def _capture(library: str, *extra: str) -> str:
     pytest.importorskip("torch")
     pytest.importorskip("cupy")
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, str(CHILD), library], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, str(CHILD), library, *extra], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout.strip().splitlines()[-1]
 
@@ -97,3 +97,10 @@ def _capture(library: str) -> str:
 @pytest.mark.parametrize("library", ["torch", "cupy"])
 def test_graph_capture_of_the_two_per_step_calls(library):
     assert _capture(library) == "OK"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("library", ["torch", "cupy"])
+def test_graph_capture_with_the_layer_rotation(library):
+    """The layer rotation inside the captured calls: the device cursor moves on each replay (issue 13)."""
+    assert _capture(library, "layers") == "OK"

@@ -112,23 +112,31 @@ EXPECTED = {
     # Self-consistent records: only the expected-token pool (accepted tokens, keyed by request) sees them.
     "spec-reject": (["verify"], {"VERIFY_TOKEN"}, 1, {"VERIFY_TOKEN"}),
     "row-recycle": (["verify"], {"VERIFY_TOKEN"}, 1, {"VERIFY_TOKEN"}),
+    # Only the layer rotation reads the last layer: found when the cursor reaches it (delay 1 to --num-layers).
+    "kv-flip-last": (["verify_layer"], {"REAL_KV"}, None, {"REAL_KV"}),
 }
 SWA_ONLY = {"swa-evict"}  # kinds that need --swa-window
 SWA = ["--swa-window", "256"]
+LAYERS_ONLY = {"kv-flip-last"}  # kinds that need --num-layers >= 2
+LAYERS = ["--num-layers", "3"]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_each_fault_is_detected(tmp_path, capsys, kind):
-    rc, s = _replay(tmp_path, "--inject", f"{kind}@20", *(SWA if kind in SWA_ONLY else []))
+    rc, s = _replay(tmp_path, "--inject", f"{kind}@20", *(SWA if kind in SWA_ONLY else []),
+                    *(LAYERS if kind in LAYERS_ONLY else []))
     text = capsys.readouterr().out
     assert rc == 0, text
     c = s["canary"]
     (f,) = c["faults"]
     kernels, reasons, delay, later = EXPECTED[kind]
     assert f["kind"] == kind and f["requested_step"] == 20 and f["applied_step"] >= 20 and f["detected"]
+    if delay is None:
+        delay = f["steps_to_detection"]
+        assert 1 <= delay <= 3, f
     assert f["first_violation_step"] == f["applied_step"] + delay == f["applied_step"] + f["steps_to_detection"]
     assert set(kernels) <= set(f["kernels"]) and reasons <= set(f["reasons"]) and later <= set(f["all_reasons"])
-    if kind in ("kv-flip", "position", "token", "swa-evict", "spec-reject", "row-recycle"):  # one precise bit
+    if kind in ("kv-flip", "position", "token", "swa-evict", "spec-reject", "row-recycle", "kv-flip-last"):
         assert f["kernels"] == kernels and set(f["reasons"]) == reasons
     if kind == "zero-kv":  # a mid-window position: no write chains from the zero slot
         assert f["kernels"] == kernels
@@ -139,7 +147,7 @@ def test_each_fault_is_detected(tmp_path, capsys, kind):
 
 def test_all_faults_at_once_and_in_a_sliding_window(tmp_path):
     for extra in ([], SWA):
-        kinds = [k for k in KINDS if extra or k not in SWA_ONLY]
+        kinds = [k for k in KINDS if (extra or k not in SWA_ONLY) and k not in LAYERS_ONLY]
         args = [a for k in kinds for a in ("--inject", f"{k}@30")]
         # Ten requests for nine faults (two each for overwrite and row-recycle), running at once: a longer run.
         rc, s = _replay(tmp_path, *args, *extra, "--max-requests", "24")
@@ -166,6 +174,21 @@ def test_swa_evict_needs_a_sliding_window(tmp_path, capsys):
     assert rc == 1 and s["canary"]["failed"] and f["applied_step"] is None and not f["detected"]
     assert f["what"] == "not applied (needs --swa-window)"
     assert "FAULT swa-evict@20: not applied (needs --swa-window)" in text
+
+
+def test_kv_flip_last_needs_layers_and_names_the_layer(tmp_path, capsys):
+    """Without --num-layers >= 2 nothing reads the last layer: never applied, says why. With 4 layers the
+    rotation finds it within 4 steps, in the layer-3 rows only (the main verify reads layer 0)."""
+    rc, s = _replay(tmp_path, "--inject", "kv-flip-last@20")
+    (f,) = s["canary"]["faults"]
+    assert rc == 1 and f["what"] == "not applied (needs --num-layers >= 2)"
+    capsys.readouterr()
+    rc, s = _replay(tmp_path, "--inject", "kv-flip-last@20", "--inject", "kv-flip@20", "--num-layers", "4")
+    text = capsys.readouterr().out
+    last, first = s["canary"]["faults"]
+    assert rc == 0 and s["canary"]["num_layers"] == 4 and s["canary"]["unattributed_violations"] == 0, text
+    assert last["detected"] and 1 <= last["steps_to_detection"] <= 4 and last["kernels"] == ["verify_layer"]
+    assert first["detected"] and first["steps_to_detection"] == 1 and first["kernels"] == ["verify"]
 
 
 def test_stale_row_waits_for_a_reused_row(tmp_path):

@@ -1,0 +1,48 @@
+"""The layer rotation's Numba twin against the NumPy reference, in the CUDA simulator (run by
+tests/records/test_layers.py's ``test_numba_twin_in_the_simulator`` in a child process: not collected otherwise)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from helpers import layer_cases as lc
+
+from canary.backends.args import LaunchConfig
+
+pytestmark = [pytest.mark.sim,
+              pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="needs the CUDA simulator")]
+
+
+def _twin(case, launch_config=None):
+    want = lc.run_case(case, "reference", np.array)
+    got = lc.run_case(case, "numba", np.array, launch_config=launch_config)
+    lc.assert_twin(case, got, want)
+
+
+@pytest.mark.parametrize("case", lc.hand_cases(), ids=repr)
+def test_hand_cases(case):
+    _twin(case)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_cases(seed):
+    _twin(lc.random_case(seed))
+
+
+def test_random_cases_hypothesis():
+    hypothesis = pytest.importorskip("hypothesis")
+
+    @hypothesis.settings(max_examples=10, deadline=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(seed=hypothesis.strategies.integers(1000, 2**32 - 1))
+    def check(seed):
+        _twin(lc.random_case(seed))
+
+    check()
+
+
+@pytest.mark.parametrize("threads", [8, 64])
+def test_block_sizes(threads):
+    for case in lc.hand_cases()[:2]:
+        _twin(case, LaunchConfig(simulator_threads=threads))
