@@ -451,12 +451,17 @@ def launch_canary_plan_kernels(
         on_overflow=on_overflow,
     )
     planner = _one_shot_planner(static, backend)
-    return planner.plan(
-        req_pool_indices=req_pool_indices,
-        prefix_lens=prefix_lens,
-        extend_seq_lens=extend_seq_lens,
-        req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
-        expected_token_pool_indices=expected_token_pool_indices,
-        stream=stream,
-        check=check,
-    )
+    try:
+        return planner.plan(
+            req_pool_indices=req_pool_indices,
+            prefix_lens=prefix_lens,
+            extend_seq_lens=extend_seq_lens,
+            req_to_verify_expected_tokens_valid_lens=req_to_verify_expected_tokens_valid_lens,
+            expected_token_pool_indices=expected_token_pool_indices,
+            stream=stream,
+            check=check,
+        )
+    finally:  # the cached launcher outlives the call: it must not keep this call's arrays (see above)
+        forget = getattr(planner._bound, "forget_step", None)
+        if forget is not None:
+            forget()

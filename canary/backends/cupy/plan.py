@@ -74,6 +74,11 @@ class Bound:
                 )
                 self._fns = fns
 
+    def forget_step(self) -> None:
+        """Drop the last step (its arrays): a one-shot call's cached launcher keeps no caller array alive. The
+        next launch rewrites the per-step words."""
+        self._last = None
+
     def launch(self, step: StepArgs, stream: int) -> None:
         st = self._streams.get(stream) or self._streams.get_stream(stream)
         if step is not self._last:  # the words of the previous launch stay in place: a repeated step skips this
