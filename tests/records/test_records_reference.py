@@ -19,7 +19,7 @@ from canary.backends.reference import records as reference_canary
 from canary.sim.engine import Engine
 from canary.errors import BackendUnavailableError
 from canary.sim.faults import Fault, Injector
-from canary.records.hashes import ANCHOR_LINK, mix3
+from canary.records.hashes import ANCHOR_LINK, link
 from canary.records.realkv import RealKVMode, real_kv
 from canary.records.ring import CheckFlags, FailReason, KernelTag, decode_row, encode_tag
 from canary.records.state import CanaryState, bind_state
@@ -150,6 +150,11 @@ def _verify_plan(slots, tokens, positions, prev, capacity=None, enable=1):
     return vp
 
 
+def _step(prev_hash, token, position) -> int:
+    """The chain value a record ``(token, position, prev_hash)`` links to (SPEC 4)."""
+    return int(link(1, prev_hash, token, position))
+
+
 def _a(*v):
     return np.array(v, dtype=np.int64)
 
@@ -159,13 +164,13 @@ def test_write_chain_by_hand():
     c.write(_write_plan([0, 3, 5], [-1, 2]), out_cache_loc=_a(1, 2, 3, 7, 8), input_ids=_a(10, 11, 12, 20, 21),
             positions=_a(0, 1, 2, 3, 4))
     f = c.views.fields
-    h1 = int(mix3(ANCHOR_LINK, 10, 0))
-    h2 = int(mix3(h1, 11, 1))
+    h1 = int(_step(ANCHOR_LINK, 10, 0))
+    h2 = int(_step(h1, 11, 1))
     assert f[1, :3].tolist() == [10, 0, ANCHOR_LINK]
     assert f[2, :3].tolist() == [11, 1, h1]
     assert f[3, :3].tolist() == [12, 2, h2]
     # Request 1 is seeded by slot 2, written by request 0 in the same launch: seeds are read first (all zero).
-    assert f[7, :3].tolist() == [20, 3, int(mix3(0, 0, 0))]
+    assert f[7, :3].tolist() == [20, 3, int(_step(0, 0, 0))]
     rep = c.drain()
     # ... so its chain-position check expects 0 + 1 at position 3.
     assert [(v.kernel, v.slot, v.position, v.reasons, v.expected_aux) for v in rep] == [
@@ -178,7 +183,7 @@ def test_write_skips_negative_slots_and_flags_out_of_range():
     c.write(_write_plan([0, 4], [-1]), out_cache_loc=_a(1, -1, 9, 2), input_ids=_a(5, 6, 7, 8),
             positions=_a(0, 1, 1, 1), expected_input_ids=_a(5, 0, 7, -1))
     f = c.views.fields
-    h1 = int(mix3(ANCHOR_LINK, 5, 0))
+    h1 = int(_step(ANCHOR_LINK, 5, 0))
     assert f[1, :3].tolist() == [5, 0, ANCHOR_LINK]
     assert f[2, :3].tolist() == [8, 1, h1]  # the skipped and the out-of-range entry did not advance the chain
     rep = c.drain()
@@ -196,7 +201,7 @@ def test_write_skips_requests_seeded_skip_seed():
             expected_input_ids=_a(5, 6, 0, 0, 0, 0), expected_positions=_a(0, 1, 0, 0, 0, 0))
     f = c.views.fields
     assert f[1, :3].tolist() == [5, 0, ANCHOR_LINK]
-    assert f[2, :3].tolist() == [6, 1, int(mix3(ANCHOR_LINK, 5, 0))]  # request 0's write stands
+    assert f[2, :3].tolist() == [6, 1, int(_step(ANCHOR_LINK, 5, 0))]  # request 0's write stands
     np.testing.assert_array_equal(f[3:], before[3:])  # the skipped requests stored nothing
     rep = c.drain()
     assert len(rep) == 0  # nor asserted anything
@@ -233,7 +238,7 @@ def test_verify_by_hand():
     # Chain and position faults, a prev_slot outside the buffer, a slot outside the buffer.
     c.verify(_verify_plan(slots=[2, 3, 9], tokens=[-1, -1, -1], positions=[5, 2, 0], prev=[3, 12, 1]))
     rows = [(v.slot, v.position, v.reasons, v.expected_aux) for v in c.drain()]
-    want_chain = int(mix3(c.views.fields[3, 2], 7, 2))
+    want_chain = int(_step(c.views.fields[3, 2], 7, 2))
     assert rows == [(2, 5, F.CHAIN | F.POSITION, want_chain), (3, 2, F.SLOT_RANGE, 0), (9, 0, F.SLOT_RANGE, 0)]
 
 
