@@ -450,10 +450,11 @@ def _random_write(rng, num_slots: int, max_entries: int) -> Launch:
     for r in range(r_cap):
         mine = np.flatnonzero((owners == r) & ~unowned)
         n = int(counts[r])
-        if mine.size:
-            s = rng.choice(mine, size=n)
-        else:
-            s = np.full(n, -1)
+        # No slot twice in one request, and no seed among the request's own new slots: a request's segments
+        # may run in different blocks, which race on those (docs/records.md 6).
+        s = np.full(n, -1)
+        take = min(n, mine.size)
+        s[rng.permutation(n)[:take]] = rng.choice(mine, size=take, replace=False)
         s = np.where(rng.random(n) < 0.1, rng.choice([-1, -3, num_slots, num_slots + 5], size=n), s)
         p0 = int(rng.integers(-1, 4))
         p = np.arange(p0, p0 + n)
@@ -461,7 +462,7 @@ def _random_write(rng, num_slots: int, max_entries: int) -> Launch:
         loc.append(s)
         ids.append(rng.integers(-2, 50, size=n))
         pos.append(p)
-        seed_pool = np.concatenate([mine, np.flatnonzero(unowned), [-1, -1, -2, num_slots, I64_MIN]])
+        seed_pool = np.concatenate([np.setdiff1d(mine, s), np.flatnonzero(unowned), [-1, -1, -2, num_slots, I64_MIN]])
         seeds.append(int(rng.choice(seed_pool)))
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     loc_a = np.concatenate(loc) if loc else np.zeros(0, np.int64)
