@@ -655,3 +655,47 @@ def test_sampled_verify_end_to_end():
     assert all(log.enable == 1 for log in logs) and all(log.report.total == 0 for log in logs)
     assert any(log.verify_entries == 2048 for log in logs)
     assert e.state.health().verify_slots == sum(log.verify_entries for log in logs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The hand cases without real-KV sources, the write scan's boundaries among them, against the naive oracle.
+
+
+@pytest.mark.parametrize("case", [c for c in cc.hand_cases() if not c.sources], ids=repr)
+def test_hand_cases_match_naive_oracle(case):
+    state = CanaryState.allocate(num_slots=case.num_slots, ring_capacity=case.ring_capacity,
+                                 check_flags=case.check_flags)
+    views = bind_state(state)
+    if case.records is not None:
+        views.fields[:] = case.records
+    state.ring_write_index[0] = case.write_index
+    ns = _naive_state(views)
+    kv = real_kv([], RealKVMode.NONE)
+    for launch in case.launches:
+        a = launch.args
+        if launch.kind == "write":
+            reference_canary.write(views, write_offsets=a["write_offsets"],
+                                   write_seed_slot_indices=a["write_seed_slot_indices"],
+                                   write_num_valid_reqs=a["write_num_valid_reqs"], out_cache_loc=a["out_cache_loc"],
+                                   input_ids=a["input_ids"], positions=a["positions"],
+                                   expected_input_ids=a.get("expected_input_ids"),
+                                   expected_positions=a.get("expected_positions"), real_kv=kv,
+                                   launch_tag=a.get("launch_tag", 0))
+            opt = {k: (None if a.get(k) is None else a[k].tolist()) for k in ("expected_input_ids", "expected_positions")}
+            naive.write(ns, offsets=a["write_offsets"].tolist(), seeds=a["write_seed_slot_indices"].tolist(),
+                        num_valid_reqs=int(a["write_num_valid_reqs"][0]), loc=a["out_cache_loc"].tolist(),
+                        ids=a["input_ids"].tolist(), positions=a["positions"].tolist(),
+                        exp_ids=opt["expected_input_ids"], exp_pos=opt["expected_positions"],
+                        tag=(a.get("launch_tag", 0) << 8) | 1)
+        else:
+            reference_canary.verify(views, verify_slot_indices=a["verify_slot_indices"],
+                                    verify_expected_tokens=a["verify_expected_tokens"],
+                                    verify_expected_positions=a["verify_expected_positions"],
+                                    verify_prev_slot_indices=a["verify_prev_slot_indices"],
+                                    verify_num_valid=a["verify_num_valid"], enable=a["enable"], real_kv=kv,
+                                    launch_tag=a.get("launch_tag", 0))
+            naive.verify(ns, slots=a["verify_slot_indices"].tolist(), exp_tokens=a["verify_expected_tokens"].tolist(),
+                         exp_positions=a["verify_expected_positions"].tolist(),
+                         prev_slots=a["verify_prev_slot_indices"].tolist(), num_valid=int(a["verify_num_valid"][0]),
+                         enable=int(a["enable"][0]), tag=(a.get("launch_tag", 0) << 8) | 2)
+        _assert_same(views, ns)
