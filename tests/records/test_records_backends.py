@@ -349,6 +349,23 @@ def test_cuda_hashes_match_frozen_vectors():
     assert cupy.asnumpy(m).tolist() == [w for *_, w in MIX3_VECTORS]
 
 
+def test_cuda_chain_matches_frozen_vectors():
+    """records.cu's chain_link and mulmod_p on CHAIN_LINK_VECTORS and MULMOD_VECTORS."""
+    from helpers.hash_vectors import CHAIN_LINK_VECTORS, CHAIN_VECTORS_KERNEL, MULMOD_VECTORS
+
+    from canary.backends.sources import cuda_source
+
+    cupy = _cupy()
+    fn = cupy.RawModule(code=cuda_source("records") + CHAIN_VECTORS_KERNEL, options=("--std=c++17",)).get_function(
+        "chain_vectors")
+    ph, tok, pos = (cupy.asarray(np.array(col, dtype=np.uint64)) for col in list(zip(*CHAIN_LINK_VECTORS))[:3])
+    a, b = (cupy.asarray(np.array(col, dtype=np.uint64)) for col in list(zip(*MULMOD_VECTORS))[:2])
+    link, ab = cupy.zeros_like(ph), cupy.zeros_like(a)
+    fn((1,), (32,), (ph, tok, pos, link, np.int32(ph.size), a, b, ab, np.int32(a.size)))
+    assert cupy.asnumpy(link).tolist() == [w for *_, w in CHAIN_LINK_VECTORS]
+    assert cupy.asnumpy(ab).tolist() == [w for *_, w in MULMOD_VECTORS]
+
+
 def test_cuda_fold_matches_frozen_vectors():
     """records.cu's fold_slot on REAL_KV_FOLD_VECTORS (all-zero bytes fold to 1, never to an unwritten record's 0)."""
     from helpers.hash_vectors import FOLD_VECTORS_KERNEL, REAL_KV_FOLD_VECTORS, fold_vectors_flat
