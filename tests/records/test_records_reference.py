@@ -699,3 +699,26 @@ def test_hand_cases_match_naive_oracle(case):
                          prev_slots=a["verify_prev_slot_indices"].tolist(), num_valid=int(a["verify_num_valid"][0]),
                          enable=int(a["enable"][0]), tag=(a.get("launch_tag", 0) << 8) | 2)
         _assert_same(views, ns)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 40), st.data(), st.sampled_from(["token", "position", "prev_hash"]),
+       st.integers(-(1 << 63), (1 << 63) - 1))
+def test_verify_flags_a_changed_link_field(n, data, field, value):
+    """A changed token, position or prev_hash of record j breaks the link its successor j + 1 stored: verify
+    reports CHAIN on j + 1 (a changed prev_hash also on j itself, against link(j - 1))."""
+    j = data.draw(st.integers(0, n - 2))
+    state, c = _canary(num_slots=64, ring_capacity=64, flags=CheckFlags.WRITE_POSITION_CHAIN)
+    slots = np.arange(1, n + 1) * 3 % 61 + 1
+    ids = np.arange(n) * 7 + 5
+    c.write(_write_plan([0, n], [-1]), out_cache_loc=slots, input_ids=ids, positions=np.arange(n))
+    f = c.views.fields
+    col = {"token": 0, "position": 1, "prev_hash": 2}[field]
+    if int(f[slots[j], col]) == value:
+        value ^= 1
+    f[slots[j], col] = value
+    prev = np.concatenate([[-1], slots[:-1]])
+    c.verify(_verify_plan(slots=slots.tolist(), tokens=[-1] * n, positions=list(range(n)), prev=prev.tolist()))
+    chain = {v.slot for v in c.drain() if v.reasons & F.CHAIN}
+    assert int(slots[j + 1]) in chain
+    assert (int(slots[j]) in chain) == (field == "prev_hash")
