@@ -229,7 +229,8 @@ def chain_values(head: Any, counts: Any, token: Any, position: Any) -> np.ndarra
     step[base] = False
     b[step] = chain_g_u64(token, position).reshape(-1)
     d = 1
-    while d < total:
+    longest = int(counts.max(initial=0)) + 1  # a request's own run: after that, its head's constant absorbs all
+    while d < longest:
         a_hi, b_hi = a[d:], b[d:]
         na = mulmod_p(a_hi, a[:-d])
         nb = reduce_p(mulmod_p(a_hi, b[:-d]) + b_hi)

@@ -9,8 +9,9 @@ byte for byte; each launch's ring rows as a multiset (GPU order is decided by at
 overflowed the ring, a sub-multiset of the rows it would have written (:func:`all_rows`). Every buffer starts
 poisoned (random records, random padding, a sentinel ring) so that a missed or stray store shows.
 
-Random cases avoid the two documented races (docs/canary.md 6.3): within one write launch, different requests
-write disjoint slots, and no request's seed is written by another request of the launch.
+Random cases avoid the two documented races (docs/records.md 6): within one write launch, no slot is written
+twice (different requests write disjoint slots, a request each slot once), and no request's seed is written in
+the launch (its own request's included: a request's segments may run in different blocks).
 """
 from __future__ import annotations
 
