@@ -12,6 +12,9 @@ from helpers import records_cases as cc
 import numpy as np
 import pytest
 
+from canary import SKIP_SEED
+from canary.records.realkv import RealKVMode
+
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 BACKENDS = ["cupy", "numba"]
 
@@ -107,6 +110,43 @@ def test_large_launches(backend):
     verify = cc.verify_launch(slots, tokens, pos, prev)
     case = cc.CanaryCase(name="large", num_slots=num_slots, launches=[write, verify], ring_capacity=4096,
                          records=np.zeros((num_slots, 4), np.int64))
+    _twin(case, backend)
+
+
+@pytest.mark.parametrize("shape", ["bs1_32k", "bs8_2k", "mixed"])
+@pytest.mark.parametrize("mode", [RealKVMode.NONE, RealKVMode.ALL])
+def test_long_requests_split_across_blocks(backend, shape, mode):
+    """The write scan at the GPU's sizes: one 32,768-token request (32 segments of 1,024 entries, 4 tiles each),
+    8 x 2,048 (8 segments of 256 each), and a mix of long and one-token requests with skips and SKIP_SEED rows,
+    seeded from chained records; then a verify of everything written (clean)."""
+    rng = np.random.default_rng(11)
+    lens = {"bs1_32k": [32768], "bs8_2k": [2048] * 8, "mixed": [1, 9000, 1, 1, 257, 0, 3000, 1]}[shape]
+    n = int(sum(lens))
+    num_slots = n + 1000
+    slots = 1 + rng.permutation(num_slots - 1)
+    loc, seed_slots = slots[:n].copy(), slots[n : n + len(lens)]
+    if shape == "mixed":
+        loc[rng.random(n) < 0.01] = -1
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    pos = np.concatenate([np.arange(m) + 5 for m in lens])
+    ids = rng.integers(0, 1 << 40, size=n)
+    records = np.zeros((num_slots, 4), np.int64)
+    records[seed_slots] = np.stack([np.full(len(lens), 3), np.full(len(lens), 4), np.full(len(lens), 1 << 62),
+                                    np.zeros(len(lens), np.int64)], axis=1)
+    seeds = seed_slots.copy()
+    if shape == "mixed":
+        seeds[[2, 5]] = SKIP_SEED
+    write = cc.write_launch(offsets, seeds, loc, ids, pos)
+    owner = np.repeat(np.arange(len(lens)), lens)
+    ok = (loc > 0) & (seeds[owner] != SKIP_SEED)
+    v_slots, v_owner = loc[ok], owner[ok]
+    prev = np.concatenate([[0], v_slots[:-1]])
+    first = np.concatenate([[True], v_owner[1:] != v_owner[:-1]])
+    prev[first] = seeds[v_owner[first]]
+    verify = cc.verify_launch(v_slots, ids[ok], pos[ok], prev)
+    srcs = [] if mode == RealKVMode.NONE else [(rng.integers(0, 256, size=(num_slots, 64), dtype=np.uint8), 1, 64, 64)]
+    case = cc.CanaryCase(name=f"long_{shape}", num_slots=num_slots, launches=[write, verify], ring_capacity=4096,
+                         records=records, sources=srcs, mode=mode, expect=None)
     _twin(case, backend)
 
 
