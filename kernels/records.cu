@@ -308,6 +308,7 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& s
         const i64 i0 = start + tid * per;
         const i64 i1 = i0 + per < lo ? i0 + per : lo;
         ChainElem run = chain_identity();
+#pragma unroll 4  // batches the loads: only run.b's mulmod is serial
         for (i64 i = i0; i < i1; ++i) {
             const i64 slot = p.out_cache_loc[i];
             if (slot >= 0 && slot < st.num_slots) {
