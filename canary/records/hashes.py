@@ -20,8 +20,8 @@ import numpy as np
 
 MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 
-# Chain anchor: the predecessor hash of a request's first token. The constant is kept for format
-# compatibility with SGLang canary buffers (SPEC 4): a buffer written by SGLang's canary chains identically.
+# Chain anchor: the key of g (the chain's token / position mix) and, through it, of link(-1), the predecessor
+# hash of a request's first token (SPEC 4). SGLang's value; the chain it anchors is no longer SGLang's.
 CHAIN_ANCHOR = 0xC0FFEE1234567890
 
 SPLITMIX64_MUL1 = 0xBF58476D1CE4E5B9
