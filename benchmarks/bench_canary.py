@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import cupy  # noqa: E402
-from bench_plan import git_commit, gpu_info  # noqa: E402
+from bench_plan import copy_bandwidth, git_commit, gpu_info  # noqa: E402
 
 from canary import CanaryPlanner, CanaryState, CanaryRecords, RealKVMode, VerifyPlan, WritePlan, real_kv  # noqa: E402
 
@@ -38,7 +38,28 @@ def workloads(rng) -> list[dict]:
         {"name": "bs256_decode_ctx1k", "bs": 256, "prefix": (512, 1536), "extend": (1, 1)},
         {"name": "bs32_prefill", "bs": 32, "prefix": (0, 512), "extend": (128, 512)},
         {"name": "bs8_prefill_2k", "bs": 8, "prefix": (0, 0), "extend": (2048, 2048)},
+        {"name": "bs1_prefill_32k", "bs": 1, "prefix": (0, 0), "extend": (32768, 32768)},  # issue 14's targets
     ]
+
+
+RECORD_BYTES = 32
+
+
+def kv_read_bytes(mode: RealKVMode) -> int:
+    """Real-KV bytes one fold reads per slot (one source of KV_BYTES_PER_TOKEN)."""
+    return {RealKVMode.NONE: 0, RealKVMode.PARTIAL: 16, RealKVMode.ALL: KV_BYTES_PER_TOKEN}[mode]
+
+
+def write_min_bytes(entries: int, mode: RealKVMode) -> int:
+    """A write must read out_cache_loc, input_ids, positions (24 B an entry) and the real-KV bytes it folds, and
+    store one record (32 B)."""
+    return entries * (24 + RECORD_BYTES + kv_read_bytes(mode))
+
+
+def verify_min_bytes(entries: int, mode: RealKVMode) -> int:
+    """A verify must read its plan entry (4 int64: 32 B), the slot's record and its predecessor's (64 B), and
+    the real-KV bytes it folds."""
+    return entries * (32 + 2 * RECORD_BYTES + kv_read_bytes(mode))
 
 
 class Step:
@@ -85,6 +106,9 @@ class Step:
 
     def __call__(self, stream=None) -> None:
         self.canary.verify(self.vp, stream=stream)
+        self.write(stream)
+
+    def write(self, stream=None) -> None:
         self.canary.write(self.wp, out_cache_loc=self.loc, input_ids=self.ids, positions=self.pos, stream=stream)
 
 
@@ -115,7 +139,8 @@ def check(step: Step, backend: str, mode: RealKVMode) -> str | None:
     return None
 
 
-def graph_us(step: Step, replays: int = 200, repeats: int = 5) -> float:
+def graph_us(step, replays: int = 200, repeats: int = 5) -> float:
+    """Device time of one ``step(stream)`` call in CUDA-graph replay (a step: verify + write, or a write)."""
     stream = cupy.cuda.Stream(non_blocking=True)
     step(stream)
     stream.synchronize()
@@ -156,6 +181,8 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=["NONE", "PARTIAL", "ALL"], choices=["NONE", "PARTIAL", "ALL"])
     args = p.parse_args()
     rng = np.random.default_rng(0)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth (read + write): {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for w in workloads(rng):
         if args.workloads and w["name"] not in args.workloads:
@@ -164,23 +191,30 @@ def main() -> int:
             for backend in args.backends:
                 step = Step(w, backend, mode, np.random.default_rng(1))
                 problem = check(step, backend, mode)
+                write_floor = write_min_bytes(step.writes, mode) / bw * 1e6
                 row = {"workload": w["name"], "mode": mode.name, "backend": backend, "verify_entries": step.entries,
-                       "write_entries": step.writes, "check": problem or "ok"}
+                       "write_entries": step.writes, "check": problem or "ok",
+                       "floor_us": write_floor + verify_min_bytes(step.entries, mode) / bw * 1e6,
+                       "write_floor_us": write_floor}
                 if problem is None:
                     row["graph_us"] = graph_us(step)
+                    row["write_graph_us"] = graph_us(step.write)
                     row["eager_us"] = eager_us(step)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {"commit": os.environ.get("KV_CANARY_COMMIT") or git_commit(), "gpu": gpu_info(),
-              "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "rows": rows}
+              "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "copy_bandwidth_Bps": bw, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"canary-{result['gpu'].get('name', 'gpu').replace(' ', '_')}-{time.strftime('%Y%m%dT%H%M%S')}.json"
     (out / name).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'workload':22} {'mode':8} {'backend':7} {'verify':>8} {'write':>6} {'graph us':>9} {'eager us':>9}")
+    print(f"\n{'workload':22} {'mode':8} {'backend':7} {'verify':>8} {'write':>6} {'floor':>7} {'graph us':>9} "
+          f"{'w floor':>7} {'write us':>9} {'eager us':>9}")
+    nan = float("nan")
     for r in rows:
         print(f"{r['workload']:22} {r['mode']:8} {r['backend']:7} {r['verify_entries']:8d} {r['write_entries']:6d} "
-              f"{r.get('graph_us', float('nan')):9.1f} {r.get('eager_us', float('nan')):9.1f}  {r['check']}")
+              f"{r['floor_us']:7.1f} {r.get('graph_us', nan):9.1f} {r['write_floor_us']:7.1f} "
+              f"{r.get('write_graph_us', nan):9.1f} {r.get('eager_us', nan):9.1f}  {r['check']}")
     return 0 if all(r["check"] == "ok" for r in rows) else 1
 
 

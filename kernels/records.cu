@@ -13,7 +13,9 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define MAX_SOURCES 4
-#define WRITE_THREADS 128    // entries per chunk of a request; thread 0 runs only the serial chain of a chunk
+#define WRITE_THREADS 256    // entries per tile of a write segment: one block-wide scan per tile
+#define WRITE_WARPS (WRITE_THREADS / 32)
+#define WRITE_MAX_SEGMENTS 32  // a request's entries split into at most this many segments, one block each
 #define VERIFY_THREADS 256
 #define SCATTER_THREADS 128
 
@@ -29,7 +31,15 @@ typedef unsigned long long u64;
 #define CHECK_WRITE_POSITION_CHAIN 1
 #define CHECK_VERIFY_TOKEN 2
 
-#define ANCHOR_LINK 0xDE7FAE23A9A1B716ULL  // splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890)
+// The affine chain (SPEC 4): a chain value is CHAIN_TAG | h, h in [0, FIELD_P); link(record) =
+// CHAIN_TAG | (CHAIN_MUL * h + g(token, position)) mod FIELD_P with h the field value of the record's prev_hash,
+// or NOT_A_LINK when that prev_hash is no chain value (a never-written record's, among others).
+#define FIELD_P 0x1FFFFFFFFFFFFFFFULL     // 2^61 - 1, a Mersenne prime
+#define CHAIN_TAG 0x4000000000000000ULL
+#define CHAIN_MUL 0x1E5F3A9C7B2D4861ULL   // A
+#define G_KEY 0xDE7FAE23A9A1B716ULL       // splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890): g's first step
+#define ANCHOR_LINK 0x5E7FAE23A9A1B71CULL // CHAIN_TAG | (G_KEY mod FIELD_P): link(-1)
+#define NOT_A_LINK 0ULL
 // A request whose seed is INT64_MIN writes nothing: a padding row whose tokens sit among the step's tokens
 // (planner bound with padding_rows_carry_tokens; canary/plan/plans.py SKIP_SEED). Its slots may be stale.
 #define SKIP_SEED (-0x7fffffffffffffffLL - 1)
@@ -117,6 +127,38 @@ __device__ __forceinline__ u64 mix3(u64 a, u64 b, u64 c) {
     return splitmix64(splitmix64(splitmix64(a) ^ b) ^ c);
 }
 
+// a * b mod P for a, b < 2^61: the 122-bit product folds at bit 61 (2^61 = 1 mod P), twice, then one subtract.
+__device__ __forceinline__ u64 mulmod_p(u64 a, u64 b) {
+    const u64 lo = a * b, hi = __umul64hi(a, b);
+    u64 r = (lo & FIELD_P) + ((lo >> 61) | (hi << 3));
+    r = (r & FIELD_P) + (r >> 61);
+    return r >= FIELD_P ? r - FIELD_P : r;
+}
+
+__device__ __forceinline__ u64 addmod_p(u64 a, u64 b) {
+    const u64 s = a + b;
+    return s >= FIELD_P ? s - FIELD_P : s;
+}
+
+// g(t, p) = mix3(CHAIN_ANCHOR, t, p) mod P (the anchor's own splitmix64 is the constant G_KEY).
+__device__ __forceinline__ u64 chain_g(u64 tok, u64 pos) {
+    u64 x = splitmix64(splitmix64(G_KEY ^ tok) ^ pos);
+    x = (x & FIELD_P) + (x >> 61);
+    return x >= FIELD_P ? x - FIELD_P : x;
+}
+
+// The field value h of a chain value CHAIN_TAG | h; false for anything else (bits 63..61 not 010, or h = P).
+__device__ __forceinline__ bool chain_field(u64 v, u64* h) {
+    *h = v & FIELD_P;
+    return (v >> 61) == 2ULL && *h != FIELD_P;
+}
+
+__device__ __forceinline__ u64 chain_link(u64 prev_hash, u64 tok, u64 pos) {
+    u64 h;
+    if (!chain_field(prev_hash, &h)) return NOT_A_LINK;
+    return CHAIN_TAG | addmod_p(mulmod_p(CHAIN_MUL, h), chain_g(tok, pos));
+}
+
 __device__ __forceinline__ i64 clamp64(i64 v, i64 lo, i64 hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
 __device__ __forceinline__ const u64* slot_record(const StateParams& st, i64 slot) {
@@ -165,12 +207,6 @@ __device__ void append_row(const StateParams& st, u64 slot, u64 position, u64 st
     }
 }
 
-// One block per request (grid = write_req_capacity). Only the running hash is serial within a request, so per
-// chunk of WRITE_THREADS entries: all threads stage their entry (loads, real-KV fold); thread 0 walks the chunk
-// in order computing just the running hash and the expected chain position of each entry (mix3's latency is
-// the whole cost of a long prefill); then all threads check, report and store their own entry in parallel. A
-// slot that appears again later in the same chunk is stored only by its last occurrence, and chunks are
-// ordered by the barrier, so a slot written twice by one request keeps its last write.
 // The block's count of processed entries, added once to a run counter. A warp sums its lanes with shuffles
 // first: one shared-memory atomic per warp, not per thread (every thread adding to one shared word was the
 // verify kernel's main stall, Nsight Compute on an H200: issue 14). Every thread of the block calls it.
@@ -183,74 +219,136 @@ __device__ __forceinline__ void add_block_count(unsigned long long* s_count, uns
     if (threadIdx.x == 0 && *s_count) atomicAdd(counter, *s_count);
 }
 
-extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const WriteParams p) {
-    __shared__ i64 s_slot[WRITE_THREADS];
-    __shared__ u64 s_tok[WRITE_THREADS];
-    __shared__ u64 s_pos[WRITE_THREADS];
-    __shared__ u64 s_run[WRITE_THREADS];
-    __shared__ u64 s_chain_exp[WRITE_THREADS];
-    __shared__ unsigned long long s_processed;
+// A scan element of the write: the affine map h -> a h + b of a run of entries, and the position of its last
+// chain-advancing entry (has = 0: none). combine(f, s) is "f, then s".
+struct ChainElem {
+    u64 a, b, pos;
+    int has;
+};
+
+__device__ __forceinline__ ChainElem chain_identity() { return ChainElem{1ULL, 0ULL, 0ULL, 0}; }
+
+__device__ __forceinline__ ChainElem combine(const ChainElem& f, const ChainElem& s) {
+    return ChainElem{mulmod_p(s.a, f.a), addmod_p(mulmod_p(s.a, f.b), s.b), s.has ? s.pos : f.pos, f.has | s.has};
+}
+
+__device__ __forceinline__ ChainElem shfl_up_elem(const ChainElem& e, int d) {
+    return ChainElem{__shfl_up_sync(0xffffffffu, e.a, d), __shfl_up_sync(0xffffffffu, e.b, d),
+                     __shfl_up_sync(0xffffffffu, e.pos, d), __shfl_up_sync(0xffffffffu, e.has, d)};
+}
+
+// Block-wide scan of one element per thread (every thread calls it): warps scan with shuffles, warp 0 scans
+// the warp totals. Returns the thread's exclusive prefix (identity for thread 0); *total gets the block's.
+__device__ ChainElem block_scan(ChainElem e, ChainElem* total, ChainElem* s_warp) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const ChainElem o = shfl_up_elem(e, d);
+        if (lane >= d) e = combine(o, e);
+    }
+    if (lane == 31) s_warp[warp] = e;
+    __syncthreads();
+    if (warp == 0) {
+        ChainElem w = lane < WRITE_WARPS ? s_warp[lane] : chain_identity();
+#pragma unroll
+        for (int d = 1; d < WRITE_WARPS; d <<= 1) {
+            const ChainElem o = shfl_up_elem(w, d);
+            if (lane >= d) w = combine(o, w);
+        }
+        if (lane < WRITE_WARPS) s_warp[lane] = w;
+    }
+    __syncthreads();
+    const ChainElem before = warp > 0 ? s_warp[warp - 1] : chain_identity();
+    const ChainElem up = shfl_up_elem(combine(before, e), 1);
+    *total = s_warp[WRITE_WARPS - 1];
+    __syncthreads();  // s_warp is reused by the next scan
+    return lane > 0 ? up : before;
+}
+
+// Entries per segment of a request of len > 0 entries: at most WRITE_MAX_SEGMENTS segments, whole tiles each.
+__device__ __forceinline__ i64 segment_len(i64 len) {
+    const i64 per = (len + WRITE_MAX_SEGMENTS - 1) / WRITE_MAX_SEGMENTS;
+    return (per + WRITE_THREADS - 1) / WRITE_THREADS * WRITE_THREADS;
+}
+
+struct WriteShared {
+    i64 slot[WRITE_THREADS];
+    ChainElem warp[WRITE_WARPS];
+};
+
+// Segment k of request r, by the whole block. The running hash before the segment is link(seed) carried
+// through every chain-advancing entry before it: each thread composes a contiguous run of those entries
+// serially, one block scan joins the runs. Then per tile of WRITE_THREADS entries: every thread stages its
+// entry (loads, real-KV fold), one block scan gives each entry its running hash and expected chain position,
+// and every thread checks, reports and stores its own entry. A slot that appears again later in the same tile
+// is stored only by its last occurrence; tiles are ordered by barriers.
+__device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& sh, unsigned long long& processed) {
     const StateParams& st = p.st;
     const int tid = threadIdx.x;
-    if (blockIdx.x == 0 && tid == 0) atomicAdd(&st.kernel_run_counter[0], 1ULL);
-    const i64 nreq = clamp64((i64)*p.write_num_valid_reqs, 0, p.write_req_capacity);
-    const i64 r = blockIdx.x;
-    if (r >= nreq) return;
-    if (p.write_seed_slot_indices[r] == SKIP_SEED) return;  // the whole block leaves: no barrier is pending
     const i64 n = p.num_entries;
     const i64 start = clamp64(p.write_offsets[r], 0, n);
     const i64 end = clamp64(p.write_offsets[r + 1], 0, n);
+    const i64 L = segment_len(end - start);
+    const i64 lo = start + k * L;
+    const i64 hi = lo + L < end ? lo + L : end;
     const bool chain_on = (*st.check_flags & CHECK_WRITE_POSITION_CHAIN) != 0;
 
-    // Thread 0's registers: the running hash and the previous stored position. The seed is read before any
-    // store of this request (a seed in the same launch's other requests may race: docs/records.md 6.3).
-    u64 running = ANCHOR_LINK;
+    // The seed, read by every thread before any store of this segment (the first scan's barrier orders them).
+    u64 h = ANCHOR_LINK & FIELD_P;
+    bool valid = true;
     u64 prev_pos = ~0ULL;  // -1: no predecessor, so position 0 is expected first
-    if (tid == 0) {
-        s_processed = 0;
-        const i64 seed = p.write_seed_slot_indices[r];
-        if (seed >= 0 && seed < st.num_slots) {
-            const u64* rec = slot_record(st, seed);
-            running = mix3(rec[2], rec[0], rec[1]);
-            prev_pos = rec[1];
-        }
+    const i64 seed = p.write_seed_slot_indices[r];
+    if (seed >= 0 && seed < st.num_slots) {
+        const u64* rec = slot_record(st, seed);
+        valid = chain_field(chain_link(rec[2], rec[0], rec[1]), &h);
+        prev_pos = rec[1];
     }
-    unsigned long long processed = 0;
-    for (i64 base = start; base < end; base += WRITE_THREADS) {
+    if (lo > start) {
+        const i64 per = (lo - start + WRITE_THREADS - 1) / WRITE_THREADS;
+        const i64 i0 = start + tid * per;
+        const i64 i1 = i0 + per < lo ? i0 + per : lo;
+        ChainElem run = chain_identity();
+#pragma unroll 4  // batches the loads: only run.b's mulmod is serial
+        for (i64 i = i0; i < i1; ++i) {
+            const i64 slot = p.out_cache_loc[i];
+            if (slot >= 0 && slot < st.num_slots) {
+                const u64 pos = (u64)p.positions[i];
+                run.b = addmod_p(mulmod_p(CHAIN_MUL, run.b), chain_g((u64)p.input_ids[i], pos));
+                run.a = mulmod_p(CHAIN_MUL, run.a);
+                run.pos = pos;
+                run.has = 1;
+            }
+        }
+        ChainElem total;
+        block_scan(run, &total, sh.warp);
+        h = addmod_p(mulmod_p(total.a, h), total.b);
+        if (total.has) prev_pos = total.pos;
+    }
+    for (i64 base = lo; base < hi; base += WRITE_THREADS) {
         const i64 i = base + tid;
-        const int m = (int)(end - base < WRITE_THREADS ? end - base : WRITE_THREADS);
+        const int m = (int)(hi - base < WRITE_THREADS ? hi - base : WRITE_THREADS);
         i64 slot = -1;
         u64 tok = 0, pos = 0, et = ~0ULL, ep = ~0ULL, kvh = 0;
-        if (i < end) {
+        ChainElem e = chain_identity();
+        if (i < hi) {
             slot = p.out_cache_loc[i];
             tok = (u64)p.input_ids[i];
             pos = (u64)p.positions[i];
             if (p.expected_input_ids) et = (u64)p.expected_input_ids[i];
             if (p.expected_positions) ep = (u64)p.expected_positions[i];
-            if (slot >= 0 && slot < st.num_slots) kvh = fold_slot(p.kv, slot);
-            s_slot[tid] = slot;
-            s_tok[tid] = tok;
-            s_pos[tid] = pos;
-        }
-        __syncthreads();
-        if (tid == 0) {
-            for (int j = 0; j < m; ++j) {
-                const i64 sj = s_slot[j];
-                if (sj < 0) continue;  // "skip this write": chain unchanged
-                s_run[j] = running;
-                s_chain_exp[j] = prev_pos + 1;
-                if (sj < st.num_slots) {  // out-of-range entries neither store nor advance the chain
-                    const u64 pj = s_pos[j];
-                    running = mix3(running, s_tok[j], pj);
-                    prev_pos = pj;
-                }
+            if (slot >= 0 && slot < st.num_slots) {  // out-of-range entries neither store nor advance the chain
+                kvh = fold_slot(p.kv, slot);
+                e = ChainElem{CHAIN_MUL, chain_g(tok, pos), pos, 1};
             }
         }
-        __syncthreads();
-        if (i < end && slot >= 0) {
+        sh.slot[tid] = slot;
+        ChainElem total;
+        const ChainElem ex = block_scan(e, &total, sh.warp);  // its barriers publish sh.slot too
+        if (i < hi && slot >= 0) {
             ++processed;
             const bool stored = slot < st.num_slots;
-            const u64 run = s_run[tid], chain_exp = s_chain_exp[tid];
+            const u64 run = valid ? CHAIN_TAG | addmod_p(mulmod_p(ex.a, h), ex.b) : NOT_A_LINK;
+            const u64 chain_exp = (ex.has ? ex.pos : prev_pos) + 1;
             u64 bits = stored ? 0 : FAIL_SLOT_RANGE;
             if (et != ~0ULL && tok != et) bits |= FAIL_WRITE_TOKEN;
             const bool arr_fail = ep != ~0ULL && pos != ep;
@@ -259,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
             const u64 aux = arr_fail ? ep : chain_fail ? chain_exp : ep != ~0ULL ? ep : chain_on ? chain_exp : ~0ULL;
             if (bits) append_row(st, (u64)slot, pos, tok, et, run, aux, bits);
             bool last = stored;
-            for (int k = tid + 1; last && k < m; ++k) last = s_slot[k] != slot;
+            for (int q = tid + 1; last && q < m; ++q) last = sh.slot[q] != slot;
             if (last) {
                 u64* rec = reinterpret_cast<u64*>(st.canary + slot * st.slot_stride);
                 rec[0] = tok;
@@ -268,7 +366,50 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
                 rec[3] = kvh;
             }
         }
-        __syncthreads();  // the next chunk reuses the staging arrays
+        h = addmod_p(mulmod_p(total.a, h), total.b);
+        if (total.has) prev_pos = total.pos;
+        __syncthreads();  // the next tile reuses sh.slot
+    }
+}
+
+// Work items w = r * WRITE_MAX_SEGMENTS + k (segment k of request r), over a grid of any size: block b takes
+// the items w = b (mod gridDim.x), WRITE_THREADS candidates at a time; the non-empty ones (a request not
+// seeded SKIP_SEED, k below its segment count) are queued in shared memory and run one after the other. Items
+// are independent: a long request spreads over up to WRITE_MAX_SEGMENTS blocks (SMs), and its real-KV folds
+// with it. Segment k recomputes the chain of segments < k instead of waiting for them: no scratch memory, no
+// inter-block wait, at most WRITE_MAX_SEGMENTS / 2 extra reads of a request's inputs on average.
+extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const WriteParams p) {
+    __shared__ WriteShared sh;
+    __shared__ i64 s_items[WRITE_THREADS];
+    __shared__ int s_nitems;
+    __shared__ unsigned long long s_processed;
+    const StateParams& st = p.st;
+    const int tid = threadIdx.x;
+    if (blockIdx.x == 0 && tid == 0) atomicAdd(&st.kernel_run_counter[0], 1ULL);
+    if (tid == 0) s_processed = 0;
+    const i64 nreq = clamp64((i64)*p.write_num_valid_reqs, 0, p.write_req_capacity);
+    const i64 n = p.num_entries;
+    const i64 items = nreq * WRITE_MAX_SEGMENTS;
+    const i64 grid = gridDim.x;
+    unsigned long long processed = 0;
+    for (i64 c = 0; c * grid + blockIdx.x < items; c += WRITE_THREADS) {  // block-uniform
+        if (tid == 0) s_nitems = 0;
+        __syncthreads();
+        const i64 w = (c + tid) * grid + blockIdx.x;
+        if (w < items) {
+            const i64 r = w / WRITE_MAX_SEGMENTS, k = w % WRITE_MAX_SEGMENTS;
+            if (p.write_seed_slot_indices[r] != SKIP_SEED) {  // a padding row's tokens: nothing of them is looked at
+                const i64 len = clamp64(p.write_offsets[r + 1], 0, n) - clamp64(p.write_offsets[r], 0, n);
+                if (len > 0 && k * segment_len(len) < len) s_items[atomicAdd(&s_nitems, 1)] = w;
+            }
+        }
+        __syncthreads();
+        const int m = s_nitems;
+        for (int q = 0; q < m; ++q) {
+            const i64 w2 = s_items[q];
+            write_segment(p, w2 / WRITE_MAX_SEGMENTS, w2 % WRITE_MAX_SEGMENTS, sh, processed);
+        }
+        __syncthreads();  // s_items and s_nitems are rewritten next round
     }
     add_block_count(&s_processed, processed, &st.slot_run_counter[0]);
 }
@@ -303,7 +444,7 @@ extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const
             expected = ANCHOR_LINK;
         } else if (prev > 0 && prev < st.num_slots) {
             const u64* prec = slot_record(st, prev);
-            expected = mix3(prec[2], prec[0], prec[1]);
+            expected = chain_link(prec[2], prec[0], prec[1]);
         } else {
             checked = false;  // 0: the predecessor page was freed (SWA); anything else is out of range
             if (prev != 0) bits |= FAIL_SLOT_RANGE;

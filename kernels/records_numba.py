@@ -1,8 +1,10 @@
 """kv-canary write / verify / scatter kernels for Numba CUDA: the twin of ``kernels/records.cu`` (SPEC 4).
 
-Same kernels, same names, same structure as records.cu (``canary_write``: one block per request, entries staged
-``write_threads`` at a time, thread 0 walks only the serial running hash, then every thread checks, reports and
-stores its own entry (the last occurrence of a slot in a chunk stores it); ``canary_verify``: one
+Same kernels, same names, same structure as records.cu (``canary_write``: work items = segments of requests,
+``WRITE_MAX_SEGMENTS`` at most a request, taken by blocks in turn; a segment composes the affine chain of the
+entries before it, then per tile of ``write_threads`` entries one block scan gives every entry its running hash,
+and every thread checks, reports and stores its own entry (the last occurrence of a slot in a tile stores it);
+``canary_verify``: one
 thread per entry, grid-stride, processed entries summed per block; ``canary_scatter_*``: one block per batch
 row). Semantics: ``docs/records.md``; NumPy reference: ``canary/backends/reference/records.py``.
 
@@ -19,6 +21,9 @@ Deliberate differences from records.cu (argument passing only; the outputs are t
   vector loads, and the fold is not the bottleneck of this kernel.
 - Block sizes are the constants ``canary_kernels`` closes over (the simulator, one Python thread per CUDA
   thread, runs the same code with small blocks).
+- The write's block scan runs through shared memory (a Hillis-Steele scan; records.cu scans each warp with
+  shuffles first, which the simulator lacks), and ``mulmod_p`` multiplies 32-bit limbs (records.cu:
+  ``__umul64hi``): the same field arithmetic, exact either way.
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ import numpy as np
 from numba import cuda, int32, int64, uint32, uint64
 
 MAX_SOURCES = 4
-WRITE_THREADS = 128
+WRITE_THREADS = 256
+WRITE_MAX_SEGMENTS = 32
 VERIFY_THREADS = 256
 SCATTER_THREADS = 128
 
@@ -53,7 +59,13 @@ SKIP_SEED = np.int64(-(1 << 63))
 MISSING_SLOT = -(1 << 62)
 
 # u64 constants: a Python int literal would make Numba mix int64 into u64 arithmetic (float64 promotion).
-ANCHOR_LINK = np.uint64(0xDE7FAE23A9A1B716)  # splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890)
+# The affine chain (SPEC 4): chain values CHAIN_TAG | h, h in [0, FIELD_P), link = CHAIN_TAG | (A h + g) mod P.
+FIELD_P = np.uint64(0x1FFFFFFFFFFFFFFF)  # 2^61 - 1
+CHAIN_TAG = np.uint64(0x4000000000000000)
+CHAIN_MUL = np.uint64(0x1E5F3A9C7B2D4861)  # A
+G_KEY = np.uint64(0xDE7FAE23A9A1B716)  # splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890)
+ANCHOR_LINK = np.uint64(0x5E7FAE23A9A1B71C)  # CHAIN_TAG | (G_KEY mod FIELD_P): link(-1)
+NOT_A_LINK = np.uint64(0)
 ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)  # -1 as u64: "no expectation" / "no predecessor"
 U0 = np.uint64(0)
 U1 = np.uint64(1)
@@ -62,6 +74,13 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _S27 = np.uint64(27)
 _S30 = np.uint64(30)
 _S31 = np.uint64(31)
+_S29 = np.uint64(29)
+_S32 = np.uint64(32)
+_S61 = np.uint64(61)
+_U2 = np.uint64(2)
+_U3 = np.uint64(3)
+_LO32 = np.uint64(0xFFFFFFFF)
+_LO29 = np.uint64((1 << 29) - 1)
 
 # Real-KV description per source, ``kvp[k * KV_FIELDS + field]`` (int64; strides in u64 words).
 KV_ROW_STRIDE_WORDS, KV_PAGE_SIZE, KV_WORDS_PER_TOKEN, KV_READ_WORDS = range(4)
@@ -110,6 +129,48 @@ def splitmix64(x):
 @cuda.jit(device=True)
 def mix3(a, b, c):
     return splitmix64(splitmix64(splitmix64(a) ^ b) ^ c)
+
+
+@cuda.jit(device=True)
+def mulmod_p(a, b):
+    """``a * b mod P`` for ``a, b < 2**61`` from 32-bit limbs: ``8 a1 b1 + (a1 b0 + a0 b1) 2**32 + a0 b0`` mod P,
+    the middle term split at bit 29 (every partial below 2**62), then two folds at bit 61."""
+    a0 = a & _LO32
+    a1 = a >> _S32
+    b0 = b & _LO32
+    b1 = b >> _S32
+    mid = a1 * b0 + a0 * b1
+    low = a0 * b0
+    x = ((a1 * b1) << _U3) + (mid >> _S29) + ((mid & _LO29) << _S32) + (low & FIELD_P) + (low >> _S61)
+    r = (x & FIELD_P) + (x >> _S61)
+    return r - FIELD_P if r >= FIELD_P else r
+
+
+@cuda.jit(device=True)
+def addmod_p(a, b):
+    x = a + b
+    return x - FIELD_P if x >= FIELD_P else x
+
+
+@cuda.jit(device=True)
+def chain_g(tok, pos):
+    """``g(t, p) = mix3(CHAIN_ANCHOR, t, p) mod P``."""
+    x = splitmix64(splitmix64(G_KEY ^ tok) ^ pos)
+    x = (x & FIELD_P) + (x >> _S61)
+    return x - FIELD_P if x >= FIELD_P else x
+
+
+@cuda.jit(device=True)
+def chain_valid(v):
+    """Whether ``v`` is a chain value ``CHAIN_TAG | h`` with ``h < P`` (its field value is ``v & FIELD_P``)."""
+    return (v >> _S61) == _U2 and (v & FIELD_P) != FIELD_P
+
+
+@cuda.jit(device=True)
+def chain_link(prev_hash, tok, pos):
+    if not chain_valid(prev_hash):
+        return NOT_A_LINK
+    return CHAIN_TAG | addmod_p(mulmod_p(CHAIN_MUL, prev_hash & FIELD_P), chain_g(tok, pos))
 
 
 @cuda.jit(device=True)
@@ -205,7 +266,70 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
 
         return add_block_count
 
+    def make_block_scan(threads):
+        """records.cu's ``block_scan`` of ``ChainElem`` ``(a, b, pos, has)``: a Hillis-Steele scan in shared
+        memory. Returns the thread's exclusive prefix and the block's total (8 values); every thread calls it."""
+
+        @cuda.jit(device=True)
+        def block_scan(a, b, pos, has):
+            sa = cuda.shared.array(threads, uint64)
+            sb = cuda.shared.array(threads, uint64)
+            sp = cuda.shared.array(threads, uint64)
+            sh = cuda.shared.array(threads, int32)
+            t = cuda.threadIdx.x
+            sa[t] = a
+            sb[t] = b
+            sp[t] = pos
+            sh[t] = has
+            cuda.syncthreads()
+            d = 1
+            while d < threads:
+                oa = U1
+                ob = U0
+                op = U0
+                oh = 0
+                if t >= d:
+                    oa = sa[t - d]
+                    ob = sb[t - d]
+                    op = sp[t - d]
+                    oh = sh[t - d]
+                cuda.syncthreads()
+                if t >= d:  # combine(earlier, mine)
+                    ca = sa[t]
+                    sa[t] = mulmod_p(ca, oa)
+                    sb[t] = addmod_p(mulmod_p(ca, ob), sb[t])
+                    if sh[t] == 0:
+                        sp[t] = op
+                        sh[t] = oh
+                cuda.syncthreads()
+                d *= 2
+            ea = U1
+            eb = U0
+            ep = U0
+            eh = 0
+            if t > 0:
+                ea = sa[t - 1]
+                eb = sb[t - 1]
+                ep = sp[t - 1]
+                eh = sh[t - 1]
+            ta = sa[threads - 1]
+            tb = sb[threads - 1]
+            tp = sp[threads - 1]
+            th = sh[threads - 1]
+            cuda.syncthreads()  # the next scan rewrites the arrays
+            return ea, eb, ep, eh, ta, tb, tp, th
+
+        return block_scan
+
     write_block_count = make_block_count(WT)
+    block_scan = make_block_scan(WT)
+    K = WRITE_MAX_SEGMENTS
+
+    @cuda.jit(device=True)
+    def segment_len(n):
+        """records.cu's ``segment_len``: at most K segments of whole tiles."""
+        per = (n + K - 1) // K
+        return (per + WT - 1) // WT * WT
     verify_block_count = make_block_count(VT)
 
     def canary_write(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity, ring_write_index,
@@ -213,108 +337,148 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                      write_offsets, write_seed_slot_indices, write_num_valid_reqs, write_req_capacity,
                      out_cache_loc, input_ids, positions, num_entries, expected_input_ids, expected_positions,
                      has_expected_input_ids, has_expected_positions):
-        """Grid write_req_capacity, block WT: one request per block (records.cu's canary_write)."""
+        """Any grid, block WT: work items (request, segment) taken in turn (records.cu's canary_write)."""
+        s_items = cuda.shared.array(WT, int64)
+        s_nitems = cuda.shared.array(1, int32)
         s_slot = cuda.shared.array(WT, int64)
-        s_tok = cuda.shared.array(WT, uint64)
-        s_pos = cuda.shared.array(WT, uint64)
-        s_run = cuda.shared.array(WT, uint64)
-        s_chain_exp = cuda.shared.array(WT, uint64)
         tid = cuda.threadIdx.x
         if cuda.blockIdx.x == 0 and tid == 0:
             cuda.atomic.add(kernel_run_counter, 0, U1)
         nreq = clamp64(int64(write_num_valid_reqs[0]), int64(0), write_req_capacity)
-        r = int64(cuda.blockIdx.x)
-        if r >= nreq:
-            return
-        if write_seed_slot_indices[r] == SKIP_SEED:  # the whole block leaves: no barrier is pending
-            return
-        start = clamp64(write_offsets[r], int64(0), num_entries)
-        end = clamp64(write_offsets[r + 1], int64(0), num_entries)
+        n = num_entries
+        items = nreq * K
+        grid = int64(cuda.gridDim.x)
+        blk = int64(cuda.blockIdx.x)
         chain_on = (check_flags[0] & CHECK_WRITE_POSITION_CHAIN) != 0
-
-        running = ANCHOR_LINK
-        prev_pos = ALL_ONES
-        if tid == 0:
-            seed = write_seed_slot_indices[r]
-            if seed >= 0 and seed < num_slots:
-                at = seed * slot_stride_words
-                running = mix3(canary[at + 2], canary[at], canary[at + 1])
-                prev_pos = canary[at + 1]
         processed = U0
-        base = start
-        while base < end:
-            i = base + tid
-            m = min(end - base, int64(WT))
-            slot = int64(-1)
-            tok = U0
-            pos = U0
-            et = ALL_ONES
-            ep = ALL_ONES
-            kvh = U0
-            if i < end:
-                slot = out_cache_loc[i]
-                tok = uint64(input_ids[i])
-                pos = uint64(positions[i])
-                if has_expected_input_ids != 0:
-                    et = uint64(expected_input_ids[i])
-                if has_expected_positions != 0:
-                    ep = uint64(expected_positions[i])
-                if slot >= 0 and slot < num_slots:
-                    kvh = fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot)
-                s_slot[tid] = slot
-                s_tok[tid] = tok
-                s_pos[tid] = pos
-            cuda.syncthreads()
+        c = int64(0)
+        while c * grid + blk < items:  # block-uniform
             if tid == 0:
-                for j in range(m):
-                    sj = s_slot[j]
-                    if sj < 0:
-                        continue  # "skip this write": chain unchanged
-                    s_run[j] = running
-                    s_chain_exp[j] = prev_pos + U1
-                    if sj < num_slots:  # out-of-range entries neither store nor advance the chain
-                        pj = s_pos[j]
-                        running = mix3(running, s_tok[j], pj)
-                        prev_pos = pj
+                s_nitems[0] = 0
             cuda.syncthreads()
-            if i < end and slot >= 0:
-                processed += U1
-                stored = slot < num_slots
-                run = s_run[tid]
-                chain_exp = s_chain_exp[tid]
-                bits = 0 if stored else FAIL_SLOT_RANGE
-                if et != ALL_ONES and tok != et:
-                    bits |= FAIL_WRITE_TOKEN
-                arr_fail = ep != ALL_ONES and pos != ep
-                chain_fail = chain_on and pos != chain_exp
-                if arr_fail or chain_fail:
-                    bits |= FAIL_WRITE_POSITION
-                if arr_fail:
-                    aux = ep
-                elif chain_fail:
-                    aux = chain_exp
-                elif ep != ALL_ONES:
-                    aux = ep
-                elif chain_on:
-                    aux = chain_exp
-                else:
-                    aux = ALL_ONES
-                if bits != 0:
-                    append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), pos, tok, et,
-                               run, aux, uint64(bits))
-                last = stored
-                k = tid + 1
-                while last and k < m:
-                    last = s_slot[k] != slot
-                    k += 1
-                if last:
-                    at = slot * slot_stride_words
-                    canary[at] = tok
-                    canary[at + 1] = pos
-                    canary[at + 2] = run
-                    canary[at + 3] = kvh
-            cuda.syncthreads()  # the next chunk reuses the staging arrays
-            base += WT
+            w = (c + tid) * grid + blk
+            if w < items:
+                r = w // K
+                k = w % K
+                if write_seed_slot_indices[r] != SKIP_SEED:  # a padding row's tokens: nothing of them is looked at
+                    ln = clamp64(write_offsets[r + 1], int64(0), n) - clamp64(write_offsets[r], int64(0), n)
+                    if ln > 0 and k * segment_len(ln) < ln:
+                        s_items[cuda.atomic.add(s_nitems, 0, 1)] = w
+            cuda.syncthreads()
+            m_items = s_nitems[0]
+            for q in range(m_items):
+                w2 = s_items[q]
+                r = w2 // K
+                k = w2 % K
+                start = clamp64(write_offsets[r], int64(0), n)
+                end = clamp64(write_offsets[r + 1], int64(0), n)
+                seg = segment_len(end - start)
+                lo = start + k * seg
+                hi = min(lo + seg, end)
+                # The seed, read by every thread before any store of this segment (the scans' barriers order them).
+                h = ANCHOR_LINK & FIELD_P
+                valid = True
+                prev_pos = ALL_ONES
+                seed = write_seed_slot_indices[r]
+                if seed >= 0 and seed < num_slots:
+                    at = seed * slot_stride_words
+                    link0 = chain_link(canary[at + 2], canary[at], canary[at + 1])
+                    valid = chain_valid(link0)
+                    h = link0 & FIELD_P
+                    prev_pos = canary[at + 1]
+                if lo > start:  # compose the chain of the request's entries before this segment
+                    per = (lo - start + WT - 1) // WT
+                    i0 = start + tid * per
+                    i1 = min(i0 + per, lo)
+                    ra = U1
+                    rb = U0
+                    rp = U0
+                    rh = 0
+                    for i in range(i0, i1):
+                        sl = out_cache_loc[i]
+                        if sl >= 0 and sl < num_slots:
+                            pi = uint64(positions[i])
+                            rb = addmod_p(mulmod_p(CHAIN_MUL, rb), chain_g(uint64(input_ids[i]), pi))
+                            ra = mulmod_p(CHAIN_MUL, ra)
+                            rp = pi
+                            rh = 1
+                    _, _, _, _, ta, tb, tp, th = block_scan(ra, rb, rp, rh)
+                    h = addmod_p(mulmod_p(ta, h), tb)
+                    if th != 0:
+                        prev_pos = tp
+                base = lo
+                while base < hi:
+                    i = base + tid
+                    m = min(hi - base, int64(WT))
+                    slot = int64(-1)
+                    tok = U0
+                    pos = U0
+                    et = ALL_ONES
+                    ep = ALL_ONES
+                    kvh = U0
+                    ea = U1
+                    eb = U0
+                    eh = 0
+                    if i < hi:
+                        slot = out_cache_loc[i]
+                        tok = uint64(input_ids[i])
+                        pos = uint64(positions[i])
+                        if has_expected_input_ids != 0:
+                            et = uint64(expected_input_ids[i])
+                        if has_expected_positions != 0:
+                            ep = uint64(expected_positions[i])
+                        if slot >= 0 and slot < num_slots:  # out-of-range entries neither store nor advance the chain
+                            kvh = fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot)
+                            ea = CHAIN_MUL
+                            eb = chain_g(tok, pos)
+                            eh = 1
+                    s_slot[tid] = slot
+                    xa, xb, xp, xh, ta, tb, tp, th = block_scan(ea, eb, pos, eh)  # its barriers publish s_slot
+                    if i < hi and slot >= 0:
+                        processed += U1
+                        stored = slot < num_slots
+                        run = NOT_A_LINK
+                        if valid:
+                            run = CHAIN_TAG | addmod_p(mulmod_p(xa, h), xb)
+                        chain_exp = (xp if xh != 0 else prev_pos) + U1
+                        bits = 0 if stored else FAIL_SLOT_RANGE
+                        if et != ALL_ONES and tok != et:
+                            bits |= FAIL_WRITE_TOKEN
+                        arr_fail = ep != ALL_ONES and pos != ep
+                        chain_fail = chain_on and pos != chain_exp
+                        if arr_fail or chain_fail:
+                            bits |= FAIL_WRITE_POSITION
+                        if arr_fail:
+                            aux = ep
+                        elif chain_fail:
+                            aux = chain_exp
+                        elif ep != ALL_ONES:
+                            aux = ep
+                        elif chain_on:
+                            aux = chain_exp
+                        else:
+                            aux = ALL_ONES
+                        if bits != 0:
+                            append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), pos,
+                                       tok, et, run, aux, uint64(bits))
+                        last = stored
+                        kk = tid + 1
+                        while last and kk < m:
+                            last = s_slot[kk] != slot
+                            kk += 1
+                        if last:
+                            at = slot * slot_stride_words
+                            canary[at] = tok
+                            canary[at + 1] = pos
+                            canary[at + 2] = run
+                            canary[at + 3] = kvh
+                    h = addmod_p(mulmod_p(ta, h), tb)
+                    if th != 0:
+                        prev_pos = tp
+                    cuda.syncthreads()  # the next tile reuses s_slot
+                    base += WT
+            cuda.syncthreads()  # s_items and s_nitems are rewritten next round
+            c += WT
         write_block_count(processed, slot_run_counter, 0)
 
     def canary_verify(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity, ring_write_index,
@@ -355,7 +519,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                         expected = ANCHOR_LINK
                     elif prev > 0 and prev < num_slots:
                         pat = prev * slot_stride_words
-                        expected = mix3(canary[pat + 2], canary[pat], canary[pat + 1])
+                        expected = chain_link(canary[pat + 2], canary[pat], canary[pat + 1])
                     else:
                         checked = False  # 0: the predecessor page was freed (SWA); anything else is out of range
                         if prev != 0:

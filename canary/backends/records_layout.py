@@ -7,7 +7,8 @@ lists (and the constants) against the CUDA source.
 from __future__ import annotations
 
 MAX_SOURCES = 4
-WRITE_THREADS = 128
+WRITE_THREADS = 256
+WRITE_MAX_SEGMENTS = 32
 VERIFY_THREADS = 256
 SCATTER_THREADS = 128
 
@@ -29,7 +30,7 @@ SCATTER_FIELDS = (
     "pool", "pool_rows", "pool_cols", "pool_row_stride", "req_pool_indices", "bs", "tokens", "num_tokens",
     "token_offsets", "column_starts", "column_offset",
 )
-CONSTANTS = {"MAX_SOURCES": MAX_SOURCES, "WRITE_THREADS": WRITE_THREADS, "VERIFY_THREADS": VERIFY_THREADS,
+CONSTANTS = {"MAX_SOURCES": MAX_SOURCES, "WRITE_THREADS": WRITE_THREADS, "WRITE_MAX_SEGMENTS": WRITE_MAX_SEGMENTS, "VERIFY_THREADS": VERIFY_THREADS,
              "SCATTER_THREADS": SCATTER_THREADS}
 
 
@@ -37,3 +38,10 @@ def verify_grid(verify_capacity: int, sms: int, blocks_per_sm: int, threads: int
     """Blocks of a verify launch: one thread per entry of a full plan, but no more blocks than are resident at
     once (grid-stride beyond). From the capacity only, so a captured graph stays valid for any input."""
     return max(1, min(-(-int(verify_capacity) // threads), int(sms) * max(1, int(blocks_per_sm))))
+
+
+def write_grid(write_req_capacity: int, sms: int, blocks_per_sm: int) -> int:
+    """Blocks of a write launch: one per work item (a request's segment, at most ``WRITE_MAX_SEGMENTS`` a
+    request) of a full plan, but no more than are resident at once (blocks loop over items beyond). From the
+    capacity only, so a captured graph stays valid for any input."""
+    return max(1, min(int(write_req_capacity) * WRITE_MAX_SEGMENTS, int(sms) * max(1, int(blocks_per_sm))))

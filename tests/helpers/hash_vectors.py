@@ -34,6 +34,51 @@ MIX3_VECTORS = [
     (0x0000000000000002, 0x0000000000000001, 0x0000000000000000, 0x64950D26293FF4FF),  # argument order matters
 ]
 
+# The affine chain (SPEC 4): (prev_hash, token, position, link) of a record, as unsigned 64-bit values, worked out
+# once with the pure-Python oracle (helpers/naive_records.py chain_link: Python ints, P = 2**61 - 1, TAG = 2**62,
+# A = 0x1E5F3A9C7B2D4861, g = mix3(0xC0FFEE1234567890, token, position) mod P) and frozen here. A prev_hash that
+# is no chain value (bits 63..61 not 010, or its field value equal to P) links to 0, NOT_A_LINK.
+CHAIN_ANCHOR_LINK = 0x5E7FAE23A9A1B71C  # link(-1) = TAG | (splitmix64(0xC0FFEE1234567890) mod P)
+CHAIN_LINK_VECTORS = [
+    (0x0000000000000000, 0x0000000000000000, 0x0000000000000000, 0x0000000000000000),  # a never-written record
+    (0x5E7FAE23A9A1B71C, 0x0000000000000011, 0x0000000000000000, 0x4AE9F285094DFF1C),  # anchor, token 17, pos 0
+    (0x5E7FAE23A9A1B71C, 0xFFFFFFFFFFFFFFFF, 0x0000000000000005, 0x4EBA4121FBED08C3),  # token -1
+    (0x4000000000000000, 0x0000000000000000, 0x0000000000000000, 0x50CFB7E6FD833017),  # h = 0: TAG | g(0, 0)
+    (0x5FFFFFFFFFFFFFFE, 0x0000000000000001, 0x0000000000000002, 0x4B853EBC8FCEC2BF),  # h = P - 1
+    (0x5FFFFFFFFFFFFFFF, 0x0000000000000001, 0x0000000000000002, 0x0000000000000000),  # h = P: no chain value
+    (0x1FFFFFFFFFFFFFFF, 0x0000000000000001, 0x0000000000000002, 0x0000000000000000),  # no tag
+    (0xC000000000000000, 0x0000000000000001, 0x0000000000000002, 0x0000000000000000),  # bit 63 set
+    (0x6000000000000001, 0x0000000000000001, 0x0000000000000002, 0x0000000000000000),  # bit 61 set
+    (0x4123456789ABCDEF, 0x0000000000007CFF, 0x0000000000000FFF, 0x5A79B6AF9349942E),
+    (0x4123456789ABCDEF, 0x0000000000007CFF, 0x0000000000001000, 0x56FD217740DC92B6),  # position + 1
+    (0x4123456789ABCDEF, 0x0000000000007CFE, 0x0000000000000FFF, 0x453B58036DA88633),  # token - 1
+    (0x4123456789ABCDEE, 0x0000000000007CFF, 0x0000000000000FFF, 0x5C1A7C13181C4BCC),  # prev_hash - 1
+    (0x4000000000000001, 0xFFFFFFFFFFFFFFFF, 0x8000000000000000, 0x5ED1F054FE998CB9),
+    (0xC0FFEE1234567890, 0x0000000000000001, 0x0000000000000001, 0x0000000000000000),  # the old anchor: no value
+]
+
+# (a, b, a * b mod P) for a, b < 2**61 (Python ints): the field product of every backend.
+MULMOD_VECTORS = [
+    (0x0000000000000000, 0x0000000000000000, 0x0000000000000000),
+    (0x0000000000000001, 0x1FFFFFFFFFFFFFFE, 0x1FFFFFFFFFFFFFFE),
+    (0x1FFFFFFFFFFFFFFE, 0x1FFFFFFFFFFFFFFE, 0x0000000000000001),
+    (0x1000000000000000, 0x1000000000000000, 0x0800000000000000),
+    (0x1E5F3A9C7B2D4861, 0x1E5F3A9C7B2D4861, 0x10125F118FFB350C),  # A * A
+    (0x082C9B079F767C45, 0x0B791F77BDE5C099, 0x1525E2F4E5F2C2DB),
+    (0x161823FBCB91CE37, 0x1AEDA866F1446BEA, 0x1F906E5178C74ED7),
+    (0x14DD7193BD69FE29, 0x10F61624EC1D7DA0, 0x106ABC7A099CB52E),
+]
+
+# A test kernel over records.cu's own chain_link and mulmod_p (appended to its source).
+CHAIN_VECTORS_KERNEL = r"""
+extern "C" __global__ void chain_vectors(const u64* ph, const u64* tok, const u64* pos, u64* link, int n,
+                                         const u64* a, const u64* b, u64* ab, int nm) {
+    const int i = threadIdx.x;
+    if (i < n) link[i] = chain_link(ph[i], tok[i], pos[i]);
+    if (i < nm) ab[i] = mulmod_p(a[i], b[i]);
+}
+"""
+
 # The real-KV fold (SPEC 4) of one slot: (sources, real_kv_hash) as unsigned 64-bit values. Each source is the
 # tuple of little-endian u64 words the slot reads in it (2 in mode PARTIAL, read_bytes / 8 in mode ALL; always
 # even: the GPU reads 16 bytes at a time). Worked out once with the pure-Python oracle

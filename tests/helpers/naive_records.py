@@ -33,7 +33,20 @@ def mix3(a: int, b: int, c: int) -> int:
     return s64(splitmix64(splitmix64(splitmix64(a) ^ (b & M64)) ^ (c & M64)))
 
 
-LINK_NONE = s64(splitmix64(ANCHOR))
+# The affine chain over the prime field P = 2**61 - 1 (SPEC 4), straight from the prose with Python ints.
+P = (1 << 61) - 1
+TAG = 1 << 62
+A = 0x1E5F3A9C7B2D4861
+LINK_NONE = s64(TAG | (splitmix64(ANCHOR) % P))
+
+
+def chain_link(prev_hash: int, tok: int, pos: int) -> int:
+    """``TAG | (A h + g(tok, pos)) mod P`` when ``prev_hash & M64 == TAG + h`` with ``h < P``, else 0."""
+    h = (prev_hash & M64) - TAG
+    if not 0 <= h < P:
+        return 0
+    g = (mix3(ANCHOR, tok, pos) & M64) % P
+    return s64(TAG | ((A * h + g) % P))
 
 
 @dataclass
@@ -78,7 +91,7 @@ class NaiveState:
 
     def link(self, slot: int) -> int:
         tok, pos, prev, _ = self.fields[slot]
-        return mix3(prev, tok, pos)
+        return chain_link(prev, tok, pos)
 
 
 def clamp(x: int, lo: int, hi: int) -> int:
@@ -137,7 +150,7 @@ def write(st: NaiveState, *, offsets, seeds, num_valid_reqs, loc, ids, positions
                 st.append([tag, slot, pos, tok, et, running, aux, bits])
             if in_range:
                 st.fields[slot] = [tok, pos, running, st.real_kv_hash(slot)]
-                running = mix3(running, tok, pos)
+                running = chain_link(running, tok, pos)
                 prev = pos
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda  # a module global: the simulator swaps it for its fake inside kernels
-from helpers.hash_vectors import FOLD_SLOT, MIX3_VECTORS, REAL_KV_FOLD_VECTORS, SPLITMIX64_VECTORS, fold_vector_sources
+from helpers.hash_vectors import CHAIN_LINK_VECTORS, FOLD_SLOT, MIX3_VECTORS, MULMOD_VECTORS, REAL_KV_FOLD_VECTORS, SPLITMIX64_VECTORS, fold_vector_sources
 
 from canary.backends.sources import numba_kernels
 
@@ -26,7 +26,27 @@ def check_numba_hashes() -> None:
     hash_vectors[1, 32](dx, dsx, da, db, dc, dm)
     assert dsx.copy_to_host().tolist() == [y for _, y in SPLITMIX64_VECTORS]
     assert dm.copy_to_host().tolist() == [w for *_, w in MIX3_VECTORS]
+    check_numba_chain()
     check_numba_folds()
+
+
+def check_numba_chain() -> None:
+    """records_numba.chain_link and mulmod_p on CHAIN_LINK_VECTORS and MULMOD_VECTORS."""
+
+    @cuda.jit
+    def chain_vectors(ph, tok, pos, link, a, b, ab):
+        i = cuda.threadIdx.x
+        if i < ph.shape[0]:
+            link[i] = cn.chain_link(ph[i], tok[i], pos[i])
+        if i < a.shape[0]:
+            ab[i] = cn.mulmod_p(a[i], b[i])
+
+    ph, tok, pos = (np.array(col, dtype=np.uint64) for col in list(zip(*CHAIN_LINK_VECTORS))[:3])
+    a, b = (np.array(col, dtype=np.uint64) for col in list(zip(*MULMOD_VECTORS))[:2])
+    link, ab = cuda.to_device(np.zeros_like(ph)), cuda.to_device(np.zeros_like(a))
+    chain_vectors[1, 32](*(cuda.to_device(v) for v in (ph, tok, pos)), link, cuda.to_device(a), cuda.to_device(b), ab)
+    assert link.copy_to_host().tolist() == [w for *_, w in CHAIN_LINK_VECTORS]
+    assert ab.copy_to_host().tolist() == [w for *_, w in MULMOD_VECTORS]
 
 
 def check_numba_folds() -> None:

@@ -9,8 +9,9 @@ byte for byte; each launch's ring rows as a multiset (GPU order is decided by at
 overflowed the ring, a sub-multiset of the rows it would have written (:func:`all_rows`). Every buffer starts
 poisoned (random records, random padding, a sentinel ring) so that a missed or stray store shows.
 
-Random cases avoid the two documented races (docs/canary.md 6.3): within one write launch, different requests
-write disjoint slots, and no request's seed is written by another request of the launch.
+Random cases avoid the two documented races (docs/records.md 6): within one write launch, no slot is written
+twice (different requests write disjoint slots, a request each slot once), and no request's seed is written in
+the launch (its own request's included: a request's segments may run in different blocks).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from canary import MISSING_SLOT, VerifyPlan, WritePlan
+from canary.records.hashes import ANCHOR_LINK
 from canary.records.realkv import RealKVMode, real_kv
 from canary.records.ring import RING_ROW_WORDS, CheckFlags, FailReason
 from canary.records.state import CanaryState
@@ -342,6 +344,7 @@ def hand_cases() -> list[CanaryCase]:
     add("slot_stride_padding_untouched", chain_then_verify(_a(3, 4, 9, 15, 1)), slot_stride_bytes=56)
     add("one_slot_canary", [write_launch([0, 2], [-1], _a(0, 1), _a(1, 2), _a(0, 1)),
                             verify_launch(_a(0, 1), _a(1, 2), _a(0, 1), _a(-1, 0))], num_slots=1)
+    scan_cases(add)
     for kinds, mode in (("p", RealKVMode.ALL), ("pt", RealKVMode.ALL), ("ptw", RealKVMode.PARTIAL),
                         ("tw", RealKVMode.NONE), ("ptwp", RealKVMode.ALL)):
         launches = chain_then_verify(_a(3, 4, 9, 15, 1, 2))
@@ -380,6 +383,70 @@ def hand_cases() -> list[CanaryCase]:
             records=np.zeros((S, 4), np.int64),
             expect=[(7, F.CHAIN | F.POSITION | F.VERIFY_TOKEN | F.REAL_KV), (11, F.REAL_KV), (9, F.REAL_KV)])
     return cases
+
+
+def scan_cases(add) -> None:
+    """The write scan's boundaries (docs/records.md 8): one-token requests, many requests per tile, requests
+    crossing tiles and split into segments (blocks), skipped and out-of-range slots inside runs, SKIP_SEED rows
+    between runs, a position jump before a segment boundary, a seed that is no chain value. Each write is
+    followed by a verify of what it wrote (clean except where a case says)."""
+    rng = np.random.default_rng(77)
+    S = 64
+    # Twelve one-token requests in one tile, seeds from the anchor, from slots, from out of range.
+    slots = _a(*range(1, 13))
+    seeds = _a(-1, 20, -1, 21, S, -1, 22, -2, 23, -1, -1, 24)
+    add("scan_one_token_requests", [
+        write_launch(np.arange(13), seeds, slots, slots + 100, np.full(12, 5)),
+        verify_launch(slots, slots + 100, np.full(12, 5), np.where(seeds >= S, -1, seeds))],
+        num_slots=S, records=np.tile(_a(7, 4, 0, 0), (S, 1)) | np.array([0, 0, 1 << 62, 0]))
+    # Many short requests in one tile, SKIP_SEED rows (stale slots, garbage) between them.
+    lens = [3, 2, 1, 4, 2, 5, 1, 3]
+    skip = [False, True, False, False, True, False, True, False]
+    offs = np.concatenate([[0], np.cumsum(lens)])
+    loc = rng.permutation(np.arange(1, S))[: offs[-1]]
+    pos = np.concatenate([np.arange(n) for n in lens])
+    ids = rng.integers(0, 1000, size=loc.size)
+    seeds = np.where(skip, I64_MIN, -1)
+    keep = np.repeat(~np.array(skip), lens)
+    prev = np.where(pos == 0, -1, np.roll(loc, 1))
+    add("scan_many_requests_skip_seed_between", [
+        write_launch(offs, seeds, loc, ids, pos),
+        verify_launch(loc[keep], ids[keep], pos[keep], prev[keep])], num_slots=S)
+    # Long runs: 1,100 and 300 entries (split into segments of several tiles under the simulator's 32 threads and
+    # into 2+ segments on a GPU), with skipped (-1) and out-of-range slots inside the runs, a position jump
+    # (reported once, by the chain-position check, at the entry after it) and a request of 1 between them.
+    n1, n2 = 1100, 300
+    S2 = 2000
+    perm = rng.permutation(np.arange(1, S2))
+    loc1, loc2 = perm[:n1].copy(), perm[n1 : n1 + n2].copy()
+    loc1[[0, 31, 32, 63, 64, 500, 1099]] = -1
+    loc1[[33, 700]] = S2 + 3
+    loc2[[5, 299]] = -1
+    one = perm[n1 + n2 : n1 + n2 + 1]
+    pos1 = np.arange(n1) + 40
+    pos1[640:] += 7
+    loc = np.concatenate([loc1, one, loc2])
+    pos = np.concatenate([pos1, [0], np.arange(n2)])
+    ids = rng.integers(-5, 1 << 40, size=loc.size)
+    offs = [0, n1, n1 + 1, n1 + 1 + n2]
+    seed = int(perm[-1])
+    records = np.zeros((S2, 4), np.int64)
+    records[seed] = [9, 39, ANCHOR_LINK, 0]  # a chained predecessor at position 39
+    ok = (loc > 0) & (loc < S2)
+    vslots = loc[ok]
+    owner = np.repeat(np.arange(3), np.diff(offs))[ok]
+    vprev = np.concatenate([[seed], vslots[:-1]])
+    vprev[np.flatnonzero(np.diff(owner)) + 1] = -1
+    vprev[np.flatnonzero(owner == 2)[0]] = -1
+    add("scan_long_runs_split_into_segments", [
+        write_launch(offs, [seed, -1, -1], loc, ids, pos),
+        verify_launch(vslots, ids[ok], pos[ok], vprev)], num_slots=S2, records=records, ring_capacity=16)
+    # A seed whose prev_hash is no chain value (a never-written record): the request stores NOT_A_LINK (0)
+    # throughout, and its verify passes the chain check (it was chained to that seed) but sees the positions.
+    add("scan_seed_not_a_link", [
+        write_launch([0, 40], [3], _a(*range(10, 50)), np.arange(40), np.arange(1, 41)),
+        verify_launch(_a(*range(10, 50)), np.arange(40), np.arange(1, 41), _a(3, *range(10, 49)))],
+        num_slots=S, records=np.zeros((S, 4), np.int64))
 
 
 def _zero_slots(sources: list, slots: tuple[int, ...]) -> list:
@@ -450,10 +517,11 @@ def _random_write(rng, num_slots: int, max_entries: int) -> Launch:
     for r in range(r_cap):
         mine = np.flatnonzero((owners == r) & ~unowned)
         n = int(counts[r])
-        if mine.size:
-            s = rng.choice(mine, size=n)
-        else:
-            s = np.full(n, -1)
+        # No slot twice in one request, and no seed among the request's own new slots: a request's segments
+        # may run in different blocks, which race on those (docs/records.md 6).
+        s = np.full(n, -1)
+        take = min(n, mine.size)
+        s[rng.permutation(n)[:take]] = rng.choice(mine, size=take, replace=False)
         s = np.where(rng.random(n) < 0.1, rng.choice([-1, -3, num_slots, num_slots + 5], size=n), s)
         p0 = int(rng.integers(-1, 4))
         p = np.arange(p0, p0 + n)
@@ -461,7 +529,7 @@ def _random_write(rng, num_slots: int, max_entries: int) -> Launch:
         loc.append(s)
         ids.append(rng.integers(-2, 50, size=n))
         pos.append(p)
-        seed_pool = np.concatenate([mine, np.flatnonzero(unowned), [-1, -1, -2, num_slots, I64_MIN]])
+        seed_pool = np.concatenate([np.setdiff1d(mine, s), np.flatnonzero(unowned), [-1, -1, -2, num_slots, I64_MIN]])
         seeds.append(int(rng.choice(seed_pool)))
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     loc_a = np.concatenate(loc) if loc else np.zeros(0, np.int64)

@@ -76,6 +76,18 @@ def test_fold_vectors_test_kernel_compiles():
     assert b"fold_vectors" in cubin
 
 
+@pytest.mark.sim
+@needs_nvrtc
+def test_chain_vectors_test_kernel_compiles():
+    """The GPU suite's chain-vector kernel builds on records.cu's chain_link and mulmod_p: compile it here."""
+    from cuda.core import Program, ProgramOptions
+    from helpers.hash_vectors import CHAIN_VECTORS_KERNEL
+
+    src = cuda_source("records") + CHAIN_VECTORS_KERNEL
+    cubin = Program(src, "c++", ProgramOptions(arch="sm_90", std="c++17")).compile("cubin").code
+    assert b"chain_vectors" in cubin
+
+
 def _struct_body(src: str, name: str) -> list[str]:
     body = src[src.index(f"struct {name} {{") :]
     body = body[body.index("{") + 1 : body.index("};")]
@@ -125,6 +137,10 @@ def test_canary_params_layout_matches_the_cuda_structs():
         if flag:
             assert re.search(rf"#define CHECK_{flag.name} {int(flag)}\b", src), flag
     assert f"#define ANCHOR_LINK 0x{ANCHOR_LINK & 0xFFFFFFFFFFFFFFFF:016X}ULL" in src
+    from canary.records import hashes
+
+    for name in ("FIELD_P", "CHAIN_TAG", "CHAIN_MUL", "G_KEY"):
+        assert re.search(rf"#define {name} 0x{getattr(hashes, name):016X}ULL\b", src), name
 
 
 def test_canary_numba_constants_match_canary_cu():
@@ -137,10 +153,14 @@ def test_canary_numba_constants_match_canary_cu():
     tree = ast.parse(kernels_dir().joinpath("records_numba.py").read_text())
     consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
               for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
-    for name in ("MAX_SOURCES", "WRITE_THREADS", "VERIFY_THREADS", "SCATTER_THREADS", "FAIL_CHAIN", "FAIL_POSITION",
+    for name in ("MAX_SOURCES", "WRITE_THREADS", "WRITE_MAX_SEGMENTS", "VERIFY_THREADS", "SCATTER_THREADS", "FAIL_CHAIN", "FAIL_POSITION",
                  "FAIL_REAL_KV", "FAIL_WRITE_TOKEN", "FAIL_WRITE_POSITION", "FAIL_VERIFY_TOKEN", "FAIL_SLOT_RANGE",
                  "FAIL_MISSING", "CHECK_WRITE_POSITION_CHAIN", "CHECK_VERIFY_TOKEN"):
         assert re.search(rf"#define {name} {consts[name]}\b", src), name
+    numba_src = kernels_dir().joinpath("records_numba.py").read_text()
+    for name in ("FIELD_P", "CHAIN_TAG", "CHAIN_MUL", "G_KEY", "ANCHOR_LINK"):
+        value = re.search(rf"#define {name} (0x[0-9A-F]+)ULL", src).group(1)
+        assert re.search(rf"^{name} = np.uint64\({value}\)", numba_src, re.M), name
 
 
 def _cuda_i64_define(src: str, name: str) -> int:

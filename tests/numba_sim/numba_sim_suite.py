@@ -263,9 +263,10 @@ def test_canary_random_cases_hypothesis():
     check()
 
 
-@pytest.mark.parametrize("name", ["long_request_many_chunks", "verify_by_hand", "real_kv_pt_all"])
+@pytest.mark.parametrize("name", ["long_request_many_chunks", "verify_by_hand", "real_kv_pt_all",
+                                  "scan_long_runs_split_into_segments"])
 def test_canary_gpu_block_sizes(name):
-    """The GPU's block sizes (128-entry write chunks, 256-thread verify blocks) on a few cases."""
+    """The GPU's block sizes (256-entry write tiles, 256-thread verify blocks) on a few cases."""
     _twin(next(c for c in cc.hand_cases() if c.name == name), LaunchConfig(simulator_threads="gpu"))
 
 

@@ -16,9 +16,11 @@ from helpers.naive_records import splitmix64 as _splitmix64_py  # the independen
 
 from canary.records import hashes
 
-from helpers.hash_vectors import MIX3_VECTORS, SPLITMIX64_VECTORS
+from helpers.hash_vectors import CHAIN_ANCHOR_LINK, CHAIN_LINK_VECTORS, MIX3_VECTORS, MULMOD_VECTORS, SPLITMIX64_VECTORS
+from helpers.naive_records import chain_link as _chain_link_py
 
-LINK_OF_NONE = 0xDE7FAE23A9A1B716  # link(-1) = splitmix64(0xC0FFEE1234567890)
+LINK_OF_NONE = CHAIN_ANCHOR_LINK  # link(-1) = TAG | (splitmix64(0xC0FFEE1234567890) mod P)
+P61 = (1 << 61) - 1
 
 
 def _mix3_py(a: int, b: int, c: int) -> int:
@@ -60,9 +62,60 @@ def test_mix3_vectors():
 def test_link():
     assert int(hashes.link(-1, 0, 0, 0)) & M64 == LINK_OF_NONE
     # Stored fields of a slot are ignored for slot -1; any negative slot means "no predecessor".
-    got = hashes.link(np.array([-1, -7, 3, 5]), np.array([123, 0, 0xC0FFEE1234567890 - (1 << 64), 1]),
-                      np.array([9, 9, 0, 2]), np.array([4, 4, 0, 3]))
-    assert _u(got) == [LINK_OF_NONE, LINK_OF_NONE, 0xB0CFB7E6FD833012, 0xA55BDF37C08724B5]
+    ph, tok, pos, want = (np.array(col, dtype=np.uint64) for col in zip(*CHAIN_LINK_VECTORS))
+    slots = np.arange(len(CHAIN_LINK_VECTORS))
+    got = hashes.link(slots, ph.view(np.int64), tok.view(np.int64), pos.view(np.int64))
+    assert got.dtype == np.int64 and _u(got) == [int(w) for w in want]
+    got = hashes.link(np.array([-1, -7]), np.array([123, 0]), np.array([9, 9]), np.array([4, 4]))
+    assert _u(got) == [LINK_OF_NONE, LINK_OF_NONE]
+    for p_, t, q, w in CHAIN_LINK_VECTORS:
+        assert int(hashes.link(1, p_, t, q)) & M64 == w == _chain_link_py(p_, t, q) & M64
+
+
+def test_chain_constants():
+    assert hashes.FIELD_P == P61 and hashes.CHAIN_TAG == 1 << 62 and hashes.NOT_A_LINK == 0
+    assert 1 < hashes.CHAIN_MUL < P61 and hashes.CHAIN_MUL % 2 == 1
+    assert hashes.ANCHOR_LINK == CHAIN_ANCHOR_LINK  # a chain value: positive as int64
+    assert hashes.G_KEY == int(hashes.splitmix64(hashes.CHAIN_ANCHOR)) & M64
+
+
+def test_mulmod_vectors():
+    a, b, want = (np.array(col, dtype=np.uint64) for col in zip(*MULMOD_VECTORS))
+    assert [int(v) for v in hashes.mulmod_p(a, b)] == [int(w) for w in want] == [
+        int(x) * int(y) % P61 for x, y in zip(a, b)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, P61 - 1), st.integers(0, P61 - 1)), min_size=1, max_size=16),
+       st.integers(0, M64))
+def test_field_arithmetic_matches_python_ints(pairs, x):
+    a, b = (np.array(col, dtype=np.uint64) for col in zip(*pairs))
+    assert [int(v) for v in hashes.mulmod_p(a, b)] == [p * q % P61 for p, q in pairs]
+    assert int(hashes.reduce_p(np.array([x], dtype=np.uint64))[0]) == x % P61
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=6), st.integers(0, 2**32 - 1))
+def test_chain_values_scan_equals_repeated_link(counts, seed):
+    """The vectorized scan is the serial chain: h_{k+1} = link(record k), request by request."""
+    rng = np.random.default_rng(seed)
+    counts = np.array(counts)
+    heads = rng.integers(-(1 << 63), 1 << 63, size=counts.size, dtype=np.int64)
+    valid = rng.random(counts.size) < 0.8
+    heads = np.where(valid, (1 << 62) | (heads & P61), heads)  # mostly chain values, some damage
+    tok = rng.integers(-(1 << 63), 1 << 63, size=int(counts.sum()), dtype=np.int64)
+    pos = rng.integers(-3, 1 << 40, size=tok.size)
+    got = [int(v) for v in hashes.chain_values(heads, counts, tok, pos)]
+    want, j = [], 0
+    for r, c in enumerate(counts):
+        h = int(heads[r]) & M64
+        h = h if _chain_link_py(h, 0, 0) else 0  # a head that is no chain value stays NOT_A_LINK
+        want.append(h)
+        for _ in range(int(c)):
+            h = _chain_link_py(h, int(tok[j]), int(pos[j])) & M64
+            want.append(h)
+            j += 1
+    assert got == want
 
 
 def test_signed_inputs_sign_extend():

@@ -12,6 +12,9 @@ from helpers import records_cases as cc
 import numpy as np
 import pytest
 
+from canary import SKIP_SEED
+from canary.records.realkv import RealKVMode
+
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 BACKENDS = ["cupy", "numba"]
 
@@ -107,6 +110,43 @@ def test_large_launches(backend):
     verify = cc.verify_launch(slots, tokens, pos, prev)
     case = cc.CanaryCase(name="large", num_slots=num_slots, launches=[write, verify], ring_capacity=4096,
                          records=np.zeros((num_slots, 4), np.int64))
+    _twin(case, backend)
+
+
+@pytest.mark.parametrize("shape", ["bs1_32k", "bs8_2k", "mixed"])
+@pytest.mark.parametrize("mode", [RealKVMode.NONE, RealKVMode.ALL])
+def test_long_requests_split_across_blocks(backend, shape, mode):
+    """The write scan at the GPU's sizes: one 32,768-token request (32 segments of 1,024 entries, 4 tiles each),
+    8 x 2,048 (8 segments of 256 each), and a mix of long and one-token requests with skips and SKIP_SEED rows,
+    seeded from chained records; then a verify of everything written (clean)."""
+    rng = np.random.default_rng(11)
+    lens = {"bs1_32k": [32768], "bs8_2k": [2048] * 8, "mixed": [1, 9000, 1, 1, 257, 0, 3000, 1]}[shape]
+    n = int(sum(lens))
+    num_slots = n + 1000
+    slots = 1 + rng.permutation(num_slots - 1)
+    loc, seed_slots = slots[:n].copy(), slots[n : n + len(lens)]
+    if shape == "mixed":
+        loc[rng.random(n) < 0.01] = -1
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    pos = np.concatenate([np.arange(m) + 5 for m in lens])
+    ids = rng.integers(0, 1 << 40, size=n)
+    records = np.zeros((num_slots, 4), np.int64)
+    records[seed_slots] = np.stack([np.full(len(lens), 3), np.full(len(lens), 4), np.full(len(lens), 1 << 62),
+                                    np.zeros(len(lens), np.int64)], axis=1)
+    seeds = seed_slots.copy()
+    if shape == "mixed":
+        seeds[[2, 5]] = SKIP_SEED
+    write = cc.write_launch(offsets, seeds, loc, ids, pos)
+    owner = np.repeat(np.arange(len(lens)), lens)
+    ok = (loc > 0) & (seeds[owner] != SKIP_SEED)
+    v_slots, v_owner = loc[ok], owner[ok]
+    prev = np.concatenate([[0], v_slots[:-1]])
+    first = np.concatenate([[True], v_owner[1:] != v_owner[:-1]])
+    prev[first] = seeds[v_owner[first]]
+    verify = cc.verify_launch(v_slots, ids[ok], pos[ok], prev)
+    srcs = [] if mode == RealKVMode.NONE else [(rng.integers(0, 256, size=(num_slots, 64), dtype=np.uint8), 1, 64, 64)]
+    case = cc.CanaryCase(name=f"long_{shape}", num_slots=num_slots, launches=[write, verify], ring_capacity=4096,
+                         records=records, sources=srcs, mode=mode, expect=None)
     _twin(case, backend)
 
 
@@ -347,6 +387,23 @@ def test_cuda_hashes_match_frozen_vectors():
     fn((1,), (32,), (x, sx, np.int32(x.size), a, b, c, m, np.int32(a.size)))
     assert cupy.asnumpy(sx).tolist() == [y for _, y in SPLITMIX64_VECTORS]
     assert cupy.asnumpy(m).tolist() == [w for *_, w in MIX3_VECTORS]
+
+
+def test_cuda_chain_matches_frozen_vectors():
+    """records.cu's chain_link and mulmod_p on CHAIN_LINK_VECTORS and MULMOD_VECTORS."""
+    from helpers.hash_vectors import CHAIN_LINK_VECTORS, CHAIN_VECTORS_KERNEL, MULMOD_VECTORS
+
+    from canary.backends.sources import cuda_source
+
+    cupy = _cupy()
+    fn = cupy.RawModule(code=cuda_source("records") + CHAIN_VECTORS_KERNEL, options=("--std=c++17",)).get_function(
+        "chain_vectors")
+    ph, tok, pos = (cupy.asarray(np.array(col, dtype=np.uint64)) for col in list(zip(*CHAIN_LINK_VECTORS))[:3])
+    a, b = (cupy.asarray(np.array(col, dtype=np.uint64)) for col in list(zip(*MULMOD_VECTORS))[:2])
+    link, ab = cupy.zeros_like(ph), cupy.zeros_like(a)
+    fn((1,), (32,), (ph, tok, pos, link, np.int32(ph.size), a, b, ab, np.int32(a.size)))
+    assert cupy.asnumpy(link).tolist() == [w for *_, w in CHAIN_LINK_VECTORS]
+    assert cupy.asnumpy(ab).tolist() == [w for *_, w in MULMOD_VECTORS]
 
 
 def test_cuda_fold_matches_frozen_vectors():

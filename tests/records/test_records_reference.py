@@ -19,7 +19,7 @@ from canary.backends.reference import records as reference_canary
 from canary.sim.engine import Engine
 from canary.errors import BackendUnavailableError
 from canary.sim.faults import Fault, Injector
-from canary.records.hashes import ANCHOR_LINK, mix3
+from canary.records.hashes import ANCHOR_LINK, link
 from canary.records.realkv import RealKVMode, real_kv
 from canary.records.ring import CheckFlags, FailReason, KernelTag, decode_row, encode_tag
 from canary.records.state import CanaryState, bind_state
@@ -150,6 +150,11 @@ def _verify_plan(slots, tokens, positions, prev, capacity=None, enable=1):
     return vp
 
 
+def _step(prev_hash, token, position) -> int:
+    """The chain value a record ``(token, position, prev_hash)`` links to (SPEC 4)."""
+    return int(link(1, prev_hash, token, position))
+
+
 def _a(*v):
     return np.array(v, dtype=np.int64)
 
@@ -159,13 +164,13 @@ def test_write_chain_by_hand():
     c.write(_write_plan([0, 3, 5], [-1, 2]), out_cache_loc=_a(1, 2, 3, 7, 8), input_ids=_a(10, 11, 12, 20, 21),
             positions=_a(0, 1, 2, 3, 4))
     f = c.views.fields
-    h1 = int(mix3(ANCHOR_LINK, 10, 0))
-    h2 = int(mix3(h1, 11, 1))
+    h1 = int(_step(ANCHOR_LINK, 10, 0))
+    h2 = int(_step(h1, 11, 1))
     assert f[1, :3].tolist() == [10, 0, ANCHOR_LINK]
     assert f[2, :3].tolist() == [11, 1, h1]
     assert f[3, :3].tolist() == [12, 2, h2]
     # Request 1 is seeded by slot 2, written by request 0 in the same launch: seeds are read first (all zero).
-    assert f[7, :3].tolist() == [20, 3, int(mix3(0, 0, 0))]
+    assert f[7, :3].tolist() == [20, 3, int(_step(0, 0, 0))]
     rep = c.drain()
     # ... so its chain-position check expects 0 + 1 at position 3.
     assert [(v.kernel, v.slot, v.position, v.reasons, v.expected_aux) for v in rep] == [
@@ -178,7 +183,7 @@ def test_write_skips_negative_slots_and_flags_out_of_range():
     c.write(_write_plan([0, 4], [-1]), out_cache_loc=_a(1, -1, 9, 2), input_ids=_a(5, 6, 7, 8),
             positions=_a(0, 1, 1, 1), expected_input_ids=_a(5, 0, 7, -1))
     f = c.views.fields
-    h1 = int(mix3(ANCHOR_LINK, 5, 0))
+    h1 = int(_step(ANCHOR_LINK, 5, 0))
     assert f[1, :3].tolist() == [5, 0, ANCHOR_LINK]
     assert f[2, :3].tolist() == [8, 1, h1]  # the skipped and the out-of-range entry did not advance the chain
     rep = c.drain()
@@ -196,7 +201,7 @@ def test_write_skips_requests_seeded_skip_seed():
             expected_input_ids=_a(5, 6, 0, 0, 0, 0), expected_positions=_a(0, 1, 0, 0, 0, 0))
     f = c.views.fields
     assert f[1, :3].tolist() == [5, 0, ANCHOR_LINK]
-    assert f[2, :3].tolist() == [6, 1, int(mix3(ANCHOR_LINK, 5, 0))]  # request 0's write stands
+    assert f[2, :3].tolist() == [6, 1, int(_step(ANCHOR_LINK, 5, 0))]  # request 0's write stands
     np.testing.assert_array_equal(f[3:], before[3:])  # the skipped requests stored nothing
     rep = c.drain()
     assert len(rep) == 0  # nor asserted anything
@@ -233,7 +238,7 @@ def test_verify_by_hand():
     # Chain and position faults, a prev_slot outside the buffer, a slot outside the buffer.
     c.verify(_verify_plan(slots=[2, 3, 9], tokens=[-1, -1, -1], positions=[5, 2, 0], prev=[3, 12, 1]))
     rows = [(v.slot, v.position, v.reasons, v.expected_aux) for v in c.drain()]
-    want_chain = int(mix3(c.views.fields[3, 2], 7, 2))
+    want_chain = int(_step(c.views.fields[3, 2], 7, 2))
     assert rows == [(2, 5, F.CHAIN | F.POSITION, want_chain), (3, 2, F.SLOT_RANGE, 0), (9, 0, F.SLOT_RANGE, 0)]
 
 
@@ -650,3 +655,70 @@ def test_sampled_verify_end_to_end():
     assert all(log.enable == 1 for log in logs) and all(log.report.total == 0 for log in logs)
     assert any(log.verify_entries == 2048 for log in logs)
     assert e.state.health().verify_slots == sum(log.verify_entries for log in logs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The hand cases without real-KV sources, the write scan's boundaries among them, against the naive oracle.
+
+
+@pytest.mark.parametrize("case", [c for c in cc.hand_cases() if not c.sources], ids=repr)
+def test_hand_cases_match_naive_oracle(case):
+    state = CanaryState.allocate(num_slots=case.num_slots, ring_capacity=case.ring_capacity,
+                                 check_flags=case.check_flags)
+    views = bind_state(state)
+    if case.records is not None:
+        views.fields[:] = case.records
+    state.ring_write_index[0] = case.write_index
+    ns = _naive_state(views)
+    kv = real_kv([], RealKVMode.NONE)
+    for launch in case.launches:
+        a = launch.args
+        if launch.kind == "write":
+            reference_canary.write(views, write_offsets=a["write_offsets"],
+                                   write_seed_slot_indices=a["write_seed_slot_indices"],
+                                   write_num_valid_reqs=a["write_num_valid_reqs"], out_cache_loc=a["out_cache_loc"],
+                                   input_ids=a["input_ids"], positions=a["positions"],
+                                   expected_input_ids=a.get("expected_input_ids"),
+                                   expected_positions=a.get("expected_positions"), real_kv=kv,
+                                   launch_tag=a.get("launch_tag", 0))
+            opt = {k: (None if a.get(k) is None else a[k].tolist()) for k in ("expected_input_ids", "expected_positions")}
+            naive.write(ns, offsets=a["write_offsets"].tolist(), seeds=a["write_seed_slot_indices"].tolist(),
+                        num_valid_reqs=int(a["write_num_valid_reqs"][0]), loc=a["out_cache_loc"].tolist(),
+                        ids=a["input_ids"].tolist(), positions=a["positions"].tolist(),
+                        exp_ids=opt["expected_input_ids"], exp_pos=opt["expected_positions"],
+                        tag=(a.get("launch_tag", 0) << 8) | 1)
+        else:
+            reference_canary.verify(views, verify_slot_indices=a["verify_slot_indices"],
+                                    verify_expected_tokens=a["verify_expected_tokens"],
+                                    verify_expected_positions=a["verify_expected_positions"],
+                                    verify_prev_slot_indices=a["verify_prev_slot_indices"],
+                                    verify_num_valid=a["verify_num_valid"], enable=a["enable"], real_kv=kv,
+                                    launch_tag=a.get("launch_tag", 0))
+            naive.verify(ns, slots=a["verify_slot_indices"].tolist(), exp_tokens=a["verify_expected_tokens"].tolist(),
+                         exp_positions=a["verify_expected_positions"].tolist(),
+                         prev_slots=a["verify_prev_slot_indices"].tolist(), num_valid=int(a["verify_num_valid"][0]),
+                         enable=int(a["enable"][0]), tag=(a.get("launch_tag", 0) << 8) | 2)
+        _assert_same(views, ns)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 40), st.data(), st.sampled_from(["token", "position", "prev_hash"]),
+       st.integers(-(1 << 63), (1 << 63) - 1))
+def test_verify_flags_a_changed_link_field(n, data, field, value):
+    """A changed token, position or prev_hash of record j breaks the link its successor j + 1 stored: verify
+    reports CHAIN on j + 1 (a changed prev_hash also on j itself, against link(j - 1))."""
+    j = data.draw(st.integers(0, n - 2))
+    state, c = _canary(num_slots=64, ring_capacity=64, flags=CheckFlags.WRITE_POSITION_CHAIN)
+    slots = np.arange(1, n + 1) * 3 % 61 + 1
+    ids = np.arange(n) * 7 + 5
+    c.write(_write_plan([0, n], [-1]), out_cache_loc=slots, input_ids=ids, positions=np.arange(n))
+    f = c.views.fields
+    col = {"token": 0, "position": 1, "prev_hash": 2}[field]
+    if int(f[slots[j], col]) == value:
+        value ^= 1
+    f[slots[j], col] = value
+    prev = np.concatenate([[-1], slots[:-1]])
+    c.verify(_verify_plan(slots=slots.tolist(), tokens=[-1] * n, positions=list(range(n)), prev=prev.tolist()))
+    chain = {v.slot for v in c.drain() if v.reasons & F.CHAIN}
+    assert int(slots[j + 1]) in chain
+    assert (int(slots[j]) in chain) == (field == "prev_hash")

@@ -15,7 +15,7 @@ from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
 from ..records_layout import (
     MAX_SOURCES, REAL_KV_FIELDS, SCATTER_FIELDS, SCATTER_THREADS, VERIFY_FIELDS, VERIFY_THREADS,
-    WRITE_FIELDS, WRITE_THREADS, verify_grid,
+    WRITE_FIELDS, WRITE_THREADS, verify_grid, write_grid,
 )
 from . import OnDevice, Params, Streams, cupy, occupancy, raw_module
 
@@ -75,6 +75,7 @@ class Bound:
             verify = module.get_function("canary_verify").kernel
             sms = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
             self._verify_blocks_per_sm = occupancy(verify, VERIFY_THREADS)
+            self._write_blocks_per_sm = occupancy(write, WRITE_THREADS)
             self._sms = sms
             self._fns = (write, verify)
 
@@ -106,7 +107,8 @@ class Bound:
         r_cap = a.plan.write_seed_slot_indices.shape[0]
         self._write.set(self._write_words(a))
         with OnDevice(self.device_id):
-            self._fns[0]((max(r_cap, 1),), (WRITE_THREADS,), self._write.args, stream=self._streams.get_stream(stream))
+            grid = write_grid(r_cap, self._sms, self._write_blocks_per_sm)
+            self._fns[0]((grid,), (WRITE_THREADS,), self._write.args, stream=self._streams.get_stream(stream))
 
     def verify(self, a: RecordVerifyArgs, stream: int) -> None:
         if self._fns is None:

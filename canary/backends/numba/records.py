@@ -19,7 +19,7 @@ from ...records.realkv import RealKV
 from ...records.ring import KernelTag, encode_tag
 from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
-from ..records_layout import MAX_SOURCES, verify_grid
+from ..records_layout import MAX_SOURCES, verify_grid, write_grid
 from ..sources import numba_kernels
 from . import ON_DEVICE, SIMULATOR, PerformanceWarning, cuda, device_array
 
@@ -32,7 +32,7 @@ records_numba = numba_kernels("records_numba")
 # chunks per request and several grid-stride rounds on small cases. Tests may change these before binding.
 SIMULATOR_THREADS = 32
 SIMULATOR_SMS = 1
-BLOCKS_PER_SM = 8  # resident verify blocks per SM (256 threads: 2048 per SM on every GPU since sm_60)
+BLOCKS_PER_SM = 8  # resident verify / write blocks per SM (256 threads: 2048 per SM on every GPU since sm_60)
 _CACHE_SIZE = 64
 
 
@@ -172,7 +172,8 @@ class Bound:
             v(a.input_ids), v(a.positions), a.out_cache_loc.shape[0], v(a.expected_input_ids),
             v(a.expected_positions), int(a.expected_input_ids is not None), int(a.expected_positions is not None),
         )
-        _launch(self._arr, self._write_kernel, max(r_cap, 1), self.write_threads, stream, args)
+        grid = write_grid(r_cap, self._sms, 2 if SIMULATOR else BLOCKS_PER_SM)
+        _launch(self._arr, self._write_kernel, grid, self.write_threads, stream, args)
 
     def verify(self, a: RecordVerifyArgs, stream: int) -> None:
         v = self._arr.vector
@@ -187,7 +188,7 @@ class Bound:
 
 def _launch(arr: _Arrays, kernel, grid: int, block: int, stream: int, args: tuple) -> None:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PerformanceWarning)  # small grids are by design (one block per request)
+        warnings.simplefilter("ignore", PerformanceWarning)  # small grids are by design (work items per capacity)
         if SIMULATOR:
             # The simulator computes with NumPy scalars, which warn when u64 arithmetic wraps (by design here).
             warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)

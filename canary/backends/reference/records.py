@@ -5,16 +5,16 @@ same ring write index, the same counters and the same *set* of ring rows (GPU ro
 atomics; this reference appends in the order documented below). Inputs are host NumPy arrays that have
 already been validated (``canary.records.api`` does that); outputs are updated in place.
 
-Vectorized: verify is one pass over the entries; the write chain, serial within a request, is a loop over
-the k-th stored entry of every request at once (vectorized across requests); everything that does not
-depend on the running hash (real-KV folds, asserts, stores) is computed for all entries at once.
+Vectorized: verify is one pass over the entries; the write chain is an affine recurrence, computed for every
+request at once by a log-step scan (``hashes.chain_values``); everything that does not depend on the running
+hash (real-KV folds, asserts, stores) is computed for all entries at once.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ...plan.plans import MISSING_SLOT, SKIP_SEED
-from ...records.hashes import ANCHOR_LINK, MASK64, SPLITMIX64_MUL1, SPLITMIX64_MUL2, as_u64, mix3, splitmix64_inplace
+from ...records.hashes import ANCHOR_LINK, chain_step_u64, chain_values
 from ...records.realkv import RealKV, _rows_of, fold
 from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
@@ -53,6 +53,11 @@ def _rows(tag: int, *cols: np.ndarray) -> np.ndarray:
     for j, c in enumerate(cols, start=1):
         out[:, j] = c
     return out
+
+
+def _link_of(rec: np.ndarray) -> np.ndarray:
+    """``link`` of gathered records ``[n, 4]`` (int64 bit patterns)."""
+    return chain_step_u64(rec[:, PREV_HASH], rec[:, TOKEN], rec[:, POSITION]).view(_I64)
 
 
 def _gather_fields(fields: np.ndarray, slots: np.ndarray, ok: np.ndarray) -> np.ndarray:
@@ -105,7 +110,7 @@ def verify(
     prev_none = prev == -1
     prev_bad = ~(prev_in | prev_none | (prev == 0))
     prec = _gather_fields(fields, prev, prev_in)
-    link = np.where(prev_in, mix3(prec[:, PREV_HASH], prec[:, TOKEN], prec[:, POSITION]), _I64(ANCHOR_LINK))
+    link = np.where(prev_in, _link_of(prec), _I64(ANCHOR_LINK))
     chain_checked = slot_ok & (prev_in | prev_none)
     expected_link = np.where(chain_checked, link, 0)
     bits |= np.where(chain_checked & (rec[:, PREV_HASH] != link), int(FailReason.CHAIN), 0)
@@ -123,69 +128,6 @@ def verify(
         rows = _rows(encode_tag(KernelTag.VERIFY, launch_tag), slot[bad], exp_pos[bad], rec[bad, TOKEN],
                      exp_tok[bad], rec[bad, PREV_HASH], expected_link[bad], bits[bad])
         append_rows(state.host("ring"), state.host("ring_write_index"), rows)
-
-
-def _chain(running0: np.ndarray, counts: np.ndarray, tok: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Running hashes of every request: ``run[base[r] + k]`` for ``k in [0, counts[r]]``.
-
-    ``run[base[r]] = running0[r]``; ``run[base[r] + k] = mix3(run[base[r] + k - 1], tok[j], pos[j])`` with ``j``
-    the request's (k-1)-th stored entry (``first[r] + k - 1`` in the request-major ``tok`` / ``pos``). One loop
-    step per k, vectorized across the requests that still have entries (sorted by count, so a prefix).
-    """
-    nreq = counts.shape[0]
-    base = np.cumsum(counts + 1) - (counts + 1)
-    first = np.cumsum(counts) - counts
-    run = np.empty(int((counts + 1).sum()), dtype=np.uint64)
-    run[base] = running0.view(np.uint64)
-    if nreq == 0 or int(counts.max(initial=0)) == 0:
-        return run, base
-    order = np.argsort(-counts, kind="stable")
-    sorted_counts = counts[order]
-    base_o, first_o = base[order], first[order]
-    tok_u, pos_u = as_u64(tok), as_u64(pos)
-    # active[k] = number of requests with counts >= k (sorted_counts is non-increasing).
-    active = np.searchsorted(-sorted_counts, -np.arange(int(sorted_counts[0]) + 1), side="right")
-    top = int(sorted_counts[0])
-    for k in range(1, top + 1):
-        m = int(active[k])
-        if m <= _SCALAR_CHAINS:  # the few long chains left (a prefill): Python ints beat tiny-array ufuncs
-            for r in range(m):
-                _scalar_chain(run, int(base_o[r]), int(first_o[r]), k, int(sorted_counts[r]), tok_u, pos_u)
-            break
-        at = base_o[:m] + k
-        j = first_o[:m] + (k - 1)
-        v = run[at - 1]  # a copy (fancy index): mix3 in place
-        splitmix64_inplace(v)
-        v ^= tok_u[j]
-        splitmix64_inplace(v)
-        v ^= pos_u[j]
-        run[at] = splitmix64_inplace(v)
-    return run, base
-
-
-# Below this many requests still chaining, one loop step costs more in NumPy call overhead than in arithmetic.
-_SCALAR_CHAINS = 2
-
-
-def _scalar_chain(run: np.ndarray, base: int, first: int, k0: int, count: int, tok: np.ndarray,
-                  pos: np.ndarray) -> None:
-    """``run[base + k]`` for ``k`` in ``[k0, count]`` of one request, in Python ints (the same mix3)."""
-    m1, m2, mask = SPLITMIX64_MUL1, SPLITMIX64_MUL2, MASK64
-    toks = tok[first + k0 - 1: first + count].tolist()
-    poss = pos[first + k0 - 1: first + count].tolist()
-    h = int(run[base + k0 - 1])
-    out = []
-    for t, p in zip(toks, poss):
-        for x in (t, p, None):
-            h ^= h >> 30
-            h = (h * m1) & mask
-            h ^= h >> 27
-            h = (h * m2) & mask
-            h ^= h >> 31
-            if x is not None:
-                h ^= x
-        out.append(h)
-    run[base + k0: base + count + 1] = np.array(out, dtype=np.uint64)
 
 
 def write(
@@ -229,7 +171,7 @@ def write(
     seed = write_seed_slot_indices[:nreq]
     seed_ok = (seed >= 0) & (seed < num_slots)
     srec = _gather_fields(fields, seed, seed_ok)
-    running0 = np.where(seed_ok, mix3(srec[:, PREV_HASH], srec[:, TOKEN], srec[:, POSITION]), _I64(ANCHOR_LINK))
+    running0 = np.where(seed_ok, _link_of(srec), _I64(ANCHOR_LINK))
     seed_pos = np.where(seed_ok, srec[:, POSITION], -1)
     if idx.shape[0] == 0:
         return
@@ -238,7 +180,8 @@ def write(
     pos = positions[idx]
     stored = slot < num_slots
     counts = np.bincount(req[stored], minlength=nreq).astype(_I64)
-    run, base = _chain(running0, counts, tok[stored], pos[stored])
+    run = chain_values(running0, counts, tok[stored], pos[stored])
+    base = np.cumsum(counts + 1) - (counts + 1)
     # ks: stored entries of the same request before each entry; stored_before(r) = first[r].
     first = np.cumsum(counts) - counts
     ks = (np.cumsum(stored) - stored) - first[req]
