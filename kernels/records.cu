@@ -397,7 +397,9 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
         __syncthreads();
         const i64 w = (c + tid) * grid + blockIdx.x;
         if (w < items) {
-            const i64 r = w / WRITE_MAX_SEGMENTS, k = w % WRITE_MAX_SEGMENTS;
+            // Segment-major (w = k * nreq + r): every request's first segment comes first, so decode's one-segment
+            // requests spread over the blocks (request-major put 32 of them on each 32nd block, serially: run 46).
+            const i64 r = w % nreq, k = w / nreq;
             if (p.write_seed_slot_indices[r] != SKIP_SEED) {  // a padding row's tokens: nothing of them is looked at
                 const i64 len = clamp64(p.write_offsets[r + 1], 0, n) - clamp64(p.write_offsets[r], 0, n);
                 if (len > 0 && k * segment_len(len) < len) s_items[atomicAdd(&s_nitems, 1)] = w;
@@ -407,7 +409,7 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
         const int m = s_nitems;
         for (int q = 0; q < m; ++q) {
             const i64 w2 = s_items[q];
-            write_segment(p, w2 / WRITE_MAX_SEGMENTS, w2 % WRITE_MAX_SEGMENTS, sh, processed);
+            write_segment(p, w2 % nreq, w2 / nreq, sh, processed);
         }
         __syncthreads();  // s_items and s_nitems are rewritten next round
     }

@@ -357,9 +357,9 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                 s_nitems[0] = 0
             cuda.syncthreads()
             w = (c + tid) * grid + blk
-            if w < items:
-                r = w // K
-                k = w % K
+            if w < items:  # segment-major, as records.cu: decode's one-segment requests spread over the blocks
+                r = w % nreq
+                k = w // nreq
                 if write_seed_slot_indices[r] != SKIP_SEED:  # a padding row's tokens: nothing of them is looked at
                     ln = clamp64(write_offsets[r + 1], int64(0), n) - clamp64(write_offsets[r], int64(0), n)
                     if ln > 0 and k * segment_len(ln) < ln:
@@ -368,8 +368,8 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
             m_items = s_nitems[0]
             for q in range(m_items):
                 w2 = s_items[q]
-                r = w2 // K
-                k = w2 % K
+                r = w2 % nreq
+                k = w2 // nreq
                 start = clamp64(write_offsets[r], int64(0), n)
                 end = clamp64(write_offsets[r + 1], int64(0), n)
                 seg = segment_len(end - start)

@@ -125,7 +125,8 @@ class Bound:
         if self._fns is None:
             self.warmup()
         params = Params(WRITE_FIELDS, {**self._fixed, **self._write_words(a)})
-        return self._fns[0], (max(a.plan.write_seed_slot_indices.shape[0], 1),), (WRITE_THREADS,), params.args, params
+        grid = write_grid(a.plan.write_seed_slot_indices.shape[0], self._sms, self._write_blocks_per_sm)
+        return self._fns[0], (grid,), (WRITE_THREADS,), params.args, params
 
     def prepare_verify(self, a: RecordVerifyArgs) -> tuple:
         if self._fns is None:
