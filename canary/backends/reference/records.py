@@ -14,7 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from ...plan.plans import MISSING_SLOT, SKIP_SEED
-from ...records.hashes import ANCHOR_LINK, MASK64, SPLITMIX64_MUL1, SPLITMIX64_MUL2, as_u64, mix3, splitmix64_inplace
+from ...records.hashes import (
+    ANCHOR_LINK, MASK64, SPLITMIX64_MUL1, SPLITMIX64_MUL2, as_u64, mix3, splitmix64_inplace, splitmix64_into,
+)
 from ...records.realkv import RealKV, _rows_of, fold
 from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
@@ -62,6 +64,41 @@ def _gather_fields(fields: np.ndarray, slots: np.ndarray, ok: np.ndarray) -> np.
     return rec
 
 
+def _link_of(fields_rows: np.ndarray) -> np.ndarray:
+    """``mix3(prev_hash, token, position)`` of each gathered record (uint64), with one scratch array for the
+    shifts instead of a temporary per step (the same arithmetic as ``mix3``)."""
+    v = fields_rows[:, PREV_HASH].astype(np.uint64)
+    tmp = np.empty_like(v)
+    splitmix64_into(v, tmp)
+    v ^= fields_rows[:, TOKEN].view(np.uint64)
+    splitmix64_into(v, tmp)
+    v ^= fields_rows[:, POSITION].view(np.uint64)
+    return splitmix64_into(v, tmp)
+
+
+def _links(fields: np.ndarray, num_slots: int, slot: np.ndarray, slot_ok: np.ndarray, rec: np.ndarray,
+           prev: np.ndarray, prev_in: np.ndarray) -> np.ndarray:
+    """``link`` of each entry: ``mix3`` of its predecessor's record where ``prev_in``, else ``ANCHOR_LINK``.
+
+    An entry's predecessor is nearly always the previous entry's slot (a request's positions in order), whose
+    record is already in ``rec``: those links come from one ``mix3`` over ``rec``, shifted by one, and only the
+    other entries (each request's first, sampled windows) gather their predecessor's record."""
+    n = slot.shape[0]
+    link = np.empty(n, dtype=np.uint64)
+    if n > 1:
+        link[1:] = _link_of(rec[:-1])
+    reuse = np.zeros(n, dtype=bool)
+    reuse[1:] = (prev[1:] == slot[:-1]) & slot_ok[:-1]  # slot_ok: rec holds the real record, not zeros
+    other = np.flatnonzero(~reuse)
+    p = prev[other]
+    inside = prev_in[other]
+    if inside.any():
+        link[other] = np.where(inside, _link_of(_rows_of(fields, np.where(inside, p, 0))), np.uint64(ANCHOR_LINK & MASK64))
+    else:
+        link[other] = np.uint64(ANCHOR_LINK & MASK64)
+    return link.view(_I64)
+
+
 def verify(
     state: StateViews,
     *,
@@ -74,7 +111,10 @@ def verify(
     real_kv: RealKV,
     launch_tag: int = 0,
 ) -> None:
-    """One verify launch (docs/records.md, "Verify")."""
+    """One verify launch (docs/records.md, "Verify").
+
+    Two passes: every check reduced to one "suspect" mask over all entries (cheap comparisons), then the
+    failure bits computed exactly on the suspects alone (a clean step has almost none)."""
     kernel_runs = state.host("kernel_run_counter")
     slot_runs = state.host("slot_run_counter")
     ci = KernelTag.VERIFY.counter_index
@@ -85,38 +125,63 @@ def verify(
     num_slots = state.num_slots
     cap = verify_slot_indices.shape[0]
     n = min(max(int(verify_num_valid[0]), 0), cap)
-    live = np.flatnonzero(verify_slot_indices[:n] != 0)  # slot 0 (padding) is skipped, not processed
-    slot_runs[ci] += live.shape[0]
-    if live.shape[0] == 0:
+    nonzero = verify_slot_indices[:n] != 0  # slot 0 (padding) is skipped, not processed
+    count = int(np.count_nonzero(nonzero))
+    slot_runs[ci] += count
+    if count == 0:
         return
-    slot = verify_slot_indices[live]
-    prev = verify_prev_slot_indices[live]
-    exp_pos = verify_expected_positions[live]
-    exp_tok = verify_expected_tokens[live]
+    if count == n:  # no padding entry: views, not copies
+        slot, prev = verify_slot_indices[:n], verify_prev_slot_indices[:n]
+        exp_pos, exp_tok = verify_expected_positions[:n], verify_expected_tokens[:n]
+    else:
+        live = np.flatnonzero(nonzero)
+        slot, prev = verify_slot_indices[live], verify_prev_slot_indices[live]
+        exp_pos, exp_tok = verify_expected_positions[live], verify_expected_tokens[live]
     flags = CheckFlags(int(state.host("check_flags")[0]) & int(CheckFlags.WRITE_POSITION_CHAIN | CheckFlags.VERIFY_TOKEN))
 
-    slot_ok = (slot > 0) & (slot < num_slots)
-    rec = _gather_fields(fields, slot, slot_ok)
-    # MISSING_SLOT (SPEC 3.2): the position has no SWA slot at all, so nothing is read, as for an out-of-range one.
-    missing = slot == MISSING_SLOT
-    bits = np.where(slot_ok, 0, np.where(missing, int(FailReason.MISSING), int(FailReason.SLOT_RANGE))).astype(_I64)
-
+    all_ok = int(slot.min()) > 0 and int(slot.max()) < num_slots
+    if all_ok:
+        slot_ok = np.ones(count, dtype=bool)
+        rec = _rows_of(fields, slot)
+    else:
+        slot_ok = (slot > 0) & (slot < num_slots)
+        rec = _gather_fields(fields, slot, slot_ok)
     prev_in = (prev > 0) & (prev < num_slots)
     prev_none = prev == -1
     prev_bad = ~(prev_in | prev_none | (prev == 0))
-    prec = _gather_fields(fields, prev, prev_in)
-    link = np.where(prev_in, mix3(prec[:, PREV_HASH], prec[:, TOKEN], prec[:, POSITION]), _I64(ANCHOR_LINK))
+    link = _links(fields, num_slots, slot, slot_ok, rec, prev, prev_in)
+    check_token = CheckFlags.VERIFY_TOKEN in flags
+    fresh = None
+    if real_kv.active:
+        fresh = fold(real_kv, slot) if all_ok else np.where(slot_ok, fold(real_kv, np.where(slot_ok, slot, 0)), 0)
+
+    # A superset of the failing entries: every failure bit below needs one of these.
+    suspect = rec[:, PREV_HASH] != link
+    suspect |= rec[:, POSITION] != exp_pos
+    if check_token:
+        suspect |= rec[:, TOKEN] != exp_tok
+    if fresh is not None:
+        suspect |= rec[:, REAL_KV_HASH] != fresh
+    if not all_ok:
+        suspect |= ~slot_ok
+    suspect |= prev_bad
+    at = np.flatnonzero(suspect)
+    if at.shape[0] == 0:
+        return
+    slot, prev, exp_pos, exp_tok, rec, link = slot[at], prev[at], exp_pos[at], exp_tok[at], rec[at], link[at]
+    slot_ok, prev_in, prev_none, prev_bad = slot_ok[at], prev_in[at], prev_none[at], prev_bad[at]
+
+    missing = slot == MISSING_SLOT  # the position has no SWA slot at all (SPEC 3.2): nothing is read
+    bits = np.where(slot_ok, 0, np.where(missing, int(FailReason.MISSING), int(FailReason.SLOT_RANGE))).astype(_I64)
     chain_checked = slot_ok & (prev_in | prev_none)
     expected_link = np.where(chain_checked, link, 0)
     bits |= np.where(chain_checked & (rec[:, PREV_HASH] != link), int(FailReason.CHAIN), 0)
     bits |= np.where(slot_ok & prev_bad, int(FailReason.SLOT_RANGE), 0)
     bits |= np.where(slot_ok & (rec[:, POSITION] != exp_pos), int(FailReason.POSITION), 0)
-    if CheckFlags.VERIFY_TOKEN in flags:
+    if check_token:
         bits |= np.where(slot_ok & (exp_tok != -1) & (rec[:, TOKEN] != exp_tok), int(FailReason.VERIFY_TOKEN), 0)
-    if real_kv.active:
-        ok = np.flatnonzero(slot_ok)
-        fresh = fold(real_kv, slot[ok])
-        bits[ok] |= np.where(rec[ok, REAL_KV_HASH] != fresh, int(FailReason.REAL_KV), 0)
+    if fresh is not None:
+        bits |= np.where(slot_ok & (rec[:, REAL_KV_HASH] != fresh[at]), int(FailReason.REAL_KV), 0)
 
     bad = np.flatnonzero(bits)
     if bad.shape[0]:
