@@ -151,7 +151,8 @@ class Coverage:
         raw = np.take(self.r2t.reshape(-1), r * self.r2t.shape[1] + p).astype(np.int64)
         slot, _ = translate(raw, self.lut)
         slot = np.where((raw > 0) & (slot == 0), MISSING_SLOT, slot)  # as the planner writes a cleared mapping
-        return _member(slot, p, to_host(plan.verify_slot_indices)[:nv], to_host(plan.verify_expected_positions)[:nv]), r, p
+        entry_slots = to_host(plan.verify_slot_indices)[:nv]
+        return _member(slot, p, entry_slots, to_host(plan.verify_expected_positions)[:nv]), r, p
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -5,9 +5,10 @@ same ring write index, the same counters and the same *set* of ring rows (GPU ro
 atomics; this reference appends in the order documented below). Inputs are host NumPy arrays that have
 already been validated (``canary.records.api`` does that); outputs are updated in place.
 
-Vectorized: verify is one pass over the entries; the write chain, serial within a request, is a loop over
-the k-th stored entry of every request at once (vectorized across requests); everything that does not
-depend on the running hash (real-KV folds, asserts, stores) is computed for all entries at once.
+Vectorized: verify is one pass over the entries (then the failure bits of the few suspect ones); the write
+chain, serial within a request, is a loop over the k-th stored entry of every request at once (vectorized
+across requests); everything that does not depend on the running hash (real-KV folds, asserts, stores) is
+computed for all entries at once.
 """
 from __future__ import annotations
 
@@ -77,8 +78,9 @@ def _link_of(fields_rows: np.ndarray) -> np.ndarray:
 
 
 def _links(fields: np.ndarray, num_slots: int, slot: np.ndarray, slot_ok: np.ndarray, rec: np.ndarray,
-           prev: np.ndarray, prev_in: np.ndarray) -> np.ndarray:
-    """``link`` of each entry: ``mix3`` of its predecessor's record where ``prev_in``, else ``ANCHOR_LINK``.
+           prev: np.ndarray) -> np.ndarray:
+    """``link`` of each entry: ``mix3`` of its predecessor's record when ``prev`` is a slot (in ``(0,
+    num_slots)``), else ``ANCHOR_LINK``.
 
     An entry's predecessor is nearly always the previous entry's slot (a request's positions in order), whose
     record is already in ``rec``: those links come from one ``mix3`` over ``rec``, shifted by one, and only the
@@ -91,11 +93,12 @@ def _links(fields: np.ndarray, num_slots: int, slot: np.ndarray, slot_ok: np.nda
     reuse[1:] = (prev[1:] == slot[:-1]) & slot_ok[:-1]  # slot_ok: rec holds the real record, not zeros
     other = np.flatnonzero(~reuse)
     p = prev[other]
-    inside = prev_in[other]
+    inside = (p > 0) & (p < num_slots)
+    anchor = np.uint64(ANCHOR_LINK & MASK64)
     if inside.any():
-        link[other] = np.where(inside, _link_of(_rows_of(fields, np.where(inside, p, 0))), np.uint64(ANCHOR_LINK & MASK64))
+        link[other] = np.where(inside, _link_of(_rows_of(fields, np.where(inside, p, 0))), anchor)
     else:
-        link[other] = np.uint64(ANCHOR_LINK & MASK64)
+        link[other] = anchor
     return link.view(_I64)
 
 
@@ -146,10 +149,7 @@ def verify(
     else:
         slot_ok = (slot > 0) & (slot < num_slots)
         rec = _gather_fields(fields, slot, slot_ok)
-    prev_in = (prev > 0) & (prev < num_slots)
-    prev_none = prev == -1
-    prev_bad = ~(prev_in | prev_none | (prev == 0))
-    link = _links(fields, num_slots, slot, slot_ok, rec, prev, prev_in)
+    link = _links(fields, num_slots, slot, slot_ok, rec, prev)
     check_token = CheckFlags.VERIFY_TOKEN in flags
     fresh = None
     if real_kv.active:
@@ -164,12 +164,16 @@ def verify(
         suspect |= rec[:, REAL_KV_HASH] != fresh
     if not all_ok:
         suspect |= ~slot_ok
-    suspect |= prev_bad
+    if int(prev.min()) < -1 or int(prev.max()) >= num_slots:  # a predecessor that is no slot, -1 or 0
+        suspect |= (prev < -1) | (prev >= num_slots)
     at = np.flatnonzero(suspect)
     if at.shape[0] == 0:
         return
     slot, prev, exp_pos, exp_tok, rec, link = slot[at], prev[at], exp_pos[at], exp_tok[at], rec[at], link[at]
-    slot_ok, prev_in, prev_none, prev_bad = slot_ok[at], prev_in[at], prev_none[at], prev_bad[at]
+    slot_ok = slot_ok[at]
+    prev_in = (prev > 0) & (prev < num_slots)
+    prev_none = prev == -1
+    prev_bad = ~(prev_in | prev_none | (prev == 0))
 
     missing = slot == MISSING_SLOT  # the position has no SWA slot at all (SPEC 3.2): nothing is read
     bits = np.where(slot_ok, 0, np.where(missing, int(FailReason.MISSING), int(FailReason.SLOT_RANGE))).astype(_I64)
