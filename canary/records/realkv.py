@@ -254,12 +254,15 @@ def real_kv(sources: Sequence[Any] = (), mode: Any = RealKVMode.ALL) -> RealKV:
 
 
 def _flat_words(src: RealKVSource, nwords: int) -> np.ndarray | None:
-    """``[rows * page_size, nwords]`` u64 view of every slot's first words when the rows are packed back to back
-    (the common layout), so that a slot is one index; ``None`` when the row stride leaves gaps."""
+    """``[rows * page_size, num_bytes_per_token // 8]`` u64 view of every slot's words when the rows are packed
+    back to back (the common layout), so that a slot is one index; ``None`` when the row stride leaves gaps.
+    All of a token's words, not the first ``nwords``: the view is then C-contiguous, and ``np.take`` copies a
+    non-contiguous source whole before gathering (6 MiB a call for the replay's V source, whatever the slot
+    count); the extra words share the slot's cache lines, and the fold reads only the first ``nwords``."""
     view = src.words_view
     if src.rows > 1 and src.row_stride_bytes != src.page_size * src.num_bytes_per_token:
         return None
-    return np.lib.stride_tricks.as_strided(view, shape=(src.num_token_slots, nwords),
+    return np.lib.stride_tricks.as_strided(view, shape=(src.num_token_slots, src.num_bytes_per_token // 8),
                                            strides=(src.num_bytes_per_token, 8), writeable=False)
 
 

@@ -47,6 +47,26 @@ def _keys(slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return (s << 32) | (positions.astype(np.int64) & 0xFFFFFFFF)
 
 
+def _member(slots: np.ndarray, positions: np.ndarray, entry_slots: np.ndarray, entry_positions: np.ndarray
+            ) -> np.ndarray:
+    """Whether each (slot, position) pair is among the entries' pairs, as ``np.isin`` of their :func:`_keys`.
+
+    Through a table of each slot's entry position when every slot is a plain index and no slot has two entry
+    positions (a sane plan); ``np.isin`` (a sort of both sides, 50 ms a sampled step) otherwise."""
+    if entry_slots.shape[0] == 0 or slots.shape[0] == 0:
+        return np.zeros(slots.shape[0], dtype=bool)
+    lo = min(int(slots.min()), int(entry_slots.min()))
+    hi = max(int(slots.max()), int(entry_slots.max()))
+    if lo >= 0 and hi < max(1 << 20, 8 * slots.shape[0]):  # a table of at most 8 MiB or 8 words a pair
+        mask = np.int64(0xFFFFFFFF)  # _keys compares positions modulo 2**32
+        table = np.full(hi + 1, -1, dtype=np.int64)
+        want = entry_positions.astype(np.int64) & mask
+        table[entry_slots] = want
+        if np.array_equal(table[entry_slots], want):
+            return table[slots] == (positions.astype(np.int64) & mask)
+    return np.isin(_keys(slots, positions), _keys(entry_slots, entry_positions))
+
+
 def sweep_bound(lengths: np.ndarray, cap: int) -> int:
     """SPEC 3.7's sweep bound of one sampled step with window lengths ``lengths`` and capacity ``cap``."""
     lengths = lengths[lengths > 0]
@@ -104,9 +124,11 @@ class Coverage:
         self.verified += verified
         self.unverified_steps += bool(asked and not verified)
         self.sampled_steps += bool(nv and (status & SAMPLED or nv < asked))
-        runs = self.run[r, p] + 1
+        at = r * self.run.shape[1] + p  # 1-D indices: 2-D fancy indexing is several times slower
+        run = self.run.reshape(-1)
+        runs = np.take(run, at) + 1
         runs[hit] = 0
-        self.run[r, p] = runs
+        run[at] = runs
         self.dirty[rows] = True
         if runs.size:
             self.max_staleness = max(self.max_staleness, int(runs.max()))
@@ -126,11 +148,11 @@ class Coverage:
         p = lo[which] + np.arange(int(count.sum()), dtype=np.int64) - first[which]
         if not nv:
             return np.zeros(len(r), dtype=bool), r, p
-        raw = self.r2t[r, p].astype(np.int64)
+        raw = np.take(self.r2t.reshape(-1), r * self.r2t.shape[1] + p).astype(np.int64)
         slot, _ = translate(raw, self.lut)
         slot = np.where((raw > 0) & (slot == 0), MISSING_SLOT, slot)  # as the planner writes a cleared mapping
-        entries = _keys(to_host(plan.verify_slot_indices)[:nv], to_host(plan.verify_expected_positions)[:nv])
-        return np.isin(_keys(slot, p), entries), r, p
+        entry_slots = to_host(plan.verify_slot_indices)[:nv]
+        return _member(slot, p, entry_slots, to_host(plan.verify_expected_positions)[:nv]), r, p
 
     def summary(self) -> dict[str, Any]:
         return {

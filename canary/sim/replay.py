@@ -18,6 +18,7 @@ KIND@STEP`` corrupts the simulated engine at a step (:mod:`canary.sim.faults`) t
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -226,6 +227,24 @@ class _Arrays:
         )
 
 
+def _no_cuda_driver() -> bool:
+    """True when numba-cuda would find no CUDA driver either: on Linux, without its simulator or a driver path
+    of its own, it loads ``libcuda.so`` or ``libcuda.so.1`` from the loader's path, ``/usr/lib`` or ``/usr/lib64``
+    (numba_cuda's ``locate_driver_and_loader``), as tried here. Importing ``numba.cuda`` to learn the same
+    costs 0.5-0.9 s of a host replay's start on a machine without a GPU."""
+    if not sys.platform.startswith("linux") or os.environ.get("NUMBA_ENABLE_CUDASIM") or os.environ.get(
+            "NUMBA_CUDA_DRIVER"):
+        return False
+    names = ("libcuda.so", "libcuda.so.1")
+    for path in names + tuple(os.path.join(d, n) for d in ("/usr/lib", "/usr/lib64") for n in names):
+        try:
+            ctypes.CDLL(path)
+            return False
+        except OSError:
+            pass
+    return True
+
+
 def _placement(backend: str) -> str:
     """``host``, ``cupy`` or ``numba``: CuPy arrays whenever CuPy works, so both GPU backends get them."""
     if backend == "reference":
@@ -237,6 +256,8 @@ def _placement(backend: str) -> str:
             return "cupy"
     except Exception:  # no CuPy, or CuPy without a driver/GPU
         pass
+    if backend == "auto" and _no_cuda_driver():
+        return "host"
     try:
         from numba import cuda
 

@@ -91,11 +91,12 @@ class ManagerReplay(CanaryReplay):
         """Admit new requests, then ``before_forward``: the manager plans and verifies the step."""
         self._step = step
         n = step.num_active
-        for i in range(n):
-            req = int(step.request_ids[i])
-            if req not in self.manager.requests.live:  # its first step
+        ids = step.request_ids[:n].tolist()
+        live = self.manager.requests.live
+        for req in ids:
+            if req not in live:  # its first step
                 self.manager.add_request(req, token_of(req, np.arange(int(self.context[req]))))
-        ids = [int(r) for r in step.request_ids[:n]] + [None] * (step.bs - n)
+        ids += [None] * (step.bs - n)
         self._t0 = perf_counter_ns()
         self.manager.before_forward(req_pool_indices=inputs["req_pool_indices"], prefix_lens=inputs["prefix_lens"],
                                     extend_seq_lens=inputs["extend_seq_lens"], request_ids=ids)
@@ -113,15 +114,24 @@ class ManagerReplay(CanaryReplay):
         self.manager.after_kv_store(out_cache_loc=data.out_cache_loc, input_ids=data.input_ids,
                                     positions=data.positions, out_cache_loc_by_group=by_group)
         inj.after_write(kv, data)
-        kv.prev_r2t[data.rows] = kv.r2t[data.rows]
+        if any(f.applied_step == step.index for f in inj.faults):  # a fault may have edited any column of its rows
+            kv.prev_r2t[data.rows] = kv.r2t[data.rows]
+        else:  # only the step's allocation wrote req_to_token: its new columns (whole rows cost 0.3 s a replay)
+            entry_rows = np.repeat(data.rows, data.extend)
+            cols = np.arange(entry_rows.shape[0], dtype=np.int64) - np.repeat(data.offsets[:-1] - data.prefix,
+                                                                              data.extend)
+            kv.prev_r2t[entry_rows, cols] = kv.r2t[entry_rows, cols]
         end = data.prefix + data.extend
         reqs = step.request_ids[: step.num_active]
         sampled = token_of(reqs, end[: reqs.shape[0]]).tolist()  # the step's tokens in one call, not one a request
-        for i, req in enumerate(reqs.tolist()):
-            if not data.continues[i]:
+        # The sampler's token at position `end` of a continuing request (prompt tokens are known), as lists: per
+        # element NumPy indexing costs more than the manager's call.
+        sampling = (end[: reqs.shape[0]] >= self.context[reqs]).tolist()
+        for req, goes_on, samples, token in zip(reqs.tolist(), data.continues.tolist(), sampling, sampled):
+            if not goes_on:
                 self.manager.finish_request(req)
-            elif end[i] >= self.context[req]:  # the sampler's token at position `end` (prompt tokens are known)
-                self.manager.accept_tokens(req, [sampled[i]])
+            elif samples:
+                self.manager.accept_tokens(req, [token])
         self.manager.flush()
         self.times_us.append((perf_counter_ns() - t0) / 1e3)
 

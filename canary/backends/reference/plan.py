@@ -42,30 +42,48 @@ def _flat_rows(a: np.ndarray) -> tuple[np.ndarray, int]:
     return np.lib.stride_tricks.as_strided(a, shape=(length,), strides=(a.itemsize,), writeable=False), stride
 
 
-def _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, rp, row, pos, q=None) -> PlanStatus:
-    """Entries ``[0, len(pos))``: batch row ``row``, request row ``rp``, position ``pos`` each (SPEC 3.2);
-    ``q``: each entry's pool row (``None``: ``rp``)."""
+def _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, per_entry, rpi, pos, q=None) -> PlanStatus:
+    """Entries ``[0, len(pos))`` at positions ``pos`` (SPEC 3.2). ``per_entry(a)`` spreads the batch-row array
+    ``a`` over the entries (each entry gets its batch row's value): a ``np.repeat`` when every row's entries
+    are consecutive, a gather when sampled. ``rpi``: the request rows; ``q``: the pool rows (``None``: ``rpi``)."""
     n = pos.shape[0]
     flat, stride = _flat_rows(req_to_token)
-    at = rp * stride + pos
+    at = per_entry(rpi * stride) + pos
     raw = np.take(flat, at).astype(np.int64)
     slot, bad_slot = translate(raw, lut)
-    # A real slot mapped to 0: its SWA page was freed inside the window. Left as 0, verify would skip it as
-    # padding; predecessors and seeds keep the 0 (outside the window, eviction is legitimate).
-    slot = np.where((raw > 0) & (slot == 0), np.int64(MISSING_SLOT), slot)
+    if lut is not None:
+        # A real slot mapped to 0: its SWA page was freed inside the window. Left as 0, verify would skip it as
+        # padding; predecessors and seeds keep the 0 (outside the window, eviction is legitimate).
+        slot = np.where((raw > 0) & (slot == 0), np.int64(MISSING_SLOT), slot)
+    # The predecessor of an entry whose column follows the previous entry's is that entry's slot, already read;
+    # only the others (each row's first entry, a sampled window's wrap) read req_to_token again.
     has_prev = pos > 0
-    prev_raw = np.where(has_prev, np.take(flat, np.where(has_prev, at - 1, at)).astype(np.int64), -1)
+    follows = np.empty(n, dtype=bool)
+    follows[:1] = False
+    np.equal(at[1:], at[:-1] + 1, out=follows[1:])
+    follows &= has_prev
+    prev_raw = np.empty(n, dtype=np.int64)
+    prev_raw[1:] = raw[:-1]
+    other = np.flatnonzero(~follows)
+    fh = has_prev[other]
+    prev_raw[other] = np.where(fh, np.take(flat, np.where(fh, at[other] - 1, at[other])), -1)
     prev, bad_prev = translate(prev_raw, lut)
-    expected = np.full(n, -1, dtype=np.int64)
-    if pool is not None:
-        col = pos + int(token_offset)
-        ok = (col >= 0) & (col < np.asarray(valid_lens, dtype=np.int64)[row])
-        qrow = rp if q is None else q
-        expected[ok] = pool[qrow[ok], col[ok]]  # gather only in-range columns (pool_cols may be 0)
     out["verify_slot_indices"][:n] = slot
-    out["verify_expected_tokens"][:n] = expected
     out["verify_expected_positions"][:n] = pos
     out["verify_prev_slot_indices"][:n] = prev
+    expected = out["verify_expected_tokens"][:n]
+    if pool is None:
+        expected[...] = -1
+    else:
+        col = pos + int(token_offset) if token_offset else pos
+        ok = (col >= 0) & (col < per_entry(np.asarray(valid_lens, dtype=np.int64)))
+        qrow = per_entry(rpi if q is None else q)
+        if pool.ndim == 2 and pool.size and pool.strides[-1] == pool.itemsize and ok.all():
+            pool_flat, pool_stride = _flat_rows(pool)
+            expected[...] = np.take(pool_flat, qrow * pool_stride + col)
+        else:
+            expected[...] = -1
+            expected[ok] = pool[qrow[ok], col[ok]]  # gather only in-range columns (pool_cols may be 0)
     return PlanStatus.BAD_SLOT if bad_slot or bad_prev else PlanStatus.OK
 
 
@@ -168,13 +186,18 @@ def plan_arrays(
     sampled = total > cap and cursors is not None and rows_ok  # the cursors advance only over trusted rows
     if sampled:
         row, pos = sampled_entries(count, start, rpi, cursors, cap)
+
+        def per_entry(a):
+            return a[row]
     elif rows_ok and total <= cap:
-        row = np.repeat(np.arange(bs, dtype=np.int64), count)
         first = np.cumsum(count) - count
-        pos = start[row] + (np.arange(total, dtype=np.int64) - first[row])
+        pos = np.arange(total, dtype=np.int64)
+        pos -= np.repeat(first - start, count)
+
+        def per_entry(a):
+            return np.repeat(a, count)
     if sampled or (rows_ok and total <= cap):
-        status |= _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, rpi[row], row, pos,
-                                 None if q is None else q[row])
+        status |= _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, per_entry, rpi, pos, q)
 
     # Write side: offsets count every active row with E > 0 except those flagged 32 (their E would wrap the
     # offsets), and the padding rows' E when their tokens sit among the step's tokens; seeds need a

@@ -5,16 +5,17 @@ same ring write index, the same counters and the same *set* of ring rows (GPU ro
 atomics; this reference appends in the order documented below). Inputs are host NumPy arrays that have
 already been validated (``canary.records.api`` does that); outputs are updated in place.
 
-Vectorized: verify is one pass over the entries; the write chain is an affine recurrence, computed for every
-request at once by a log-step scan (``hashes.chain_values``); everything that does not depend on the running
-hash (real-KV folds, asserts, stores) is computed for all entries at once.
+Vectorized: verify is one pass over the entries (then the failure bits of the few suspect ones); the write
+chain is an affine recurrence, computed for every request at once by a log-step scan
+(``hashes.chain_values``); everything that does not depend on the running hash (real-KV folds, asserts,
+stores) is computed for all entries at once.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ...plan.plans import MISSING_SLOT, SKIP_SEED
-from ...records.hashes import ANCHOR_LINK, chain_step_u64, chain_values
+from ...records.hashes import ANCHOR_LINK, MASK64, chain_step_u64, chain_values
 from ...records.realkv import RealKV, _rows_of, fold
 from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
@@ -55,16 +56,41 @@ def _rows(tag: int, *cols: np.ndarray) -> np.ndarray:
     return out
 
 
-def _link_of(rec: np.ndarray) -> np.ndarray:
-    """``link`` of gathered records ``[n, 4]`` (int64 bit patterns)."""
-    return chain_step_u64(rec[:, PREV_HASH], rec[:, TOKEN], rec[:, POSITION]).view(_I64)
-
-
 def _gather_fields(fields: np.ndarray, slots: np.ndarray, ok: np.ndarray) -> np.ndarray:
     """``fields[slots]`` where ``ok``, zeros elsewhere (never reads out of bounds)."""
     rec = _rows_of(fields, np.where(ok, slots, 0))
     rec[~ok] = 0
     return rec
+
+
+def _link_of(fields_rows: np.ndarray) -> np.ndarray:
+    """``link`` of each gathered record ``[n, 4]`` (uint64; SPEC 4)."""
+    return chain_step_u64(fields_rows[:, PREV_HASH], fields_rows[:, TOKEN], fields_rows[:, POSITION])
+
+
+def _links(fields: np.ndarray, num_slots: int, slot: np.ndarray, slot_ok: np.ndarray, rec: np.ndarray,
+           prev: np.ndarray) -> np.ndarray:
+    """``link`` of each entry: the link of its predecessor's record when ``prev`` is a slot (in ``(0,
+    num_slots)``), else ``ANCHOR_LINK``.
+
+    An entry's predecessor is nearly always the previous entry's slot (a request's positions in order), whose
+    record is already in ``rec``: those links come from one ``link`` over ``rec``, shifted by one, and only the
+    other entries (each request's first, sampled windows) gather their predecessor's record."""
+    n = slot.shape[0]
+    link = np.empty(n, dtype=np.uint64)
+    if n > 1:
+        link[1:] = _link_of(rec[:-1])
+    reuse = np.zeros(n, dtype=bool)
+    reuse[1:] = (prev[1:] == slot[:-1]) & slot_ok[:-1]  # slot_ok: rec holds the real record, not zeros
+    other = np.flatnonzero(~reuse)
+    p = prev[other]
+    inside = (p > 0) & (p < num_slots)
+    anchor = np.uint64(ANCHOR_LINK & MASK64)
+    if inside.any():
+        link[other] = np.where(inside, _link_of(_rows_of(fields, np.where(inside, p, 0))), anchor)
+    else:
+        link[other] = anchor
+    return link.view(_I64)
 
 
 def verify(
@@ -79,7 +105,10 @@ def verify(
     real_kv: RealKV,
     launch_tag: int = 0,
 ) -> None:
-    """One verify launch (docs/records.md, "Verify")."""
+    """One verify launch (docs/records.md, "Verify").
+
+    Two passes: every check reduced to one "suspect" mask over all entries (cheap comparisons), then the
+    failure bits computed exactly on the suspects alone (a clean step has almost none)."""
     kernel_runs = state.host("kernel_run_counter")
     slot_runs = state.host("slot_run_counter")
     ci = KernelTag.VERIFY.counter_index
@@ -90,38 +119,64 @@ def verify(
     num_slots = state.num_slots
     cap = verify_slot_indices.shape[0]
     n = min(max(int(verify_num_valid[0]), 0), cap)
-    live = np.flatnonzero(verify_slot_indices[:n] != 0)  # slot 0 (padding) is skipped, not processed
-    slot_runs[ci] += live.shape[0]
-    if live.shape[0] == 0:
+    nonzero = verify_slot_indices[:n] != 0  # slot 0 (padding) is skipped, not processed
+    count = int(np.count_nonzero(nonzero))
+    slot_runs[ci] += count
+    if count == 0:
         return
-    slot = verify_slot_indices[live]
-    prev = verify_prev_slot_indices[live]
-    exp_pos = verify_expected_positions[live]
-    exp_tok = verify_expected_tokens[live]
+    if count == n:  # no padding entry: views, not copies
+        slot, prev = verify_slot_indices[:n], verify_prev_slot_indices[:n]
+        exp_pos, exp_tok = verify_expected_positions[:n], verify_expected_tokens[:n]
+    else:
+        live = np.flatnonzero(nonzero)
+        slot, prev = verify_slot_indices[live], verify_prev_slot_indices[live]
+        exp_pos, exp_tok = verify_expected_positions[live], verify_expected_tokens[live]
     flags = CheckFlags(int(state.host("check_flags")[0]) & int(CheckFlags.WRITE_POSITION_CHAIN | CheckFlags.VERIFY_TOKEN))
 
-    slot_ok = (slot > 0) & (slot < num_slots)
-    rec = _gather_fields(fields, slot, slot_ok)
-    # MISSING_SLOT (SPEC 3.2): the position has no SWA slot at all, so nothing is read, as for an out-of-range one.
-    missing = slot == MISSING_SLOT
-    bits = np.where(slot_ok, 0, np.where(missing, int(FailReason.MISSING), int(FailReason.SLOT_RANGE))).astype(_I64)
+    all_ok = int(slot.min()) > 0 and int(slot.max()) < num_slots
+    if all_ok:
+        slot_ok = np.ones(count, dtype=bool)
+        rec = _rows_of(fields, slot)
+    else:
+        slot_ok = (slot > 0) & (slot < num_slots)
+        rec = _gather_fields(fields, slot, slot_ok)
+    link = _links(fields, num_slots, slot, slot_ok, rec, prev)
+    check_token = CheckFlags.VERIFY_TOKEN in flags
+    fresh = None
+    if real_kv.active:
+        fresh = fold(real_kv, slot) if all_ok else np.where(slot_ok, fold(real_kv, np.where(slot_ok, slot, 0)), 0)
 
+    # A superset of the failing entries: every failure bit below needs one of these.
+    suspect = rec[:, PREV_HASH] != link
+    suspect |= rec[:, POSITION] != exp_pos
+    if check_token:
+        suspect |= rec[:, TOKEN] != exp_tok
+    if fresh is not None:
+        suspect |= rec[:, REAL_KV_HASH] != fresh
+    if not all_ok:
+        suspect |= ~slot_ok
+    if int(prev.min()) < -1 or int(prev.max()) >= num_slots:  # a predecessor that is no slot, -1 or 0
+        suspect |= (prev < -1) | (prev >= num_slots)
+    at = np.flatnonzero(suspect)
+    if at.shape[0] == 0:
+        return
+    slot, prev, exp_pos, exp_tok, rec, link = slot[at], prev[at], exp_pos[at], exp_tok[at], rec[at], link[at]
+    slot_ok = slot_ok[at]
     prev_in = (prev > 0) & (prev < num_slots)
     prev_none = prev == -1
     prev_bad = ~(prev_in | prev_none | (prev == 0))
-    prec = _gather_fields(fields, prev, prev_in)
-    link = np.where(prev_in, _link_of(prec), _I64(ANCHOR_LINK))
+
+    missing = slot == MISSING_SLOT  # the position has no SWA slot at all (SPEC 3.2): nothing is read
+    bits = np.where(slot_ok, 0, np.where(missing, int(FailReason.MISSING), int(FailReason.SLOT_RANGE))).astype(_I64)
     chain_checked = slot_ok & (prev_in | prev_none)
     expected_link = np.where(chain_checked, link, 0)
     bits |= np.where(chain_checked & (rec[:, PREV_HASH] != link), int(FailReason.CHAIN), 0)
     bits |= np.where(slot_ok & prev_bad, int(FailReason.SLOT_RANGE), 0)
     bits |= np.where(slot_ok & (rec[:, POSITION] != exp_pos), int(FailReason.POSITION), 0)
-    if CheckFlags.VERIFY_TOKEN in flags:
+    if check_token:
         bits |= np.where(slot_ok & (exp_tok != -1) & (rec[:, TOKEN] != exp_tok), int(FailReason.VERIFY_TOKEN), 0)
-    if real_kv.active:
-        ok = np.flatnonzero(slot_ok)
-        fresh = fold(real_kv, slot[ok])
-        bits[ok] |= np.where(rec[ok, REAL_KV_HASH] != fresh, int(FailReason.REAL_KV), 0)
+    if fresh is not None:
+        bits |= np.where(slot_ok & (rec[:, REAL_KV_HASH] != fresh[at]), int(FailReason.REAL_KV), 0)
 
     bad = np.flatnonzero(bits)
     if bad.shape[0]:
@@ -171,7 +226,7 @@ def write(
     seed = write_seed_slot_indices[:nreq]
     seed_ok = (seed >= 0) & (seed < num_slots)
     srec = _gather_fields(fields, seed, seed_ok)
-    running0 = np.where(seed_ok, _link_of(srec), _I64(ANCHOR_LINK))
+    running0 = np.where(seed_ok, _link_of(srec).view(_I64), _I64(ANCHOR_LINK))
     seed_pos = np.where(seed_ok, srec[:, POSITION], -1)
     if idx.shape[0] == 0:
         return
