@@ -7,8 +7,8 @@ cd benchmarks
 prof plan_bs256 -k regex:canary_plan_fused python3 profile_one.py bs256_decode
 prof plan_swa -k regex:canary_plan_fused python3 profile_one.py swa_bs256
 prof plan_bs4096_rows -k regex:canary_plan_rows python3 profile_one.py bs4096
-prof plan_bs4096_entries -k regex:canary_plan_entries python3 profile_one.py bs4096
+
 prof verify_bs1_none -k regex:canary_verify python3 profile_canary.py bs1_decode_ctx4k NONE
 prof verify_bs1_all -k regex:canary_verify python3 profile_canary.py bs1_decode_ctx4k ALL
 prof verify_bs256_all -k regex:canary_verify python3 profile_canary.py bs256_decode_ctx1k ALL
-prof write_bs1_none -k regex:canary_write python3 profile_canary.py bs1_decode_ctx4k NONE
+
