@@ -179,20 +179,7 @@ __device__ u64 fold_slot(const RealKVParams& kv, i64 slot) {
                 kv.base[s] + (slot / ps) * kv.row_stride_bytes[s] + (slot % ps) * kv.num_bytes_per_token[s]);
             const i64 pairs = kv.read_words[s] >> 1;
             u64 h = 0;
-            i64 w = 0;
-            // Four loads in flight before their words are hashed: the hash is serial, the loads need not be
-            // (one load at a time made a 256-byte fold 16 dependent round trips: decode verify in mode ALL).
-            for (; w + 4 <= pairs; w += 4) {
-                ulonglong2 v[4];
-#pragma unroll
-                for (int k = 0; k < 4; ++k) v[k] = q[w + k];
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    h = splitmix64(h ^ v[k].x);
-                    h = splitmix64(h ^ v[k].y);
-                }
-            }
-            for (; w < pairs; ++w) {
+            for (i64 w = 0; w < pairs; ++w) {
                 const ulonglong2 v = q[w];
                 h = splitmix64(h ^ v.x);
                 h = splitmix64(h ^ v.y);
