@@ -195,21 +195,40 @@ class CanaryManager:
         host are handled first: logged, raised (:class:`CanaryViolationError`) or passed to the callback;
         :class:`CanaryHealthError` when the kernels stopped running. While ``stream`` is capturing a CUDA graph
         only the launches are recorded: call :meth:`begin_step` before each replay and :meth:`end_step` after.
-        Never syncs the engine's stream.
+        Never syncs the engine's stream. A call that raises leaves no step open: the engine may call it again,
+        and :meth:`after_kv_store` without a successful :meth:`before_forward` raises before writing anything.
         """
         sel = self._select(groups)
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and is_capturing(handle)
-        if not capturing:
-            self._begin(request_ids, groups, handle)
-            if not self._prepared:
-                self._prepare_verifies(st)
         bs = int(req_pool_indices.shape[0])  # an attribute read: no DLPack export inside a capture
-        if not capturing and bs != self._step.bs:
-            raise fail(ValueError, f"request_ids: expected one id per batch row (bs = {bs}), got {self._step.bs}")
+        # Checked before the step opens: a refused call leaves no step behind (a retry, or an after_kv_store
+        # that writes with the last step's plan, would otherwise follow).
         if bs > self.max_batch_size:
             raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {self.max_batch_size}, "
                                    f"got {bs}")
+        if not capturing:
+            n_ids = 0 if request_ids is None else len(request_ids)
+            if n_ids != bs:
+                raise fail(ValueError, f"request_ids: expected one id per batch row (bs = {bs}), got {n_ids}")
+            self._begin(request_ids, groups, handle)
+            try:
+                if not self._prepared:
+                    self._prepare_verifies(st)
+                self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+            except BaseException:
+                self._abandon_step()
+                raise
+        else:
+            self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+
+    def _abandon_step(self) -> None:
+        # A before_forward that raised after opening its step: the step is dropped (not counted, no report).
+        # Launches it made before the error report with the next step's snapshot, which copies the same ring.
+        self._step = None
+        self.stats_.steps -= 1
+
+    def _plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st: Any) -> None:
         qv = self._step_inputs.get(bs)
         if qv is None:  # sliced once per batch size: the planner then reuses its views of the same objects
             qv = self._step_inputs[bs] = (self._q[:bs], self._valid[:bs])
@@ -241,6 +260,8 @@ class CanaryManager:
         sel = self._select(groups)
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and is_capturing(handle)
+        if not capturing and self._step is None:  # before any write: no record is written for a step never opened
+            raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
         for g in sel:
             loc = out_cache_loc_by_group.get(g.name) if out_cache_loc_by_group else None
             if loc is None:

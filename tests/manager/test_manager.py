@@ -240,6 +240,29 @@ def test_argument_errors_name_the_argument():
                          extend_seq_lens=np.zeros(1, np.int64), request_ids=[None, None])
 
 
+def test_a_refused_before_forward_leaves_no_step_open():
+    """A before_forward that raises opens no step: after_kv_store then writes nothing (it used to write with the
+    last step's plan and report a false WRITE_POSITION), and a retry with good arguments runs normally."""
+    got = []
+    e = clean_run(on_violation=got.append)
+    m = e.manager
+    steps = m.stats()["steps"]
+    one = np.ones(1, np.int64)
+    with pytest.raises(ValueError, match=r"^kv-canary: request_ids: expected one id per batch row \(bs = 1\), got 2"):
+        m.before_forward(req_pool_indices=one, prefix_lens=one, extend_seq_lens=one, request_ids=["a", "b"])
+    with pytest.raises(RuntimeError, match=r"^kv-canary: after_kv_store: expected a step opened"):
+        m.after_kv_store(out_cache_loc=np.full(1, 3, np.int64), input_ids=one, positions=one)
+    with pytest.raises((TypeError, ValueError), match=r"^kv-canary: prefix_lens"):  # the planner's, inside the step
+        m.before_forward(req_pool_indices=one, prefix_lens=one.astype(np.int32), extend_seq_lens=one,
+                         request_ids=["a"])
+    with pytest.raises(RuntimeError, match=r"^kv-canary: after_kv_store: expected a step opened"):
+        m.after_kv_store(out_cache_loc=np.full(1, 3, np.int64), input_ids=one, positions=one)
+    assert m.stats()["steps"] == steps
+    e.decode_step(["a", "b"])  # the retry: a normal step
+    m.flush()
+    assert got == [] and m.stats()["steps"] == steps + 1
+
+
 def test_import_canary_imports_no_prometheus_client():
     code = "import sys, canary; print(canary.CanaryManager.__name__, 'prometheus_client' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
