@@ -23,7 +23,14 @@ def bind_layers(index: int, spec: Any, records: Any) -> CanaryLayers | None:
     if not spec.layer_sources:
         raise fail(ValueError, f"groups[{index}].layer_sources: expected the per-layer sources when "
                                f"layer_rotation=True, got none")
-    return CanaryLayers(records, spec.layer_sources, mode=spec.layer_real_kv_mode, dwell=spec.layer_dwell)
+    try:
+        return CanaryLayers(records, spec.layer_sources, mode=spec.layer_real_kv_mode, dwell=spec.layer_dwell)
+    except (TypeError, ValueError) as exc:  # CanaryLayers names its own keywords: say the group's
+        msg = str(exc)
+        for arg, field in (("mode", "layer_real_kv_mode"), ("dwell", "layer_dwell")):
+            if msg.startswith(f"kv-canary: {arg}: "):
+                raise type(exc)(msg.replace(f"kv-canary: {arg}: ", f"kv-canary: groups[{index}].{field}: ", 1)) from None
+        raise
 
 
 def verify_layers(g: Any, stream: Any) -> None:

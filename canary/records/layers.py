@@ -85,7 +85,7 @@ def layer_kv(layer_sources: Any, mode: Any = RealKVMode.ALL) -> LayerKV:
         return layer_sources
     m = RealKVMode.coerce(mode)
     if m == RealKVMode.NONE:
-        raise fail(ValueError, "layer_real_kv_mode: expected 'partial' or 'all' (the rotation hashes KV bytes), "
+        raise fail(ValueError, "mode: expected 'partial' or 'all' (the rotation hashes KV bytes), "
                                "got NONE")
     if isinstance(layer_sources, (str, bytes)) or not isinstance(layer_sources, Sequence):
         raise fail(TypeError, f"layer_sources: expected a sequence of per-layer source lists, got "
@@ -189,7 +189,7 @@ class CanaryLayers:
             raise fail(ValueError, f"layer_sources[0][0]: expected the canary buffer's device "
                                    f"({_where(sv.device_id)}), got {_where(kv.device_id)}")
         if isinstance(dwell, bool) or not isinstance(dwell, (int, np.integer)) or not 1 <= int(dwell) < (1 << 31):
-            raise fail(ValueError, f"layer_dwell: expected an int in [1, 2**31), got {dwell!r}")
+            raise fail(ValueError, f"dwell: expected an int in [1, 2**31), got {dwell!r}")
         for layer in kv.layers:
             layer.check_covers(sv.num_slots, "state.canary_buffer")
             for src in layer.sources:

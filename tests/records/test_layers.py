@@ -163,11 +163,11 @@ def test_argument_errors_name_the_argument():
         big = np.zeros((2, 9, NB), dtype=np.uint8)
         CanaryLayers(CanaryRecords(CanaryState.allocate(num_slots=9)), [[(big[0], 1, NB)], [(big[1], 1, NB)],
                                                                          [(k[2], 1, NB)]])
-    with pytest.raises(ValueError, match=r"^kv-canary: layer_real_kv_mode: expected 'partial' or 'all'"):
+    with pytest.raises(ValueError, match=r"^kv-canary: mode: expected 'partial' or 'all'"):
         layer_kv([[(k[0], 1, NB)]], "none")
     with pytest.raises(ValueError, match=r"^kv-canary: table.layer_hashes: expected shape \(8, 3\)"):
         CanaryLayers(rec, [[(k[i], 1, NB)] for i in range(3)], table=LayerTable.allocate(8, 2))
-    with pytest.raises(ValueError, match=r"^kv-canary: layer_dwell: expected an int in \[1, 2\*\*31\), got 0"):
+    with pytest.raises(ValueError, match=r"^kv-canary: dwell: expected an int in \[1, 2\*\*31\), got 0"):
         CanaryLayers(rec, [[(k[i], 1, NB)] for i in range(3)], dwell=0)
     lay = CanaryLayers(rec, [[(k[i], 1, NB)] for i in range(3)])
     wp = WritePlan.allocate(write_req_capacity=1)
