@@ -75,6 +75,33 @@ class KVGroup:
         return "draft" if self.kv_token_id_vs_position_offset else "full"
 
 
+def _worded_init(init):
+    """KVGroup's generated ``__init__``, with Python's own argument errors worded as this library's (a mistyped
+    keyword names the accepted ones; a missing one says so)."""
+    names = tuple(f.name for f in dataclasses.fields(KVGroup))
+    required = tuple(f.name for f in dataclasses.fields(KVGroup)
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise fail(TypeError, f"KVGroup: expected keyword arguments only ({', '.join(names)}), got {len(args)} "
+                                  f"positional argument(s)")
+        for key in kwargs:
+            if key not in names:
+                raise fail(TypeError, f"KVGroup: unexpected keyword argument {key!r}; expected one of: "
+                                      f"{', '.join(names)}")
+        for key in required:
+            if key not in kwargs:
+                raise fail(TypeError, f"KVGroup: missing required keyword argument {key!r}")
+        init(self, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    return __init__
+
+
+KVGroup.__init__ = _worded_init(KVGroup.__init__)
+
+
 def check_groups(groups: Any) -> list[KVGroup]:
     """The groups list, checked: at least one, each a :class:`KVGroup`, unique names, one ``req_to_token`` shape."""
     if isinstance(groups, KVGroup):

@@ -229,6 +229,11 @@ def test_argument_errors_name_the_argument():
         CanaryManager(g, max_batch_size=0)
     with pytest.raises(ValueError, match=r"^kv-canary: groups\[1\].name: expected a name unique"):
         CanaryManager([g, g], max_batch_size=2)
+    with pytest.raises(TypeError, match=r"^kv-canary: KVGroup: unexpected keyword argument 'realkv_sources'; "
+                                        r"expected one of: name, req_to_token, num_slots"):
+        KVGroup(name="full", req_to_token=r2t, num_slots=16, realkv_sources=[])
+    with pytest.raises(TypeError, match=r"^kv-canary: KVGroup: missing required keyword argument 'num_slots'"):
+        KVGroup(name="full", req_to_token=r2t)
     m = CanaryManager(g, max_batch_size=2)
     with pytest.raises(KeyError, match=r"kv-canary: request_id: expected a running request"):
         m.accept_tokens("nope", [1])
