@@ -49,3 +49,19 @@ class BackendUnavailableError(ImportError):
 def fail(exc_type: type[Exception], message: str) -> Exception:
     """Build an exception whose message carries the library prefix every user-facing error has."""
     return exc_type(f"kv-canary: {message}")
+
+
+def check_keywords(owner: str, args: tuple, given, accepted, required) -> None:
+    """Word a keyword-only call's argument errors as this library's: Python's own would name no choices (and, for
+    a wrapper, an internal function). ``given``: the keywords passed; ``accepted``: every keyword the call
+    takes, in the order the message lists them; ``required``: those it cannot do without."""
+    if args:
+        raise fail(TypeError, f"{owner}: expected keyword arguments only ({', '.join(accepted)}), got "
+                              f"{len(args)} positional argument(s)")
+    for key in given:
+        if key not in accepted:
+            raise fail(TypeError, f"{owner}: unexpected keyword argument {key!r}; expected one of: "
+                                  f"{', '.join(accepted)}")
+    for key in required:
+        if key not in given:
+            raise fail(TypeError, f"{owner}: missing required keyword argument {key!r}")

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import fail
+from ..errors import check_keywords, fail
 from ..interop.adapter import as_view
 from ..plan.planner import CanaryPlanner
 from ..plan.plans import VerifyPlan, WritePlan
@@ -76,23 +76,13 @@ class KVGroup:
 
 
 def _worded_init(init):
-    """KVGroup's generated ``__init__``, with Python's own argument errors worded as this library's (a mistyped
-    keyword names the accepted ones; a missing one says so)."""
+    """KVGroup's generated ``__init__``, with Python's own argument errors worded as this library's."""
     names = tuple(f.name for f in dataclasses.fields(KVGroup))
     required = tuple(f.name for f in dataclasses.fields(KVGroup)
                      if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if args:
-            raise fail(TypeError, f"KVGroup: expected keyword arguments only ({', '.join(names)}), got {len(args)} "
-                                  f"positional argument(s)")
-        for key in kwargs:
-            if key not in names:
-                raise fail(TypeError, f"KVGroup: unexpected keyword argument {key!r}; expected one of: "
-                                      f"{', '.join(names)}")
-        for key in required:
-            if key not in kwargs:
-                raise fail(TypeError, f"KVGroup: missing required keyword argument {key!r}")
+        check_keywords("KVGroup", args, kwargs, names, required)
         init(self, **kwargs)
 
     __init__.__doc__ = init.__doc__

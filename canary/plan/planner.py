@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
-from ..errors import PlanStatus, fail
+from ..errors import PlanStatus, check_keywords, fail
 from ..interop.adapter import ArrayView, as_view, check_same_device, check_view
 from ..interop.callviews import CallViews, Reuse, fingerprint
 from ..interop.hostcopy import part_to_host, to_host
@@ -134,21 +134,6 @@ _BIND_PARAMETERS = inspect.signature(bind_static).parameters
 _REQUIRED = tuple(k for k, p in _BIND_PARAMETERS.items() if p.default is p.empty)
 
 
-def _check_keywords(args: tuple, static: dict) -> None:
-    """Word CanaryPlanner's call errors itself: Python's own would name the internal ``bind_static``."""
-    accepted = ("backend", "launch_config", *_BIND_PARAMETERS)
-    if args:
-        raise fail(TypeError, f"CanaryPlanner: expected keyword arguments only ({', '.join(accepted)}), got "
-                              f"{len(args)} positional argument(s)")
-    for key in static:
-        if key not in _BIND_PARAMETERS:
-            raise fail(TypeError, f"CanaryPlanner: unexpected keyword argument {key!r}; expected one of: "
-                                  f"{', '.join(accepted)}")
-    for key in _REQUIRED:
-        if key not in static:
-            raise fail(TypeError, f"CanaryPlanner: missing required keyword argument {key!r}")
-
-
 class CanaryPlanner:
     """A reusable planner: binds the static buffers once, then builds a plan per step with :meth:`plan`.
 
@@ -187,7 +172,8 @@ class CanaryPlanner:
 
     def __init__(self, *args: Any, backend: str = "auto", launch_config: LaunchConfig = DEFAULT_LAUNCH,
                  **static: Any):
-        _check_keywords(args, static)
+        # Python's own errors would name the internal bind_static
+        check_keywords("CanaryPlanner", args, static, ("backend", "launch_config", *_BIND_PARAMETERS), _REQUIRED)
         self._bind(bind_static(**static), backend, launch_config)
 
     @classmethod
