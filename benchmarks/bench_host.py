@@ -40,33 +40,11 @@ PLAN_BS = (1, 8, 64, 256)
 
 
 def manager_case(cp, bs: int, context: int, tokens: bool):
-    """A manager over one full-attention group, prefilled, and one decode step's static inputs."""
-    from canary import CanaryManager, KVGroup
+    """bench_manager's manager and decode step; with ``tokens``, half the context is prompt, so that the tokens
+    accepted per step have room."""
+    from bench_manager import build
 
-    max_reqs, max_seq = bs + 1, context + 1
-    r2t = cp.asarray(np.arange(max_reqs * max_seq, dtype=np.int32).reshape(max_reqs, max_seq))
-    slots = max_reqs * max_seq
-    k = cp.zeros((-(-slots // PAGE), PAGE, 8, 128), dtype=np.float16)  # 2 KiB a token; the canary reads 256 B
-    m = CanaryManager([KVGroup(name="full", req_to_token=r2t, num_slots=slots, verify_capacity=bs * context,
-                               real_kv_sources=[(k, PAGE, 2048, 256)])],
-                      max_batch_size=bs, device=0, on_violation="raise")
-    m.warmup()
-    ids = [f"r{i}" for i in range(bs)]
-    for rid in ids:  # with tokens accepted per step: room for them (half the context is prompt, half prefill)
-        m.add_request(rid, np.zeros(context // 2 if tokens else context, dtype=np.int64))
-    rows = np.arange(1, bs + 1, dtype=np.int64)
-    rpi = cp.asarray(rows)
-    n = context - 1
-    a = cp.asarray
-    m.before_forward(request_ids=ids, req_pool_indices=rpi, prefix_lens=a(np.zeros(bs, np.int64)),
-                     extend_seq_lens=a(np.full(bs, n, np.int64)))
-    m.after_kv_store(out_cache_loc=a((rows[:, None] * max_seq + np.arange(n)[None, :]).reshape(-1)),
-                     input_ids=a(np.zeros(bs * n, np.int64)), positions=a(np.tile(np.arange(n, dtype=np.int64), bs)))
-    m.flush()
-    before = dict(req_pool_indices=rpi, prefix_lens=a(np.full(bs, context - 1, np.int64)),
-                  extend_seq_lens=a(np.ones(bs, np.int64)))
-    after = dict(out_cache_loc=a(rows * max_seq + context - 1), input_ids=a(np.zeros(bs, np.int64)),
-                 positions=a(np.full(bs, context - 1, np.int64)))
+    m, ids, before, after = build(cp, bs, context, prompt=context // 2 if tokens else None)
     one = [0]
 
     def call():

@@ -32,35 +32,38 @@ WORKLOADS = {"bs1_decode": (1, 4096), "bs256_decode": (256, 2048)}  # (bs, conte
 PAGE = 16
 
 
-def build(cp, bs: int, context: int):
-    """A manager over one full-attention group whose requests each own ``context + 1`` slots (slot 0: padding)."""
+def build(cp, bs: int, context: int, prompt: int | None = None):
+    """A manager over one full-attention group whose requests each own ``context + 1`` slots (slot 0: padding),
+    prefilled, and one decode step's static inputs. Each request's prompt is ``prompt`` tokens (default:
+    ``context``). Arrays are built with NumPy and moved by ``cp.asarray`` only, so that a stand-in for CuPy
+    (benchmarks/fakecuda.py) can run it."""
     max_reqs, max_seq = bs + 1, context + 1
-    r2t = cp.arange(max_reqs * max_seq, dtype=cp.int32).reshape(max_reqs, max_seq)
+    a = cp.asarray
+    r2t = a(np.arange(max_reqs * max_seq, dtype=np.int32).reshape(max_reqs, max_seq))
     slots = max_reqs * max_seq
-    k = cp.zeros((-(-slots // PAGE), PAGE, 8, 128), dtype=cp.float16)  # 2 KiB a token; the canary reads 256 B
+    k = cp.zeros((-(-slots // PAGE), PAGE, 8, 128), dtype=np.float16)  # 2 KiB a token; the canary reads 256 B
     m = CanaryManager([KVGroup(name="full", req_to_token=r2t, num_slots=slots, verify_capacity=bs * context,
                                real_kv_sources=[(k, PAGE, 2048, 256)])],
                       max_batch_size=bs, device=0, on_violation="raise")
     m.warmup()
     ids = [f"r{i}" for i in range(bs)]
-    for i, rid in enumerate(ids):
-        m.add_request(rid, np.zeros(context, dtype=np.int64))
-    rpi = cp.arange(1, bs + 1, dtype=cp.int64)
+    for rid in ids:
+        m.add_request(rid, np.zeros(context if prompt is None else prompt, dtype=np.int64))
+    rows = np.arange(1, bs + 1, dtype=np.int64)
+    rpi = a(rows)
     # Prefill every request's first context - 1 tokens once, so that the timed decode steps verify a clean cache
     # (an unwritten one would fill the ring with violations and time the reporting instead).
     n = context - 1
-    m.before_forward(request_ids=ids, req_pool_indices=rpi, prefix_lens=cp.zeros(bs, dtype=cp.int64),
-                     extend_seq_lens=cp.full(bs, n, dtype=cp.int64))
-    m.after_kv_store(out_cache_loc=(rpi[:, None] * max_seq + cp.arange(n)[None, :]).reshape(-1),
-                     input_ids=cp.zeros(bs * n, dtype=cp.int64), positions=cp.tile(cp.arange(n, dtype=cp.int64), bs))
+    m.before_forward(request_ids=ids, req_pool_indices=rpi, prefix_lens=a(np.zeros(bs, np.int64)),
+                     extend_seq_lens=a(np.full(bs, n, np.int64)))
+    m.after_kv_store(out_cache_loc=a((rows[:, None] * max_seq + np.arange(n)[None, :]).reshape(-1)),
+                     input_ids=a(np.zeros(bs * n, np.int64)), positions=a(np.tile(np.arange(n, dtype=np.int64), bs)))
     m.flush()
-    prefix = cp.full(bs, context - 1, dtype=cp.int64)
-    extend = cp.ones(bs, dtype=cp.int64)
-    loc = rpi * max_seq + context - 1
-    tok = cp.zeros(bs, dtype=cp.int64)
-    pos = cp.full(bs, context - 1, dtype=cp.int64)
-    return m, ids, dict(req_pool_indices=rpi, prefix_lens=prefix, extend_seq_lens=extend), \
-        dict(out_cache_loc=loc, input_ids=tok, positions=pos)
+    before = dict(req_pool_indices=rpi, prefix_lens=a(np.full(bs, context - 1, np.int64)),
+                  extend_seq_lens=a(np.ones(bs, np.int64)))
+    after = dict(out_cache_loc=a(rows * max_seq + context - 1), input_ids=a(np.zeros(bs, np.int64)),
+                 positions=a(np.full(bs, context - 1, np.int64)))
+    return m, ids, before, after
 
 
 def eager_us(cp, m, ids, before, after, repeats: int) -> float:
