@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-PAGE = 16
 MANAGER = {"bs1": (1, 4096), "bs256": (256, 2048)}  # (bs, context per request)
 PLAN_BS = (1, 8, 64, 256)
 
