@@ -307,7 +307,7 @@ __device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t) {
 // them per round with their loads issued together when the table is in global memory (two-pass: BATCH =
 // ROW_BATCH); from shared memory (fused) one row a round, as batching there only costs registers and spills. The cursors are
 // read here, not in the scan, so that a step that does not sample pays nothing for them. Every block that
-// needs the table does this itself; one warp moves the cursors once all have read them (fused_sampled). Returns the
+// needs the table does this itself; the cursors move once all have read them (fused_sampled, plan_rows). Returns the
 // number of rows with entries.
 template <int THREADS, int BATCH>
 __device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 total) {
@@ -361,16 +361,15 @@ __device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 
 }
 
 // After every reader has read the cursors: advance each sampled row's cursor past its run, and the rotation
-// head. Either the whole block (the rows kernel) or only warp 0 (the fused launch, WARP). A request row in two
-// batch rows (an engine fault) keeps the larger new cursor, so the result does not depend on the order of the
-// stores. rank[r] holds the row's req_pool_indices value by now (sample_rows), so nothing is read from global
-// memory again.
-template <bool WARP>
+// head, with the whole block (the rows kernel; the fused launch's extra block). A request row in two batch rows
+// (an engine fault) keeps the larger new cursor, so the result does not depend on the order of the stores.
+// rank[r] holds the row's req_pool_indices value by now (sample_rows), so nothing is read from global memory
+// again.
 __device__ __forceinline__ void update_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
-    const i64 tid = WARP ? (threadIdx.x & 31) : threadIdx.x, threads = WARP ? 32 : blockDim.x;
+    const i64 tid = threadIdx.x, threads = blockDim.x;
     for (i64 r = tid; r < p.bs; r += threads)
         if (t.off[r + 1] > t.off[r]) p.cursors[t.rank[r]] = (i64)(-0x7fffffffffffffffLL - 1);
-    if (WARP) __syncwarp(); else __syncthreads();
+    __syncthreads();
     for (i64 r = tid; r < p.bs; r += threads) {
         const i64 n = t.off[r + 1] - t.off[r];
         if (n > 0) {
@@ -527,7 +526,7 @@ __device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, i
             *readers = 0;  // every other block has been counted: re-armed for the next launch
         }
         __syncthreads();
-        update_cursors<false>(p, t, requests);
+        update_cursors(p, t, requests);
     } else {
         if (threadIdx.x == 0) atomicAdd(readers, 1ull);
         bad |= emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity, emitters);
@@ -573,7 +572,7 @@ __device__ __forceinline__ void plan_rows(const PlanParams& p) {
     int row_flags, seed_bad;
     const i64 total = scan_rows<ROWS_THREADS, ROW_BATCH, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad);
     row_flags |= seed_bad ? CANARY_BAD_SLOT : 0;
-    if (sampling(p, row_flags, total)) update_cursors<false>(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
+    if (sampling(p, row_flags, total)) update_cursors(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
     if (threadIdx.x == 0) {
         p.scratch[SCRATCH_ROW_FLAGS] = row_flags;
         p.scratch[SCRATCH_TOTAL] = total;
