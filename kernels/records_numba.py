@@ -225,6 +225,30 @@ def append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, slot
         ring[at + 7] = reasons
 
 
+@functools.lru_cache(maxsize=None)
+def make_block_count(threads: int):
+    """records.cu's ``add_block_count`` for one block size: the block's processed entries, added once to a
+    run counter. A tree sum through shared memory (records.cu sums each warp with shuffles first, which the
+    simulator lacks); either way no longer one shared atomic per thread, the verify kernel's main stall."""
+
+    @cuda.jit(device=True)
+    def add_block_count(mine, counter, index):
+        part = cuda.shared.array(threads, uint64)
+        t = cuda.threadIdx.x
+        part[t] = mine
+        cuda.syncthreads()
+        d = threads // 2
+        while d > 0:
+            if t < d:
+                part[t] += part[t + d]
+            cuda.syncthreads()
+            d //= 2
+        if t == 0 and part[0] != U0:
+            cuda.atomic.add(counter, index, part[0])
+
+    return add_block_count
+
+
 def _jit_options(threads: int) -> dict:
     try:
         takes = "launch_bounds" in inspect.signature(cuda.jit).parameters
@@ -244,27 +268,6 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
         if value < 1 or value & (value - 1):  # the block sums halve the block
             raise ValueError(f"{name}: expected a power of two, got {value}")
 
-    def make_block_count(threads):
-        """records.cu's ``add_block_count`` for one block size: the block's processed entries, added once to a
-        run counter. A tree sum through shared memory (records.cu sums each warp with shuffles first, which the
-        simulator lacks); either way no longer one shared atomic per thread, the verify kernel's main stall."""
-
-        @cuda.jit(device=True)
-        def add_block_count(mine, counter, index):
-            part = cuda.shared.array(threads, uint64)
-            t = cuda.threadIdx.x
-            part[t] = mine
-            cuda.syncthreads()
-            d = threads // 2
-            while d > 0:
-                if t < d:
-                    part[t] += part[t + d]
-                cuda.syncthreads()
-                d //= 2
-            if t == 0 and part[0] != U0:
-                cuda.atomic.add(counter, index, part[0])
-
-        return add_block_count
 
     def make_block_scan(threads):
         """records.cu's ``block_scan`` of ``ChainElem`` ``(a, b, pos, has)``: a Hillis-Steele scan in shared
@@ -629,21 +632,7 @@ def layer_kernel_functions(threads: int = LAYER_THREADS):
     if T < 1 or T & (T - 1):
         raise ValueError(f"threads: expected a power of two, got {T}")
 
-    @cuda.jit(device=True)
-    def add_block_count(mine, counter, index):
-        # kernel_functions' block count, for this block size (a tree sum through shared memory).
-        part = cuda.shared.array(T, uint64)
-        t = cuda.threadIdx.x
-        part[t] = mine
-        cuda.syncthreads()
-        d = T // 2
-        while d > 0:
-            if t < d:
-                part[t] += part[t + d]
-            cuda.syncthreads()
-            d //= 2
-        if t == 0 and part[0] != U0:
-            cuda.atomic.add(counter, index, part[0])
+    add_block_count = make_block_count(T)
 
     def canary_write_layers(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity,
                             ring_write_index, slot_run_counter, kernel_run_counter, check_flags, tag, kvp, num_sources,
