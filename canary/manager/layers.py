@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import fail
-from ..records.layers import CanaryLayers
+from ..records.layers import CanaryLayers, check_dwell, rotation_mode
 
 
 def bind_layers(index: int, spec: Any, records: Any) -> CanaryLayers | None:
@@ -23,14 +23,10 @@ def bind_layers(index: int, spec: Any, records: Any) -> CanaryLayers | None:
     if not spec.layer_sources:
         raise fail(ValueError, f"groups[{index}].layer_sources: expected the per-layer sources when "
                                f"layer_rotation=True, got none")
-    try:
-        return CanaryLayers(records, spec.layer_sources, mode=spec.layer_real_kv_mode, dwell=spec.layer_dwell)
-    except (TypeError, ValueError) as exc:  # CanaryLayers names its own keywords: say the group's
-        msg = str(exc)
-        for arg, field in (("mode", "layer_real_kv_mode"), ("dwell", "layer_dwell")):
-            if msg.startswith(f"kv-canary: {arg}: "):
-                raise type(exc)(msg.replace(f"kv-canary: {arg}: ", f"kv-canary: groups[{index}].{field}: ", 1)) from None
-        raise
+    # Checked here first, so that the errors name the group's fields rather than CanaryLayers' keywords.
+    rotation_mode(spec.layer_real_kv_mode, f"groups[{index}].layer_real_kv_mode")
+    check_dwell(spec.layer_dwell, f"groups[{index}].layer_dwell")
+    return CanaryLayers(records, spec.layer_sources, mode=spec.layer_real_kv_mode, dwell=spec.layer_dwell)
 
 
 def verify_layers(g: Any, stream: Any) -> None:

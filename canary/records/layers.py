@@ -73,6 +73,21 @@ class LayerKV:
 _LAYOUT = ("page_size", "num_bytes_per_token", "read_bytes", "row_stride_bytes", "row_bytes")
 
 
+def rotation_mode(mode: Any, name: str = "mode") -> RealKVMode:
+    """``mode`` as a :class:`RealKVMode` the rotation can use (PARTIAL or ALL); ``ValueError`` naming ``name``."""
+    m = RealKVMode.coerce(mode)
+    if m == RealKVMode.NONE:
+        raise fail(ValueError, f"{name}: expected 'partial' or 'all' (the rotation hashes KV bytes), got NONE")
+    return m
+
+
+def check_dwell(dwell: Any, name: str = "dwell") -> int:
+    """``dwell`` (steps each layer stays under the cursor) checked; ``ValueError`` naming ``name``."""
+    if isinstance(dwell, bool) or not isinstance(dwell, (int, np.integer)) or not 1 <= int(dwell) < (1 << 31):
+        raise fail(ValueError, f"{name}: expected an int in [1, 2**31), got {dwell!r}")
+    return int(dwell)
+
+
 def layer_kv(layer_sources: Any, mode: Any = RealKVMode.ALL) -> LayerKV:
     """Validate per-layer sources (module docstring). ``layer_sources``: a :class:`LayerKV` (returned as is) or a
     sequence of ``num_layers`` (1 to 65536) items, each a sequence of 1 to 4 sources as :func:`canary.real_kv`
@@ -83,10 +98,7 @@ def layer_kv(layer_sources: Any, mode: Any = RealKVMode.ALL) -> LayerKV:
     """
     if isinstance(layer_sources, LayerKV):
         return layer_sources
-    m = RealKVMode.coerce(mode)
-    if m == RealKVMode.NONE:
-        raise fail(ValueError, "mode: expected 'partial' or 'all' (the rotation hashes KV bytes), "
-                               "got NONE")
+    m = rotation_mode(mode)
     if isinstance(layer_sources, (str, bytes)) or not isinstance(layer_sources, Sequence):
         raise fail(TypeError, f"layer_sources: expected a sequence of per-layer source lists, got "
                               f"{type(layer_sources).__name__}")
@@ -188,8 +200,7 @@ class CanaryLayers:
         if kv.device_id != sv.device_id:
             raise fail(ValueError, f"layer_sources[0][0]: expected the canary buffer's device "
                                    f"({_where(sv.device_id)}), got {_where(kv.device_id)}")
-        if isinstance(dwell, bool) or not isinstance(dwell, (int, np.integer)) or not 1 <= int(dwell) < (1 << 31):
-            raise fail(ValueError, f"dwell: expected an int in [1, 2**31), got {dwell!r}")
+        check_dwell(dwell)
         for layer in kv.layers:
             layer.check_covers(sv.num_slots, "state.canary_buffer")
             for src in layer.sources:
