@@ -101,6 +101,9 @@ def test_rotation_defaults_and_errors():
     with pytest.raises(ValueError, match=r"^kv-canary: groups\[0\].layer_dwell: expected an int in \[1, 2\*\*31\), got 0"):
         CanaryManager([KVGroup(name="g", req_to_token=r2t, num_slots=16, verify_capacity=8, layer_sources=layers,
                                layer_dwell=0)], max_batch_size=2)
+    with pytest.raises(ValueError, match=r"^kv-canary: groups\[0\].layer_real_kv_mode: expected 'partial' or 'all'"):
+        CanaryManager([KVGroup(name="g", req_to_token=r2t, num_slots=16, verify_capacity=8, layer_sources=layers,
+                               layer_real_kv_mode="none")], max_batch_size=2)
 
 
 @pytest.mark.gpu
