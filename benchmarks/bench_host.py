@@ -4,8 +4,10 @@ What the engine's host thread pays per call, launches included, device time excl
 outside the clock after each call): median over ``--repeats`` calls, us.
 
 - ``manager bsN``: ``before_forward`` + ``after_kv_store`` of a decode step (one full-attention group, one
-  real-KV source), bs = 1 (ctx 4096) and bs = 256 (ctx 2048); ``+tokens``: the same with one accepted token
-  per request per step (a real decode loop: the expected tokens are staged every step);
+  real-KV source), bs = 1 (ctx 4096) and bs = 256 (ctx 2048), the report of the step before decoded inside
+  the call (as in an engine); ``+tokens each`` / ``+tokens batch``: the same with one accepted token per
+  request per step (a real decode loop: the expected tokens are staged every step), reported per request
+  (``accept_tokens``) or for the batch (``accept_tokens_batch``), those calls timed too;
 - ``records bsN``: ``CanaryRecords.verify`` + ``CanaryRecords.write`` of a decode step;
 - ``plan bsN``: ``CanaryPlanner.plan`` with the expected-token pool (as the manager binds it), bs = 1, 8, 64, 256.
 
@@ -38,22 +40,26 @@ MANAGER = {"bs1": (1, 4096), "bs256": (256, 2048)}  # (bs, context per request)
 PLAN_BS = (1, 8, 64, 256)
 
 
-def manager_case(cp, bs: int, context: int, tokens: bool):
-    """bench_manager's manager and decode step; with ``tokens``, half the context is prompt, so that the tokens
-    accepted per step have room."""
+def manager_case(cp, bs: int, context: int, tokens: str | None):
+    """bench_manager's manager and decode step; ``tokens``: one accepted token per request per step, reported
+    ``"each"`` (``accept_tokens`` per request) or as a ``"batch"`` (``accept_tokens_batch``), timed with the step
+    (half the context is then prompt, so that the accepted tokens have room)."""
     from bench_manager import build
 
     m, ids, before, after = build(cp, bs, context, prompt=context // 2 if tokens else None)
-    one = [0]
+    one, ones = [0], np.zeros(bs, dtype=np.int64)
 
     def call():
-        if tokens:  # the engine's calls too, timed with the step
+        if tokens == "each":  # the engine's calls too
             for rid in ids:
                 m.accept_tokens(rid, one)
+        elif tokens == "batch":
+            m.accept_tokens_batch(ids, ones)
         m.before_forward(request_ids=ids, **before)
         m.after_kv_store(**after)
 
-    return call, m.poll, m.close
+    # No poll outside the clock: the next call's before_forward decodes this step's report, as in an engine
+    return call, None, m.close
 
 
 def planner_case(cp, bs: int, context: int = 64):
@@ -101,9 +107,9 @@ def cases(cp, only: list[str] | None):
     want = (lambda kind: not only or kind in only)
     if want("manager"):
         for name, (bs, ctx) in MANAGER.items():
-            for tokens in (False, True):
-                out[f"manager {name}{' +tokens' if tokens else ''}"] = lambda bs=bs, ctx=ctx, t=tokens: \
-                    manager_case(cp, bs, ctx, t)
+            for tokens in (None, "each", "batch"):
+                out[f"manager {name}{' +tokens ' + tokens if tokens else ''}"] = \
+                    lambda bs=bs, ctx=ctx, t=tokens: manager_case(cp, bs, ctx, t)
     if want("records"):
         for bs, ctx in ((1, 4096), (256, 2048)):
             out[f"records bs{bs}"] = lambda bs=bs, ctx=ctx: (records_case(cp, bs, ctx), None, None)

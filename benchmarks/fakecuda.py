@@ -157,9 +157,40 @@ class _Kernel:
         self.name = name
 
     def __call__(self, grid, block, args, stream=None, shared_mem=0):
+        captured = _CAPTURES.get(getattr(stream, "ptr", None))
+        if captured is not None:  # recorded into the stream's graph, run by its launches
+            captured.append((self, args))
+            return
         COUNTS["kernel launch"] += 1
+        self.run(args)
+
+    def run(self, args):
         if self.name in ("canary_write", "canary_verify"):
             _bump_counter(self.name, args)
+        elif self.name == "canary_report":
+            _report(args)
+
+
+def _report(args) -> None:
+    """kernels/report.cu on host memory: copy the block and req_pool_indices into the next mailbox slot, clear
+    the write indexes, publish the slot's sequence number."""
+    from canary.backends.cupy.report import FIELDS
+
+    w = dict(zip(FIELDS, np.ctypeslib.as_array((ctypes.c_uint64 * len(FIELDS)).from_address(args[0].address))))
+    w = {k: int(v) for k, v in w.items()}
+    counter = ctypes.c_int64.from_address(w["counter"])
+    counter.value += 1
+    seq = counter.value
+    slot = w["mailbox"] + 8 * (seq % w["slots"]) * w["slot_words"]
+    ctypes.memmove(slot + 8, w["block"], 8 * w["words"])
+    if w["bs"]:
+        ctypes.memmove(slot + 8 + 8 * w["words"], w["rpi"], 8 * w["bs"])
+    ctypes.memset(w["block"], 0, 8 * w["index_words"])
+    ctypes.c_int64.from_address(slot).value = seq
+
+
+_CAPTURES: dict = {}  # stream handle -> the launches captured on it so far
+_GRAPHS: dict = {}  # graph or graph-exec handle -> its launches
 
 
 _COUNTER_AT: dict = {}  # kernel name -> (word index of kernel_run_counter, counter index)
@@ -322,6 +353,56 @@ def _device_view(name, obj, stream_ptr):
     return ArrayView(name, a.ctypes.data, a.shape, strides, a.dtype, 0, False, obj)
 
 
+def _cupy_runtime():
+    """``cupy_backends.cuda.api.runtime``'s calls that canary/interop/cudart.py makes (ints in, ints out), counted
+    under the same names as the ``cuda.bindings`` ones."""
+    rt = RUNTIME
+
+    def capturing(stream):
+        COUNTS["cuda.cuStreamIsCapturing"] += 1
+        return 0
+
+    return _module(
+        "cupy_backends.cuda.api.runtime", CUDARuntimeError=CUDARuntimeError,
+        memcpyAsync=lambda dst, src, n, kind, stream: rt.cudaMemcpyAsync(dst, src, n, kind, stream) and None,
+        memsetAsync=lambda ptr, value, n, stream: rt.cudaMemsetAsync(ptr, value, n, stream) and None,
+        eventRecord=lambda event, stream: rt.cudaEventRecord(event, stream) and None,
+        eventQuery=lambda event: rt.cudaEventQuery(event)[0],
+        eventSynchronize=lambda event: rt.cudaEventSynchronize(event) and None,
+        getDevice=lambda: rt.cudaGetDevice()[1], setDevice=lambda d: rt.cudaSetDevice(d) and None,
+        streamIsCapturing=capturing,
+        # CUDA graphs (canary/manager/eager.py): a capture records nothing here (the stand-in's launches do
+        # nothing either), a graph launch is counted like a kernel launch
+        streamCreateWithFlags=lambda flags: rt._handle(), streamDestroy=lambda s: None,
+        streamBeginCapture=_begin_capture, streamEndCapture=_end_capture, graphInstantiate=_instantiate,
+        graphLaunch=_graph_launch, graphDestroy=lambda g: None, graphExecDestroy=lambda g: None,
+        streamSynchronize=lambda s: COUNTS.__setitem__("cuda.cudaStreamSynchronize",
+                                                       COUNTS["cuda.cudaStreamSynchronize"] + 1),
+        deviceSynchronize=lambda: None)
+
+
+def _begin_capture(stream, mode=2):
+    _CAPTURES[stream] = []
+
+
+def _end_capture(stream):
+    h = RUNTIME._handle()
+    _GRAPHS[h] = _CAPTURES.pop(stream)
+    return h
+
+
+def _instantiate(graph):
+    h = RUNTIME._handle()
+    _GRAPHS[h] = list(_GRAPHS[graph])
+    return h
+
+
+def _graph_launch(graph_exec, stream):
+    COUNTS["graph launch"] += 1
+    for kernel, args in _GRAPHS[graph_exec]:
+        kernel.run(args)
+
+
 _INSTALLED = False
 
 
@@ -346,7 +427,10 @@ def install() -> None:
         "cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.cuda.function": function,
         "cupy_backends": _module("cupy_backends"), "cupy_backends.cuda": _module("cupy_backends.cuda"),
         "cupy_backends.cuda.api": _module("cupy_backends.cuda.api"), "cupy_backends.cuda.api.driver": driver,
+        "cupy_backends.cuda.api.runtime": _cupy_runtime(),
     })
+    sys.modules["cupy_backends.cuda.api"].runtime = sys.modules["cupy_backends.cuda.api.runtime"]
+    sys.modules["cupy_backends.cuda.api"].driver = driver
     from cuda.bindings import driver as real_driver
 
     real_driver.cuStreamIsCapturing = _not_capturing
@@ -354,5 +438,8 @@ def install() -> None:
     import canary.manager.transfer as transfer
 
     adapter._device_view = _device_view
+    import canary.interop.cudart as cudart
+
     transfer._rt = lambda: RUNTIME
+    cudart._CHOSEN.clear()  # chosen again, now that the stand-in CuPy is imported
     _INSTALLED = True

@@ -5,6 +5,7 @@ import sys
 from typing import Any
 
 from ..errors import fail
+from .cudart import runtime
 
 
 def stream_handle(stream: Any) -> int:
@@ -31,13 +32,10 @@ def stream_handle(stream: Any) -> int:
 def is_capturing(handle: int) -> bool:
     """Whether the stream ``handle`` is capturing a CUDA graph (driver query; no sync). False without a driver."""
     try:
-        from cuda.bindings import driver
+        rt = runtime()
     except ImportError:  # pragma: no cover - no CUDA bindings: nothing can be capturing through us
         return False
-    err, status = driver.cuStreamIsCapturing(handle)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return False
-    return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    return rt.is_capturing(handle)
 
 
 def _capturing_elsewhere(owner_lib: str, device_id: int) -> str | None:
@@ -57,12 +55,24 @@ def _capturing_elsewhere(owner_lib: str, device_id: int) -> str | None:
     return None
 
 
+_LIBRARY_OF: dict[type, str] = {}  # array type -> the top-level name of its module, decided once per type
+
+
+def library_of(obj: Any) -> str:
+    """``"cupy"``, ``"torch"``, ``"numpy"``, ...: the top-level module of ``obj``'s type."""
+    t = type(obj)
+    lib = _LIBRARY_OF.get(t)
+    if lib is None:
+        lib = _LIBRARY_OF[t] = t.__module__.split(".")[0]
+    return lib
+
+
 def current_stream(owner: Any, device_id: int) -> int:
     """The current stream of the array library that owns ``owner`` (an output array), on ``device_id``.
 
     Only libraries already imported by the caller are consulted: this never imports torch or CuPy.
     """
-    module = type(owner).__module__.split(".")[0]
+    module = library_of(owner)
     if module == "torch" and "torch" in sys.modules:
         return int(sys.modules["torch"].cuda.current_stream(device_id).cuda_stream)
     if module == "cupy" and "cupy" in sys.modules:
@@ -103,7 +113,7 @@ def launch_stream(device_id: int, stream: Any, owner: Any) -> tuple[int, str | N
         return 0, None
     if stream is not None:
         return stream_handle(stream), None
-    lib = type(owner).__module__.split(".")[0]
+    lib = library_of(owner)
     handle = current_stream(owner, device_id)
     # No stream given: a graph capture running on another library's current stream would silently miss this
     # launch (a stale graph on every replay). Only other libraries are asked, so the common eager call costs

@@ -49,6 +49,9 @@ class ReportBlock:
             self.groups.append((a[ring].reshape(cap, RING_ROW_WORDS), _int32(a[i:i + 1]), a[o:o + 2],
                                 a[o + 2:o + 4], _int32(a[o + 4:o + 5])))
             self._slices.append((i, slice(o, o + 2), slice(o + 2, o + 4), o + 4, ring, cap))
+        self.heads = tuple(g + i * per_group for i in range(g))  # each group's first word (its counters)
+        self.rings = tuple(s[4] for s in self._slices)
+        self.ring_capacity = cap
 
     def split(self, host: np.ndarray) -> dict[str, np.ndarray]:
         """The host copy of the block (``[words]`` int64) as the manager's report names it (views of ``host``)."""

@@ -31,9 +31,14 @@ from .report import (
 from .stats import PrometheusMetrics, Stats
 from .sweep import Sweeper, check_budget
 from .block import ReportBlock
+from .eager import _MISS, EagerGraphs
 from .transfer import CudaTransfer, DeviceScatter, HostTransfer
+from ..interop.cudart import runtime
 
 MODES = ("log", "raise")
+# Plain ints for the per-step decode (enum arithmetic costs a microsecond a use there)
+_SAMPLED, _INPUT_ERRORS = int(PlanStatus.SAMPLED), int(INPUT_ERROR_BITS)
+_WRITE_COUNTER, _VERIFY_COUNTER = KernelTag.WRITE.counter_index, KernelTag.VERIFY.counter_index
 
 
 @dataclass
@@ -74,6 +79,10 @@ class CanaryManager:
       :meth:`cache_prefix` / :meth:`evict_prefix`) or a callable, called once per step, returning the cache's
       prefixes as ``(key, slots, tokens[, start_position])`` tuples (docs/integration.md 5b).
 
+    - ``eager_graphs``: replay an eager step that repeats the last step's arrays (static step buffers) as one
+      CUDA graph per call instead of launching its kernels one by one (CuPy backend; canary/manager/eager.py
+      says when a step qualifies). Same launches, same checks, less host time; ``False``: always launch directly.
+
     Raises ``ValueError`` / ``TypeError`` (``kv-canary:`` messages) for bad arguments,
     :class:`~canary.BackendUnavailableError` when the device's libraries are missing.
     """
@@ -82,7 +91,8 @@ class CanaryManager:
                  library: str | None = None, backend: str = "auto", on_violation: str | Callable = "log",
                  ring_capacity: int = 256, max_requests: int | None = None, max_step_tokens: int | None = None,
                  log_limit: int = 8, stats_every: int = 0, metrics: Any = None, health_steps: int = 4,
-                 forget_after: int = 64, sweep_budget: int = 0, prefix_source: Callable | None = None):
+                 forget_after: int = 64, sweep_budget: int = 0, prefix_source: Callable | None = None,
+                 eager_graphs: bool = True):
         specs = check_groups(groups)
         for name, value, low in (("max_batch_size", max_batch_size, 1), ("ring_capacity", ring_capacity, 1),
                                  ("log_limit", log_limit, 0), ("stats_every", stats_every, 0),
@@ -91,6 +101,8 @@ class CanaryManager:
                                  ("max_step_tokens", 1 if max_step_tokens is None else max_step_tokens, 1)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < low:
                 raise fail(ValueError, f"{name}: expected an int >= {low}, got {value!r}")
+        if not isinstance(eager_graphs, bool):
+            raise fail(TypeError, f"eager_graphs: expected True or False, got {eager_graphs!r}")
         if not (callable(on_violation) or on_violation in MODES):
             raise fail(ValueError, f"on_violation: expected 'log', 'raise' or a callable taking a list of "
                                    f"SlotViolation, got {on_violation!r}")
@@ -105,10 +117,14 @@ class CanaryManager:
         self.pool_array = empty(rows * cols, np.int32).reshape(rows, cols)
         self.requests = RequestPool(rows, cols)
         b = self.max_batch_size
-        self._qv = empty(2 * b, np.int64)  # the plan's pool rows, then valid lengths: one host-to-device copy
+        step_tokens = int(max_step_tokens or max(4096, max_seq_len))
+        u = max(64, 2 * self.max_batch_size)
+        # The host-to-device staging area: the plan's pool rows and valid lengths, then the expected-token
+        # scatter's update (rows, columns, offsets, tokens), back to back so that one copy can fill both.
+        staging = empty(2 * b + 3 * u + 1 + step_tokens, np.int64)
+        self._qv, upd = staging[:2 * b], staging[2 * b:]
         self._q, self._valid = self._qv[:b], self._qv[b:]
         self._step_inputs: dict[int, tuple] = {}  # bs -> (q[:bs], valid[:bs]): the same objects every step
-        step_tokens = int(max_step_tokens or max(4096, max_seq_len))
         self._block = ReportBlock([s.name for s in specs], int(ring_capacity), empty)
         self.groups: list[BoundGroup] = [
             bind_group(i, g, pool=self.pool_array, device=device, library=library, backend=backend,
@@ -122,13 +138,20 @@ class CanaryManager:
         if self.ordinal is None:
             self._transfer = HostTransfer(self._block)
         else:
-            u = max(64, 2 * self.max_batch_size)
-            upd = empty(3 * u + 1 + step_tokens, np.int64)
+            report = None
+            if self.backend == "cupy":  # the report written by a kernel (kernels/report.cu); else copies
+                from ..backends.cupy.report import ReportLaunch
+
+                ordinal = self.ordinal
+                report = (empty(1, np.int64), lambda **layout: ReportLaunch(ordinal, **layout))
             self._transfer = CudaTransfer(self.ordinal, block=self._block, staging={"qv": self._qv, "upd": upd},
-                                          u_cap=u, scatter=DeviceScatter(self.pool_array, upd, u, self.backend))
+                                          u_cap=u, scatter=DeviceScatter(self.pool_array, upd, u, self.backend),
+                                          report_kernel=report)
         # -- sweep hook (canary/manager/sweep.py) --
         self._sweep = Sweeper(self.groups, check_budget("sweep_budget", sweep_budget), empty, self.ordinal,
                               prefix_source)
+        # An eager step's report joins its after_kv_store graph: written by the report kernel, and no sweep between
+        self._report_in_graph = self._transfer.report_launch is not None and not self._sweep
         self.stats_ = Stats([g.name for g in self.groups])
         self.metrics = None if metrics is None or metrics is False else PrometheusMetrics(metrics)
         self._dedup = Deduplicator(int(forget_after))
@@ -139,6 +162,11 @@ class CanaryManager:
         self._launches = {g.name: (0, 0) for g in self.groups}
         self._stalled = {g.name: 0 for g in self.groups}
         self._last_counters = {g.name: (0, 0) for g in self.groups}
+        self._last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
+        self._rows_cache: tuple | None = None  # (request ids, pool members version, pool rows) of _begin
+        self._eager = (EagerGraphs(runtime(), self.ordinal)
+                       if eager_graphs and self.ordinal is not None and self.backend == "cupy" else None)
+        self._translates = any(g.loc_scratch is not None for g in self.groups)  # an SWA group translates slots
 
     # -- binding -------------------------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -160,6 +188,8 @@ class CanaryManager:
 
     def close(self) -> None:
         """Free the pinned host buffers (GPU); the manager is unusable afterwards."""
+        if self._eager is not None:
+            self._eager.close()
         if isinstance(self._transfer, CudaTransfer):
             self._transfer.close()
         self._sweep.close()
@@ -170,6 +200,7 @@ class CanaryManager:
         host). Raises ``ValueError`` for a request already running, ``None`` as an id, a prompt longer than
         ``max_seq_len + 1``; ``RuntimeError`` when every pool row is taken (raise ``max_requests``)."""
         self.requests.add(request_id, prompt_token_ids)
+        self._last_rows = None
 
     def accept_tokens(self, request_id: Hashable, token_ids: Sequence[int] | np.ndarray) -> None:
         """Append a step's accepted tokens (host ints: the sampled token, or a speculative step's accepted drafts
@@ -177,10 +208,29 @@ class CanaryManager:
         Raises ``KeyError`` for a request not running, ``ValueError`` past ``max_seq_len + 1`` tokens."""
         self.requests.accept(request_id, token_ids)
 
+    def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any) -> None:
+        """:meth:`accept_tokens` for a whole decode batch at once: ``token_ids[i]`` (host ints, ``[bs]``) is the one
+        token request ``request_ids[i]`` accepted this step (a plain decode step's sampled tokens). Requests must
+        be running and distinct. One update for the batch instead of one per request: the host cost of a step
+        that accepts a token for each of 256 requests drops from about 1 us a request to a few numpy calls
+        (docs/performance.md). For several tokens a request (speculative decoding), call :meth:`accept_tokens`
+        per request. Raises ``KeyError`` for a request not running, ``ValueError`` for a request listed twice, a
+        length mismatch or a request past ``max_seq_len + 1`` tokens (nothing is accepted then)."""
+        ids = tuple(request_ids.tolist()) if isinstance(request_ids, np.ndarray) else tuple(request_ids)
+        toks = np.asarray(token_ids)
+        if toks.ndim != 1 or toks.shape[0] != len(ids):
+            raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
+                                   f"{tuple(toks.shape)}")
+        if toks.dtype.kind not in "iu":
+            raise fail(TypeError, f"token_ids: expected integer token ids, got dtype {toks.dtype}")
+        if len(ids):
+            self.requests.accept_batch(ids, toks.astype(np.int64, copy=True))
+
     def finish_request(self, request_id: Hashable) -> None:
         """Stop tracking a request. Its pool row keeps its tokens until every other free row was reused, so a
         stale forward naming it is still checked. Raises ``KeyError`` for a request not running."""
         self.requests.finish(request_id)
+        self._last_rows = None
 
     # -- per step ------------------------------------------------------------------------------------------------
     def before_forward(self, *, req_pool_indices: Any, prefix_lens: Any, extend_seq_lens: Any,
@@ -215,12 +265,29 @@ class CanaryManager:
             try:
                 if not self._prepared:
                     self._prepare_verifies(st)
-                self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+                if self._eager is None:
+                    self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+                else:
+                    self._eager_plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
             except BaseException:
                 self._abandon_step()
                 raise
         else:
             self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+
+    def _eager_plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st) -> None:
+        key, objs = (self._step.groups, bs), (req_pool_indices, prefix_lens, extend_seq_lens)
+        got = self._eager.launch("before", key, objs, st)
+        if got is not _MISS:
+            self._inputs = got
+            return
+        self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+
+        def body(stream):
+            self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, stream)
+            return self._inputs
+
+        self._eager.observe("before", key, objs, st, self.pool_array, body)
 
     def _abandon_step(self) -> None:
         # A before_forward that raised after opening its step: the step is dropped (not counted, no report).
@@ -262,6 +329,40 @@ class CanaryManager:
         capturing = self.ordinal is not None and is_capturing(handle)
         if not capturing and self._step is None:  # before any write: no record is written for a step never opened
             raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
+        in_graph = False
+        if capturing or self._eager is None or out_cache_loc_by_group or (
+                self._translates and any(g.loc_scratch is not None for g in sel)):
+            self._write(sel, out_cache_loc, input_ids, positions, out_cache_loc_by_group, st)
+        else:
+            in_graph = self._eager_write(sel, out_cache_loc, input_ids, positions, st)
+        if not capturing:
+            self._end(handle, st, reported=in_graph)
+
+    def _eager_write(self, sel, out_cache_loc, input_ids, positions, st) -> bool:
+        """The writes through a replayed graph when they may be (canary/manager/eager.py); returns whether the
+        graph also launched the step's report. The report joins the graph when nothing runs between the writes
+        and it (no sweep) and the transfer reports through its kernel; ``_end`` then only records it."""
+        inputs = self._inputs
+        report = self._report_in_graph and inputs is not None
+        key = (self._step.groups, inputs[0].ptr, inputs[1]) if report else (self._step.groups, None, None)
+        objs = (out_cache_loc, input_ids, positions)
+        if report:
+            self._free_report_slot()  # before the graph: it holds the report's launch
+        got = self._eager.launch("after", key, objs, st)
+        if got is not _MISS:
+            return got
+        self._write(sel, out_cache_loc, input_ids, positions, None, st)
+
+        def body(stream):
+            self._write(sel, out_cache_loc, input_ids, positions, None, stream)
+            if report:
+                self._transfer.report_device(inputs[0], inputs[1], stream.handle)
+            return report
+
+        self._eager.observe("after", key, objs, st, self.pool_array, body)
+        return False
+
+    def _write(self, sel, out_cache_loc, input_ids, positions, out_cache_loc_by_group, st) -> None:
         for g in sel:
             loc = out_cache_loc_by_group.get(g.name) if out_cache_loc_by_group else None
             if loc is None:
@@ -269,8 +370,6 @@ class CanaryManager:
             g.records.write(g.write_plan, out_cache_loc=loc, input_ids=input_ids, positions=positions,
                             launch_tag=g.write_tag, stream=st)
             write_layers(g, loc, st)
-        if not capturing:
-            self._end(handle, st)
 
     def begin_step(self, request_ids: Sequence[Hashable] | None, *, groups: Sequence[str] | None = None,
                    stream: Any = None) -> None:
@@ -285,21 +384,31 @@ class CanaryManager:
                                      f"after_kv_store / end_step, got a new step first")
         if self._pending:
             self.poll()
-        ids = [] if request_ids is None else (request_ids.tolist() if isinstance(request_ids, np.ndarray)
-                                              else list(request_ids))
+        ids = () if request_ids is None else (tuple(request_ids.tolist()) if isinstance(request_ids, np.ndarray)
+                                              else tuple(request_ids))
         bs = len(ids)
         if bs > self.max_batch_size:
             raise fail(ValueError, f"request_ids: expected at most max_batch_size = {self.max_batch_size} ids, "
                                    f"got {bs}")
-        # RequestPool.lookup inlined (a few hundred ids a step): running, else finished but not reused, else None
-        # (None itself is never a key). An id never added has no expected tokens: only chain, position, KV checks.
-        live, retired = self.requests.live.get, self.requests.retired.get
-        reqs = [live(rid) or retired(rid) for rid in ids]
-        q = [0 if r is None else r.row for r in reqs]
-        valid = [0 if r is None else len(r.tokens) for r in reqs]
-        self._transfer.stage(self.pool_array, self.requests.take_updates(), self._q, self._valid, q, valid, handle)
+        pool = self.requests
+        last = self._rows_cache
+        if last is not None and last[1] == pool.members and last[0] == ids:
+            q = last[2]  # the same batch, no request added or finished since: the same pool rows
+        else:
+            # RequestPool.lookup inlined (a few hundred ids a step): running, else finished but not reused, else
+            # row 0 (None itself is never a key), whose count is 0: an id never added has no expected tokens, only
+            # chain, position and KV checks.
+            live, retired = pool.live.get, pool.retired.get
+            q = np.zeros(bs, dtype=np.int64)
+            for i, rid in enumerate(ids):
+                r = live(rid) or retired(rid)
+                if r is not None:
+                    q[i] = r.row
+            self._rows_cache = (ids, pool.members, q)
+        valid = pool.counts[q]
+        self._transfer.stage(self.pool_array, pool.take_updates(), self._q, self._valid, q, valid, handle)
         names = self._all_names if groups is None else tuple(g.name for g in self._select(groups))
-        self._step = _StepRecord(self.stats_.steps, tuple(ids), names, bs)
+        self._step = _StepRecord(self.stats_.steps, ids, names, bs)
         self.stats_.steps += 1
 
     def end_step(self, *, stream: Any = None) -> None:
@@ -307,15 +416,28 @@ class CanaryManager:
         (eager, never captured), then queue the device-to-host copy of the step's report."""
         self._end(*self._launch(stream))
 
-    def _end(self, handle: int, st: Any) -> None:
+    def _end(self, handle: int, st: Any, reported: bool = False) -> None:
+        """``reported``: the step's report kernel ran inside the replayed graph (only its host half is left)."""
         if self._step is None:
             raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
         if self._sweep:
             self._run_sweep(self._step, handle, st)
         rpi, bs = self._inputs if self._inputs is not None else (None, 0)
-        token = self._transfer.snapshot(rpi, bs, handle)
+        if not reported:
+            self._free_report_slot()
+        if reported:
+            token = self._transfer.report_host(rpi is not None, bs, handle)
+        else:
+            token = self._transfer.snapshot(rpi, bs, handle)
         self._pending.append((self._step, token))
         self._step = None
+
+    def _free_report_slot(self) -> None:
+        # Before a report launch: when every report slot holds an unread report (the host that many steps ahead of
+        # the GPU), the oldest is copied out of its slot (a host wait for it), to be decoded in turn.
+        if self._transfer.full():
+            i = next(i for i, (_, t) in enumerate(self._pending) if self._transfer.holds_slot(t))
+            self._pending[i] = (self._pending[i][0], self._transfer.detach(self._pending[i][1]))
 
     def poll(self) -> None:
         """Handle every step report that has reached the host (never waits). :meth:`before_forward` calls it."""
@@ -436,9 +558,11 @@ class CanaryManager:
                     break
                 self._transfer.wait(token)
             self._pending.popleft()
-            data = self._transfer.read(token)
-            self._transfer.release(token)
-            got, lost = self._decode(rec, data)
+            words, rpi = self._transfer.read(token)
+            try:
+                got, lost = self._decode(rec, words, rpi)
+            finally:
+                self._transfer.release(token)  # the words stay the buffer's until here
             new += got
             dropped += lost
             last_step = rec.index
@@ -447,86 +571,103 @@ class CanaryManager:
         self._dedup.expire(last_step)
         self._dispatch(new, dropped, last_step)
 
-    def _decode(self, rec: _StepRecord, data: dict[str, np.ndarray]) -> tuple[list[SlotViolation], int]:
+    def _note_rows(self, rec: _StepRecord, rpi: np.ndarray) -> None:
+        # Each request's last req_to_token row (for _holders). A decode step repeats the last batch: nothing to do
+        # (add_request / finish_request forget the last batch, so a new request under an old id is noted).
+        rows = rpi.tolist()
+        last = self._last_rows
+        if last is not None and last[0] == rec.request_ids and last[1] == rows:
+            return
+        live, retired = self.requests.live.get, self.requests.retired.get
+        for rid, rp in zip(rec.request_ids, rows):
+            if rp:
+                req = live(rid) or retired(rid)
+                if req is not None:
+                    req.last_req_pool_index = rp
+        self._last_rows = (rec.request_ids, rows)
+
+    def _decode(self, rec: _StepRecord, words: np.ndarray, rpi: np.ndarray | None
+                ) -> tuple[list[SlotViolation], int]:
+        # Read straight from the block's words (canary/manager/block.py): a step with no ring rows decodes its
+        # counters and statuses only.
         st = self.stats_
         st.decoded_steps += 1
-        rpi = data.get("rpi")
         if rpi is not None:
-            live, retired = self.requests.live.get, self.requests.retired.get
-            for rid, rp in zip(rec.request_ids, rpi.tolist()):
-                if rp:
-                    req = live(rid) or retired(rid)
-                    if req is not None:
-                        req.last_req_pool_index = rp
+            self._note_rows(rec, rpi)
         new, dropped = [], 0
-        for g in self.groups:
+        block = self._block
+        metrics = self.metrics
+        for i, g in enumerate(self.groups):
             name = g.name
-            slots, launches = data[f"{name}.slots"], data[f"{name}.launches"]
-            w, v = KernelTag.WRITE.counter_index, KernelTag.VERIFY.counter_index
-            st.written[name], st.verified[name] = int(slots[w]), int(slots[v])
-            now = (int(launches[w]), int(launches[v]))
+            o = block.heads[i]
+            st.written[name], st.verified[name] = int(words[o + _WRITE_COUNTER]), int(words[o + _VERIFY_COUNTER])
+            now = (int(words[o + 2 + _WRITE_COUNTER]), int(words[o + 2 + _VERIFY_COUNTER]))
+            status = int(words[o + 4]) & 0xFFFFFFFF  # the int32 in the word's low half (bits, all below 2^31)
             if name in rec.groups:
                 before = self._last_counters[name]
                 ran = now[0] > before[0] and now[1] > before[1]
                 self._stalled[name] = 0 if ran else self._stalled[name] + 1
-                status = PlanStatus(int(data[f"{name}.status"][0]))
-                if PlanStatus.SAMPLED in status:
+                if status & _SAMPLED:
                     st.sampled_steps[name] += 1
-                if status & INPUT_ERROR_BITS:
+                if status & _INPUT_ERRORS:
                     st.input_error_steps[name] += 1
-                    log.warning(f"kv-canary: plan input error group={name} step={rec.index} status={int(status)} "
-                                f"({'|'.join(b.name for b in PlanStatus if b and b in status)}): that step verified "
+                    bits = PlanStatus(status)
+                    log.warning(f"kv-canary: plan input error group={name} step={rec.index} status={status} "
+                                f"({'|'.join(b.name for b in PlanStatus if b and b in bits)}): that step verified "
                                 f"nothing")
             self._last_counters[name] = now
-            report = decode(data[f"{name}.ring"], int(data[f"{name}.index"][0]))
-            if report.dropped:
-                dropped += report.dropped
-                st.dropped += report.dropped
-                log.warning(overflow_line(name, rec.index, report.dropped, report.capacity))
-                if self.metrics:
-                    self.metrics.dropped.labels(group=name).inc(report.dropped)
-            for v in report:
-                key = (name, int(v.kernel), v.slot, v.position, int(v.reasons))
-                made = self._dedup.see(key, rec.index, lambda: self._record(g, v, rec, data))
-                if made is None:
-                    st.repeats += 1
-                else:
-                    new.append(made)
-            if self.metrics:
-                m = self.metrics
-                m.verified.labels(group=name).inc(max(0, st.verified[name] - getattr(g, "_m_verified", 0)))
-                m.written.labels(group=name).inc(max(0, st.written[name] - getattr(g, "_m_written", 0)))
+            index = int(words[i]) & 0xFFFFFFFF  # the ring's int32 write index, read as its uint32 count
+            if index:
+                ring = words[block.rings[i]].reshape(block.ring_capacity, -1)
+                report = decode(ring, index)
+                if report.dropped:
+                    dropped += report.dropped
+                    st.dropped += report.dropped
+                    log.warning(overflow_line(name, rec.index, report.dropped, report.capacity))
+                    if metrics:
+                        metrics.dropped.labels(group=name).inc(report.dropped)
+                for viol in report:
+                    key = (name, int(viol.kernel), viol.slot, viol.position, int(viol.reasons))
+                    made = self._dedup.see(key, rec.index, lambda: self._record(g, viol, rec, rpi))
+                    if made is None:
+                        st.repeats += 1
+                    else:
+                        new.append(made)
+            if metrics:
+                metrics.verified.labels(group=name).inc(max(0, st.verified[name] - getattr(g, "_m_verified", 0)))
+                metrics.written.labels(group=name).inc(max(0, st.written[name] - getattr(g, "_m_written", 0)))
                 g._m_verified, g._m_written = st.verified[name], st.written[name]
-                if name in rec.groups and PlanStatus.SAMPLED in PlanStatus(int(data[f"{name}.status"][0])):
-                    m.sampled.labels(group=name).inc()
+                if name in rec.groups and status & _SAMPLED:
+                    metrics.sampled.labels(group=name).inc()
         for name, n in self._stalled.items():
             if n >= self.health_steps:
                 raise CanaryHealthError(
                     f"kv-canary: health: expected the kernels of group {name!r} to run every scheduled step, got "
                     f"launch counters unchanged for {n} consecutive steps (up to step {rec.index}): the canary "
                     f"calls are no longer launched (a CUDA graph captured without them, or a stream mix-up)")
-        for v in new:
-            for reason in v.reason_names or ("NONE",):
+        for viol in new:
+            for reason in viol.reason_names or ("NONE",):
                 st.violations[reason] = st.violations.get(reason, 0) + 1
-                if self.metrics:
-                    self.metrics.violations.labels(group=v.group, reason=reason).inc()
-        if self.metrics:
-            self.metrics.steps.inc()
-            self.metrics.protected.set(self.requests.protected_tokens())
+                if metrics:
+                    metrics.violations.labels(group=viol.group, reason=reason).inc()
+        if metrics:
+            metrics.steps.inc()
+            metrics.protected.set(self.requests.protected_tokens())
         return new, dropped
 
-    def _record(self, g: BoundGroup, v, rec: _StepRecord, data) -> SlotViolation:
+    def _record(self, g: BoundGroup, v, rec: _StepRecord, rpi: np.ndarray | None) -> SlotViolation:
         sw = self._sweep.sweeps.get(g.name)
         kernel = "sweep" if sw is not None and v.launch_tag == sw.tag else kernel_name(v)
         if v.layer is not None:
             kernel = "verify"  # the layer rotation's verify_layer: the row names its layer
         return SlotViolation(group=g.name, kernel=kernel, slot=v.slot, position=v.position, reasons=v.reasons,
-                             requests=self._holders(g, v, rec, data), first_step=rec.index, last_step=rec.index,
+                             requests=self._holders(g, v, rec, rpi), first_step=rec.index, last_step=rec.index,
                              count=1, stored_token=v.stored_token, expected_token=v.expected_token, raw=v,
                              steps=[rec.index], prefixes=self._sweep.holders(g.name, v.slot, v.position),
                              layer=v.layer)
 
-    def _holders(self, g: BoundGroup, v, rec: _StepRecord, data) -> tuple[tuple[Hashable, int], ...]:
+    def _holders(self, g: BoundGroup, v, rec: _StepRecord, rpi: np.ndarray | None
+                 ) -> tuple[tuple[Hashable, int], ...]:
         """Requests whose ``req_to_token`` row maps ``v.position`` to ``v.slot`` now: the step's batch rows, then
         running requests by their last row. Reads one column of the table (a sync, on the error path only)."""
         p = v.position
@@ -535,7 +676,6 @@ class CanaryManager:
         if not 0 <= p < max_seq_len:
             return ()
         candidates: list[tuple[Hashable, int]] = []
-        rpi = data.get("rpi")
         if rpi is not None:
             candidates += [(rid, int(rp)) for rid, rp in zip(rec.request_ids, rpi.tolist()) if rid is not None and rp]
         in_batch = {rid for rid, _ in candidates}

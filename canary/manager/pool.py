@@ -8,7 +8,7 @@ padding row (the scatter never writes it, so it holds no request's tokens).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable
 
 import numpy as np
@@ -23,12 +23,25 @@ _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 @dataclass
 class _Request:
     row: int
-    tokens: list[int] = field(default_factory=list)
     last_req_pool_index: int = 0  # req_to_token row of its last batch (for naming the requests holding a slot)
 
 
+@dataclass
+class RowTokens:
+    """A queued update of one token for each of several pool rows (:meth:`RequestPool.accept_batch`): ``rows``,
+    ``cols`` (each row's first free column), ``tokens``, ``[k]`` int64 each."""
+    rows: np.ndarray
+    cols: np.ndarray
+    tokens: np.ndarray
+
+
 class RequestPool:
-    """``rows`` pool rows of ``cols`` columns; updates queue on the host until :meth:`take_updates`."""
+    """``rows`` pool rows of ``cols`` columns; updates queue on the host until :meth:`take_updates`.
+
+    ``counts[row]``: the expected tokens pool row ``row`` holds (the values live only in the device pool; the
+    host needs the counts, as the plan's valid lengths). ``version`` changes with any count, ``members`` with the
+    requests' rows (a request added, finished or its row reused): what the manager's per-batch caches key on.
+    """
 
     def __init__(self, rows: int, cols: int):
         self.rows, self.cols = rows, cols
@@ -36,7 +49,12 @@ class RequestPool:
         self.retired: dict[Hashable, _Request] = {}  # finished, row not yet reused
         self._free = deque(range(1, rows))
         self._owner_of_free: dict[int, Hashable] = {}
-        self.updates: list[tuple[int, int, Any]] = []  # (pool row, first column, tokens: int64 array or int list)
+        # (pool row, first column, tokens: int64 array or int list), or a RowTokens
+        self.updates: list[Any] = []
+        self.counts = np.zeros(rows, dtype=np.int64)
+        self.version = 0
+        self.members = 0
+        self._batch: tuple | None = None  # (ids, members, rows) of the last accept_batch
 
     def add(self, request_id: Hashable, tokens: Any) -> None:
         if request_id is None:
@@ -53,6 +71,9 @@ class RequestPool:
             self.retired.pop(old, None)
         self.retired.pop(request_id, None)
         req = self.live[request_id] = _Request(row)
+        self.counts[row] = 0
+        self.version += 1
+        self.members += 1
         self._append(request_id, req, tokens, "prompt_token_ids")
 
     def accept(self, request_id: Hashable, tokens: Any) -> None:
@@ -66,6 +87,8 @@ class RequestPool:
         if req is None:
             raise fail(KeyError, f"request_id: expected a running request, got {request_id!r}")
         self.retired[request_id] = req
+        self.version += 1
+        self.members += 1
         self._owner_of_free[req.row] = request_id
         self._free.append(req.row)
 
@@ -83,13 +106,43 @@ class RequestPool:
                 tokens, np.ndarray) else tokens.astype(np.int64, copy=False).reshape(-1)
             toks = arr
         n = len(toks)
-        start = len(req.tokens)
+        start = int(self.counts[req.row])
         if start + n > self.cols:
             raise fail(ValueError, f"{name}: expected at most {self.cols} tokens per request (the pool's columns, "
                                    f"max_seq_len + 1), got {start + n} for request {request_id!r}")
         if n:
-            req.tokens.extend(toks if type(toks) is list else toks.tolist())
+            self.version += 1
+            self.counts[req.row] = start + n
             self.updates.append((req.row, start, toks))
+
+    def accept_batch(self, request_ids: tuple, tokens: np.ndarray) -> None:
+        """One token for each running request of ``request_ids`` (distinct), ``tokens`` ``[k]`` int64: one update
+        for the batch. The ids' rows are looked up once per batch (reused while no request is added or finished),
+        the counts checked and advanced together."""
+        last = self._batch
+        if last is not None and last[1] == self.members and last[0] == request_ids:
+            rows = last[2]
+        else:
+            live = self.live.get
+            rows = np.empty(len(request_ids), dtype=np.int64)
+            for i, rid in enumerate(request_ids):
+                req = live(rid)
+                if req is None:
+                    raise fail(KeyError, f"request_ids[{i}]: expected a running request (add_request first), got "
+                                         f"{rid!r}")
+                rows[i] = req.row
+            if len(set(rows.tolist())) != len(rows):
+                raise fail(ValueError, "request_ids: expected distinct requests, got one listed twice")
+            self._batch = (request_ids, self.members, rows)
+        cols = self.counts[rows]
+        full = cols >= self.cols
+        if full.any():
+            i = int(np.flatnonzero(full)[0])
+            raise fail(ValueError, f"token_ids: expected at most {self.cols} tokens per request (the pool's "
+                                   f"columns, max_seq_len + 1), got {self.cols + 1} for request {request_ids[i]!r}")
+        self.counts[rows] = cols + 1
+        self.version += 1
+        self.updates.append(RowTokens(rows, cols, tokens))
 
     def take_updates(self) -> list[tuple[int, int, Any]]:
         out, self.updates = self.updates, []
@@ -97,4 +150,4 @@ class RequestPool:
 
     def protected_tokens(self) -> int:
         """Expected tokens the pool holds for running requests."""
-        return sum(len(r.tokens) for r in self.live.values())
+        return sum(int(self.counts[r.row]) for r in self.live.values())

@@ -157,41 +157,40 @@ class CudaSweepStager:
     ``depth`` steps ahead of the GPU)."""
 
     def __init__(self, ordinal: int, sweeps: Sequence[GroupSweep], depth: int = 3):
-        from .transfer import _OnDevice, _Pinned
+        from ..interop.cudart import OnDevice, runtime
+        from .transfer import _Pinned
 
-        self.ordinal = ordinal
-        with _OnDevice(ordinal):
+        self.ordinal, self.rt, self._on_device = ordinal, runtime(), OnDevice
+        with OnDevice(self.rt, ordinal):
             self.bufs = {s.name: [_Pinned(8 * (1 + 4 * s.budget)) for _ in range(depth)] for s in sweeps}
         self.next = {s.name: 0 for s in sweeps}
         self.ptrs = {s.name: as_view(s.block, f"{s.name}.sweep_plan").ptr for s in sweeps}
 
     def stage(self, sweep: GroupSweep, stream: int) -> int:
-        from .transfer import _OnDevice, _check, _rt
+        from ..interop.cudart import H2D
 
-        rt = _rt()
+        rt = self.rt
         ring = self.bufs[sweep.name]
         buf = ring[self.next[sweep.name]]
         self.next[sweep.name] = (self.next[sweep.name] + 1) % len(ring)
         budget = sweep.budget
-        with _OnDevice(self.ordinal):
+        with self._on_device(rt, self.ordinal):
             buf.wait()
             host = buf.array(0, (1 + 4 * budget,), np.int64)
             n = sweep.take(host[1:].reshape(4, budget))
             host[0:1].view(np.int32)[:] = (n, 1)
-            dst, h2d = self.ptrs[sweep.name], rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+            dst = self.ptrs[sweep.name]
             # A full step is one contiguous copy; a short one copies the scalars and the n used entries per array.
             pieces = [(0, 8 * (1 + 4 * budget))] if n == budget else [(0, 8)] + [
                 (8 * (1 + i * budget), 8 * n) for i in range(4) if n]
             for off, nbytes in pieces:
-                _check(rt.cudaMemcpyAsync(dst + off, buf.ptr + off, nbytes, h2d, stream), "cudaMemcpyAsync")
-            _check(rt.cudaEventRecord(buf.event, stream), "cudaEventRecord")
+                rt.memcpy_async(dst + off, buf.ptr + off, nbytes, H2D, stream)
+            rt.event_record(buf.ev, stream)
             buf.pending = True
         return n
 
     def close(self) -> None:
-        from .transfer import _OnDevice
-
-        with _OnDevice(self.ordinal):
+        with self._on_device(self.rt, self.ordinal):
             for ring in self.bufs.values():
                 for b in ring:
                     b.wait()

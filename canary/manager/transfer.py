@@ -27,16 +27,32 @@ import numpy as np
 
 from ..errors import fail
 from ..interop.adapter import ArrayView, as_view
+from ..interop.cudart import D2H, H2D, OnDevice, runtime
 from ..interop.memview import host_view
 from .block import ReportBlock
+from .pool import RowTokens
 
 
 class HostTransfer:
     """Host arrays: every transfer is a copy done in the call."""
 
-    def stage(self, pool: np.ndarray, updates, q_out, valid_out, q: list[int], valid: list[int], stream) -> None:
-        for row, col, toks in updates:
+    report_launch = None
+
+    @property
+    def slots(self) -> int:
+        """Reports that may be unread at once (the manager frees one before the next report)."""
+        return len(self.snap_bufs) if self.report_launch is None else self.mail_slots
+
+    def full(self) -> bool:
+        return False
+
+    def stage(self, pool: np.ndarray, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream) -> None:
+        for u in updates:
             # int64 first: the pool keeps the low 32 bits, as the scatter stores them
+            if type(u) is RowTokens:
+                pool[u.rows, u.cols] = u.tokens
+                continue
+            row, col, toks = u
             pool[row, col:col + len(toks)] = np.asarray(toks, dtype=np.int64)
         q_out[: len(q)] = q
         valid_out[: len(valid)] = valid
@@ -44,18 +60,16 @@ class HostTransfer:
     def __init__(self, block: ReportBlock):
         self.block = block
 
-    def snapshot(self, rpi: ArrayView | None, bs: int, stream) -> dict[str, np.ndarray]:
+    def snapshot(self, rpi: ArrayView | None, bs: int, stream) -> tuple[np.ndarray, np.ndarray | None]:
         b = self.block
-        out = b.split(np.array(b.array))
-        if rpi is not None:
-            out["rpi"] = np.array(rpi.host[:bs])
+        out = (np.array(b.array), None if rpi is None else np.array(rpi.host[:bs]))
         b.array[:b.index_words] = 0
         return out
 
     def ready(self, token) -> bool:
         return True
 
-    def read(self, token) -> dict[str, np.ndarray]:
+    def read(self, token) -> tuple[np.ndarray, np.ndarray | None]:
         return token
 
     def release(self, token) -> None:
@@ -84,22 +98,6 @@ def _check(result, what: str):
     return None
 
 
-class _OnDevice:
-    def __init__(self, ordinal: int):
-        self.ordinal = ordinal
-
-    def __enter__(self):
-        rt = _rt()
-        self.prev = _check(rt.cudaGetDevice(), "cudaGetDevice")
-        if self.prev != self.ordinal:
-            _check(rt.cudaSetDevice(self.ordinal), "cudaSetDevice")
-
-    def __exit__(self, *exc):
-        if self.prev != self.ordinal:
-            _rt().cudaSetDevice(self.prev)
-        return False
-
-
 class _Pinned:
     """``nbytes`` of pinned host memory and an event marking the last copy that used it."""
 
@@ -108,6 +106,8 @@ class _Pinned:
         self.nbytes = -(-max(int(nbytes), 64) // 8) * 8
         self.ptr = int(_check(rt.cudaMallocHost(self.nbytes), "cudaMallocHost"))
         self.event = _check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreateWithFlags")
+        self.fast = runtime()
+        self.ev = self.fast.event_handle(self.event)  # what the per-step calls pass
         self.pending = False
         self.words = self.array(0, (self.nbytes // 8,), np.int64)  # viewed once: a view costs ~5 us to make
         self.step, self.stream = -1, None  # the step and stream of the last copy that used it
@@ -118,18 +118,14 @@ class _Pinned:
     def done(self) -> bool:
         if not self.pending:
             return True
-        rt = _rt()
-        err = rt.cudaEventQuery(self.event)[0]
-        if err == rt.cudaError_t.cudaSuccess:
+        if self.fast.event_done(self.ev):
             self.pending = False
             return True
-        if err != rt.cudaError_t.cudaErrorNotReady:
-            raise fail(RuntimeError, f"cudaEventQuery: expected cudaSuccess or cudaErrorNotReady, got {err}")
         return False
 
     def wait(self) -> None:
         if self.pending:
-            _check(_rt().cudaEventSynchronize(self.event), "cudaEventSynchronize")
+            self.fast.event_synchronize(self.ev)
             self.pending = False
 
     def free(self) -> None:
@@ -147,11 +143,19 @@ def _strides(shape, dtype) -> tuple[int, ...]:
 
 
 @dataclass
+class _Detached:
+    """A report copied out of its pinned slot (:meth:`CudaTransfer.detach`), waiting for the manager's decode."""
+    words: np.ndarray
+    rpi: np.ndarray | None
+
+
+@dataclass
 class _Snap:
-    buf: _Pinned
+    buf: _Pinned | None  # the copy's buffer (None: a mailbox slot written by the report kernel)
     bs: int | None  # req_pool_indices copied after the block (None: not this step)
     step: int
     stream: int
+    seq: int = 0  # the report kernel's sequence number of this report (mailbox slot seq % slots)
 
 
 class CudaTransfer:
@@ -162,10 +166,17 @@ class CudaTransfer:
     ``B = max_batch_size``) and ``upd`` ``[3 U + 1 + T]`` int64 (a scatter's ``rows`` ``[U]``, ``cols`` ``[U]``,
     ``offsets`` ``[U + 1]`` and ``tokens`` ``[T]``, back to back). ``scatter(k, t, stream)`` launches the
     expected-token scatter of the first ``k`` rows and ``t`` tokens staged there (a :class:`DeviceScatter`).
+
+    ``report_kernel``: ``(counter, make)`` to report through ``kernels/report.cu`` (the CuPy backend):
+    ``counter`` a zeroed ``[1]`` int64 device array, ``make(**layout)`` its launcher
+    (:class:`canary.backends.cupy.report.ReportLaunch`). The kernel writes each report into the next slot of a
+    pinned mailbox and publishes it by its sequence number, which the host polls: no copy, memset or event per
+    step, and a launch that an eager step's CUDA graph can hold (:meth:`report_device`). ``None``: copies, a
+    memset and an event per report (any backend).
     """
 
     def __init__(self, ordinal: int, *, block: ReportBlock, staging: dict[str, Any], u_cap: int, scatter,
-                 depth: int = 3):
+                 report_kernel: Any = None, depth: int = 3):
         self.ordinal = ordinal
         self.block = block
         self.scatter = scatter
@@ -178,13 +189,30 @@ class CudaTransfer:
         self.t_cap = int(as_view(self.upd, "upd").shape[0]) - 3 * self.u_cap - 1
         u = self.u_cap
         self.block_bytes = 8 * block.words
-        with _OnDevice(ordinal):
-            stage_bytes = 8 * max(2 * self.b_cap, 3 * u + 1 + self.t_cap)
+        self.rt = runtime()
+        self._staged: tuple | None = None  # (pool rows, valid lengths) of the last staging copy
+        self.merged = self.upd_ptr == self.qv_ptr + 16 * self.b_cap  # one device area: one copy fills both
+        with OnDevice(self.rt, ordinal):
+            stage_bytes = 8 * (2 * self.b_cap + 3 * u + 1 + self.t_cap)
             self.stage_bufs = [_Pinned(stage_bytes) for _ in range(depth)]
             self.snap_bufs = [_Pinned(self.block_bytes + 8 * self.b_cap) for _ in range(depth + 1)]
         self._next_stage = 0
         self._free_snaps = list(self.snap_bufs)
         self._step = 0  # snapshots taken
+        self._unread = 0  # snapshots taken and not released
+        self.report_launch = None
+        if report_kernel is not None:
+            counter, make = report_kernel
+            self.slot_words = 1 + block.words + self.b_cap
+            self.mail_slots = 2 * (depth + 1)
+            with OnDevice(self.rt, ordinal):
+                self.mailbox = _Pinned(8 * self.mail_slots * self.slot_words)
+            self.mailbox.words[:] = 0  # no slot published yet (sequence numbers start at 1)
+            self.report_launch = make(block_ptr=self.block_ptr, words=block.words, index_words=block.index_words,
+                                      mailbox_ptr=self.mailbox.ptr, slot_words=self.slot_words,
+                                      slots=self.mail_slots,
+                                      counter_ptr=as_view(counter, "report_counter").ptr)
+            self._counter = counter  # kept alive: the launch holds its pointer
         # stream -> the last step whose snapshot is known to have run there: everything the stream ran before it
         # has too, its staging copies included, so their buffers are free without asking the driver.
         self._done: dict[int, int] = {}
@@ -201,81 +229,166 @@ class CudaTransfer:
     def _used(self, buf: _Pinned, stream: int) -> None:
         buf.pending, buf.step, buf.stream = True, self._step, stream
 
-    def stage(self, pool, updates, q_out, valid_out, q: list[int], valid: list[int], stream: int) -> None:
-        rt = _rt()
-        h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-        u = self.u_cap
-        with _OnDevice(self.ordinal):
+    def stage(self, pool, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream: int) -> None:
+        # A staging buffer holds the pool rows and valid lengths at [0, 2 B) and a scatter's update at [2 B, ...),
+        # as the device area does when the manager allocates qv and upd back to back (self.merged): the first
+        # scatter's copy then carries the rows and lengths too, one copy for both.
+        rt, u, b = self.rt, self.u_cap, self.b_cap
+        n = len(q)
+        # The device area keeps what the last copy put there (only this method writes it): pool rows and valid
+        # lengths equal to the last copy's, on the same stream (ordered behind it), need no copy (a decode step
+        # that accepted no token). Another stream copies again: the last copy may not have run by the time that
+        # stream's plan reads the area.
+        last = self._staged
+        qv_due = not (last is not None and last[2] == stream and (last[0] is q or np.array_equal(last[0], q))
+                      and np.array_equal(last[1], valid))
+        with OnDevice(rt, self.ordinal):
             for rows, cols, offsets, tokens in _chunks(updates, self.u_cap, self.t_cap) if updates else ():
                 buf = self._stage_buf()
                 k, t = rows.shape[0], tokens.shape[0]
                 w = buf.words
-                w[:k], w[u:u + k], w[2 * u:2 * u + k + 1] = rows, cols, offsets
-                w[3 * u + 1:3 * u + 1 + t] = tokens
-                _check(rt.cudaMemcpyAsync(self.upd_ptr, buf.ptr, 8 * (3 * u + 1 + t), h2d, stream), "cudaMemcpyAsync")
+                o = 2 * b
+                w[o:o + k], w[o + u:o + u + k], w[o + 2 * u:o + 2 * u + k + 1] = rows, cols, offsets
+                w[o + 3 * u + 1:o + 3 * u + 1 + t] = tokens
+                if qv_due and self.merged:
+                    w[:n], w[b:b + n] = q, valid
+                    rt.memcpy_async(self.qv_ptr, buf.ptr, 8 * (o + 3 * u + 1 + t), H2D, stream)
+                    qv_due = False
+                else:
+                    rt.memcpy_async(self.upd_ptr, buf.ptr + 8 * o, 8 * (3 * u + 1 + t), H2D, stream)
                 self.scatter(k, t, stream)
-                _check(rt.cudaEventRecord(buf.event, stream), "cudaEventRecord")
+                rt.event_record(buf.ev, stream)
                 self._used(buf, stream)
-            buf = self._stage_buf()
-            n, b = len(q), self.b_cap
-            w = buf.words
-            w[:n], w[b:b + n] = q, valid
-            _check(rt.cudaMemcpyAsync(self.qv_ptr, buf.ptr, 8 * (b + n), h2d, stream), "cudaMemcpyAsync")
-            _check(rt.cudaEventRecord(buf.event, stream), "cudaEventRecord")
-            self._used(buf, stream)
+            if qv_due:
+                buf = self._stage_buf()
+                w = buf.words
+                w[:n], w[b:b + n] = q, valid
+                rt.memcpy_async(self.qv_ptr, buf.ptr, 8 * (b + n), H2D, stream)
+                rt.event_record(buf.ev, stream)
+                self._used(buf, stream)
+            self._staged = (q, valid, stream)
 
     # -- device -> host ------------------------------------------------------------------------------------------
+    @property
+    def slots(self) -> int:
+        """Reports that may be unread at once (the manager frees one before the next report)."""
+        return len(self.snap_bufs) if self.report_launch is None else self.mail_slots
+
+    def full(self) -> bool:
+        """Whether every report slot holds an unread report (the host is that many steps ahead of the GPU): the
+        manager reads the oldest (waiting for it) before the next :meth:`snapshot`."""
+        return self._unread >= self.slots
+
     def snapshot(self, rpi: ArrayView | None, bs: int, stream: int) -> _Snap:
-        rt = _rt()
-        d2h = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        with _OnDevice(self.ordinal):
-            if not self._free_snaps:  # every buffer holds an unread snapshot: the host is far ahead; wait
+        """Queue the step's report on ``stream``: the report block and ``bs`` words of ``rpi`` (``None``: no
+        batch) reach the host, then the ring write indexes are cleared for the next step (stream order)."""
+        if self.report_launch is not None:
+            self.report_device(rpi, bs, stream)
+            return self.report_host(rpi is not None, bs, stream)
+        rt = self.rt
+        with OnDevice(rt, self.ordinal):
+            if not self._free_snaps:
                 raise fail(RuntimeError, "snapshot: expected a free pinned report buffer, got none (read the "
                                          "pending reports first)")
-            buf = self._free_snaps.pop(0)
-            _check(rt.cudaMemcpyAsync(buf.ptr, self.block_ptr, self.block_bytes, d2h, stream), "cudaMemcpyAsync")
+            if rpi is not None and bs > self.b_cap:
+                raise fail(RuntimeError, f"snapshot: expected bs <= {self.b_cap}, got {bs}")
+            buf = self._free_snaps.pop()
+            rt.memcpy_async(buf.ptr, self.block_ptr, self.block_bytes, D2H, stream)
             if rpi is not None:
-                if bs > self.b_cap:
-                    raise fail(RuntimeError, f"snapshot: expected bs <= {self.b_cap}, got {bs}")
-                _check(rt.cudaMemcpyAsync(buf.ptr + self.block_bytes, rpi.ptr, 8 * bs, d2h, stream),
-                       "cudaMemcpyAsync")
-            _check(rt.cudaEventRecord(buf.event, stream), "cudaEventRecord")
+                rt.memcpy_async(buf.ptr + self.block_bytes, rpi.ptr, 8 * bs, D2H, stream)
+            rt.event_record(buf.ev, stream)
             buf.pending = True
             # Behind the copy on the same stream: the next step's rows start at 0 and this snapshot keeps these.
-            _check(rt.cudaMemsetAsync(self.block_ptr, 0, 8 * self.block.index_words, stream), "cudaMemsetAsync")
+            rt.memset_async(self.block_ptr, 0, 8 * self.block.index_words, stream)
             self._step += 1
+            self._unread += 1
             return _Snap(buf, None if rpi is None else bs, self._step - 1, stream)
+
+    def holds_slot(self, snap) -> bool:
+        return type(snap) is not _Detached
+
+    def detach(self, snap: _Snap) -> _Detached:
+        """Wait for ``snap`` (a host wait: only when every slot is unread), copy it out and free its slot."""
+        self.wait(snap)
+        words, rpi = self.read(snap)
+        out = _Detached(np.array(words), rpi)
+        self.release(snap)
+        return out
+
+    def report_device(self, rpi: ArrayView | None, bs: int, stream: int) -> None:
+        """The report kernel's launch alone (capturable); :meth:`report_host` must follow once per launch, in
+        order, whether the launch ran directly or inside a replayed graph."""
+        if rpi is not None and bs > self.b_cap:
+            raise fail(RuntimeError, f"snapshot: expected bs <= {self.b_cap}, got {bs}")
+        self.report_launch.launch(0 if rpi is None else rpi.ptr, 0 if rpi is None else bs, stream)
+
+    def report_host(self, has_rpi: bool, bs: int, stream: int) -> _Snap:
+        """The host's record of the next report kernel launch: its sequence number, hence its mailbox slot."""
+        self._step += 1
+        self._unread += 1
+        return _Snap(None, bs if has_rpi else None, self._step - 1, stream, seq=self._step)
 
     def _ran(self, snap: _Snap) -> None:
         if self._done.get(snap.stream, -1) < snap.step:
             self._done[snap.stream] = snap.step
 
+    def _slot(self, snap: _Snap) -> int:
+        return (snap.seq % self.mail_slots) * self.slot_words
+
     def ready(self, snap: _Snap) -> bool:
-        if snap.buf.done():
-            self._ran(snap)
+        if type(snap) is _Detached:
             return True
-        return False
+        if snap.buf is None:
+            done = int(self.mailbox.words[self._slot(snap)]) == snap.seq  # the kernel wrote this slot last
+        else:
+            done = snap.buf.done()
+        if done:
+            self._ran(snap)
+        return done
 
     def wait(self, snap: _Snap) -> None:
+        if type(snap) is _Detached:
+            return
+        if snap.buf is None:
+            with OnDevice(self.rt, self.ordinal):
+                self.rt.stream_synchronize(snap.stream)
+            if not self.ready(snap):
+                raise fail(RuntimeError, f"report: expected report {snap.seq} in the mailbox once its stream was "
+                                         f"synchronized, got slot sequence {int(self.mailbox.words[self._slot(snap)])}"
+                                         f" (a report launch lost or reordered)")
+            return
         snap.buf.wait()
         self._ran(snap)
 
-    def read(self, snap: _Snap) -> dict[str, np.ndarray]:
+    def read(self, snap: _Snap) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(the block's words, the step's req_pool_indices or None)``: the words are pinned memory itself,
+        valid until :meth:`release` (the decode reads a few of them; copying the whole block cost more), the
+        request rows a copy."""
+        if type(snap) is _Detached:
+            return snap.words, snap.rpi
         n = self.block.words
-        host = np.array(snap.buf.words[:n + (snap.bs or 0)])  # one copy out of the pinned buffer it reuses
-        out = self.block.split(host[:n])
-        if snap.bs is not None:
-            out["rpi"] = host[n:]
-        return out
+        if snap.buf is None:
+            o = self._slot(snap) + 1
+            words = self.mailbox.words[o:o + n + (snap.bs or 0)]
+        else:
+            words = snap.buf.words
+        return words[:n], (np.array(words[n:n + snap.bs]) if snap.bs is not None else None)
 
     def release(self, snap: _Snap) -> None:
-        self._free_snaps.append(snap.buf)
+        if type(snap) is _Detached:
+            return
+        self._unread -= 1
+        if snap.buf is not None:
+            self._free_snaps.append(snap.buf)
 
     def close(self) -> None:
-        with _OnDevice(self.ordinal):
+        with OnDevice(self.rt, self.ordinal):
             for b in self.stage_bufs + self.snap_bufs:
                 b.wait()
                 b.free()
+            if self.report_launch is not None:
+                self.rt.device_synchronize()  # no report kernel may still write the mailbox
+                self.mailbox.free()
 
 
 class DeviceScatter:
@@ -295,17 +408,31 @@ class DeviceScatter:
         self.parts = [uv._replace(name=name, ptr=uv.ptr + 8 * off, strides=(1,))
                       for name, off in (("rows", 0), ("cols", u), ("offsets", 2 * u), ("tokens", 3 * u + 1))]
 
-    def __call__(self, k: int, t: int, stream: int) -> None:
+        prepare = getattr(self.module, "prepare_scatter", None)  # the CuPy backend packs the launch once
+        self.prepared = None if prepare is None else prepare(self._args(u, self.t_cap_of(uv, u)))
+
+    @staticmethod
+    def t_cap_of(uv, u: int) -> int:
+        return int(uv.shape[0]) - 3 * u - 1
+
+    def _args(self, k: int, t: int):
         from ..backends.args import ScatterArgs
 
         rows, cols, offsets, tokens = self.parts
-        self.module.scatter(ScatterArgs(self.pool, rows._replace(shape=(k,)), tokens._replace(shape=(t,)),
-                                        offsets._replace(shape=(k + 1,)), cols._replace(shape=(k,)), 0), stream)
+        return ScatterArgs(self.pool, rows._replace(shape=(k,)), tokens._replace(shape=(t,)),
+                           offsets._replace(shape=(k + 1,)), cols._replace(shape=(k,)), 0)
+
+    def __call__(self, k: int, t: int, stream: int) -> None:
+        if self.prepared is not None:
+            self.prepared.launch(k, t, stream)
+        else:
+            self.module.scatter(self._args(k, t), stream)
 
 
 def _chunks(updates, u_cap: int, t_cap: int):
-    """Split ``(row, col, tokens)`` updates (tokens: an int64 array or a list of ints) into scatter launches of at
-    most ``u_cap`` rows and ``t_cap`` tokens: ``(rows, cols, offsets, tokens)`` int64 arrays each."""
+    """Split ``(row, col, tokens)`` updates (tokens: an int64 array or a list of ints) and :class:`RowTokens` into
+    scatter launches of at most ``u_cap`` rows and ``t_cap`` tokens: ``(rows, cols, offsets, tokens)`` int64
+    arrays each."""
     rows, cols, lens, toks, n = [], [], [], [], 0
 
     def emit():
@@ -317,7 +444,15 @@ def _chunks(updates, u_cap: int, t_cap: int):
             flat = np.concatenate([np.asarray(t, dtype=np.int64) for t in toks])
         return np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64), offsets, flat
 
-    for row, col, t in updates:
+    for u in updates:
+        if type(u) is RowTokens:  # one token a row: its own launches, cut by arrays
+            step = min(u_cap, t_cap)
+            for lo in range(0, u.rows.shape[0], step):
+                k = min(step, u.rows.shape[0] - lo)
+                yield (u.rows[lo:lo + k], u.cols[lo:lo + k], np.arange(k + 1, dtype=np.int64),
+                       u.tokens[lo:lo + k])
+            continue
+        row, col, t = u
         total = len(t)
         for lo in range(0, total, t_cap):  # a prompt longer than the staging area: several pieces
             part = t[lo:lo + t_cap] if total > t_cap else t

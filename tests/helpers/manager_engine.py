@@ -26,8 +26,12 @@ def kv_row(req: int, pos: int, token: int) -> np.ndarray:
 
 class ToyEngine:
     def __init__(self, *, xp: Any = np, groups=("full",), device: Any = "cpu", backend: str = "auto",
-                 library: str | None = None, num_layers: int = 1, **manager_kw):
+                 library: str | None = None, num_layers: int = 1, static: bool = False, **manager_kw):
         self.xp = xp
+        # static: the step arrays are the same objects every step (one buffer per name and length, refilled), as
+        # an engine with static step buffers passes them: the manager then replays its eager calls as CUDA graphs
+        self.static = static
+        self._bufs: dict = {}
         self.r2t_host = np.zeros((MAX_REQS, MAX_SEQ_LEN), dtype=np.int32)
         self.req_to_token = xp.asarray(self.r2t_host)
         self.free_slots = list(range(1, NUM_SLOTS))
@@ -80,8 +84,15 @@ class ToyEngine:
                 self.r2t_host[row, p] = self.free_slots.pop(0)
         self.req_to_token[row, lo:hi] = self.xp.asarray(self.r2t_host[row, lo:hi])
 
-    def a(self, values, dtype=np.int64):
-        return self.xp.asarray(np.asarray(values, dtype=dtype))
+    def a(self, values, dtype=np.int64, name: str | None = None):
+        arr = self.xp.asarray(np.asarray(values, dtype=dtype))
+        if not self.static or name is None:
+            return arr
+        buf = self._bufs.get((name, arr.shape[0]))
+        if buf is None:
+            buf = self._bufs[(name, arr.shape[0])] = self.xp.empty_like(arr)
+        buf[...] = arr
+        return buf
 
     # -- one forward ----------------------------------------------------------------------------------------------
     def forward(self, batch, *, group_names=None, write_tokens=None, prefix_override=None, store=True) -> None:
@@ -103,12 +114,12 @@ class ToyEngine:
             tok += list(toks)
             pos += list(range(p, p + n))
             req["kv_len"] = p + n
-        self.manager.before_forward(req_pool_indices=self.a(rpi), prefix_lens=self.a(prefix),
-                                    extend_seq_lens=self.a(ext), request_ids=ids, groups=groups)
+        self.manager.before_forward(req_pool_indices=self.a(rpi, name="rpi"), prefix_lens=self.a(prefix, name="prefix"),
+                                    extend_seq_lens=self.a(ext, name="ext"), request_ids=ids, groups=groups)
         if store:
             self.store(groups, loc, ids_for(batch, self.reqs, loc), tok, pos)
-        self.manager.after_kv_store(out_cache_loc=self.a(loc), input_ids=self.a(tok), positions=self.a(pos),
-                                    groups=groups)
+        self.manager.after_kv_store(out_cache_loc=self.a(loc, name="loc"), input_ids=self.a(tok, name="tok"),
+                                    positions=self.a(pos, name="pos"), groups=groups)
 
     def draft_forward(self, batch) -> None:
         """One draft-model forward: ``(rid, n)`` writes the draft KV of the next ``n`` positions, each with the
@@ -122,11 +133,12 @@ class ToyEngine:
             tok += req["tokens"][p + 1:p + 1 + n]
             pos += list(range(p, p + n))
             req["draft_len"] = p + n
-        self.manager.before_forward(req_pool_indices=self.a(rpi), prefix_lens=self.a(prefix),
-                                    extend_seq_lens=self.a(ext), request_ids=ids, groups=["draft"])
+        self.manager.before_forward(req_pool_indices=self.a(rpi, name="d_rpi"),
+                                    prefix_lens=self.a(prefix, name="d_prefix"), extend_seq_lens=self.a(ext, name="d_ext"),
+                                    request_ids=ids, groups=["draft"])
         self.store(["draft"], loc, ids_for(batch, self.reqs, loc), tok, pos)
-        self.manager.after_kv_store(out_cache_loc=self.a(loc), input_ids=self.a(tok), positions=self.a(pos),
-                                    groups=["draft"])
+        self.manager.after_kv_store(out_cache_loc=self.a(loc, name="d_loc"), input_ids=self.a(tok, name="d_tok"),
+                                    positions=self.a(pos, name="d_pos"), groups=["draft"])
 
     def store(self, groups, loc, owners, tok, pos) -> None:
         for g in groups:
@@ -142,12 +154,18 @@ class ToyEngine:
         self.reqs[rid]["tokens"] += list(tokens)
         self.manager.accept_tokens(rid, tokens)
 
-    def decode_step(self, rids, *, next_token=lambda rid, n: 1000 + n) -> None:
+    def decode_step(self, rids, *, next_token=lambda rid, n: 1000 + n, batch: bool = False) -> None:
         """A decode step of every request in ``rids`` (each writes its last known token), then each accepts one
-        sampled token."""
+        sampled token (``batch``: all through one ``accept_tokens_batch``)."""
         self.forward([(rid, len(self.reqs[rid]["tokens"]) - self.reqs[rid]["kv_len"]) for rid in rids])
-        for rid in rids:
-            self.accept(rid, [next_token(rid, len(self.reqs[rid]["tokens"]))])
+        toks = [next_token(rid, len(self.reqs[rid]["tokens"])) for rid in rids]
+        if not batch:
+            for rid, t in zip(rids, toks):
+                self.accept(rid, [t])
+            return
+        for rid, t in zip(rids, toks):
+            self.reqs[rid]["tokens"].append(t)
+        self.manager.accept_tokens_batch(rids, np.array(toks, dtype=np.int64))
 
     def slot_of(self, rid, pos: int, group: str = "full") -> int:
         s = int(self.r2t_host[self.reqs[rid]["row"], pos])

@@ -162,6 +162,59 @@ def test_a_recycled_req_to_token_row_read_by_a_stale_forward_is_caught_by_reques
     assert all(set(v.request_ids) == {"A", "B"} for v in found)  # the stale reader and the row's new owner
 
 
+def test_accept_tokens_batch_is_accept_tokens_for_each_request():
+    """The same steps with one accept_tokens_batch per step or one accept_tokens per request: the same pool, the
+    same valid lengths, the same violation (a token stored that no accepted token matches)."""
+    out = []
+    for batch in (False, True):
+        got = []
+        e = ToyEngine(on_violation=got.append)
+        e.add("a", [5, 6, 7, 8])
+        e.add("b", [9, 10])
+        e.add("c", [11])
+        for _ in range(3):
+            e.decode_step(["a", "b", "c"], batch=batch)
+        e.decode_step(["c", "a"], batch=batch)  # another batch: its rows looked up again
+        e.reqs["b"]["tokens"][-1] = 77  # the engine writes a token that was never accepted
+        e.decode_step(["a", "b", "c"], batch=batch)
+        e.forward([("a", 0), ("b", 0), ("c", 0)])
+        e.manager.flush()
+        m = e.manager
+        rows = {rid: m.requests.live[rid].row for rid in "abc"}
+        out.append((m.pool_array.copy(), {rid: int(m.requests.counts[r]) for rid, r in rows.items()},
+                    [(v.position, v.reasons, v.stored_token, v.expected_token, v.requests) for vs in got for v in vs],
+                    m.stats()["protected_tokens"]))
+    (pool_e, counts_e, found_e, prot_e), (pool_b, counts_b, found_b, prot_b) = out
+    assert np.array_equal(pool_e, pool_b) and counts_e == counts_b and prot_e == prot_b
+    assert found_e == found_b and [(f[1], f[2], f[4][0][0]) for f in found_b] == [(FailReason.VERIFY_TOKEN, 77, "b")]
+
+
+def test_accept_tokens_batch_refuses_bad_batches_and_accepts_nothing():
+    e = ToyEngine()
+    e.add("a", [1, 2])
+    e.add("b", [3])
+    m = e.manager
+    before = m.requests.counts.copy()
+    for ids, toks, exc, words in [
+        (["a", "x"], [4, 5], KeyError, "request_ids[1]"),
+        (["a", "a"], [4, 5], ValueError, "listed twice"),
+        (["a", "b"], [4], ValueError, "token_ids: expected one token per request ([2])"),
+        (["a", "b"], [[4], [5]], ValueError, "token_ids"),
+        (["a", "b"], [4.0, 5.0], TypeError, "token_ids: expected integer"),
+    ]:
+        with pytest.raises(exc, match=r"kv-canary: .*" + words.replace("[", r"\[").replace("]", r"\]")
+                           .replace("(", r"\(").replace(")", r"\)")):
+            m.accept_tokens_batch(ids, toks)
+    assert np.array_equal(m.requests.counts, before) and not m.requests.updates[2:]
+    # Past the pool's columns (max_seq_len + 1): nothing accepted, for any request of the batch.
+    cols = m.requests.cols
+    m.accept_tokens("b", list(range(cols - 1)))
+    before = m.requests.counts.copy()
+    with pytest.raises(ValueError, match="kv-canary: token_ids: expected at most .* for request 'b'"):
+        m.accept_tokens_batch(["a", "b"], [4, 5])
+    assert np.array_equal(m.requests.counts, before)
+
+
 def test_full_swa_and_draft_groups_in_one_manager():
     got = []
     e = ToyEngine(groups=("full", "swa", "draft"), on_violation=got.append)

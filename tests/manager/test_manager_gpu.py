@@ -17,37 +17,58 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _engine(got, **kw) -> ToyEngine:
+    """With static step buffers, the tokens accepted through accept_tokens_batch (the graph-ready engine's way)."""
     cupy = pytest.importorskip("cupy")
     e = ToyEngine(xp=cupy, device=0, on_violation=got.append, **kw)
     e.add("a", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
     e.add("b", [20, 21, 22])
     for _ in range(3):
-        e.decode_step(["a", "b"])
+        e.decode_step(["a", "b"], batch=e.static)
     return e
 
 
 @pytest.mark.gpu
-def test_cupy_clean_run_and_detection_one_step_late():
+@pytest.mark.parametrize("static", [False, True], ids=["fresh-arrays", "static-buffers"])
+def test_cupy_clean_run_and_detection_one_step_late(static):
+    """static: the same step arrays every step, so that the manager replays its calls as CUDA graphs."""
     got = []
-    e = _engine(got)
+    e = _engine(got, static=static)
     e.manager.flush()
     s = e.manager.stats()
     assert got == [] and s["decoded_steps"] == 3 and s["verified_entries"]["full"] == (10 + 3) + (11 + 4)
     e.flip("full", e.slot_of("a", 4))
-    e.decode_step(["a", "b"])  # step 3
+    e.decode_step(["a", "b"], batch=static)  # step 3
     assert got == []  # nothing is read back inside the step
     e.forward([("a", 1), ("b", 1)])  # decodes step 3's report if its copy has landed, never waits
     e.manager.flush()
     v = got[0][0]
     assert (v.group, v.position, v.first_step, v.reasons, v.requests) == ("full", 4, 3, FailReason.REAL_KV,
                                                                           (("a", 4),))
+    assert (e.manager._eager.replays > 0) == static
     e.manager.close()
 
 
 @pytest.mark.gpu
-def test_cupy_full_swa_and_draft_groups_and_blind_spots():
+@pytest.mark.parametrize("static", [False, True], ids=["fresh-arrays", "static-buffers"])
+def test_numba_backend_reports_through_copies(static):
+    """The Numba backend: no eager graphs, the report copied (not written by the report kernel)."""
+    pytest.importorskip("numba.cuda")
     got = []
-    e = _engine(got, groups=("full", "swa", "draft"))
+    e = _engine(got, static=static, backend="numba")
+    assert e.manager._eager is None and e.manager._transfer.report_launch is None
+    e.flip("full", e.slot_of("b", 1))
+    e.decode_step(["a", "b"])
+    e.manager.flush()
+    assert [(v.group, v.position, v.requests) for vs in got for v in vs] == [("full", 1, (("b", 1),))]
+    assert e.manager.stats()["decoded_steps"] == 4
+    e.manager.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static", [False, True], ids=["fresh-arrays", "static-buffers"])
+def test_cupy_full_swa_and_draft_groups_and_blind_spots(static):
+    got = []
+    e = _engine(got, groups=("full", "swa", "draft"), static=static)
     e.draft_forward([("a", 5), ("b", 2)])
     e.draft_forward([("a", 2)])
     e.manager.flush()
@@ -59,6 +80,7 @@ def test_cupy_full_swa_and_draft_groups_and_blind_spots():
     e.manager.flush()
     found = sorted((v.group, v.position) for vs in got for v in vs)
     assert found == [("draft", 3), ("swa", 11)]
+    assert (e.manager._eager.replays > 0) == static  # before_forward's; the SWA group's writes stay direct
     e.manager.close()
 
 

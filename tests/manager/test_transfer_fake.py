@@ -23,9 +23,10 @@ def _has_cuda_bindings() -> bool:
 
 @pytest.mark.skipif(not _has_cuda_bindings(), reason="needs cuda-bindings (its driver constants); "
                     "pip install -e '.[sim]'")
-def test_one_copy_each_way_per_step_and_violations_reported_one_step_late():
+@pytest.mark.parametrize("report", ["kernel", "copy"])
+def test_one_copy_each_way_per_step_and_violations_reported_one_step_late(report):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    done = subprocess.run([sys.executable, str(CHILD)], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(CHILD), report], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), (done.stdout + done.stderr)[-4000:]

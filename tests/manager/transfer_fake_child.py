@@ -1,10 +1,15 @@
 """The manager's CUDA transfer path on benchmarks/fakecuda.py (host memory posing as a device), in its own
 process: the fake CuPy must not meet the test session's imports. Run by ``test_transfer_fake.py``.
 
+``python transfer_fake_child.py kernel|copy``: the step's report written by the report kernel into the pinned
+mailbox (the CuPy backend's path; the stand-in runs kernels/report.cu's semantics on host memory), or by copies,
+a memset and an event (the other backends' path).
+
 What runs for real here: every copy and memset of the step (the fake runtime moves the bytes), the report
-block's layout, the reset of the write indexes behind the snapshot, the staging of pool rows, valid lengths and
-expected tokens. The kernels launch nothing (but count their launches), so the test writes a violation row
-into a group's ring itself, as the verify kernel would. Prints ``OK``; a failure is an assertion error.
+block's layout, the reset of the write indexes behind the report, the staging of pool rows, valid lengths and
+expected tokens, the eager steps replayed as graphs. The planner and canary kernels launch nothing (but count
+their launches), so the test writes a violation row into a group's ring itself, as the verify kernel would.
+Prints ``OK``; a failure is an assertion error.
 """
 from __future__ import annotations
 
@@ -37,6 +42,10 @@ m = CanaryManager([KVGroup(name="full", req_to_token=r2t, num_slots=ROWS * SEQ, 
                   max_batch_size=4, device=0, on_violation=got.append, ring_capacity=4)
 m.warmup()
 assert all(g.verify_launch is not None for g in m.groups), "the groups' verifies were not prepared"
+KERNEL = sys.argv[1:] == ["kernel"]
+assert (m._transfer.report_launch is not None) is True
+if not KERNEL:
+    m._transfer.report_launch, m._report_in_graph = None, False  # the copies' path
 scattered = []
 scatter = m._transfer.scatter
 
@@ -72,10 +81,16 @@ row = np.array([[encode_tag(KernelTag.VERIFY, draft.verify_tag), 17, 1, 1, 2, 0,
 append_rows(state.ring._a, state.ring_write_index._a, row)
 m.after_kv_store(**after)
 counts = dict(fakecuda.COUNTS)
-# One step: the pool-row copy and the scatter's tokens host-to-device, the report block and req_pool_indices
-# device-to-host, one memset of the write indexes.
-assert counts["cuda.cudaMemcpyAsync"] == 4 and counts["cuda.cudaMemsetAsync"] == 1, counts
-assert counts["kernel launch"] == 2 * 3 + 1, counts  # plan, verify, write per group, and the scatter
+# One step: the pool rows, valid lengths and the scatter's tokens host-to-device in one copy (one staging area);
+# then either the report kernel, or the report block and req_pool_indices device-to-host and one memset of the
+# write indexes.
+assert m._transfer.merged
+if KERNEL:
+    assert counts["cuda.cudaMemcpyAsync"] == 1 and "cuda.cudaMemsetAsync" not in counts, counts
+    assert counts["kernel launch"] == 2 * 3 + 2, counts  # plan, verify, write per group, the scatter, the report
+else:
+    assert counts["cuda.cudaMemcpyAsync"] == 3 and counts["cuda.cudaMemsetAsync"] == 1, counts
+    assert counts["kernel launch"] == 2 * 3 + 1, counts  # plan, verify, write per group, and the scatter
 assert state.ring_write_index.get()[0] == 0, "the write index was not cleared behind the snapshot"
 assert got == [], "reported before the next step"
 m.flush()
@@ -101,5 +116,28 @@ for _ in range(4):
     m.poll()
 assert "cuda.cudaEventSynchronize" not in fakecuda.COUNTS, dict(fakecuda.COUNTS)
 assert m.stats()["decoded_steps"] == 6 and len(got) == 1
+# The same step arrays every step: from the third step on, each call is one graph replay (the report inside
+# the after_kv_store graph on the kernel path), and a violation still comes through.
+assert m._eager.replays >= 2 * 2, m._eager.replays
+fakecuda.COUNTS.clear()
+append_rows(state.ring._a, state.ring_write_index._a, row)
+m.before_forward(request_ids=["a", "b"], **before)
+m.after_kv_store(**after)
+m.flush()
+counts = dict(fakecuda.COUNTS)
+assert counts["graph launch"] == 2 and "kernel launch" not in counts, counts
+assert ("cuda.cudaMemcpyAsync" in counts) is (not KERNEL), counts
+# The same corrupt slot again: a repeat of the open record, not a new report
+assert len(got) == 1 and got[0][0].count == 2 and got[0][0].steps[-1] == 6, [v.line() for vs in got for v in vs]
+# Far ahead of the GPU: more steps than report slots with no report read in between (as if none had landed):
+# the oldest is copied out of its slot when the slots run out, and nothing is lost.
+m.poll = lambda: None
+for _ in range(m._transfer.slots + 3):
+    m.before_forward(request_ids=["a", "b"], **before)
+    m.after_kv_store(**after)
+del m.poll
+assert len(m._pending) == m._transfer.slots + 3
+m.flush()
+assert m.stats()["decoded_steps"] == 7 + m._transfer.slots + 3, m.stats()["decoded_steps"]
 m.close()
 print("OK")

@@ -167,17 +167,43 @@ def _scatter_fn(device_id: int, suffix: str):
     return fn
 
 
-def scatter(a: ScatterArgs, stream: int) -> None:
-    """One scatter launch: one block per batch row (grid from ``bs``, a capacity: graph-safe)."""
+def _scatter_values(a: ScatterArgs) -> dict:
     pool = a.pool
-    values = dict(
+    return dict(
         pool=pool.ptr, pool_rows=pool.shape[0], pool_cols=pool.shape[1],
         pool_row_stride=a.pool_row_stride,
         req_pool_indices=a.req_pool_indices.ptr, bs=a.req_pool_indices.shape[0], tokens=a.tokens.ptr,
         num_tokens=a.tokens.shape[0], token_offsets=a.token_offsets.ptr, column_starts=a.column_starts.ptr,
         column_offset=a.column_offset,
     )
+
+
+def scatter(a: ScatterArgs, stream: int) -> None:
+    """One scatter launch: one block per batch row (grid from ``bs``, a capacity: graph-safe)."""
+    values = _scatter_values(a)
     params = Params(SCATTER_FIELDS, values)
-    fn = _scatter_fn(pool.device_id, _DTYPE_SUFFIX[a.tokens.dtype])
-    with OnDevice(pool.device_id):
+    fn = _scatter_fn(a.pool.device_id, _DTYPE_SUFFIX[a.tokens.dtype])
+    with OnDevice(a.pool.device_id):
         fn((max(values["bs"], 1),), (SCATTER_THREADS,), params.args, stream=_SCATTER_STREAMS.get_stream(stream))
+
+
+class PreparedScatter:
+    """A scatter over fixed arrays whose row and token counts change per call (the manager's staging area):
+    packed once, a launch rewrites two words."""
+
+    def __init__(self, a: ScatterArgs):
+        self._params = Params(SCATTER_FIELDS, _scatter_values(a))
+        self._words, self._args = self._params.words, self._params.args
+        self._bs, self._n = SCATTER_FIELDS.index("bs"), SCATTER_FIELDS.index("num_tokens")
+        self._fn = _scatter_fn(a.pool.device_id, _DTYPE_SUFFIX[a.tokens.dtype])
+        self.device_id = a.pool.device_id
+
+    def launch(self, bs: int, num_tokens: int, stream: int) -> None:
+        w = self._words
+        w[self._bs], w[self._n] = bs, num_tokens
+        with OnDevice(self.device_id):
+            self._fn((max(bs, 1),), (SCATTER_THREADS,), self._args, stream=_SCATTER_STREAMS.get_stream(stream))
+
+
+def prepare_scatter(a: ScatterArgs) -> PreparedScatter:
+    return PreparedScatter(a)

@@ -1,0 +1,44 @@
+// The manager's step report (canary/manager/transfer.py, KernelReporter), compiled by NVRTC through CuPy.
+//
+// One block copies the report block (every group's ring write index, counters, plan status and ring) and the
+// step's req_pool_indices into the next slot of a mailbox in pinned host memory, which the kernel writes
+// directly (pinned memory is mapped into the device's address space under unified addressing), then clears the
+// ring write indexes for the next step, then publishes the slot by writing its sequence number last. The host
+// polls that word: no device-to-host copy, memset, event record or event query per step, and the launch can sit
+// inside the CUDA graph the manager replays for an eager step (canary/manager/eager.py), because the slot is
+// chosen on the device from a counter. Why no Numba twin: this is the manager's plumbing, not part of the
+// planner or canary contract, and a Numba launch costs the host more than the copies it would replace (the
+// manager keeps the copies there: CopyReporter).
+
+typedef long long i64;
+
+struct ReportParams {
+    const i64* block;  // [words] device
+    i64 words;
+    const i64* rpi;  // [bs] device, or null
+    i64 bs;
+    i64 index_words;  // block[0, index_words) are cleared after the copy
+    i64* mailbox;  // [slots][slot_words] pinned host memory; slot word 0 = sequence number, then block, then rpi
+    i64 slot_words;
+    i64 slots;
+    i64* counter;  // [1] device: reports launched so far (the sequence number of the last)
+};
+
+extern "C" __global__ void __launch_bounds__(256) canary_report(const ReportParams p) {
+    __shared__ i64 s_seq;
+    if (threadIdx.x == 0) s_seq = ++*p.counter;  // one block: no other thread updates it
+    __syncthreads();
+    const i64 seq = s_seq;
+    i64* slot = p.mailbox + (seq % p.slots) * p.slot_words;
+    for (i64 i = threadIdx.x; i < p.words; i += blockDim.x) slot[1 + i] = p.block[i];
+    for (i64 i = threadIdx.x; i < p.bs; i += blockDim.x) slot[1 + p.words + i] = p.rpi[i];
+    __syncthreads();  // every read of the write indexes is done before they are cleared
+    i64* block = const_cast<i64*>(p.block);
+    for (i64 i = threadIdx.x; i < p.index_words; i += blockDim.x) block[i] = 0;
+    __threadfence_system();  // this thread's slot stores reach the host before the sequence number
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        *reinterpret_cast<volatile i64*>(slot) = seq;
+    }
+}
