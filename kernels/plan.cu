@@ -6,8 +6,7 @@
 // scans, seeds, row flags into scratch) and canary_plan_entries_* (entries, rows found in the scratch scan).
 // With a LUT, the last block to finish composes status / enable / verify_num_valid and re-arms the scratch
 // counters, so each launch leaves the scratch as it found it (CUDA-graph replays stay correct). A sampling
-// planner's fused grid has one extra block that moves the sampling cursors (fused_sampled); on the two-pass
-// path the rows kernel resets them and the entries kernel's threads advance them (sample_rows, plan_entries).
+// planner's fused grid has one extra block that moves the sampling cursors (fused_sampled).
 // Grids are sized from verify_capacity, never from data: a captured graph is valid for any later input.
 // Specialized at compile time only on what changes the code path: HAS_LUT, HAS_POOL. 64-bit indices.
 
@@ -85,7 +84,6 @@ struct PlanParams {
     i64* scratch;
     i64* cursors;          // [max_reqs] rotation state of the sampled verification (SPEC 3.7)
     i64 sample;            // 1: on_overflow="sample" (cursors given); 0: "skip"
-    i64 rank_shift;        // > 0: the verify scan also counts rows with entries from this bit up (plan_layout.py)
     i64 pool_rows;
     // Per step, HAS_POOL only: the pool row of each batch row (SPEC 3.2); null: req_pool_indices.
     const i64* expected_token_pool_indices;
@@ -139,17 +137,16 @@ __device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64
 // expected-token index is pbase[r] + col, valid while 0 <= col < vlim[r] (compared as the reference does:
 // valid_lens may be garbage such as INT64_MIN, and subtracting the offset from it would wrap).
 // A sampled step (SPEC 3.7) rewrites off, base and pdelta so that row r's entries start at its run:
-// position = i + pdelta[r] wraps once, from lo[r] + len[r] back to lo[r]. A sampling planner's scan fills
-// lo, len and rank as noted (lo holds the cursors until sample_rows has read them).
+// position = i + pdelta[r] wraps once, from lo[r] + len[r] back to lo[r].
 struct RowTable {
     i64* off;     // [bs + 1] exclusive scan of the verify counts (sampled: of the takes)
     i64* base;    // rp * r2t_row_stride + window_start - off[r]   (sampled: + run)
     i64* pdelta;  // window_start - off[r]                         (sampled: + run)
     i64* pbase;   // q * pool_row_stride                            (HAS_POOL)
     i64* vlim;    // valid_lens[r]                                  (HAS_POOL)
-    i64* lo;      // [bs + 1] scan: cursors[rp] (rows with entries), lo[bs] = cursors[0]; sampled: window_start
+    i64* lo;      // window_start
     i64* len;     // verify count of the row (its window length)
-    i64* rank;    // [bs + 1] rows with entries before r; rank[bs]: all of them (the requests)
+    i64* rank;    // rows with entries before r
 };
 
 // Exclusive block-wide scan of N int64 per thread (warp shuffles, then one warp over the warp totals).
@@ -200,17 +197,11 @@ __device__ __forceinline__ void block_scan(const i64 (&v)[N], i64 (&excl)[N], i6
 // batch costs two memory round trips, not two per tile. Fills the row table (shared or global memory) and,
 // when WRITE_SIDE, the write offsets, the zeroed tail and the seeds. Returns the verify total; row_flags gets
 // the OR of all row flags (every thread), seed_bad whether a seed fell outside the LUT. Only what every step
-// needs, plus, for a sampling planner (p.sample), what a sampled step would otherwise fetch in round trips
-// of its own (sample_rows): each row's cursor, loaded with the seeds and parked in lo[r] before the block
-// scan (carried through the scan instead, it would cost every plan registers: a third scanned value and
-// three more stores there once cost spills and 10-18% of every plan's time), cursors[0] in lo[bs], and len
-// and rank. The rank needs no scan of its own: with p.rank_shift > 0 the verify counts carry one more unit
-// from that bit up for each row with entries, so the same scan counts those rows (rank_shift: 0 leaves the
-// ranks to rank_rows).
+// needs: a sampled step derives the rest of its table in sample_rows (a third scanned value and three more
+// stores here cost every plan registers, spills and 10-18% of its time).
 template <int THREADS, int BATCH, bool HAS_LUT, bool HAS_POOL, bool WRITE_SIDE>
 __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& row_flags, int& seed_bad) {
     const i64 bs = p.bs;
-    const i64 rank_one = p.rank_shift > 0 ? (i64)1 << p.rank_shift : 0, count_mask = rank_one - 1;  // -1: unpacked
     i64 vcarry = 0, wcarry = 0;
     int flags = 0, bad = 0;
     for (i64 group = 0; group < bs; group += (i64)THREADS * BATCH) {  // uniform: the scans have barriers
@@ -239,26 +230,14 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                      !(f[k].flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)))
                 seed[k] = (i64)p.req_to_token[f[k].rp * p.r2t_row_stride + (f[k].len - 1)];
         }
-        if (p.sample) {  // uniform; the loads are in flight with the seeds', parked before the block scan
-            i64 cur[BATCH];
-#pragma unroll
-            for (int k = 0; k < BATCH; ++k) cur[k] = f[k].vcount > 0 ? p.cursors[f[k].rp] : 0;  // a trusted row
-            const i64 head = group == 0 && threadIdx.x == 0 ? p.cursors[0] : 0;
-#pragma unroll
-            for (int k = 0; k < BATCH; ++k) {
-                const i64 r = group + k * THREADS + threadIdx.x;
-                if (r < bs && f[k].vcount > 0) t.lo[r] = cur[k];
-            }
-            if (group == 0 && threadIdx.x == 0) t.lo[bs] = head;
-        }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
             if (group + k * THREADS >= bs) break;  // uniform across the block
-            const i64 v[2] = {f[k].vcount + (f[k].vcount > 0 ? rank_one : 0), f[k].wlen};
+            const i64 v[2] = {f[k].vcount, f[k].wlen};
             i64 excl[2], tot[2];
             block_scan<THREADS, 2>(v, excl, tot);
-            const i64 vpacked = excl[0] + vcarry, voff = vpacked & count_mask, woff = excl[1] + wcarry;
+            const i64 voff = excl[0] + vcarry, woff = excl[1] + wcarry;
             if (r < bs) {
                 t.off[r] = voff;
                 if (f[k].vcount > 0) {
@@ -270,10 +249,6 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                         t.vlim[r] = vl[k];
                     }
                 }
-                if (p.sample) {
-                    t.len[r] = f[k].vcount;
-                    if (p.rank_shift > 0) t.rank[r] = vpacked >> p.rank_shift;
-                }
                 if (WRITE_SIDE) {
                     p.write_offsets[r] = woff;
                     p.seeds[r] = translate<HAS_LUT>(seed[k], p.lut, p.lut_len, bad);
@@ -284,10 +259,7 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
             wcarry += tot[1];
         }
     }
-    if (threadIdx.x == 0) {
-        t.off[bs] = vcarry & count_mask;
-        if (p.sample && p.rank_shift > 0) t.rank[bs] = vcarry >> p.rank_shift;
-    }
+    if (threadIdx.x == 0) t.off[bs] = vcarry;
     if (WRITE_SIDE) {
         for (i64 r = bs + 1 + threadIdx.x; r <= p.write_req_capacity; r += THREADS) p.write_offsets[r] = 0;
         if (threadIdx.x == 0) { p.write_offsets[bs] = wcarry; *p.write_num_valid_reqs = (int)bs; }
@@ -298,111 +270,119 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
     if (flags) atomicOr(&s_flags, flags);
     __syncthreads();
     row_flags = s_flags;
-    return vcarry & count_mask;
+    return vcarry;
 }
 
-// Head of the request rotation of a step with fewer entries than requests (SPEC 3.7): cursors[0] (as the scan
-// parked it in lo[bs]), if in range.
-__device__ __forceinline__ i64 rotation_head(const RowTable& t, i64 bs, i64 requests) {
-    const i64 head = t.lo[bs];
+// Head of the request rotation of a step with fewer entries than requests (SPEC 3.7): cursors[0], if in range.
+__device__ __forceinline__ i64 rotation_head(const PlanParams& p, i64 requests) {
+    const i64 head = p.cursors[0];
     return head >= 0 && head < requests ? head : 0;
 }
 
-// The ranks of a sampled step whose scan could not count them (p.rank_shift == 0: plan_layout.py rank_shift
-// found the packed counts could overflow): rank[r] the rows with entries before r, rank[bs] all of them.
-// Thread x reads len[r] of its own rows only (as the scan stored them).
+// A sampled step's extra columns of the row table, from the scan's (off and pdelta still unsampled): lo[r] the
+// window start, len[r] the verify count, rank[r] the rows with entries before r. Returns the number of rows with
+// entries. Thread x owns rows x, x + THREADS, ... here as in sample_rows, so each reads back only its own rows.
 template <int THREADS>
-__device__ __forceinline__ void rank_rows(const PlanParams& p, RowTable t) {
+__device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t) {
     i64 carry = 0;
     for (i64 tile = 0; tile < p.bs; tile += THREADS) {  // uniform: the scan has barriers
         const i64 r = tile + threadIdx.x;
-        const i64 v[1] = {r < p.bs && t.len[r] > 0 ? 1 : 0};
+        i64 len = 0, lo = 0;
+        if (r < p.bs) {
+            len = t.off[r + 1] - t.off[r];
+            lo = len > 0 ? t.pdelta[r] + t.off[r] : 0;
+        }
+        const i64 v[1] = {len > 0 ? 1 : 0};
         i64 excl[1], tot[1];
         block_scan<THREADS, 1>(v, excl, tot);
-        if (r < p.bs) t.rank[r] = excl[0] + carry;
+        if (r < p.bs) { t.lo[r] = lo; t.len[r] = len; t.rank[r] = excl[0] + carry; }
         carry += tot[0];
     }
-    if (threadIdx.x == 0) t.rank[p.bs] = carry;
-    __syncthreads();
+    __syncthreads();  // every read of off[r + 1] is done before sample_rows rewrites off
+    return carry;
 }
 
 // Turn the row table into a sampled step's (SPEC 3.7): off[r] becomes first[r], the row's first output entry,
-// base / pdelta start the row at its run (its cursor), lo[r] becomes its window start. Everything comes from
-// the scan's table (cursors, len, rank included), each thread's own rows only, so a row costs one round of
-// independent loads and no barrier but the last. One row a round: two (the scan's ROW_BATCH) spilled in the
-// rows kernel (the 64-bit division while both rows' values are live, 64 registers at 1024 threads). When RESET
-// (the rows kernel, the two-pass path's only reader of the cursors, whose threads have all read them: the scan
-// ends on a barrier), also the first half of the cursor update: the cursor of every row that takes entries is
-// reset, the rotation head moved; the entries kernel then raises each to its new value (advance_cursor),
-// spread over its blocks. Whether a row takes entries needs no neighbour's first[]: with cap >= requests every
-// row with entries takes one or more, below that exactly the ranks [head, head + cap) (mod requests) take one.
-template <bool RESET>
-__device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64 total) {
-    const i64 requests = t.rank[p.bs], cap = p.verify_capacity;
-    const i64 head = cap < requests ? rotation_head(t, p.bs, requests) : 0;
-    for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x) {
-        // All of the row's loads at once: lo, pdelta and base are stale when len is 0, and then unused.
-        const i64 m = t.rank[r], off = t.off[r], len = t.len[r], cur = t.lo[r], pd = t.pdelta[r], base = t.base[r];
-        const i64 rp = RESET ? p.req_pool_indices[r] : 0;
-        i64 first;
-        if (cap >= requests) {  // one entry each, the rest in proportion to len - 1 (the running sum rounded)
-            first = m + (cap - requests) * (off - m) / (total - requests);
-        } else if (head + cap <= requests) {  // the requests of ranks [head, head + cap) take one entry each
-            first = min(max(m - head, (i64)0), cap);
-        } else {  // ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
-            first = min(m, head + cap - requests) + max(m - head, (i64)0);
+// and base / pdelta start the row at its run (its cursor). Each thread rewrites only its own rows, ROW_BATCH of
+// them per round with their loads issued together when the table is in global memory (two-pass: BATCH =
+// ROW_BATCH); from shared memory (fused) one row a round, as batching there only costs registers and spills. The cursors are
+// read here, not in the scan, so that a step that does not sample pays nothing for them. Every block that
+// needs the table does this itself; the cursors move once all have read them (fused_sampled, plan_rows). Returns the
+// number of rows with entries.
+template <int THREADS, int BATCH>
+__device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 total) {
+    const i64 requests = rank_rows<THREADS>(p, t);
+    const i64 cap = p.verify_capacity;
+    const i64 head = cap < requests ? rotation_head(p, requests) : 0;
+    for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * BATCH) {
+        i64 m[BATCH], off[BATCH], len[BATCH], run[BATCH], rp[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const i64 r = r0 + (i64)k * blockDim.x;
+            if (r < p.bs) { m[k] = t.rank[r]; off[k] = t.off[r]; len[k] = t.len[r]; rp[k] = p.req_pool_indices[r]; }
         }
-        if (len > 0) {
-            const i64 lo = pd + off;  // window_start
-            const i64 run = (cur >= lo && cur < lo + len) ? cur - lo : 0;  // a cursor outside the window restarts it
-            const i64 shift = off - first + run;  // base and pdelta were relative to off[r] and lo
-            t.base[r] = base + shift;
-            t.pdelta[r] = pd + shift;
-            t.lo[r] = lo;
-            if (RESET) {
-                const i64 d = m - head;
-                if (cap >= requests || (d < 0 ? d + requests : d) < cap) p.cursors[rp] = (i64)(-0x7fffffffffffffffLL - 1);
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {  // a row with entries is trusted: 0 < rp < max_reqs
+            const i64 r = r0 + (i64)k * blockDim.x;
+            run[k] = (r < p.bs && len[k] > 0) ? p.cursors[rp[k]] : 0;
+        }
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const i64 r = r0 + (i64)k * blockDim.x;
+            if (r < p.bs && len[k] > 0) {
+                const i64 lo = t.lo[r];
+                run[k] = (run[k] >= lo && run[k] < lo + len[k]) ? run[k] - lo : 0;
             }
         }
-        t.off[r] = first;
-    }
-    if (threadIdx.x == 0) {
-        t.off[p.bs] = cap;
-        if (RESET && cap < requests) {
-            const i64 next = head + cap;  // < 2 * requests: cap < requests here
-            p.cursors[0] = next >= requests ? next - requests : next;
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const i64 r = r0 + (i64)k * blockDim.x;
+            if (r >= p.bs) continue;
+            i64 first;
+            if (cap >= requests) {  // one entry each, the rest in proportion to len - 1 (the running sum rounded)
+                first = m[k] + (cap - requests) * (off[k] - m[k]) / (total - requests);
+            } else if (head + cap <= requests) {  // the requests of ranks [head, head + cap) take one entry each
+                first = min(max(m[k] - head, (i64)0), cap);
+            } else {  // ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
+                first = min(m[k], head + cap - requests) + max(m[k] - head, (i64)0);
+            }
+            if (len[k] > 0) {
+                const i64 shift = off[k] - first + run[k];  // base and pdelta were relative to off[r] and lo
+                t.base[r] += shift;
+                t.pdelta[r] += shift;
+                t.rank[r] = rp[k];  // the rank is spent; update_cursors needs the row's cursor index
+            }
+            t.off[r] = first;
         }
     }
+    if (threadIdx.x == 0) t.off[p.bs] = cap;
     __syncthreads();
+    return requests;
 }
 
-// Advance row r's cursor past its run of n = end - first entries (take), from the sampled table. run < len
-// and n <= len (SPEC 3.7): one subtraction wraps (a 64-bit modulo here once cost 0.5 us of a bs=256 sampled
-// step, run 43). The cursor was reset before (INT64_MIN): a request row in two batch rows (an engine fault)
-// keeps the larger new cursor, whatever the order of the atomics.
-__device__ __forceinline__ void advance_cursor(const PlanParams& p, i64 rp, i64 first, i64 end, i64 lo, i64 len,
-                                               i64 pdelta) {
-    const i64 n = end - first;
-    if (n > 0) {
-        const i64 run = pdelta + first - lo;
-        const i64 next = run + n >= len ? run + n - len : run + n;
-        atomicMax(reinterpret_cast<long long*>(p.cursors + rp), (long long)(lo + next));
-    }
-}
-
-// The fused launch's cursor update, by its extra block with all its threads, after every reader has read the
-// cursors: reset every sampled row's cursor, then advance it, and move the rotation head. The request rows are
-// read again (L1 after the first loop): the table keeps no column for them.
-__device__ __forceinline__ void update_cursors(const PlanParams& p, const RowTable& t) {
+// After every reader has read the cursors: advance each sampled row's cursor past its run, and the rotation
+// head, with the whole block (the rows kernel; the fused launch's extra block). A request row in two batch rows
+// (an engine fault) keeps the larger new cursor, so the result does not depend on the order of the stores.
+// rank[r] holds the row's req_pool_indices value by now (sample_rows), so nothing is read from global memory
+// again.
+__device__ __forceinline__ void update_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
     const i64 tid = threadIdx.x, threads = blockDim.x;
     for (i64 r = tid; r < p.bs; r += threads)
-        if (t.off[r + 1] > t.off[r]) p.cursors[p.req_pool_indices[r]] = (i64)(-0x7fffffffffffffffLL - 1);
+        if (t.off[r + 1] > t.off[r]) p.cursors[t.rank[r]] = (i64)(-0x7fffffffffffffffLL - 1);
     __syncthreads();
-    for (i64 r = tid; r < p.bs; r += threads)
-        advance_cursor(p, p.req_pool_indices[r], t.off[r], t.off[r + 1], t.lo[r], t.len[r], t.pdelta[r]);
-    const i64 cap = p.verify_capacity, requests = t.rank[p.bs];
+    for (i64 r = tid; r < p.bs; r += threads) {
+        const i64 n = t.off[r + 1] - t.off[r];
+        if (n > 0) {
+            const i64 lo = t.lo[r], len = t.len[r], run = t.pdelta[r] + t.off[r] - lo;
+            // run < len and take <= len (SPEC 3.7): one subtraction wraps. A 64-bit modulo here, rows deep per
+            // lane of the fused launch's warp 0, cost 0.5 us of a bs=256 sampled step (run 43).
+            const i64 next = run + n >= len ? run + n - len : run + n;
+            atomicMax(reinterpret_cast<long long*>(p.cursors + t.rank[r]), (long long)(lo + next));
+        }
+    }
+    const i64 cap = p.verify_capacity;
     if (tid == 0 && cap < requests) {
-        const i64 head = rotation_head(t, p.bs, requests) + cap;  // < 2 * requests: cap < requests here
+        const i64 head = rotation_head(p, requests) + cap;  // < 2 * requests: cap < requests here
         p.cursors[0] = head >= requests ? head - requests : head;
     }
 }
@@ -528,29 +508,27 @@ __device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64
     }
 }
 
-// A sampled step of the fused launch. Every block reads the cursors (in its scan) and the cursors may move only
+// A sampled step of the fused launch. Every block reads the cursors (sample_rows) and the cursors may move only
 // once all have. A sampling planner's fused grid has one block more than its entries need (plan_layout.py
-// fused_grid): that last block emits nothing, waits until every other block has counted itself in (right after
-// its scan, without waiting for an answer), and moves the cursors with all its threads. No emitting warp waits
-// for anything, so the update is off the plan's path (run 42: one warp of an emitting block moving them cost
-// 1.9 us of a bs=256 step). The wait is a spin on co-resident blocks: the grid fits on the device at once, and
-// the other blocks never wait for this one, so they always finish.
+// fused_grid): that last block emits nothing, waits until every other block has counted itself in (after its
+// reads, without waiting for an answer), and moves the cursors with all its threads. No emitting warp waits for
+// anything, so the update is off the plan's path (run 42: one warp of an emitting block moving them cost 1.9 us
+// of a bs=256 step). The wait is a spin on co-resident blocks: the grid fits on the device at once, and the
+// other blocks never wait for this one, so they always finish.
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, int row_flags, i64 total, int bad) {
+    const i64 requests = sample_rows<ENTRY_THREADS, 1>(p, t, total);  // ends on a barrier: the block's reads are done
     unsigned long long* readers = reinterpret_cast<unsigned long long*>(p.scratch) + SCRATCH_READERS;
     const i64 emitters = (i64)gridDim.x - 1;
-    // The scan ended on a barrier after parking every cursor this block reads in its table: its reads are done.
-    if (blockIdx.x != emitters && threadIdx.x == 0) atomicAdd(readers, 1ull);
-    if (p.rank_shift == 0) rank_rows<ENTRY_THREADS>(p, t);
-    sample_rows<false>(p, t, total);
     if (blockIdx.x == emitters) {
         if (threadIdx.x == 0) {
             while (atomicAdd(readers, 0ull) < (unsigned long long)emitters) __nanosleep(32);
             *readers = 0;  // every other block has been counted: re-armed for the next launch
         }
         __syncthreads();
-        update_cursors(p, t);
+        update_cursors(p, t, requests);
     } else {
+        if (threadIdx.x == 0) atomicAdd(readers, 1ull);
         bad |= emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity, emitters);
     }
     if (HAS_LUT) finalize(p, row_flags, total, bad);
@@ -561,7 +539,7 @@ template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     __shared__ i64 s_off[FUSED_MAX_BS + 1], s_base[FUSED_MAX_BS], s_pdelta[FUSED_MAX_BS];
     __shared__ i64 s_pbase[HAS_POOL ? FUSED_MAX_BS : 1], s_vlim[HAS_POOL ? FUSED_MAX_BS : 1];
-    __shared__ i64 s_lo[FUSED_MAX_BS + 1], s_len[FUSED_MAX_BS], s_rank[FUSED_MAX_BS + 1];
+    __shared__ i64 s_lo[FUSED_MAX_BS], s_len[FUSED_MAX_BS], s_rank[FUSED_MAX_BS];
     const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim, s_lo, s_len, s_rank};
     int row_flags, seed_bad;
     const i64 total = blockIdx.x == 0
@@ -586,20 +564,15 @@ __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
     return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n};
 }
 
-// One block: the scans, and for a sampled step the sampled table and the cursors' reset (this block is the only
-// reader of the cursors, so it may reset them once its threads have read them; the entries kernel advances
-// them). Everything a sampled step adds here is one round of loads per row a thread owns (sample_rows): ranks,
-// cursors and lengths came with the scan.
+// One block: the scans, and for a sampled step the sampled table and the cursors' advance (this block is the
+// only reader of the cursors, so it may move them once its threads have read them).
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_rows(const PlanParams& p) {
     const RowTable t = global_table(p);
     int row_flags, seed_bad;
     const i64 total = scan_rows<ROWS_THREADS, ROW_BATCH, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad);
     row_flags |= seed_bad ? CANARY_BAD_SLOT : 0;
-    if (sampling(p, row_flags, total)) {
-        if (p.rank_shift == 0) rank_rows<ROWS_THREADS>(p, t);
-        sample_rows<true>(p, t, total);
-    }
+    if (sampling(p, row_flags, total)) update_cursors(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
     if (threadIdx.x == 0) {
         p.scratch[SCRATCH_ROW_FLAGS] = row_flags;
         p.scratch[SCRATCH_TOTAL] = total;
@@ -616,12 +589,6 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     const i64 emitted = sampled ? p.verify_capacity : total;
     const RowTable t = global_table(p);
     const i64 step = max((p.bs + ROW_SAMPLES - 1) / ROW_SAMPLES, (i64)1), count = (p.bs + step - 1) / step;
-    // A sampled step: the rows kernel reset the cursors of the rows that take entries; here the grid's threads
-    // advance them, a row each (grid-stride beyond). Nothing in this launch reads a cursor, so the blocks need not
-    // wait for one another. (Its loads kept in flight across the samples' cost the sampled entry loop spills.)
-    if (sampled)
-        for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < p.bs; r += (i64)gridDim.x * blockDim.x)
-            advance_cursor(p, p.req_pool_indices[r], t.off[r], t.off[r + 1], t.lo[r], t.len[r], t.pdelta[r]);
     for (i64 j = threadIdx.x; j < count; j += blockDim.x) s_samples[j] = t.off[j * step];
     if (threadIdx.x == 0) s_samples[count] = emitted;
     __syncthreads();

@@ -7,12 +7,7 @@ Same kernels, same structure, same names as plan.cu, so a reader finds each piec
   (``emit_entries``); block 0 also writes the write side.
 - ``canary_plan_rows`` + ``canary_plan_entries`` (larger batches, two launches): one block of
   ``ROWS_THREADS`` scans all rows into the row table in the scratch; then a grid emits the entries, each warp
-  pass finding its rows through ``ROW_SAMPLES`` row offsets sampled into shared memory. A sampled step
-  (SPEC 3.7): the rows kernel builds the sampled table and resets the taking rows' cursors, the entries
-  kernel's threads advance them, a row each.
-- A sampling planner's scan also parks each row's cursor, its length and (``rank_shift`` > 0: counted by the
-  verify scan in its high bits) its rank in the row table, so a sampled step's ``sample_rows`` reads only its
-  own rows of the table (``rank_rows`` counts the ranks where ``rank_shift`` is 0).
+  pass finding its rows through ``ROW_SAMPLES`` row offsets sampled into shared memory.
 - The row table (plan.cu's ``RowTable``: off, base, pdelta, pbase, vlim per row) gives an entry everything it
   needs of its row after one search: position = i + pdelta[r], req_to_token index = base[r] + i, expected
   token at pbase[r] + col while 0 <= col < vlim[r] (col = position + token_offset, compared raw as the
@@ -42,10 +37,8 @@ Deliberate differences from plan.cu (speed structure only; the outputs are the s
   scan instead of ROW_BATCH: barriers, not bandwidth, dominate a shared-memory scan here.
 - The scratch (this backend's own) has plan.cu's head words (``SCRATCH_*``) but its ``SCRATCH_READERS``,
   then the two-pass row table, ``TABLE_ARRAYS`` arrays of ``write_req_capacity + 1`` (``scratch_words``). A
-  sampled fused step moves the cursors in the last block to finish (``finalize``), where plan.cu's fused grid
-  has an extra block that moves them as soon as every other block has read them: the same cursors, one counter
-  and one block fewer. On the two-pass path both reset them in the rows kernel and advance them in the entries
-  kernel, as plan.cu.
+  sampled fused step moves the cursors in the last block to finish (``finalize``), where plan.cu moves them in
+  warp 0 of the last block to have read them, off the tail: the same cursors, one counter fewer.
 - Compile-time specializations are the constants ``kernel_functions`` closes over (Numba folds them):
   ``HAS_LUT`` and ``HAS_POOL`` as in plan.cu, and the two block sizes, which size shared arrays (the
   simulator, one Python thread per CUDA thread, runs the same code with small blocks, at least one warp).
@@ -119,8 +112,7 @@ PARAMS = (
     ("write_req_capacity", _I64),
     ("slots", _A64), ("expected", _A64), ("positions", _A64), ("prevs", _A64), ("num_valid", _A32),
     ("enable", _A32), ("status", _A32), ("write_offsets", _A64), ("seeds", _A64),
-    ("write_num_valid_reqs", _A32), ("scratch", _A64), ("cursors", _A64), ("sample", _I64), ("rank_shift", _I64),
-    ("pool_rows", _I64),
+    ("write_num_valid_reqs", _A32), ("scratch", _A64), ("cursors", _A64), ("sample", _I64), ("pool_rows", _I64),
     ("expected_token_pool_indices", _A64),
 )
 PARAM_FIELDS = tuple(name for name, _ in PARAMS)
@@ -218,13 +210,13 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return vcount, wlen, flags
 
     def make_scan_rows(THREADS):  # noqa: N803 - plan.cu's template parameter
-        """``scan_rows<THREADS>`` and ``rank_rows<THREADS>`` (with their ``block_scan2<THREADS>``) for one block
-        size."""
-        SCAN_BUF = 4 * THREADS  # noqa: N806 - [ping-pong][a, b][THREADS]; a shared shape must be a constant
+        """``scan_rows<THREADS>`` (with its ``block_scan2<THREADS>``) for one block size."""
+        SCAN_BUF = 6 * THREADS  # noqa: N806 - [ping-pong][a, b, c][THREADS]; a shared shape must be a constant
 
         @cuda.jit(device=True)
-        def block_scan2(a, b):
-            """Exclusive block-wide scan of two int64 per thread: ``(excl_a, excl_b, tot_a, tot_b)``.
+        def block_scan3(a, b, c):
+            """Exclusive block-wide scan of three int64 per thread:
+            ``(excl_a, excl_b, excl_c, tot_a, tot_b, tot_c)``.
 
             Hillis-Steele through shared memory, reading one buffer and writing the other (one barrier per
             step; the simulator has no warp shuffles). Every thread calls it.
@@ -233,69 +225,48 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             t = cuda.threadIdx.x
             buf[t] = a
             buf[THREADS + t] = b
+            buf[2 * THREADS + t] = c
             cuda.syncthreads()
             src = 0
             d = 1
             while d < THREADS:
-                s = src * 2 * THREADS
+                s = src * 3 * THREADS
                 ua = buf[s + t]
                 ub = buf[s + THREADS + t]
+                uc = buf[s + 2 * THREADS + t]
                 if t >= d:
                     ua += buf[s + t - d]
                     ub += buf[s + THREADS + t - d]
-                s = (1 - src) * 2 * THREADS
+                    uc += buf[s + 2 * THREADS + t - d]
+                s = (1 - src) * 3 * THREADS
                 buf[s + t] = ua
                 buf[s + THREADS + t] = ub
+                buf[s + 2 * THREADS + t] = uc
                 cuda.syncthreads()
                 src = 1 - src
                 d *= 2
-            s = src * 2 * THREADS
+            s = src * 3 * THREADS
             excl_a = buf[s + t] - a
             excl_b = buf[s + THREADS + t] - b
+            excl_c = buf[s + 2 * THREADS + t] - c
             tot_a = buf[s + THREADS - 1]
             tot_b = buf[s + 2 * THREADS - 1]
+            tot_c = buf[s + 3 * THREADS - 1]
             cuda.syncthreads()  # the totals are read before anyone reuses the buffers
-            return excl_a, excl_b, tot_a, tot_b
-
-        @cuda.jit(device=True)
-        def block_scan1(a):
-            """``block_scan2`` of one value, ``(excl_a, tot_a)``: rank_rows'. (Calling block_scan2 from rank_rows
-            too made NVVM reject the kernels' IR, ERROR_INVALID_IR.)"""
-            buf = cuda.shared.array(SCAN_BUF, int64)
-            t = cuda.threadIdx.x
-            buf[t] = a
-            cuda.syncthreads()
-            src = 0
-            d = 1
-            while d < THREADS:
-                s = src * THREADS
-                ua = buf[s + t]
-                if t >= d:
-                    ua += buf[s + t - d]
-                buf[(1 - src) * THREADS + t] = ua
-                cuda.syncthreads()
-                src = 1 - src
-                d *= 2
-            excl_a = buf[src * THREADS + t] - a
-            tot_a = buf[src * THREADS + THREADS - 1]
-            cuda.syncthreads()  # the total is read before anyone reuses the buffer
-            return excl_a, tot_a
+            return excl_a, excl_b, excl_c, tot_a, tot_b, tot_c
 
         @cuda.jit(device=True)
         def scan_rows(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                       r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window,
                       padding_rows_carry_tokens, write_req_capacity, write_offsets, seeds, write_num_valid_reqs,
-                      tab, t0, tn, write_side, pool_rows, pool_indices, cursors, sample, rank_shift):
+                      tab, t0, tn, write_side, pool_rows, pool_indices, cursors, sample):
             """Scan all rows with THREADS threads, ROW_BATCH consecutive rows per thread per batch, carrying
             the running sums across batches; a batch's loads (then its seeds) are issued together.
 
             Fills the row table ``tab[t0 + k * tn + r]`` (shared or global memory) and, when ``write_side``,
-            the write offsets, the zeroed tail and the seeds. A sampling planner (``sample``) also gets, as in
-            plan.cu, each row's cursor parked in lo (column 5) before the block scan and cursors[0] in lo[bs],
-            len (column 6), and with ``rank_shift`` > 0 the ranks (column 7, rank[bs] = the rows with entries),
-            counted by the verify scan from bit ``rank_shift`` up. Returns ``(vtotal, row_flags, seed_bad)``:
-            the verify total, the block's OR of row flags, whether a seed fell outside the LUT (every thread
-            gets the same values).
+            the write offsets, the zeroed tail and the seeds. Returns ``(vtotal, row_flags, seed_bad,
+            requests)``: the verify total, the block's OR of row flags, whether a seed fell outside the LUT, the
+            rows with verify entries (every thread gets the same values).
             """
             s_flags = cuda.shared.array(1, int32)
             tid = int64(cuda.threadIdx.x)
@@ -307,10 +278,9 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             wl = cuda.local.array(ROW_BATCH, int64)
             seed = cuda.local.array(ROW_BATCH, int64)
             q = cuda.local.array(ROW_BATCH, int64)
-            rank_one = (int64(1) << rank_shift) if rank_shift > 0 else int64(0)
-            count_mask = rank_one - 1  # -1: unpacked
             vcarry = int64(0)
             wcarry = int64(0)
+            ncarry = int64(0)
             flags = int64(0)
             bad = int64(0)
             group = int64(0)
@@ -334,13 +304,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                             q[k] = pool_indices[r0 + k]
                 vsum = int64(0)
                 wsum = int64(0)
+                nsum = int64(0)
                 for k in range(ROW_BATCH):
                     v, w, f = row_facts(rp[k], e[k], ln[k], vl[k], rp_bound, max_seq_len, pool_cols, window,
                                         padding_rows_carry_tokens, q[k], pool_rows)
                     vc[k] = v
                     wl[k] = w
-                    vsum += v + (rank_one if v > 0 else int64(0))
+                    vsum += v
                     wsum += w
+                    nsum += 1 if v > 0 else 0
                     flags |= f
                     seed[k] = -1
                     if write_side and w > 0 and rp[k] == 0:
@@ -348,20 +320,17 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                     elif (write_side and w > 0 and ln[k] > 0
                             and (f & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) == 0):
                         seed[k] = int64(req_to_token[rp[k] * r2t_row_stride + (ln[k] - 1)])
-                if sample != 0:  # plan.cu: loaded with the seeds, parked before the block scan
-                    for k in range(ROW_BATCH):
-                        if r0 + k < bs and vc[k] > 0:  # a trusted row
-                            tab[t0 + 5 * tn + r0 + k] = cursors[rp[k]]
-                    if group == 0 and tid == 0:
-                        tab[t0 + 5 * tn + bs] = cursors[0]
-                vpacked, woff, vtot, wtot = block_scan2(vsum, wsum)
-                vpacked += vcarry
+                voff, woff, noff, vtot, wtot, ntot = block_scan3(vsum, wsum, nsum)
+                voff += vcarry
                 woff += wcarry
+                noff += ncarry
                 for k in range(ROW_BATCH):
                     r = r0 + k
                     if r < bs:
-                        voff = vpacked & count_mask
                         tab[t0 + r] = voff
+                        tab[t0 + 5 * tn + r] = ln[k] - vc[k] if vc[k] > 0 else int64(0)
+                        tab[t0 + 6 * tn + r] = vc[k]
+                        tab[t0 + 7 * tn + r] = noff
                         if vc[k] > 0:
                             start = ln[k] - vc[k]
                             tab[t0 + tn + r] = rp[k] * r2t_row_stride + start - voff
@@ -369,24 +338,20 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                             if HAS_POOL:
                                 tab[t0 + 3 * tn + r] = q[k] * pool_row_stride
                                 tab[t0 + 4 * tn + r] = vl[k]
-                        if sample != 0:
-                            tab[t0 + 6 * tn + r] = vc[k]
-                            if rank_shift > 0:
-                                tab[t0 + 7 * tn + r] = vpacked >> rank_shift
                         if write_side:
                             write_offsets[r] = woff
                             sv, b = translate(seed[k], lut, lut_len)
                             seeds[r] = sv
                             bad |= b
-                    vpacked += vc[k] + (rank_one if vc[k] > 0 else int64(0))
+                    voff += vc[k]
                     woff += wl[k]
+                    noff += 1 if vc[k] > 0 else 0
                 vcarry += vtot
                 wcarry += wtot
+                ncarry += ntot
                 group += THREADS * ROW_BATCH
             if tid == 0:
-                tab[t0 + bs] = vcarry & count_mask
-                if sample != 0 and rank_shift > 0:
-                    tab[t0 + 7 * tn + bs] = vcarry >> rank_shift
+                tab[t0 + bs] = vcarry
             if write_side:
                 r = bs + 1 + tid
                 while r <= write_req_capacity:
@@ -402,92 +367,52 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                 cuda.atomic.or_(s_flags, 0, int32(flags))
             cuda.syncthreads()
             row_flags = int64(s_flags[0])
-            return vcarry & count_mask, row_flags, int64(seed_bad != 0)
+            return vcarry, row_flags, int64(seed_bad != 0), ncarry
 
-        @cuda.jit(device=True)
-        def rank_rows(bs, tab, t0, tn):
-            """plan.cu's ``rank_rows``: the ranks of a sampled step whose scan could not count them
-            (``rank_shift`` 0), from len (column 6, each thread its own rows), into column 7; rank[bs] all."""
-            carry = int64(0)
-            tile = int64(0)
-            while tile < bs:  # uniform: the scan has barriers
-                r = tile + int64(cuda.threadIdx.x)
-                v = int64(1) if (r < bs and tab[t0 + 6 * tn + r] > 0) else int64(0)
-                excl, tot = block_scan1(v)
-                if r < bs:
-                    tab[t0 + 7 * tn + r] = excl + carry
-                carry += tot
-                tile += THREADS
-            if cuda.threadIdx.x == 0:
-                tab[t0 + 7 * tn + bs] = carry
-            cuda.syncthreads()
+        return scan_rows
 
-        return scan_rows, rank_rows
-
-    scan_rows_rows, rank_rows_rows = make_scan_rows(ROWS_T)  # scan_rows<ROWS_THREADS, ...> in plan.cu
-    scan_rows_entry, rank_rows_entry = make_scan_rows(ENTRY_T)  # scan_rows<ENTRY_THREADS, ...>
+    scan_rows_rows = make_scan_rows(ROWS_T)  # scan_rows<ROWS_THREADS, ...> in plan.cu
+    scan_rows_entry = make_scan_rows(ENTRY_T)  # scan_rows<ENTRY_THREADS, ...>
 
     @cuda.jit(device=True)
-    def rotation_head(tab, t0, tn, bs, requests):
-        """Head of the request rotation of a step with fewer entries than requests (SPEC 3.7): cursors[0] as the
-        scan parked it in lo[bs], if in range."""
-        head = tab[t0 + 5 * tn + bs]
+    def rotation_head(cursors, requests):
+        """Head of the request rotation of a step with fewer entries than requests (SPEC 3.7)."""
+        head = cursors[0]
         return head if (head >= 0 and head < requests) else int64(0)
 
     @cuda.jit(device=True)
-    def sample_rows(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, total, reset):
+    def sample_rows(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, total, requests):
         """plan.cu's ``sample_rows``: the row table becomes a sampled step's (off[r] = the row's first output
-        entry; base / pdelta start the row at its cursor; lo[r] = its window start). Each thread rewrites only
-        its own rows, from the scan's columns. ``reset`` (the rows kernel): also reset the cursor of every row
-        that takes entries and move the rotation head (the entries kernel advances them: advance_cursor)."""
+        entry; base / pdelta start the row at its cursor). Each thread rewrites only its own rows."""
         cap = verify_capacity
-        requests = tab[t0 + 7 * tn + bs]
-        head = rotation_head(tab, t0, tn, bs, requests) if cap < requests else int64(0)
+        head = rotation_head(cursors, requests) if cap < requests else int64(0)
         r = int64(cuda.threadIdx.x)
         while r < bs:
             m = tab[t0 + 7 * tn + r]
-            off = tab[t0 + r]
-            ln = tab[t0 + 6 * tn + r]
             if cap >= requests:  # one entry each, the rest in proportion to len - 1 (the running sum rounded)
-                first = m + (cap - requests) * (off - m) // (total - requests)
+                first = m + (cap - requests) * (tab[t0 + r] - m) // (total - requests)
             elif head + cap <= requests:  # the requests of ranks [head, head + cap) take one entry each
                 first = min(max(m - head, int64(0)), cap)
             else:  # ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
                 first = min(m, head + cap - requests) + max(m - head, int64(0))
-            if ln > 0:
-                pd = tab[t0 + 2 * tn + r]
-                lo = pd + off  # window_start
-                at = tab[t0 + 5 * tn + r]  # the cursor, as the scan parked it
+            ln = tab[t0 + 6 * tn + r]
+            if ln > 0:  # a row with entries is trusted: 0 < rp < max_reqs
+                lo = tab[t0 + 5 * tn + r]
+                at = cursors[req_pool_indices[r]]
                 run = at - lo if (at >= lo and at < lo + ln) else int64(0)
-                shift = off - first + run  # base and pdelta were relative to off[r] and lo
+                shift = tab[t0 + r] - first + run  # base and pdelta were relative to off[r] and lo
                 tab[t0 + tn + r] += shift
-                tab[t0 + 2 * tn + r] = pd + shift
-                tab[t0 + 5 * tn + r] = lo
-                if reset:
-                    d = m - head
-                    if cap >= requests or (d + requests if d < 0 else d) < cap:
-                        cursors[req_pool_indices[r]] = INT64_MIN
+                tab[t0 + 2 * tn + r] += shift
             tab[t0 + r] = first
             r += cuda.blockDim.x
         if cuda.threadIdx.x == 0:
             tab[t0 + bs] = cap
-            if reset and cap < requests:
-                cursors[0] = (head + cap) % requests
         cuda.syncthreads()
 
     @cuda.jit(device=True)
-    def advance_cursor(cursors, rp, first, end, lo, ln, pdelta):
-        """plan.cu's ``advance_cursor``: row r's cursor (reset before) past its run of ``end - first`` entries;
-        a request row in two batch rows keeps the larger new cursor, whatever the order of the atomics."""
-        n = end - first
-        if n > 0:
-            run = pdelta + first - lo
-            cuda.atomic.max(cursors, rp, lo + (run + n) % ln)
-
-    @cuda.jit(device=True)
-    def update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn):
-        """plan.cu's ``update_cursors`` (one block, after every block has read the cursors): reset, then
-        advance, every sampled row's cursor; move the rotation head."""
+    def update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests):
+        """plan.cu's ``update_cursors`` (one block, after every block has read the cursors): a request row in
+        two batch rows keeps the larger new cursor, whatever the order of the stores."""
         r = int64(cuda.threadIdx.x)
         while r < bs:
             if tab[t0 + r + 1] > tab[t0 + r]:
@@ -496,12 +421,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         cuda.syncthreads()
         r = int64(cuda.threadIdx.x)
         while r < bs:
-            advance_cursor(cursors, req_pool_indices[r], tab[t0 + r], tab[t0 + r + 1], tab[t0 + 5 * tn + r],
-                           tab[t0 + 6 * tn + r], tab[t0 + 2 * tn + r])
+            take = tab[t0 + r + 1] - tab[t0 + r]
+            if take > 0:
+                lo = tab[t0 + 5 * tn + r]
+                ln = tab[t0 + 6 * tn + r]
+                run = tab[t0 + 2 * tn + r] + tab[t0 + r] - lo
+                cuda.atomic.max(cursors, req_pool_indices[r], lo + (run + take) % ln)
             r += cuda.blockDim.x
-        requests = tab[t0 + 7 * tn + bs]
         if cuda.threadIdx.x == 0 and verify_capacity < requests:
-            cursors[0] = (rotation_head(tab, t0, tn, bs, requests) + verify_capacity) % requests
+            cursors[0] = (rotation_head(cursors, requests) + verify_capacity) % requests
 
     @cuda.jit(device=True)
     def owning_row(off, o0, lo, hi, i):
@@ -614,7 +542,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
     @cuda.jit(device=True)
     def finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad_slot,
-                 req_pool_indices, bs, cursors, tab, t0, tn, move_cursors):
+                 req_pool_indices, bs, cursors, tab, t0, tn, requests, move_cursors):
         """With a LUT, any block may find a BAD_SLOT; with sampling, the cursors may move only once every block
         has read them. Then every block calls this once, last thing, and the last block to arrive composes the
         status, advances the cursors (its whole block, over its own row table) and re-arms the scratch words."""
@@ -633,7 +561,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                 scratch[SCRATCH_DONE] = 0
         cuda.syncthreads()
         if move_cursors and s_last[0] != 0:
-            update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn)
+            update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests)
 
     # The kernels. Every one takes PlanParams' fields in order (see PARAMS).
 
@@ -641,23 +569,21 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                           r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                           token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                           slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                          write_num_valid_reqs, scratch, cursors, sample, rank_shift, pool_rows,
+                          write_num_valid_reqs, scratch, cursors, sample, pool_rows,
                           expected_token_pool_indices):
         """bs <= FUSED_MAX_BS; any grid of ENTRY_THREADS-thread blocks."""
         tab = cuda.shared.array(FUSED_TABLE, int64)  # the row table, stride FUSED_MAX_BS + 1
-        total, row_flags, seed_bad = scan_rows_entry(
+        total, row_flags, seed_bad, requests = scan_rows_entry(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
             rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
             write_req_capacity, write_offsets, seeds, write_num_valid_reqs, tab, 0, _FUSED_STRIDE,
-            cuda.blockIdx.x == 0, pool_rows, expected_token_pool_indices, cursors, sample, rank_shift)
+            cuda.blockIdx.x == 0, pool_rows, expected_token_pool_indices, cursors, sample)
         sampled = sampling(sample, verify_capacity, row_flags, total)
         if not HAS_LUT and not sampled:  # the row scan alone decides everything: block 0 writes it
             if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
                 write_status(status, enable, num_valid, verify_capacity, sample, row_flags, total)
         if sampled:
-            if rank_shift == 0:
-                rank_rows_entry(bs, tab, 0, _FUSED_STRIDE)
-            sample_rows(req_pool_indices, bs, cursors, verify_capacity, tab, 0, _FUSED_STRIDE, total, False)
+            sample_rows(req_pool_indices, bs, cursors, verify_capacity, tab, 0, _FUSED_STRIDE, total, requests)
         bad = seed_bad
         if (total <= verify_capacity or sampled) and (row_flags & CANARY_NO_ENTRIES) == 0:
             bad |= emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
@@ -665,28 +591,26 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                                 verify_capacity if sampled else total, sampled)
         if HAS_LUT or sampled:
             finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad,
-                     req_pool_indices, bs, cursors, tab, 0, _FUSED_STRIDE, sampled)
+                     req_pool_indices, bs, cursors, tab, 0, _FUSED_STRIDE, requests, sampled)
 
     def canary_plan_rows(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                          r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                          token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                          slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                         write_num_valid_reqs, scratch, cursors, sample, rank_shift, pool_rows,
+                         write_num_valid_reqs, scratch, cursors, sample, pool_rows,
                          expected_token_pool_indices):
         """Grid 1, block ROWS_THREADS: scans, seeds, row table and row flags into the scratch; for a sampled
-        step also the sampled table and the cursors' reset (this block is the cursors' only reader; the entries
-        kernel advances them)."""
+        step also the sampled table and the cursors' advance (this block is the cursors' only reader)."""
         tn = write_req_capacity + 1
-        total, row_flags, seed_bad = scan_rows_rows(
+        total, row_flags, seed_bad, requests = scan_rows_rows(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
             rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
             write_req_capacity, write_offsets, seeds, write_num_valid_reqs, scratch, SCRATCH_TABLE, tn, True,
-            pool_rows, expected_token_pool_indices, cursors, sample, rank_shift)
+            pool_rows, expected_token_pool_indices, cursors, sample)
         row_flags |= CANARY_BAD_SLOT if seed_bad != 0 else 0
         if sampling(sample, verify_capacity, row_flags, total):
-            if rank_shift == 0:
-                rank_rows_rows(bs, scratch, SCRATCH_TABLE, tn)
-            sample_rows(req_pool_indices, bs, cursors, verify_capacity, scratch, SCRATCH_TABLE, tn, total, True)
+            sample_rows(req_pool_indices, bs, cursors, verify_capacity, scratch, SCRATCH_TABLE, tn, total, requests)
+            update_cursors(req_pool_indices, bs, cursors, verify_capacity, scratch, SCRATCH_TABLE, tn, requests)
         if cuda.threadIdx.x == 0:
             scratch[SCRATCH_ROW_FLAGS] = row_flags
             scratch[SCRATCH_TOTAL] = total
@@ -697,7 +621,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                             r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                             token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                             slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                            write_num_valid_reqs, scratch, cursors, sample, rank_shift, pool_rows,
+                            write_num_valid_reqs, scratch, cursors, sample, pool_rows,
                             expected_token_pool_indices):
         """After canary_plan_rows; any grid of ENTRY_THREADS-thread blocks."""
         s_samples = cuda.shared.array(_SAMPLES_LEN, int64)
@@ -707,14 +631,6 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         emitted = verify_capacity if sampled else total
         step = max((bs + ROW_SAMPLES - 1) // ROW_SAMPLES, int64(1))
         count = (bs + step - 1) // step
-        tn = write_req_capacity + 1
-        if sampled:  # the rows kernel reset the taking rows' cursors; a row a thread of the grid advances them
-            r = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
-            while r < bs:
-                t = SCRATCH_TABLE + r
-                advance_cursor(cursors, req_pool_indices[r], scratch[t], scratch[t + 1], scratch[t + 5 * tn],
-                               scratch[t + 6 * tn], scratch[t + 2 * tn])
-                r += int64(cuda.gridDim.x) * cuda.blockDim.x
         j = int64(cuda.threadIdx.x)
         while j < count:
             s_samples[j] = scratch[SCRATCH_TABLE + j * step]
@@ -729,7 +645,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                                emitted, sampled)
         if HAS_LUT:
             finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad,
-                     req_pool_indices, bs, cursors, scratch, SCRATCH_TABLE, write_req_capacity + 1, False)
+                     req_pool_indices, bs, cursors, scratch, SCRATCH_TABLE, write_req_capacity + 1, int64(0), False)
 
     sfx = suffix(HAS_LUT, HAS_POOL)
     kernels = (canary_plan_fused, canary_plan_rows, canary_plan_entries)

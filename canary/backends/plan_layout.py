@@ -19,7 +19,7 @@ PARAM_FIELDS = (
     "pool", "pool_row_stride", "pool_cols", "token_offset", "window", "padding_rows_carry_tokens",
     "verify_capacity", "write_req_capacity",
     "slots", "expected", "positions", "prevs", "num_valid", "enable", "status",
-    "write_offsets", "seeds", "write_num_valid_reqs", "scratch", "cursors", "sample", "rank_shift",
+    "write_offsets", "seeds", "write_num_valid_reqs", "scratch", "cursors", "sample",
     "pool_rows", "expected_token_pool_indices",
 )
 
@@ -39,21 +39,6 @@ def fused_grid(verify_capacity: int, sms: int, blocks_per_sm: int, sample: bool)
     if not sample:
         return entry_grid(verify_capacity, sms, blocks_per_sm)
     return 1 + max(1, min(-(-int(verify_capacity) // (ENTRY_THREADS * ITEMS)), int(sms) * max(1, int(blocks_per_sm)) - 1))
-
-
-def rank_shift(sample: bool, write_req_capacity: int, max_seq_len: int, window: int) -> int:
-    """PlanParams.rank_shift: the bit from which a sampling planner's verify-count scan also counts the rows with
-    entries (plan.cu ``scan_rows``: a sampled step's ranks come with the scan every plan runs), or 0 where the
-    packed sums could overflow (the kernels then count the ranks in a scan of their own, ``rank_rows``). The
-    counts (at most ``bs <= write_req_capacity``) sit above bit ``63 - bit_length(R)``; below it, the verify total
-    (at most ``R`` rows of at most ``min(window, max_seq_len)`` entries) must fit. 0 for a planner that never
-    samples."""
-    if not sample:
-        return 0
-    r = max(int(write_req_capacity), 1)
-    most = min(int(window), int(max_seq_len)) if int(window) > 0 else int(max_seq_len)
-    shift = 63 - r.bit_length()
-    return shift if r * max(most, 0) < (1 << shift) else 0
 
 
 def scratch_words(write_req_capacity: int) -> int:

@@ -206,22 +206,3 @@ def test_fused_grid_adds_one_cursor_block_to_a_sampling_planner():
     assert fused_grid(per_block + 1, 132, 4, sample=True) == 3
     assert fused_grid(10**9, 132, 4, sample=True) == 132 * 4  # a full wave, the cursor block included
     assert fused_grid(10**9, 1, 1, sample=True) == 2  # never fewer than one emitting block
-
-
-def test_rank_shift_packs_only_what_fits():
-    """plan_layout.rank_shift: the ranks ride in the verify scan's high bits only where neither field can
-    overflow: counts (at most R) above the shift, the verify total (at most R rows of min(W, L) entries) below."""
-    from canary.backends.plan_layout import rank_shift
-
-    assert rank_shift(False, 4096, 1 << 20, 0) == 0  # a planner that never samples counts no ranks
-    assert rank_shift(True, 4096, 1 << 20, 0) == 63 - 13
-    assert rank_shift(True, 0, 1, 0) == 62
-    assert rank_shift(True, 1 << 20, 1 << 22, 0) == 0  # 2^42 entries do not fit below bit 42
-    assert rank_shift(True, 1 << 20, 1 << 22, 1 << 10) == 42  # the window bounds a row's entries
-    for r in (1, 2, 3, 255, 256, 4096, 5000, 1 << 20, (1 << 30) + 7):
-        for length in (1, 7, 1 << 12, 1 << 20, 1 << 31, 1 << 40):
-            s = rank_shift(True, r, length, 0)
-            if s:
-                assert r * length < 1 << s and (r << s) + r * length < 1 << 63
-            else:
-                assert r * length >= 1 << (63 - r.bit_length())

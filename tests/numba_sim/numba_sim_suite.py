@@ -145,21 +145,6 @@ def test_pool_indices_hypothesis():
     check()
 
 
-SAMPLED_SMALL = [c for c in hand_cases() if "sampled" in c.name and c.bs <= 64]
-
-
-@pytest.mark.parametrize("path", [FUSED, TWO_PASS])
-@pytest.mark.parametrize("case", SAMPLED_SMALL + [
-    random_case(seed, name=f"sampled-random-{seed}", bs=(40, 100), max_seq_len=(1, 9), capacity="sampled",
-                on_overflow="sample", swa=seed % 2 == 0, padding_fraction=0.3) for seed in range(4)],
-    ids=lambda c: c.name)
-def test_sampled_ranks_counted_apart(case, path, monkeypatch):
-    """A sampling planner whose packed verify counts could overflow (``plan_layout.rank_shift`` 0): the ranks
-    come from ``rank_rows``, the same plan and cursors (several tiles of the simulator's 32-thread blocks)."""
-    monkeypatch.setattr(nb, "rank_shift", lambda *args: 0)
-    check_case(case, path)
-
-
 def test_fused_at_max_bs():
     """The largest batch the fused kernel takes (its row offsets fill the shared array)."""
     case = random_case(1024, bs=(nb.FUSED_MAX_BS, nb.FUSED_MAX_BS), max_reqs=(40, 40), max_seq_len=(1, 3),

@@ -10,8 +10,7 @@ host sync, so the call can be captured in a CUDA graph.
 from __future__ import annotations
 
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
-from ..plan_layout import (ENTRY_THREADS, FUSED_MAX_BS, PARAM_FIELDS, ROWS_THREADS, entry_grid, fused_grid, rank_shift,
-                           scratch_words)
+from ..plan_layout import ENTRY_THREADS, FUSED_MAX_BS, PARAM_FIELDS, ROWS_THREADS, entry_grid, fused_grid, scratch_words
 from . import Params, Streams, cupy, occupancy, raw_module
 
 NAME = "cupy"
@@ -52,7 +51,6 @@ class Bound:
             write_offsets=s.write_offsets.ptr, seeds=s.write_seed_slot_indices.ptr,
             write_num_valid_reqs=s.write_num_valid_reqs.ptr, scratch=self.scratch.data.ptr,
             cursors=0 if s.verify_cursors is None else s.verify_cursors.ptr, sample=int(s.sample),
-            rank_shift=rank_shift(s.sample, s.write_req_capacity, s.max_seq_len, s.swa_window_size),
         )
         # The struct's bytes, word by word: a call rewrites the six per-step words and costs no argument
         # conversion at all.

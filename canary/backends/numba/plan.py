@@ -26,7 +26,7 @@ import warnings
 import numpy as np
 
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
-from ..plan_layout import entry_grid, rank_shift
+from ..plan_layout import entry_grid
 from ..sources import numba_kernels
 from . import ON_DEVICE, SIMULATOR, PerformanceWarning, cuda, device_array, flat_len
 
@@ -190,7 +190,6 @@ class Bound:
             write_offsets=out["write_offsets"], seeds=out["write_seed_slot_indices"],
             write_num_valid_reqs=out["write_num_valid_reqs"], scratch=self.scratch,
             cursors=cursors_a, sample=int(s.sample),
-            rank_shift=rank_shift(s.sample, s.write_req_capacity, s.max_seq_len, s.swa_window_size),
         )
         # The launch arguments between the per-step ones, in PlanParams order.
         fields = plan_numba.PARAM_FIELDS
