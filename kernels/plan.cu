@@ -6,7 +6,8 @@
 // scans, seeds, row flags into scratch) and canary_plan_entries_* (entries, rows found in the scratch scan).
 // With a LUT, the last block to finish composes status / enable / verify_num_valid and re-arms the scratch
 // counters, so each launch leaves the scratch as it found it (CUDA-graph replays stay correct). A sampling
-// planner's fused grid has one extra block that moves the sampling cursors (fused_sampled).
+// planner's fused grid has one extra block that moves the sampling cursors (fused_sampled); on the two-pass
+// path the rows kernel resets them and the entries kernel's threads advance them (plan_rows, plan_entries).
 // Grids are sized from verify_capacity, never from data: a captured graph is valid for any later input.
 // Specialized at compile time only on what changes the code path: HAS_LUT, HAS_POOL. 64-bit indices.
 
@@ -350,7 +351,7 @@ __device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 
                 const i64 shift = off[k] - first + run[k];  // base and pdelta were relative to off[r] and lo
                 t.base[r] += shift;
                 t.pdelta[r] += shift;
-                t.rank[r] = rp[k];  // the rank is spent; update_cursors needs the row's cursor index
+                t.rank[r] = rp[k];  // the rank is spent; the cursor update needs the row's cursor index
             }
             t.off[r] = first;
         }
@@ -360,31 +361,39 @@ __device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 
     return requests;
 }
 
-// After every reader has read the cursors: advance each sampled row's cursor past its run, and the rotation
-// head, with the whole block (the rows kernel; the fused launch's extra block). A request row in two batch rows
-// (an engine fault) keeps the larger new cursor, so the result does not depend on the order of the stores.
-// rank[r] holds the row's req_pool_indices value by now (sample_rows), so nothing is read from global memory
-// again.
-__device__ __forceinline__ void update_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
-    const i64 tid = threadIdx.x, threads = blockDim.x;
-    for (i64 r = tid; r < p.bs; r += threads)
+// The cursor update of a sampled step (SPEC 3.7), in two halves so that the two-pass path can spread the second
+// over the entries kernel's blocks. reset_cursors, once every reader has read the cursors: each sampled row's
+// cursor to INT64_MIN, and the rotation head moved (thread 0 only reads and writes cursors[0]; no row with entries
+// has rp = 0). rank[r] holds the row's req_pool_indices value by now (sample_rows), so nothing is read from
+// global memory again.
+__device__ __forceinline__ void reset_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
+    for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x)
         if (t.off[r + 1] > t.off[r]) p.cursors[t.rank[r]] = (i64)(-0x7fffffffffffffffLL - 1);
-    __syncthreads();
-    for (i64 r = tid; r < p.bs; r += threads) {
-        const i64 n = t.off[r + 1] - t.off[r];
-        if (n > 0) {
-            const i64 lo = t.lo[r], len = t.len[r], run = t.pdelta[r] + t.off[r] - lo;
-            // run < len and take <= len (SPEC 3.7): one subtraction wraps. A 64-bit modulo here, rows deep per
-            // lane of the fused launch's warp 0, cost 0.5 us of a bs=256 sampled step (run 43).
-            const i64 next = run + n >= len ? run + n - len : run + n;
-            atomicMax(reinterpret_cast<long long*>(p.cursors + t.rank[r]), (long long)(lo + next));
-        }
-    }
     const i64 cap = p.verify_capacity;
-    if (tid == 0 && cap < requests) {
+    if (threadIdx.x == 0 && cap < requests) {
         const i64 head = rotation_head(p, requests) + cap;  // < 2 * requests: cap < requests here
         p.cursors[0] = head >= requests ? head - requests : head;
     }
+}
+
+// advance_cursor, after the reset: raise row r's cursor past its run. A request row in two batch rows (an engine
+// fault) keeps the larger new cursor, whatever the order of the atomics. run < len and take <= len (SPEC 3.7): one
+// subtraction wraps (a 64-bit modulo here, rows deep per lane of the fused launch's warp 0, cost 0.5 us of a
+// bs=256 sampled step, run 43).
+__device__ __forceinline__ void advance_cursor(const PlanParams& p, const RowTable& t, i64 r) {
+    const i64 n = t.off[r + 1] - t.off[r];
+    if (n > 0) {
+        const i64 lo = t.lo[r], len = t.len[r], run = t.pdelta[r] + t.off[r] - lo;
+        const i64 next = run + n >= len ? run + n - len : run + n;
+        atomicMax(reinterpret_cast<long long*>(p.cursors + t.rank[r]), (long long)(lo + next));
+    }
+}
+
+// Both halves with one block (the fused launch's extra block).
+__device__ __forceinline__ void update_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
+    reset_cursors(p, t, requests);
+    __syncthreads();
+    for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x) advance_cursor(p, t, r);
 }
 
 // The row holding entry i, given off[lo] <= i < off[hi]: the last r with off[r] <= i (empty rows are
@@ -564,15 +573,18 @@ __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
     return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n};
 }
 
-// One block: the scans, and for a sampled step the sampled table and the cursors' advance (this block is the
-// only reader of the cursors, so it may move them once its threads have read them).
+// One block: the scans, and for a sampled step the sampled table and the cursors' reset (this block is the only
+// reader of the cursors, so it may reset them once its threads have read them: sample_rows ends on a barrier).
+// The entries kernel advances them, a row per thread over its grid: on one block that half was a chain of
+// dependent round trips, rows deep per thread (run 44: a bs=4096 sampled step 44.7 us against 24.2 for a full
+// plan of its capacity).
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_rows(const PlanParams& p) {
     const RowTable t = global_table(p);
     int row_flags, seed_bad;
     const i64 total = scan_rows<ROWS_THREADS, ROW_BATCH, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad);
     row_flags |= seed_bad ? CANARY_BAD_SLOT : 0;
-    if (sampling(p, row_flags, total)) update_cursors(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
+    if (sampling(p, row_flags, total)) reset_cursors(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
     if (threadIdx.x == 0) {
         p.scratch[SCRATCH_ROW_FLAGS] = row_flags;
         p.scratch[SCRATCH_TOTAL] = total;
@@ -593,9 +605,13 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     if (threadIdx.x == 0) s_samples[count] = emitted;
     __syncthreads();
     int bad = 0;
-    if (sampled)
+    if (sampled) {
         bad = emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{s_samples, step, count}, emitted, gridDim.x);
-    else if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
+        // The cursors' second half (plan_rows reset them): nothing in this launch reads a cursor, so no block
+        // waits for another; after the entries, off their path.
+        for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < p.bs; r += (i64)gridDim.x * blockDim.x)
+            advance_cursor(p, t, r);
+    } else if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
         bad = emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{s_samples, step, count}, emitted, gridDim.x);
     if (HAS_LUT) finalize(p, row_flags, total, bad);
 }

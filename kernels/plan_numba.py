@@ -7,7 +7,8 @@ Same kernels, same structure, same names as plan.cu, so a reader finds each piec
   (``emit_entries``); block 0 also writes the write side.
 - ``canary_plan_rows`` + ``canary_plan_entries`` (larger batches, two launches): one block of
   ``ROWS_THREADS`` scans all rows into the row table in the scratch; then a grid emits the entries, each warp
-  pass finding its rows through ``ROW_SAMPLES`` row offsets sampled into shared memory.
+  pass finding its rows through ``ROW_SAMPLES`` row offsets sampled into shared memory. A sampled step's
+  cursors are reset by the rows kernel (their only reader) and advanced by the entries kernel's threads.
 - The row table (plan.cu's ``RowTable``: off, base, pdelta, pbase, vlim per row) gives an entry everything it
   needs of its row after one search: position = i + pdelta[r], req_to_token index = base[r] + i, expected
   token at pbase[r] + col while 0 <= col < vlim[r] (col = position + token_offset, compared raw as the
@@ -37,8 +38,8 @@ Deliberate differences from plan.cu (speed structure only; the outputs are the s
   scan instead of ROW_BATCH: barriers, not bandwidth, dominate a shared-memory scan here.
 - The scratch (this backend's own) has plan.cu's head words (``SCRATCH_*``) but its ``SCRATCH_READERS``,
   then the two-pass row table, ``TABLE_ARRAYS`` arrays of ``write_req_capacity + 1`` (``scratch_words``). A
-  sampled fused step moves the cursors in the last block to finish (``finalize``), where plan.cu moves them in
-  warp 0 of the last block to have read them, off the tail: the same cursors, one counter fewer.
+  sampled fused step moves the cursors in the last block to finish (``finalize``), where plan.cu gives its
+  fused grid one extra block that moves them once the others have read them: the same cursors, no block more.
 - Compile-time specializations are the constants ``kernel_functions`` closes over (Numba folds them):
   ``HAS_LUT`` and ``HAS_POOL`` as in plan.cu, and the two block sizes, which size shared arrays (the
   simulator, one Python thread per CUDA thread, runs the same code with small blocks, at least one warp).
@@ -410,26 +411,37 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         cuda.syncthreads()
 
     @cuda.jit(device=True)
-    def update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests):
-        """plan.cu's ``update_cursors`` (one block, after every block has read the cursors): a request row in
-        two batch rows keeps the larger new cursor, whatever the order of the stores."""
+    def reset_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests):
+        """plan.cu's ``reset_cursors`` (after every reader has read the cursors): each sampled row's cursor to
+        INT64_MIN, the rotation head moved (thread 0 alone reads and writes cursors[0])."""
         r = int64(cuda.threadIdx.x)
         while r < bs:
             if tab[t0 + r + 1] > tab[t0 + r]:
                 cursors[req_pool_indices[r]] = INT64_MIN
             r += cuda.blockDim.x
+        if cuda.threadIdx.x == 0 and verify_capacity < requests:
+            cursors[0] = (rotation_head(cursors, requests) + verify_capacity) % requests
+
+    @cuda.jit(device=True)
+    def advance_cursor(req_pool_indices, cursors, tab, t0, tn, r):
+        """plan.cu's ``advance_cursor`` (after the reset): a request row in two batch rows keeps the larger new
+        cursor, whatever the order of the atomics."""
+        take = tab[t0 + r + 1] - tab[t0 + r]
+        if take > 0:
+            lo = tab[t0 + 5 * tn + r]
+            ln = tab[t0 + 6 * tn + r]
+            run = tab[t0 + 2 * tn + r] + tab[t0 + r] - lo
+            cuda.atomic.max(cursors, req_pool_indices[r], lo + (run + take) % ln)
+
+    @cuda.jit(device=True)
+    def update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests):
+        """plan.cu's ``update_cursors``: both halves with one block (the fused launch)."""
+        reset_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests)
         cuda.syncthreads()
         r = int64(cuda.threadIdx.x)
         while r < bs:
-            take = tab[t0 + r + 1] - tab[t0 + r]
-            if take > 0:
-                lo = tab[t0 + 5 * tn + r]
-                ln = tab[t0 + 6 * tn + r]
-                run = tab[t0 + 2 * tn + r] + tab[t0 + r] - lo
-                cuda.atomic.max(cursors, req_pool_indices[r], lo + (run + take) % ln)
+            advance_cursor(req_pool_indices, cursors, tab, t0, tn, r)
             r += cuda.blockDim.x
-        if cuda.threadIdx.x == 0 and verify_capacity < requests:
-            cursors[0] = (rotation_head(cursors, requests) + verify_capacity) % requests
 
     @cuda.jit(device=True)
     def owning_row(off, o0, lo, hi, i):
@@ -600,7 +612,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                          write_num_valid_reqs, scratch, cursors, sample, pool_rows,
                          expected_token_pool_indices):
         """Grid 1, block ROWS_THREADS: scans, seeds, row table and row flags into the scratch; for a sampled
-        step also the sampled table and the cursors' advance (this block is the cursors' only reader)."""
+        step also the sampled table and the cursors' reset (this block is the cursors' only reader; the entries
+        kernel advances them)."""
         tn = write_req_capacity + 1
         total, row_flags, seed_bad, requests = scan_rows_rows(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
@@ -610,7 +623,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         row_flags |= CANARY_BAD_SLOT if seed_bad != 0 else 0
         if sampling(sample, verify_capacity, row_flags, total):
             sample_rows(req_pool_indices, bs, cursors, verify_capacity, scratch, SCRATCH_TABLE, tn, total, requests)
-            update_cursors(req_pool_indices, bs, cursors, verify_capacity, scratch, SCRATCH_TABLE, tn, requests)
+            reset_cursors(req_pool_indices, bs, cursors, verify_capacity, scratch, SCRATCH_TABLE, tn, requests)
         if cuda.threadIdx.x == 0:
             scratch[SCRATCH_ROW_FLAGS] = row_flags
             scratch[SCRATCH_TOTAL] = total
@@ -643,6 +656,11 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             bad = emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
                                prevs, scratch, SCRATCH_TABLE, write_req_capacity + 1, s_samples, step, count,
                                emitted, sampled)
+        if sampled:  # the cursors' second half (canary_plan_rows reset them), a row a thread over the grid
+            r = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
+            while r < bs:
+                advance_cursor(req_pool_indices, cursors, scratch, SCRATCH_TABLE, write_req_capacity + 1, r)
+                r += int64(cuda.gridDim.x) * cuda.blockDim.x
         if HAS_LUT:
             finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad,
                      req_pool_indices, bs, cursors, scratch, SCRATCH_TABLE, write_req_capacity + 1, int64(0), False)
