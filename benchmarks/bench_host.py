@@ -14,9 +14,9 @@ outside the clock after each call): median over ``--repeats`` calls, us.
 ``--fake``: no GPU needed: a NumPy-backed stand-in for CuPy and the CUDA runtime (``benchmarks/fakecuda.py``)
 whose launches do nothing, so the numbers are the pure Python host path (a proxy: compare before / after in
 one run; timed in this thread's CPU time), with the driver calls a GPU would pay counted per call.
-``--profile NAME``: cProfile of one row.
+``--profile NAME``: cProfile of one row. ``--direct``: the manager without its eager CUDA graphs.
 
-    python benchmarks/bench_host.py [--repeats 300] [--fake] [--only manager] [--profile "manager bs1"]
+    python benchmarks/bench_host.py [--repeats 300] [--fake] [--only manager] [--direct] [--profile "manager bs1"]
 """
 from __future__ import annotations
 
@@ -40,13 +40,19 @@ MANAGER = {"bs1": (1, 4096), "bs256": (256, 2048)}  # (bs, context per request)
 PLAN_BS = (1, 8, 64, 256)
 
 
+MANAGER_KW: dict = {}  # --direct: {"eager_graphs": False}
+
+
 def manager_case(cp, bs: int, context: int, tokens: str | None):
     """bench_manager's manager and decode step; ``tokens``: one accepted token per request per step, reported
     ``"each"`` (``accept_tokens`` per request) or as a ``"batch"`` (``accept_tokens_batch``), timed with the step
     (half the context is then prompt, so that the accepted tokens have room)."""
     from bench_manager import build
 
-    m, ids, before, after = build(cp, bs, context, prompt=context // 2 if tokens else None)
+    m, ids, before, after = build(cp, bs, context, prompt=context // 2 if tokens else None, **MANAGER_KW)
+    if tokens == "batch" and not hasattr(m, "accept_tokens_batch"):  # a tree from before it (a baseline run)
+        m.close()
+        return None
     one, ones = [0], np.zeros(bs, dtype=np.int64)
 
     def call():
@@ -152,7 +158,10 @@ def main() -> int:
     ap.add_argument("--profile", help="cProfile this row (e.g. 'manager bs1') instead of timing every row")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--direct", action="store_true", help="the manager with eager_graphs=False (every launch direct)")
     args = ap.parse_args()
+    if args.direct:
+        MANAGER_KW["eager_graphs"] = False
     counts = None
     if args.fake:
         import fakecuda
@@ -168,7 +177,10 @@ def main() -> int:
     for name, make in cases(cp, args.only).items():
         if args.profile and name != args.profile:
             continue
-        call, after, close = make()
+        made = make()
+        if made is None:
+            continue
+        call, after, close = made
         if args.profile:
             measure(call, after, sync, 50)
             prof = cProfile.Profile()

@@ -32,11 +32,11 @@ WORKLOADS = {"bs1_decode": (1, 4096), "bs256_decode": (256, 2048)}  # (bs, conte
 PAGE = 16
 
 
-def build(cp, bs: int, context: int, prompt: int | None = None):
+def build(cp, bs: int, context: int, prompt: int | None = None, **manager_kw):
     """A manager over one full-attention group whose requests each own ``context + 1`` slots (slot 0: padding),
     prefilled, and one decode step's static inputs. Each request's prompt is ``prompt`` tokens (default:
     ``context``). Arrays are built with NumPy and moved by ``cp.asarray`` only, so that a stand-in for CuPy
-    (benchmarks/fakecuda.py) can run it."""
+    (benchmarks/fakecuda.py) can run it. ``manager_kw``: more ``CanaryManager`` arguments."""
     max_reqs, max_seq = bs + 1, context + 1
     a = cp.asarray
     r2t = a(np.arange(max_reqs * max_seq, dtype=np.int32).reshape(max_reqs, max_seq))
@@ -44,7 +44,7 @@ def build(cp, bs: int, context: int, prompt: int | None = None):
     k = cp.zeros((-(-slots // PAGE), PAGE, 8, 128), dtype=np.float16)  # 2 KiB a token; the canary reads 256 B
     m = CanaryManager([KVGroup(name="full", req_to_token=r2t, num_slots=slots, verify_capacity=bs * context,
                                real_kv_sources=[(k, PAGE, 2048, 256)])],
-                      max_batch_size=bs, device=0, on_violation="raise")
+                      max_batch_size=bs, device=0, on_violation="raise", **manager_kw)
     m.warmup()
     ids = [f"r{i}" for i in range(bs)]
     for rid in ids:

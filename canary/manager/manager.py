@@ -164,6 +164,7 @@ class CanaryManager:
         self._last_counters = {g.name: (0, 0) for g in self.groups}
         self._last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
         self._rows_cache: tuple | None = None  # (request ids, pool members version, pool rows) of _begin
+        self._last_staged: tuple | None = None  # (pool rows, pool version, stream) of the last staging
         self._eager = (EagerGraphs(runtime(), self.ordinal)
                        if eager_graphs and self.ordinal is not None and self.backend == "cupy" else None)
         self._translates = any(g.loc_scratch is not None for g in self.groups)  # an SWA group translates slots
@@ -405,8 +406,13 @@ class CanaryManager:
                 if r is not None:
                     q[i] = r.row
             self._rows_cache = (ids, pool.members, q)
-        valid = pool.counts[q]
-        self._transfer.stage(self.pool_array, pool.take_updates(), self._q, self._valid, q, valid, handle)
+        # Nothing to stage when the pool rows are the last staged ones and no count changed since (no token
+        # accepted, no request added or finished: no update queued either), on the same stream.
+        last = self._last_staged
+        if last is None or last[0] is not q or last[1] != pool.version or last[2] != handle or pool.updates:
+            self._transfer.stage(self.pool_array, pool.take_updates(), self._q, self._valid, q, pool.counts[q],
+                                 handle)
+            self._last_staged = (q, pool.version, handle)
         names = self._all_names if groups is None else tuple(g.name for g in self._select(groups))
         self._step = _StepRecord(self.stats_.steps, ids, names, bs)
         self.stats_.steps += 1

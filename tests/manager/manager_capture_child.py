@@ -121,11 +121,13 @@ else:
 
 
 def decode_step():
-    for (rid, d), h in zip((("a", None), ("b", None)), (0, 1)):
-        store(rid, lens[rid], lens[rid] + 1)
-    for d, h in zip((pre, loc, ids, pos), host_step()):
-        refill(d, h)
+    # The engine's KV stores and buffer refills run on its stream, as the replays do: on another stream (CuPy's
+    # legacy default stream does not wait for a non-blocking stream) they would race the last replay's reads.
     with ctx():
+        for rid in ("a", "b"):
+            store(rid, lens[rid], lens[rid] + 1)
+        for d, h in zip((pre, loc, ids, pos), host_step()):
+            refill(d, h)
         mgr.begin_step(["a", "b"], stream=stream)
         replay()
         mgr.end_step(stream=stream)
@@ -143,7 +145,8 @@ assert got == [], [v.line() for vs in got for v in vs]
 assert s["decoded_steps"] == 2 + 4, s
 assert s["verified_entries"]["full"] > 0 and s["written_entries"]["full"] == 3 + 4 + 2 * 4, s
 k_host[-1, r2t_host[2, 1], 0] ^= 1  # one flipped bit in the (last layer's) K bytes of b's position 1
-refill(k, k_host)
+with ctx():
+    refill(k, k_host)
 for _ in range(LAYERS or 2):
     decode_step()
 mgr.flush()
