@@ -574,8 +574,10 @@ class CanaryManager:
             last_step = rec.index
         if last_step is None:
             return
-        self._dedup.expire(last_step)
-        self._dispatch(new, dropped, last_step)
+        if self._dedup.open:
+            self._dedup.expire(last_step)
+        if new or dropped or self.stats_every:
+            self._dispatch(new, dropped, last_step)
 
     def _note_rows(self, rec: _StepRecord, rpi: np.ndarray) -> None:
         # Each request's last req_to_token row (for _holders). A decode step repeats the last batch: nothing to do
@@ -603,12 +605,14 @@ class CanaryManager:
         new, dropped = [], 0
         block = self._block
         metrics = self.metrics
+        indexes = words[:len(self.groups)].tolist()  # one conversion for all groups, then one per group's head
         for i, g in enumerate(self.groups):
             name = g.name
             o = block.heads[i]
-            st.written[name], st.verified[name] = int(words[o + _WRITE_COUNTER]), int(words[o + _VERIFY_COUNTER])
-            now = (int(words[o + 2 + _WRITE_COUNTER]), int(words[o + 2 + _VERIFY_COUNTER]))
-            status = int(words[o + 4]) & 0xFFFFFFFF  # the int32 in the word's low half (bits, all below 2^31)
+            head = words[o:o + 5].tolist()  # slot counters [2], kernel counters [2], the plan's status
+            st.written[name], st.verified[name] = head[_WRITE_COUNTER], head[_VERIFY_COUNTER]
+            now = (head[2 + _WRITE_COUNTER], head[2 + _VERIFY_COUNTER])
+            status = head[4] & 0xFFFFFFFF  # the int32 in the word's low half (bits, all below 2^31)
             if name in rec.groups:
                 before = self._last_counters[name]
                 ran = now[0] > before[0] and now[1] > before[1]
@@ -622,7 +626,7 @@ class CanaryManager:
                                 f"({'|'.join(b.name for b in PlanStatus if b and b in bits)}): that step verified "
                                 f"nothing")
             self._last_counters[name] = now
-            index = int(words[i]) & 0xFFFFFFFF  # the ring's int32 write index, read as its uint32 count
+            index = indexes[i] & 0xFFFFFFFF  # the ring's int32 write index, read as its uint32 count
             if index:
                 ring = words[block.rings[i]].reshape(block.ring_capacity, -1)
                 report = decode(ring, index)
