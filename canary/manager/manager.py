@@ -165,6 +165,7 @@ class CanaryManager:
         self._last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
         self._rows_cache: tuple | None = None  # (request ids, pool members version, pool rows) of _begin
         self._last_staged: tuple | None = None  # (pool rows, pool version, stream) of the last staging
+        self._deferred: tuple | None = None  # (rows, tokens) of the staging's scatter left to before_forward
         self._eager = (EagerGraphs(runtime(), self.ordinal)
                        if eager_graphs and self.ordinal is not None and self.backend == "cupy" else None)
         self._translates = any(g.loc_scratch is not None for g in self.groups)  # an SWA group translates slots
@@ -262,7 +263,7 @@ class CanaryManager:
             n_ids = 0 if request_ids is None else len(request_ids)
             if n_ids != bs:
                 raise fail(ValueError, f"request_ids: expected one id per batch row (bs = {bs}), got {n_ids}")
-            self._begin(request_ids, groups, handle)
+            self._begin(request_ids, groups, handle, defer_scatter=self._eager is not None)
             try:
                 if not self._prepared:
                     self._prepare_verifies(st)
@@ -271,20 +272,29 @@ class CanaryManager:
                 else:
                     self._eager_plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
             except BaseException:
+                if self._deferred is not None:  # the staged tokens still reach the pool
+                    self._transfer.scatter(*self._deferred, handle)
+                    self._deferred = None
                 self._abandon_step()
                 raise
         else:
             self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
 
     def _eager_plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st) -> None:
-        key, objs = (self._step.groups, bs), (req_pool_indices, prefix_lens, extend_seq_lens)
+        # The staging's last expected-token scatter (its row and token counts in the key) joins the graph.
+        scatter, self._deferred = self._deferred, None
+        key, objs = (self._step.groups, bs, scatter), (req_pool_indices, prefix_lens, extend_seq_lens)
         got = self._eager.launch("before", key, objs, st)
         if got is not _MISS:
             self._inputs = got
             return
+        if scatter is not None:
+            self._transfer.scatter(*scatter, st.handle)
         self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
 
         def body(stream):
+            if scatter is not None:
+                self._transfer.scatter(*scatter, stream.handle)
             self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, stream)
             return self._inputs
 
@@ -379,7 +389,8 @@ class CanaryManager:
         replay of a graph that captured :meth:`before_forward` / :meth:`after_kv_store`."""
         self._begin(request_ids, groups, self._launch(stream)[0])
 
-    def _begin(self, request_ids, groups, handle: int) -> None:
+    def _begin(self, request_ids, groups, handle: int, defer_scatter: bool = False) -> None:
+        self._deferred = None
         if self._step is not None:
             raise fail(RuntimeError, f"before_forward: expected the previous step ({self._step.index}) closed by "
                                      f"after_kv_store / end_step, got a new step first")
@@ -407,11 +418,13 @@ class CanaryManager:
                     q[i] = r.row
             self._rows_cache = (ids, pool.members, q)
         # Nothing to stage when the pool rows are the last staged ones and no count changed since (no token
-        # accepted, no request added or finished: no update queued either), on the same stream.
+        # accepted, no request added or finished: no update queued either), on the same stream: the device area
+        # holds them (ordered behind the last copy). Another stream copies again: the last copy may not have run
+        # by the time that stream's plan reads the area.
         last = self._last_staged
         if last is None or last[0] is not q or last[1] != pool.version or last[2] != handle or pool.updates:
-            self._transfer.stage(self.pool_array, pool.take_updates(), self._q, self._valid, q, pool.counts[q],
-                                 handle)
+            self._deferred = self._transfer.stage(self.pool_array, pool.take_updates(), self._q, self._valid, q,
+                                                  pool.counts[q], handle, defer_scatter)
             self._last_staged = (q, pool.version, handle)
         names = self._all_names if groups is None else tuple(g.name for g in self._select(groups))
         self._step = _StepRecord(self.stats_.steps, ids, names, bs)

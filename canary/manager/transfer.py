@@ -46,7 +46,8 @@ class HostTransfer:
     def full(self) -> bool:
         return False
 
-    def stage(self, pool: np.ndarray, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream) -> None:
+    def stage(self, pool: np.ndarray, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream,
+              defer_scatter: bool = False) -> None:
         for u in updates:
             # int64 first: the pool keeps the low 32 bits, as the scatter stores them
             if type(u) is RowTokens:
@@ -190,7 +191,6 @@ class CudaTransfer:
         u = self.u_cap
         self.block_bytes = 8 * block.words
         self.rt = runtime()
-        self._staged: tuple | None = None  # (pool rows, valid lengths) of the last staging copy
         self.merged = self.upd_ptr == self.qv_ptr + 16 * self.b_cap  # one device area: one copy fills both
         with OnDevice(self.rt, ordinal):
             stage_bytes = 8 * (2 * self.b_cap + 3 * u + 1 + self.t_cap)
@@ -229,21 +229,25 @@ class CudaTransfer:
     def _used(self, buf: _Pinned, stream: int) -> None:
         buf.pending, buf.step, buf.stream = True, self._step, stream
 
-    def stage(self, pool, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream: int) -> None:
+    def stage(self, pool, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream: int,
+              defer_scatter: bool = False) -> tuple[int, int] | None:
+        """Copy the step's pool rows, valid lengths and queued expected tokens to the device and scatter the
+        tokens into the pool, on ``stream``. ``defer_scatter``: the last scatter is left to the caller (who
+        launches ``scatter(k, t, stream)`` next on the same stream, in an eager step's graph): its ``(k, t)``
+        is returned (``None``: no update)."""
         # A staging buffer holds the pool rows and valid lengths at [0, 2 B) and a scatter's update at [2 B, ...),
         # as the device area does when the manager allocates qv and upd back to back (self.merged): the first
         # scatter's copy then carries the rows and lengths too, one copy for both.
+        # (The manager calls this only when the rows, the counts or the stream changed since the last call: the
+        # device area keeps what the last copy put there, and only this method writes it.)
         rt, u, b = self.rt, self.u_cap, self.b_cap
         n = len(q)
-        # The device area keeps what the last copy put there (only this method writes it): pool rows and valid
-        # lengths equal to the last copy's, on the same stream (ordered behind it), need no copy (a decode step
-        # that accepted no token). Another stream copies again: the last copy may not have run by the time that
-        # stream's plan reads the area.
-        last = self._staged
-        qv_due = not (last is not None and last[2] == stream and (last[0] is q or np.array_equal(last[0], q))
-                      and np.array_equal(last[1], valid))
+        qv_due = True
+        deferred = None
         with OnDevice(rt, self.ordinal):
             for rows, cols, offsets, tokens in _chunks(updates, self.u_cap, self.t_cap) if updates else ():
+                if deferred is not None:  # an earlier chunk's scatter: before this chunk's copy overwrites it
+                    self.scatter(*deferred, stream)
                 buf = self._stage_buf()
                 k, t = rows.shape[0], tokens.shape[0]
                 w = buf.words
@@ -256,9 +260,12 @@ class CudaTransfer:
                     qv_due = False
                 else:
                     rt.memcpy_async(self.upd_ptr, buf.ptr + 8 * o, 8 * (3 * u + 1 + t), H2D, stream)
-                self.scatter(k, t, stream)
-                rt.event_record(buf.ev, stream)
+                rt.event_record(buf.ev, stream)  # the copy read the buffer: free once it has run
                 self._used(buf, stream)
+                deferred = (k, t)
+            if deferred is not None and not defer_scatter:
+                self.scatter(*deferred, stream)
+                deferred = None
             if qv_due:
                 buf = self._stage_buf()
                 w = buf.words
@@ -266,7 +273,7 @@ class CudaTransfer:
                 rt.memcpy_async(self.qv_ptr, buf.ptr, 8 * (b + n), H2D, stream)
                 rt.event_record(buf.ev, stream)
                 self._used(buf, stream)
-            self._staged = (q, valid, stream)
+        return deferred
 
     # -- device -> host ------------------------------------------------------------------------------------------
     @property
