@@ -90,7 +90,7 @@ class ToyEngine:
             return arr
         buf = self._bufs.get((name, arr.shape[0]))
         if buf is None:
-            buf = self._bufs[(name, arr.shape[0])] = self.xp.empty_like(arr)
+            buf = self._bufs[(name, arr.shape[0])] = self.xp.zeros(arr.shape, dtype=arr.dtype)
         buf[...] = arr
         return buf
 

@@ -80,7 +80,14 @@ def test_cupy_full_swa_and_draft_groups_and_blind_spots(static):
     e.manager.flush()
     found = sorted((v.group, v.position) for vs in got for v in vs)
     assert found == [("draft", 3), ("swa", 11)]
-    assert (e.manager._eager.replays > 0) == static  # before_forward's; the SWA group's writes stay direct
+    # More decode steps of the same batch: the target forwards' before_forward calls (the staged token scatter
+    # included) replay as graphs with static buffers; the SWA group's writes stay direct. The corrupt slots are
+    # repeats by now, not new reports.
+    for _ in range(3):
+        e.decode_step(["a", "b"], batch=static)
+    e.manager.flush()
+    assert sorted((v.group, v.position) for vs in got for v in vs) == found
+    assert (e.manager._eager.replays > 0) == static
     e.manager.close()
 
 
