@@ -40,19 +40,13 @@ class _CupyRuntime:
         return int(event)
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
-        try:
-            self._rt.memcpyAsync(dst, src, nbytes, kind, stream)
-        except self._error as exc:
-            raise fail(RuntimeError, f"cudaMemcpyAsync: expected cudaSuccess, got {exc}") from exc
+        self._call("cudaMemcpyAsync", self._rt.memcpyAsync, dst, src, nbytes, kind, stream)
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         self._call("cudaMemsetAsync", self._rt.memsetAsync, ptr, value, nbytes, stream)
 
     def event_record(self, event: int, stream: int) -> None:
-        try:
-            self._rt.eventRecord(event, stream)
-        except self._error as exc:
-            raise fail(RuntimeError, f"cudaEventRecord: expected cudaSuccess, got {exc}") from exc
+        self._call("cudaEventRecord", self._rt.eventRecord, event, stream)
 
     def event_done(self, event: int) -> bool:
         try:
@@ -100,10 +94,7 @@ class _CupyRuntime:
         return self._call("cudaGraphInstantiate", self._rt.graphInstantiate, graph)
 
     def graph_launch(self, graph_exec: int, stream: int) -> None:
-        try:
-            self._rt.graphLaunch(graph_exec, stream)
-        except self._error as exc:
-            raise fail(RuntimeError, f"cudaGraphLaunch: expected cudaSuccess, got {exc}") from exc
+        self._call("cudaGraphLaunch", self._rt.graphLaunch, graph_exec, stream)
 
     def graph_destroy(self, graph: int) -> None:
         self._call("cudaGraphDestroy", self._rt.graphDestroy, graph)
