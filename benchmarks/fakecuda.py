@@ -159,7 +159,10 @@ class _Kernel:
     def __call__(self, grid, block, args, stream=None, shared_mem=0):
         captured = _CAPTURES.get(getattr(stream, "ptr", None))
         if captured is not None:  # recorded into the stream's graph, run by its launches
-            captured.append((self, args))
+            # with the parameter words of the capture, as a real graph keeps them (the host rewrites its copy)
+            addr = args[0].address
+            words = np.array(np.ctypeslib.as_array((ctypes.c_uint64 * _PARAM_WORDS[addr]).from_address(addr)))
+            captured.append((self, (CPointer(words.ctypes.data), words)))
             return
         COUNTS["kernel launch"] += 1
         self.run(args)
@@ -169,6 +172,34 @@ class _Kernel:
             _bump_counter(self.name, args)
         elif self.name == "canary_report":
             _report(args)
+        elif self.name.startswith("canary_scatter"):
+            _scatter(args)
+
+
+_PARAM_WORDS: dict = {}  # address of a parameter struct's words -> their count (canary.backends.cupy.Params)
+
+
+def _scatter(args) -> None:
+    """kernels/records.cu's scatter on host memory (the expected-token pool is host memory here)."""
+    from canary.backends.records_layout import SCATTER_FIELDS
+
+    raw = np.ctypeslib.as_array((ctypes.c_uint64 * len(SCATTER_FIELDS)).from_address(args[0].address))
+    w = {k: int(v) for k, v in zip(SCATTER_FIELDS, raw)}
+
+    def vec(ptr, n):
+        return np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(ptr)) if n else np.zeros(0, np.int64)
+
+    bs = w["bs"]
+    rows, offs = vec(w["req_pool_indices"], bs), vec(w["token_offsets"], bs + 1)
+    cols, toks = vec(w["column_starts"], bs), vec(w["tokens"], w["num_tokens"])
+    for i in range(bs):
+        if not 0 < rows[i] < w["pool_rows"]:
+            continue
+        for j in range(int(offs[i]), int(offs[i + 1])):
+            col = int(cols[i]) + j - int(offs[i]) + w["column_offset"]
+            if 0 <= col < w["pool_cols"]:
+                at = w["pool"] + 4 * (w["pool_row_stride"] * int(rows[i]) + col)
+                ctypes.c_int32.from_address(at).value = int(toks[j])  # ctypes keeps the low 32 bits
 
 
 def _report(args) -> None:
@@ -399,8 +430,8 @@ def _instantiate(graph):
 
 def _graph_launch(graph_exec, stream):
     COUNTS["graph launch"] += 1
-    for kernel, args in _GRAPHS[graph_exec]:
-        kernel.run(args)
+    for kernel, (args, _words) in _GRAPHS[graph_exec]:
+        kernel.run((args,))
 
 
 _INSTALLED = False
@@ -438,8 +469,16 @@ def install() -> None:
     import canary.manager.transfer as transfer
 
     adapter._device_view = _device_view
+    import canary.backends.cupy as cupy_backend
     import canary.interop.cudart as cudart
 
+    params_init = cupy_backend.Params.__init__
+
+    def counted_init(self, fields, values):  # so that a capture can copy a struct's words
+        params_init(self, fields, values)
+        _PARAM_WORDS[self.words.ctypes.data] = len(fields)
+
+    cupy_backend.Params.__init__ = counted_init
     transfer._rt = lambda: RUNTIME
     cudart._CHOSEN.clear()  # chosen again, now that the stand-in CuPy is imported
     _INSTALLED = True

@@ -26,7 +26,9 @@ struct ReportParams {
 
 extern "C" __global__ void __launch_bounds__(256) canary_report(const ReportParams p) {
     __shared__ i64 s_seq;
-    if (threadIdx.x == 0) s_seq = ++*p.counter;  // one block: no other thread updates it
+    // Atomic: reports launched on two streams may run at once (the host orders them, canary/manager/transfer.py
+    // order_report, but a lost increment would desynchronize every later slot).
+    if (threadIdx.x == 0) s_seq = (i64)atomicAdd(reinterpret_cast<unsigned long long*>(p.counter), 1ull) + 1;
     __syncthreads();
     const i64 seq = s_seq;
     i64* slot = p.mailbox + (seq % p.slots) * p.slot_words;

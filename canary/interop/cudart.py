@@ -50,11 +50,20 @@ class _CupyRuntime:
 
     def event_done(self, event: int) -> bool:
         try:
-            return self._rt.eventQuery(event) == 0
+            status = self._rt.eventQuery(event)  # CuPy returns the status (raising only for some versions)
         except self._error as exc:
-            if getattr(exc, "status", None) == _NOT_READY:
-                return False
-            raise fail(RuntimeError, f"cudaEventQuery: expected cudaSuccess or cudaErrorNotReady, got {exc}") from exc
+            status = getattr(exc, "status", None)
+            if status != _NOT_READY:
+                raise fail(RuntimeError, f"cudaEventQuery: expected cudaSuccess or cudaErrorNotReady, got {exc}"
+                           ) from exc
+        if status == 0:
+            return True
+        if status == _NOT_READY:
+            return False
+        raise fail(RuntimeError, f"cudaEventQuery: expected cudaSuccess or cudaErrorNotReady, got error {status}")
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._call("cudaStreamWaitEvent", self._rt.streamWaitEvent, stream, event, 0)
 
     def event_synchronize(self, event: int) -> None:
         self._call("cudaEventSynchronize", self._rt.eventSynchronize, event)
@@ -149,6 +158,9 @@ class _BindingsRuntime:
 
     def stream_synchronize(self, stream: int) -> None:
         self._check(self._rt.cudaStreamSynchronize(stream)[0], "cudaStreamSynchronize")
+
+    def stream_wait_event(self, stream: int, event) -> None:
+        self._check(self._rt.cudaStreamWaitEvent(stream, event, 0)[0], "cudaStreamWaitEvent")
 
     def device_synchronize(self) -> None:
         self._check(self._rt.cudaDeviceSynchronize()[0], "cudaDeviceSynchronize")

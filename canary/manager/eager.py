@@ -60,7 +60,8 @@ class EagerGraphs:
                 return _MISS
         if fingerprint(objs) != e.prints:
             return _MISS
-        self.rt.graph_launch(e.graph, st.handle)
+        with OnDevice(self.rt, self.ordinal):  # the graph was instantiated in this device's context
+            self.rt.graph_launch(e.graph, st.handle)
         self.replays += 1
         return e.extra
 
@@ -70,21 +71,22 @@ class EagerGraphs:
         ``(site, key)`` and may be replayed (module docstring; ``owner``: an array of the manager's, whose library
         must be the step arrays'), capture ``body`` (the call's launches, given the stream to launch on) for the
         next call to replay. Launches nothing itself: the direct call already did."""
-        prints = fingerprint(objs)
-        last = self._seen.pop((site, key), None)
-        if len(self._seen) >= 2 * MAX_GRAPHS:
-            self._seen.pop(next(iter(self._seen)))
-        self._seen[(site, key)] = (objs, prints, st.handle)
-        if prints is None or last is None or last[2] != st.handle or last[1] != prints:
+        if self.broken:
             return
-        if any(a is not b for a, b in zip(objs, last[0])):
-            return
-        lib = _one_library(objs + (owner,), st)
-        if lib is None or self.broken:
-            return
-        try:
-            self._capture(site, key, objs, prints, st.handle, lib, body)
-        except Exception as exc:  # noqa: BLE001 - the direct call already launched: lose the speed, not the step
+        try:  # nothing here may fail the step: the direct call already launched it
+            prints = fingerprint(objs)
+            last = self._seen.pop((site, key), None)
+            if len(self._seen) >= 2 * MAX_GRAPHS:
+                self._seen.pop(next(iter(self._seen)))
+            self._seen[(site, key)] = (objs, prints, st.handle)
+            if prints is None or last is None or last[2] != st.handle or last[1] != prints:
+                return
+            if any(a is not b for a, b in zip(objs, last[0])):
+                return
+            lib = _one_library(objs + (owner,), st)
+            if lib is not None:
+                self._capture(site, key, objs, prints, st.handle, lib, body)
+        except Exception as exc:  # noqa: BLE001 - lose the speed, not the step
             self.broken = True
             logging.getLogger("kv_canary").warning(
                 f"kv-canary: eager_graphs: expected to capture the manager's launches on a private stream, got "
@@ -107,12 +109,12 @@ class EagerGraphs:
                 exe = rt.graph_instantiate(graph)
             finally:
                 rt.graph_destroy(graph)
-        if len(self._graphs) >= 2 * MAX_GRAPHS:
-            old = self._graphs.pop(next(iter(self._graphs)))
-            rt.graph_exec_destroy(old.graph)
-        prev = self._graphs.pop((site, key), None)
-        if prev is not None:
-            rt.graph_exec_destroy(prev.graph)
+        with OnDevice(rt, self.ordinal):
+            prev = self._graphs.pop((site, key), None)  # the same call over other arrays: replaced
+            if prev is not None:
+                rt.graph_exec_destroy(prev.graph)
+            if len(self._graphs) >= 2 * MAX_GRAPHS:  # the oldest capture goes (each keeps its arrays alive)
+                rt.graph_exec_destroy(self._graphs.pop(next(iter(self._graphs))).graph)
         self._graphs[(site, key)] = _Entry(objs, prints, handle, exe, extra)
         self.captures += 1
         self._seen.pop((site, key), None)

@@ -169,6 +169,7 @@ class CanaryManager:
         self._eager = (EagerGraphs(runtime(), self.ordinal)
                        if eager_graphs and self.ordinal is not None and self.backend == "cupy" else None)
         self._translates = any(g.loc_scratch is not None for g in self.groups)  # an SWA group translates slots
+        self._closed = False
 
     # -- binding -------------------------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -189,7 +190,11 @@ class CanaryManager:
                 g.verify_launch = g.records.prepare_verify(g.verify_plan, launch_tag=g.verify_tag, stream=stream)
 
     def close(self) -> None:
-        """Free the pinned host buffers (GPU); the manager is unusable afterwards."""
+        """Free the pinned host buffers and the captured graphs (GPU); the manager is unusable afterwards. A
+        second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self._eager is not None:
             self._eager.close()
         if isinstance(self._transfer, CudaTransfer):
@@ -272,24 +277,28 @@ class CanaryManager:
                 else:
                     self._eager_plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
             except BaseException:
-                if self._deferred is not None:  # the staged tokens still reach the pool
+                if self._deferred is not None:  # the staged tokens still reach the pool (a scatter is idempotent)
                     self._transfer.scatter(*self._deferred, handle)
                     self._deferred = None
+                self._last_staged = None  # the next call stages again
                 self._abandon_step()
                 raise
         else:
             self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
 
     def _eager_plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st) -> None:
-        # The staging's last expected-token scatter (its row and token counts in the key) joins the graph.
-        scatter, self._deferred = self._deferred, None
+        # The staging's last expected-token scatter (its row and token counts in the key) joins the graph. It
+        # stays in self._deferred until launched, so that a call that raises first still launches it.
+        scatter = self._deferred
         key, objs = (self._step.groups, bs, scatter), (req_pool_indices, prefix_lens, extend_seq_lens)
         got = self._eager.launch("before", key, objs, st)
         if got is not _MISS:
+            self._deferred = None
             self._inputs = got
             return
         if scatter is not None:
             self._transfer.scatter(*scatter, st.handle)
+            self._deferred = None
         self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
 
         def body(stream):
@@ -345,20 +354,22 @@ class CanaryManager:
                 self._translates and any(g.loc_scratch is not None for g in sel)):
             self._write(sel, out_cache_loc, input_ids, positions, out_cache_loc_by_group, st)
         else:
-            in_graph = self._eager_write(sel, out_cache_loc, input_ids, positions, st)
+            names = self._all_names if groups is None else tuple(g.name for g in sel)
+            in_graph = self._eager_write(sel, names, out_cache_loc, input_ids, positions, st)
         if not capturing:
             self._end(handle, st, reported=in_graph)
 
-    def _eager_write(self, sel, out_cache_loc, input_ids, positions, st) -> bool:
+    def _eager_write(self, sel, names, out_cache_loc, input_ids, positions, st) -> bool:
         """The writes through a replayed graph when they may be (canary/manager/eager.py); returns whether the
         graph also launched the step's report. The report joins the graph when nothing runs between the writes
         and it (no sweep) and the transfer reports through its kernel; ``_end`` then only records it."""
         inputs = self._inputs
         report = self._report_in_graph and inputs is not None
-        key = (self._step.groups, inputs[0].ptr, inputs[1]) if report else (self._step.groups, None, None)
+        key = (names, inputs[0].ptr, inputs[1]) if report else (names, None, None)
         objs = (out_cache_loc, input_ids, positions)
         if report:
             self._free_report_slot()  # before the graph: it holds the report's launch
+            self._transfer.order_report(st.handle)
         got = self._eager.launch("after", key, objs, st)
         if got is not _MISS:
             return got

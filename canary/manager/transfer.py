@@ -38,13 +38,11 @@ class HostTransfer:
 
     report_launch = None
 
-    @property
-    def slots(self) -> int:
-        """Reports that may be unread at once (the manager frees one before the next report)."""
-        return len(self.snap_bufs) if self.report_launch is None else self.mail_slots
-
     def full(self) -> bool:
         return False
+
+    def order_report(self, stream) -> None:
+        pass
 
     def stage(self, pool: np.ndarray, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream,
               defer_scatter: bool = False) -> None:
@@ -208,11 +206,13 @@ class CudaTransfer:
             with OnDevice(self.rt, ordinal):
                 self.mailbox = _Pinned(8 * self.mail_slots * self.slot_words)
             self.mailbox.words[:] = 0  # no slot published yet (sequence numbers start at 1)
+            self._order_ev = self.mailbox.ev  # marks the last report's stream position when the stream changes
             self.report_launch = make(block_ptr=self.block_ptr, words=block.words, index_words=block.index_words,
                                       mailbox_ptr=self.mailbox.ptr, slot_words=self.slot_words,
                                       slots=self.mail_slots,
                                       counter_ptr=as_view(counter, "report_counter").ptr)
             self._counter = counter  # kept alive: the launch holds its pointer
+        self._report_stream = None
         # stream -> the last step whose snapshot is known to have run there: everything the stream ran before it
         # has too, its staging copies included, so their buffers are free without asking the driver.
         self._done: dict[int, int] = {}
@@ -290,6 +290,7 @@ class CudaTransfer:
         """Queue the step's report on ``stream``: the report block and ``bs`` words of ``rpi`` (``None``: no
         batch) reach the host, then the ring write indexes are cleared for the next step (stream order)."""
         if self.report_launch is not None:
+            self.order_report(stream)
             self.report_device(rpi, bs, stream)
             return self.report_host(rpi is not None, bs, stream)
         rt = self.rt
@@ -322,9 +323,21 @@ class CudaTransfer:
         self.release(snap)
         return out
 
+    def order_report(self, stream: int) -> None:
+        """Before a report launched on ``stream`` (directly or inside a graph): when the last report ran on another
+        stream, make ``stream`` wait for it, so that the device numbers the reports in the order the host
+        launched them (the mailbox slot of each is its number)."""
+        last = self._report_stream
+        if last is not None and last != stream:
+            with OnDevice(self.rt, self.ordinal):
+                self.rt.event_record(self._order_ev, last)
+                self.rt.stream_wait_event(stream, self._order_ev)
+        self._report_stream = stream
+
     def report_device(self, rpi: ArrayView | None, bs: int, stream: int) -> None:
-        """The report kernel's launch alone (capturable); :meth:`report_host` must follow once per launch, in
-        order, whether the launch ran directly or inside a replayed graph."""
+        """The report kernel's launch alone (capturable; :meth:`order_report` first with the real stream);
+        :meth:`report_host` must follow once per launch, in order, whether the launch ran directly or inside a
+        replayed graph."""
         if rpi is not None and bs > self.b_cap:
             raise fail(RuntimeError, f"snapshot: expected bs <= {self.b_cap}, got {bs}")
         self.report_launch.launch(0 if rpi is None else rpi.ptr, 0 if rpi is None else bs, stream)

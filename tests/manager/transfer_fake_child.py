@@ -129,6 +129,49 @@ assert counts["graph launch"] == 2 and "kernel launch" not in counts, counts
 assert ("cuda.cudaMemcpyAsync" in counts) is (not KERNEL), counts
 # The same corrupt slot again: a repeat of the open record, not a new report
 assert len(got) == 1 and got[0][0].count == 2 and got[0][0].steps[-1] == 6, [v.line() for vs in got for v in vs]
+# A graph replay only for the call it captured: after_kv_store for fewer groups than the captured one writes
+# those groups only (the draft group's write counter stays; its verify ran in before_forward).
+m.flush()
+draft_before = m._last_counters["draft"]
+m.before_forward(request_ids=["a", "b"], **before)
+m.after_kv_store(groups=["full"], **after)
+m.flush()
+assert m._last_counters["draft"][0] == draft_before[0] and m._last_counters["draft"][1] > draft_before[1], \
+    (draft_before, m._last_counters["draft"])
+# A token accepted, then a before_forward whose graph launch fails: the staged token still reaches the pool (the
+# stand-in runs the scatter on host memory), and the next call stages again.
+replays = m._eager.replays
+for t in range(3):  # a token accepted every step: from the second on, its scatter inside the before-graph
+    m.accept_tokens("a", [40 + t])
+    m.before_forward(request_ids=["a", "b"], **before)
+    m.after_kv_store(**after)
+assert m._eager.replays >= replays + 2, (replays, m._eager.replays)
+row_a = m.requests.live["a"].row
+col = int(m.requests.counts[row_a])
+m.accept_tokens("a", [55])
+launch = m._eager.rt.graph_launch
+
+
+def failing_launch(*args):
+    raise RuntimeError("kv-canary: cudaGraphLaunch: expected cudaSuccess, got a test's failure")
+
+
+m._eager.rt.graph_launch = failing_launch
+try:
+    m.before_forward(request_ids=["a", "b"], **before)
+    raise AssertionError("the failing graph launch did not raise")
+except RuntimeError as exc:
+    assert "test's failure" in str(exc)
+finally:
+    m._eager.rt.graph_launch = launch
+assert m.pool_array._a[row_a, col] == 55, m.pool_array._a[row_a, :col + 2]
+assert m.pool_array._a[row_a, col - 3:col].tolist() == [40, 41, 42]  # the replayed scatters wrote theirs
+m.before_forward(request_ids=["a", "b"], **before)
+m.after_kv_store(**after)
+m.flush()
+assert m.pool_array._a[row_a, col] == 55 and m.requests.counts[row_a] == col + 1
+decoded = m.stats()["decoded_steps"]
+
 # Far ahead of the GPU: more steps than report slots with no report read in between (as if none had landed):
 # the oldest is copied out of its slot when the slots run out, and nothing is lost.
 m.poll = lambda: None
@@ -138,6 +181,7 @@ for _ in range(m._transfer.slots + 3):
 del m.poll
 assert len(m._pending) == m._transfer.slots + 3
 m.flush()
-assert m.stats()["decoded_steps"] == 7 + m._transfer.slots + 3, m.stats()["decoded_steps"]
+assert m.stats()["decoded_steps"] == decoded + m._transfer.slots + 3, m.stats()["decoded_steps"]
 m.close()
+m.close()  # a second close does nothing
 print("OK")

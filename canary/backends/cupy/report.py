@@ -2,7 +2,7 @@
 (canary/manager/transfer.py, ``KernelReporter``). Packed once; a call rewrites the two per-step words."""
 from __future__ import annotations
 
-from . import Params, Streams, cupy, raw_module
+from . import OnDevice, Params, Streams, cupy, raw_module
 
 FIELDS = ("block", "words", "rpi", "bs", "index_words", "mailbox", "slot_words", "slots", "counter")
 THREADS = 256  # kernels/report.cu's launch bound
@@ -23,8 +23,10 @@ class ReportLaunch:
                                            counter=counter_ptr))
         self._words, self._args = self._params.words, self._params.args
         self._streams = Streams()
+        self.device_id = device_id
 
     def launch(self, rpi_ptr: int, bs: int, stream: int) -> None:
         w = self._words
         w[_RPI], w[_BS] = rpi_ptr, bs
-        self._fn((1,), (THREADS,), self._args, stream=self._streams.get_stream(stream))
+        with OnDevice(self.device_id):  # the module's function belongs to this device's context
+            self._fn((1,), (THREADS,), self._args, stream=self._streams.get_stream(stream))
