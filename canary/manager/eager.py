@@ -1,12 +1,15 @@
 """Eager steps that repeat the last step's arrays, launched as one CUDA graph each (issue 13's host budget).
 
 A kernel launch costs the H200 host about 5 us, a CUDA-graph launch about 2.4 us whatever its kernels
-(``benchmarks/bench_driver.py``, run 51). An engine that keeps static step buffers (as engines ready for CUDA
-graphs do, running eagerly at the batch sizes they did not capture) passes the same array objects every step,
-only their contents change. For such a step the manager's launches in :meth:`~CanaryManager.before_forward`
-(each group's plan, verify and layer verify) and in :meth:`~CanaryManager.after_kv_store` (each group's write and
-layer write) are the launches it made last step, argument for argument: here they are captured once, on a private
-stream, and replayed on the engine's stream as one graph per call.
+(``benchmarks/bench_driver.py``, docs/gpu-runs.md runs 51-52). An engine that keeps static step buffers (as
+engines ready for CUDA graphs do, running eagerly at the batch sizes they did not capture) passes the same array
+objects every step, only their contents change. For such a step the manager's launches in
+:meth:`~CanaryManager.before_forward` (the scatter of the tokens accepted since the last step, each group's plan,
+verify and layer verify) and in :meth:`~CanaryManager.after_kv_store` (each group's write and layer write, then
+the step's report kernel when no sweep runs between) are the launches it made last step, argument for argument:
+here they are captured once, on a private stream, and replayed on the engine's stream as one graph per call. What
+a graph bakes in and may change between steps is in its key: the batch size, the groups, the scatter's row and
+token counts, the report's ``req_pool_indices`` pointer and batch size.
 
 When a call may be replayed: the same objects (``is``) with the same data pointers and shapes as at capture
 (:func:`~canary.interop.callviews.fingerprint`), the same batch size, groups and launch stream, exactly the
