@@ -1,6 +1,7 @@
 """The manager's report block: every group's violation ring, ring write index, run counters and plan status in
-one device allocation, so that a step's report reaches the host in one device-to-host copy and the write
-indexes are cleared by one memset (a copy and a memset per array cost a driver call each, on every step).
+one device allocation, so that a step's report reaches the host in one piece (the report kernel's mailbox slot,
+or one device-to-host copy) and the write indexes are cleared at once (a copy and a memset per array would cost
+a driver call each, on every step; canary/manager/transfer.py).
 
 Layout (int64 words): ``[0, G)`` the ``G`` groups' ring write indexes (an int32 in each word's low half, the
 rest never written), then per group ``slot_run_counter`` [2], ``kernel_run_counter`` [2], the plan's ``status``
@@ -29,7 +30,8 @@ class ReportBlock:
 
     ``groups[i]``: ``(ring, ring_write_index, slot_run_counter, kernel_run_counter, status)`` device views of
     group ``i``, to bind its canary state and verify plan over. ``words``: the block's length in int64 words
-    (what a snapshot copies); ``index_words``: the leading words holding the write indexes (what is cleared).
+    (what a report carries); ``index_words``: the leading words holding the write indexes (what is cleared).
+    ``heads[i]`` / ``rings[i]``: where group ``i``'s head words and ring lie in the block (the report's decode).
     """
 
     def __init__(self, names: Sequence[str], ring_capacity: int, empty):
@@ -42,24 +44,12 @@ class ReportBlock:
         self.array = empty(self.words, np.int64)
         a = self.array
         self.groups = []
-        self._slices = []
+        self.heads, self.rings = [], []  # each group's first word (its counters), its ring's words
+        self.ring_capacity = cap
         for i in range(g):
             o = g + i * per_group
             ring = slice(o + _HEAD, o + per_group)
             self.groups.append((a[ring].reshape(cap, RING_ROW_WORDS), _int32(a[i:i + 1]), a[o:o + 2],
                                 a[o + 2:o + 4], _int32(a[o + 4:o + 5])))
-            self._slices.append((i, slice(o, o + 2), slice(o + 2, o + 4), o + 4, ring, cap))
-        self.heads = tuple(g + i * per_group for i in range(g))  # each group's first word (its counters)
-        self.rings = tuple(s[4] for s in self._slices)
-        self.ring_capacity = cap
-
-    def split(self, host: np.ndarray) -> dict[str, np.ndarray]:
-        """The host copy of the block (``[words]`` int64) as the manager's report names it (views of ``host``)."""
-        out = {}
-        for name, (i, slots, launches, status, ring, cap) in zip(self.names, self._slices):
-            out[f"{name}.index"] = host[i:i + 1].view(np.int32)[:1]
-            out[f"{name}.slots"] = host[slots]
-            out[f"{name}.launches"] = host[launches]
-            out[f"{name}.status"] = host[status:status + 1].view(np.int32)[:1]
-            out[f"{name}.ring"] = host[ring].reshape(cap, RING_ROW_WORDS)
-        return out
+            self.heads.append(o)
+            self.rings.append(ring)
