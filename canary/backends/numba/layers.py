@@ -14,9 +14,9 @@ from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
 from ..layers_layout import layer_grid
 from . import ON_DEVICE as _ON_DEVICE
-from . import SIMULATOR, cuda
-from .records import BLOCKS_PER_SM, SIMULATOR_SMS, SIMULATOR_THREADS, Bound as RecordsBound, _Arrays, _flat_words
-from .records import _launch, records_numba
+from . import SIMULATOR
+from .records import BLOCKS_PER_SM, SIMULATOR_THREADS, Bound as RecordsBound, _flat_words
+from .records import _launch, load_kernels, records_numba
 
 NAME = "numba"
 ON_DEVICE = _ON_DEVICE
@@ -51,12 +51,7 @@ class Bound:
         self._sms = records._sms
 
     def warmup(self) -> None:
-        if SIMULATOR:
-            return
-        with self._arr.gpu:
-            for kernel in (self._write_kernel, self._verify_kernel):
-                for overload in kernel.overloads.values():
-                    overload.bind()
+        load_kernels(self._arr, (self._write_kernel, self._verify_kernel))
 
     def _args(self, tag: int, write=None, loc=None, verify=None) -> tuple:
         v, d = self._arr.vector, self._arr.dummy

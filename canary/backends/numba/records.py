@@ -109,6 +109,16 @@ def _flat_words(rows: int, row_stride_bytes: int, row_bytes: int) -> int:
     return 0 if rows == 0 else ((rows - 1) * row_stride_bytes + row_bytes) // 8
 
 
+def load_kernels(arr: "_Arrays", kernels) -> None:
+    """Load compiled kernels' module on ``arr``'s device (nothing to load in the simulator)."""
+    if SIMULATOR:
+        return
+    with arr.gpu:
+        for kernel in kernels:
+            for overload in kernel.overloads.values():
+                overload.bind()
+
+
 class Bound:
     def __init__(self, state: StateViews, real_kv: RealKV, launch: LaunchConfig = DEFAULT_LAUNCH):
         self.state = state
@@ -157,12 +167,7 @@ class Bound:
 
     def warmup(self) -> None:
         """Load the kernels' module on the canary's device (compilation happened at bind)."""
-        if SIMULATOR:
-            return
-        with self._arr.gpu:
-            for kernel in (self._write_kernel, self._verify_kernel):
-                for overload in kernel.overloads.values():
-                    overload.bind()
+        load_kernels(self._arr, (self._write_kernel, self._verify_kernel))
 
     def write(self, a: RecordWriteArgs, stream: int) -> None:
         v = self._arr.vector
