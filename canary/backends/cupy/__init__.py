@@ -10,6 +10,7 @@ import functools
 
 import numpy as np
 
+from ...interop import cudart
 from ...interop.libs import import_cupy
 from ..sources import cuda_source
 
@@ -63,20 +64,24 @@ class Params:
             w[index[name]] = word(value)
 
 
-class OnDevice:
-    """Run on ``device_id`` whatever the current device is (restored on exit)."""
+class OnDevice(cudart.OnDevice):
+    """Run on ``device_id`` whatever the current device is (restored on exit): the runtime's own guard."""
+
+    __slots__ = ()
 
     def __init__(self, device_id: int):
-        self.device_id = device_id
+        super().__init__(cudart.runtime(), device_id)
 
-    def __enter__(self):
-        self.prev = cupy.cuda.runtime.getDevice()
-        if self.prev != self.device_id:
-            cupy.cuda.runtime.setDevice(self.device_id)
 
-    def __exit__(self, *exc):
-        if self.prev != self.device_id:
-            cupy.cuda.runtime.setDevice(self.prev)
+def load_functions(device_id: int, source: str, launches) -> tuple:
+    """``kernels/<source>.cu``'s functions loaded on a device: ``launches`` = ``((name, block size), ...)``;
+    returns ``(functions, resident blocks per SM of each at its block size, the device's SM count)``."""
+    with cupy.cuda.Device(device_id):
+        module = raw_module(source)
+        fns = tuple(module.get_function(name).kernel for name, _ in launches)
+        per_sm = tuple(occupancy(fn, threads) for fn, (_, threads) in zip(fns, launches))
+        sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+    return fns, per_sm, sms
 
 
 def occupancy(kernel, threads: int) -> int:

@@ -10,7 +10,7 @@ from ...records.ring import KernelTag, encode_tag
 from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
 from ..layers_layout import LAYER_FIELDS, LAYER_THREADS, layer_grid
-from . import OnDevice, Params, Streams, cupy, occupancy, raw_module
+from . import OnDevice, Params, Streams, cupy, load_functions
 from .records import real_kv_words, state_words
 
 NAME = "cupy"
@@ -36,13 +36,8 @@ class Bound:
     def warmup(self) -> None:
         if self._fns is not None:
             return
-        with cupy.cuda.Device(self.device_id):
-            module = raw_module("records")
-            write = module.get_function("canary_write_layers").kernel
-            verify = module.get_function("canary_verify_layer").kernel
-            self._sms = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
-            self._per_sm = (occupancy(write, LAYER_THREADS), occupancy(verify, LAYER_THREADS))
-            self._fns = (write, verify)
+        self._fns, self._per_sm, self._sms = load_functions(
+            self.device_id, "records", (("canary_write_layers", LAYER_THREADS), ("canary_verify_layer", LAYER_THREADS)))
 
     def write(self, plan, out_cache_loc, stream: int) -> None:
         if self._fns is None:

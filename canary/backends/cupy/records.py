@@ -17,7 +17,7 @@ from ..records_layout import (
     MAX_SOURCES, REAL_KV_FIELDS, SCATTER_FIELDS, SCATTER_THREADS, VERIFY_FIELDS, VERIFY_THREADS,
     WRITE_FIELDS, WRITE_THREADS, verify_grid, write_grid,
 )
-from . import OnDevice, Params, Streams, cupy, occupancy, raw_module
+from . import OnDevice, Params, Streams, cupy, load_functions, raw_module
 
 NAME = "cupy"
 ON_DEVICE = True
@@ -69,15 +69,10 @@ class Bound:
         """Compile (once per process) and load the module on this device; later calls only launch."""
         if self._fns is not None:
             return
-        with cupy.cuda.Device(self.device_id):
-            module = raw_module("records")
-            write = module.get_function("canary_write").kernel
-            verify = module.get_function("canary_verify").kernel
-            sms = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
-            self._verify_blocks_per_sm = occupancy(verify, VERIFY_THREADS)
-            self._write_blocks_per_sm = occupancy(write, WRITE_THREADS)
-            self._sms = sms
-            self._fns = (write, verify)
+        fns, per_sm, self._sms = load_functions(
+            self.device_id, "records", (("canary_write", WRITE_THREADS), ("canary_verify", VERIFY_THREADS)))
+        self._write_blocks_per_sm, self._verify_blocks_per_sm = per_sm
+        self._fns = fns
 
     @staticmethod
     def _write_words(a: RecordWriteArgs) -> dict:
