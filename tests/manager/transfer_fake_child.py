@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 import fakecuda  # noqa: E402
 
 fakecuda.install()
+fakecuda.EMULATE_SCATTER = True  # the pool's contents are checked below
 
 import cupy  # noqa: E402 - the fake
 
