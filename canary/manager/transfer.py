@@ -289,6 +289,8 @@ class CudaTransfer:
     def snapshot(self, rpi: ArrayView | None, bs: int, stream: int) -> _Snap:
         """Queue the step's report on ``stream``: the report block and ``bs`` words of ``rpi`` (``None``: no
         batch) reach the host, then the ring write indexes are cleared for the next step (stream order)."""
+        if rpi is not None and bs > self.b_cap:
+            raise fail(RuntimeError, f"snapshot: expected bs <= {self.b_cap}, got {bs}")
         if self.report_launch is not None:
             self.order_report(stream)
             self.report_device(rpi, bs, stream)
@@ -298,8 +300,6 @@ class CudaTransfer:
             if not self._free_snaps:
                 raise fail(RuntimeError, "snapshot: expected a free pinned report buffer, got none (read the "
                                          "pending reports first)")
-            if rpi is not None and bs > self.b_cap:
-                raise fail(RuntimeError, f"snapshot: expected bs <= {self.b_cap}, got {bs}")
             buf = self._free_snaps.pop()
             rt.memcpy_async(buf.ptr, self.block_ptr, self.block_bytes, D2H, stream)
             if rpi is not None:
@@ -337,9 +337,7 @@ class CudaTransfer:
     def report_device(self, rpi: ArrayView | None, bs: int, stream: int) -> None:
         """The report kernel's launch alone (capturable; :meth:`order_report` first with the real stream);
         :meth:`report_host` must follow once per launch, in order, whether the launch ran directly or inside a
-        replayed graph."""
-        if rpi is not None and bs > self.b_cap:
-            raise fail(RuntimeError, f"snapshot: expected bs <= {self.b_cap}, got {bs}")
+        replayed graph. ``bs`` is within the staging's batch size: the manager refused a larger batch first."""
         self.report_launch.launch(0 if rpi is None else rpi.ptr, 0 if rpi is None else bs, stream)
 
     def report_host(self, has_rpi: bool, bs: int, stream: int) -> _Snap:
