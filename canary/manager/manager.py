@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import INPUT_ERROR_BITS, PlanStatus, fail
 from ..interop.adapter import as_view
+from ..interop.cudart import runtime
 from ..interop.devices import allocator, cuda_ordinal
 from ..interop.hostcopy import to_host
 from ..interop.streams import LaunchStream, is_capturing, launch_stream
@@ -33,7 +34,6 @@ from .sweep import Sweeper, check_budget
 from .block import ReportBlock
 from .eager import _MISS, EagerGraphs
 from .transfer import CudaTransfer, DeviceScatter, HostTransfer
-from ..interop.cudart import runtime
 
 MODES = ("log", "raise")
 # Plain ints for the per-step decode (enum arithmetic costs a microsecond a use there)
@@ -453,11 +453,10 @@ class CanaryManager:
         if self._sweep:
             self._run_sweep(self._step, handle, st)
         rpi, bs = self._inputs if self._inputs is not None else (None, 0)
-        if not reported:
-            self._free_report_slot()
         if reported:
             token = self._transfer.report_host(rpi is not None, bs, handle)
         else:
+            self._free_report_slot()
             token = self._transfer.snapshot(rpi, bs, handle)
         self._pending.append((self._step, token))
         self._step = None

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import fail
 from ..interop.adapter import as_view
+from ..interop.cudart import H2D, OnDevice, runtime
 from ..interop.hostcopy import to_host
 from ..plan.plans import VerifyPlan
 from .groups import BoundGroup
@@ -157,24 +158,21 @@ class CudaSweepStager:
     ``depth`` steps ahead of the GPU)."""
 
     def __init__(self, ordinal: int, sweeps: Sequence[GroupSweep], depth: int = 3):
-        from ..interop.cudart import OnDevice, runtime
         from .transfer import _Pinned
 
-        self.ordinal, self.rt, self._on_device = ordinal, runtime(), OnDevice
+        self.ordinal, self.rt = ordinal, runtime()
         with OnDevice(self.rt, ordinal):
             self.bufs = {s.name: [_Pinned(8 * (1 + 4 * s.budget)) for _ in range(depth)] for s in sweeps}
         self.next = {s.name: 0 for s in sweeps}
         self.ptrs = {s.name: as_view(s.block, f"{s.name}.sweep_plan").ptr for s in sweeps}
 
     def stage(self, sweep: GroupSweep, stream: int) -> int:
-        from ..interop.cudart import H2D
-
         rt = self.rt
         ring = self.bufs[sweep.name]
         buf = ring[self.next[sweep.name]]
         self.next[sweep.name] = (self.next[sweep.name] + 1) % len(ring)
         budget = sweep.budget
-        with self._on_device(rt, self.ordinal):
+        with OnDevice(rt, self.ordinal):
             buf.wait()
             host = buf.array(0, (1 + 4 * budget,), np.int64)
             n = sweep.take(host[1:].reshape(4, budget))
@@ -190,7 +188,7 @@ class CudaSweepStager:
         return n
 
     def close(self) -> None:
-        with self._on_device(self.rt, self.ordinal):
+        with OnDevice(self.rt, self.ordinal):
             for ring in self.bufs.values():
                 for b in ring:
                     b.wait()
