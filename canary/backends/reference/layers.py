@@ -10,7 +10,7 @@ import numpy as np
 
 from ...plan.plans import SKIP_SEED
 from ...records.realkv import fold
-from ...records.ring import REAL_KV_HASH, TOKEN, FailReason, KernelTag, KIND_BITS, append_rows
+from ...records.ring import TOKEN, FailReason, KernelTag, KIND_BITS, append_rows
 from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
 from .records import _gather_fields, _rows
