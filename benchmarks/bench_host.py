@@ -13,7 +13,7 @@ outside the clock after each call): median over ``--repeats`` calls, us.
 
 ``--fake``: no GPU needed: a NumPy-backed stand-in for CuPy and the CUDA runtime (``benchmarks/fakecuda.py``)
 whose launches do nothing, so the numbers are the pure Python host path (a proxy: compare before / after in
-one run; timed in this thread's CPU time), with the driver calls a GPU would pay counted per call.
+one run; timed in this thread's CPU time, less the stand-in's emulation of the kernels), with the driver calls a GPU would pay counted per call.
 ``--profile NAME``: cProfile of one row. ``--direct``: the manager without its eager CUDA graphs.
 
     python benchmarks/bench_host.py [--repeats 300] [--fake] [--only manager] [--direct] [--profile "manager bs1"]
@@ -136,10 +136,13 @@ def measure(call, after, sync, repeats: int, counts=None, clock=time.perf_counte
             after()
     times = []
     before = dict(counts) if counts is not None else {}
+    fake = sys.modules.get("fakecuda")  # --fake: the kernels' emulation on the host is the GPU's time, not ours
     for _ in range(repeats):
+        e0 = fake.EMULATED_NS if fake else 0
         t0 = clock()
         call()
-        times.append((clock() - t0) / 1e3)
+        t1 = clock()
+        times.append((t1 - t0 - ((fake.EMULATED_NS - e0) if fake else 0)) / 1e3)
         sync()  # outside the clock: each call starts with an idle GPU
         if after:
             after()
