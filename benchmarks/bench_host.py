@@ -14,7 +14,7 @@ outside the clock after each call): median over ``--repeats`` calls, us.
 ``--fake``: no GPU needed: a NumPy-backed stand-in for CuPy and the CUDA runtime (``benchmarks/fakecuda.py``)
 whose launches do nothing, so the numbers are the pure Python host path (a proxy: compare before / after in
 one run; timed in this thread's CPU time, less the stand-in's emulation of the kernels), with the driver calls a GPU would pay counted per call.
-``--profile NAME``: cProfile of one row. ``--direct``: the manager without its eager CUDA graphs.
+``--profile NAME``: cProfile of one row. ``--split``: the manager rows' calls timed one by one too. ``--direct``: the manager without its eager CUDA graphs.
 
     python benchmarks/bench_host.py [--repeats 300] [--fake] [--only manager] [--direct] [--profile "manager bs1"]
 """
@@ -41,6 +41,7 @@ PLAN_BS = (1, 8, 64, 256)
 
 
 MANAGER_KW: dict = {}  # --direct: {"eager_graphs": False}
+SPLIT: dict = {}  # --split: {"clock": the clock, "parts": [(accept ns, before_forward ns, after_kv_store ns)]}
 
 
 def manager_case(cp, bs: int, context: int, tokens: str | None):
@@ -54,15 +55,28 @@ def manager_case(cp, bs: int, context: int, tokens: str | None):
         m.close()
         return None
     one, ones = [0], np.zeros(bs, dtype=np.int64)
+    tick = SPLIT.get("clock")
 
-    def call():
+    def accept():
         if tokens == "each":  # the engine's calls too
             for rid in ids:
                 m.accept_tokens(rid, one)
         elif tokens == "batch":
             m.accept_tokens_batch(ids, ones)
+
+    def call():
+        if tick is None:
+            accept()
+            m.before_forward(request_ids=ids, **before)
+            m.after_kv_store(**after)
+            return
+        t0 = tick()  # --split: each call's share, in the same clock (less the stand-in's emulation)
+        accept()
+        t1 = tick()
         m.before_forward(request_ids=ids, **before)
+        t2 = tick()
         m.after_kv_store(**after)
+        SPLIT["parts"].append((t1 - t0, t2 - t1, tick() - t2))
 
     # No poll outside the clock: the next call's before_forward decodes this step's report, as in an engine
     return call, None, m.close
@@ -161,10 +175,18 @@ def main() -> int:
     ap.add_argument("--profile", help="cProfile this row (e.g. 'manager bs1') instead of timing every row")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--split", action="store_true", help="manager rows: also each call's median (accept, "
+                    "before_forward, after_kv_store)")
     ap.add_argument("--direct", action="store_true", help="the manager with eager_graphs=False (every launch direct)")
     args = ap.parse_args()
     if args.direct:
         MANAGER_KW["eager_graphs"] = False
+    clock = time.thread_time_ns if args.fake else time.perf_counter_ns
+    if args.split:
+        def tick():
+            fake = sys.modules.get("fakecuda")
+            return clock() - (fake.EMULATED_NS if fake else 0)
+        SPLIT["clock"] = tick
     counts = None
     if args.fake:
         import fakecuda
@@ -200,10 +222,15 @@ def main() -> int:
                 print(out.getvalue())
             return 0
         # --fake: this thread's CPU time (on a shared machine, time spent descheduled is not the code's)
-        us, per_call = measure(call, after, sync, args.repeats, counts,
-                               time.thread_time_ns if args.fake else time.perf_counter_ns)
-        rows.append({"call": name, "host_us": us, "driver_calls": per_call})
-        print(f"{name:22} {us:8.1f} us   {json.dumps(per_call)}", flush=True)
+        SPLIT["parts"] = []
+        us, per_call = measure(call, after, sync, args.repeats, counts, clock)
+        row = {"call": name, "host_us": us, "driver_calls": per_call}
+        if SPLIT["parts"]:
+            parts = SPLIT["parts"][20:]  # past the warm-up calls
+            row["split_us"] = {k: round(statistics.median(p[i] for p in parts) / 1e3, 1)
+                               for i, k in enumerate(("accept", "before_forward", "after_kv_store"))}
+        rows.append(row)
+        print(f"{name:22} {us:8.1f} us   {json.dumps(row.get('split_us', per_call))}", flush=True)
         if close:
             close()
     if args.json:

@@ -201,6 +201,7 @@ def _scatter(args) -> None:
 
     raw = np.ctypeslib.as_array((ctypes.c_uint64 * len(SCATTER_FIELDS)).from_address(args[0].address))
     w = {k: int(v) for k, v in zip(SCATTER_FIELDS, raw)}
+    w["column_offset"] = int(np.int64(np.uint64(w["column_offset"]).view(np.int64)))  # an i64 field (-1: appends)
 
     def vec(ptr, n):
         return np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(ptr)) if n else np.zeros(0, np.int64)

@@ -17,14 +17,14 @@ import numpy as np
 
 from ..errors import INPUT_ERROR_BITS, PlanStatus, fail
 from ..interop.adapter import as_view
-from ..interop.cudart import runtime
+from ..interop.cudart import H2D, OnDevice, runtime
 from ..interop.devices import allocator, cuda_ordinal
 from ..interop.hostcopy import to_host
 from ..interop.streams import LaunchStream, is_capturing, launch_stream
 from ..records.ring import KernelTag, decode
 from .groups import BoundGroup, KVGroup, bind_group, check_groups
 from .layers import verify_layers, write_layers
-from .pool import RequestPool
+from .pool import RequestPool, RowTokens
 from .report import (
     CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, kernel_name, log, log_violations,
     overflow_line,
@@ -145,8 +145,8 @@ class CanaryManager:
                 ordinal = self.ordinal
                 report = (empty(1, np.int64), lambda **layout: ReportLaunch(ordinal, **layout))
             self._transfer = CudaTransfer(self.ordinal, block=self._block, staging={"qv": self._qv, "upd": upd},
-                                          u_cap=u, scatter=DeviceScatter(self.pool_array, upd, u, self.backend),
-                                          report_kernel=report)
+                                          u_cap=u, scatter=DeviceScatter.over(self.pool_array, upd, u, self.backend),
+                                          append=self._append_scatter(empty, upd), report_kernel=report)
         # -- sweep hook (canary/manager/sweep.py) --
         self._sweep = Sweeper(self.groups, check_budget("sweep_budget", sweep_budget), empty, self.ordinal,
                               prefix_source)
@@ -165,7 +165,7 @@ class CanaryManager:
         self._last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
         self._rows_cache: tuple | None = None  # (request ids, pool members version, pool rows) of _begin
         self._last_staged: tuple | None = None  # (pool rows, pool version, stream) of the last staging
-        self._deferred: tuple | None = None  # (rows, tokens) of the staging's scatter left to before_forward
+        self._deferred: tuple | None = None  # (scatter, rows, tokens) of the staging's scatter left to before_forward
         self._eager = (EagerGraphs(runtime(), self.ordinal)
                        if eager_graphs and self.ordinal is not None and self.backend == "cupy" else None)
         self._translates = any(g.loc_scratch is not None for g in self.groups)  # an SWA group translates slots
@@ -201,6 +201,18 @@ class CanaryManager:
             self._transfer.close()
         self._sweep.close()
 
+    def _append_scatter(self, empty, upd) -> DeviceScatter:
+        # The decode batch's scatter (CudaTransfer.stage_append) over the staging area, and its constant offsets
+        # 0, 1, ..., B, copied once (a sync, at construction).
+        b = self.max_batch_size
+        self._append_offsets = empty(b + 1, np.int64)
+        host = np.arange(b + 1, dtype=np.int64)
+        rt = runtime()
+        with OnDevice(rt, self.ordinal):
+            rt.memcpy_async(as_view(self._append_offsets, "staging.offsets").ptr, host.ctypes.data, host.nbytes, H2D, 0)
+            rt.stream_synchronize(0)
+        return DeviceScatter.appending(self.pool_array, self._qv, upd, self._append_offsets, self.backend)
+
     # -- expected tokens -----------------------------------------------------------------------------------------
     def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int] | np.ndarray) -> None:
         """Start tracking a request: its own expected-token pool row, holding its prompt (``[P]`` int token ids,
@@ -231,7 +243,13 @@ class CanaryManager:
         if toks.dtype.kind not in "iu":
             raise fail(TypeError, f"token_ids: expected integer token ids, got dtype {toks.dtype}")
         if len(ids):
-            self.requests.accept_batch(ids, toks.astype(np.int64, copy=True))
+            self.requests.accept_batch(ids, toks.astype(np.int64, copy=True), self._batch_rows)
+
+    def _batch_rows(self, ids: tuple) -> np.ndarray | None:
+        # The pool rows _begin holds for this batch: accept_batch adopts the same array, so that _begin can tell a
+        # decode batch accepting for exactly its own rows by identity (stage_append).
+        last = self._rows_cache
+        return last[2] if last is not None and last[1] == self.requests.members and last[0] == ids else None
 
     def finish_request(self, request_id: Hashable) -> None:
         """Stop tracking a request. Its pool row keeps its tokens until every other free row was reused, so a
@@ -278,7 +296,8 @@ class CanaryManager:
                     self._eager_plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
             except BaseException:
                 if self._deferred is not None:  # the staged tokens still reach the pool (a scatter is idempotent)
-                    self._transfer.scatter(*self._deferred, handle)
+                    fn, k, t = self._deferred
+                    fn(k, t, handle)
                     self._deferred = None
                 self._last_staged = None  # the next call stages again
                 self._abandon_step()
@@ -297,13 +316,13 @@ class CanaryManager:
             self._inputs = got
             return
         if scatter is not None:
-            self._transfer.scatter(*scatter, st.handle)
+            scatter[0](scatter[1], scatter[2], st.handle)
             self._deferred = None
         self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
 
         def body(stream):
             if scatter is not None:
-                self._transfer.scatter(*scatter, stream.handle)
+                scatter[0](scatter[1], scatter[2], stream.handle)
             self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, stream)
             return self._inputs
 
@@ -427,15 +446,26 @@ class CanaryManager:
                 r = live(rid) or retired(rid)
                 if r is not None:
                     q[i] = r.row
+            held = pool.batch_rows(ids)  # accept_batch's rows for these ids: the same array (see _batch_rows)
+            if held is not None and np.array_equal(held, q):
+                q = held
             self._rows_cache = (ids, pool.members, q)
         # Nothing to stage when the pool rows are the last staged ones and no count changed since (no token
         # accepted, no request added or finished: no update queued either), on the same stream: the device area
         # holds them (ordered behind the last copy). Another stream copies again: the last copy may not have run
         # by the time that stream's plan reads the area.
         last = self._last_staged
-        if last is None or last[0] is not q or last[1] != pool.version or last[2] != handle or pool.updates:
-            self._deferred = self._transfer.stage(self.pool_array, pool.take_updates(), self._q, self._valid, q,
-                                                  pool.counts[q], handle, defer_scatter)
+        updates = pool.updates
+        if last is None or last[0] is not q or last[1] != pool.version or last[2] != handle or updates:
+            one = updates[0] if len(updates) == 1 else None
+            if type(one) is RowTokens and one.rows is q and self._transfer.append is not None:
+                # A decode batch that accepted one token a request for exactly this step's rows: the scatter
+                # reads the plan's staged rows and valid lengths (the tokens' columns are valid - 1).
+                pool.take_updates()
+                self._deferred = self._transfer.stage_append(q, one.ends, one.tokens, handle, defer_scatter)
+            else:
+                self._deferred = self._transfer.stage(self.pool_array, pool.take_updates(), self._q, self._valid, q,
+                                                      pool.counts[q], handle, defer_scatter)
             self._last_staged = (q, pool.version, handle)
         names = self._all_names if groups is None else tuple(g.name for g in self._select(groups))
         self._step = _StepRecord(self.stats_.steps, ids, names, bs)

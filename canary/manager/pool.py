@@ -29,10 +29,11 @@ class _Request:
 @dataclass
 class RowTokens:
     """A queued update of one token for each of several pool rows (:meth:`RequestPool.accept_batch`): ``rows``,
-    ``cols`` (each row's first free column), ``tokens``, ``[k]`` int64 each."""
+    ``cols`` (each row's first free column), ``tokens``, ``ends``, ``[k]`` int64 each."""
     rows: np.ndarray
     cols: np.ndarray
     tokens: np.ndarray
+    ends: np.ndarray  # cols + 1: the rows' token counts once this update is in
 
 
 class RequestPool:
@@ -115,10 +116,11 @@ class RequestPool:
             self.counts[req.row] = start + n
             self.updates.append((req.row, start, toks))
 
-    def accept_batch(self, request_ids: tuple, tokens: np.ndarray) -> None:
+    def accept_batch(self, request_ids: tuple, tokens: np.ndarray, same_rows=None) -> None:
         """One token for each running request of ``request_ids`` (distinct), ``tokens`` ``[k]`` int64: one update
         for the batch. The ids' rows are looked up once per batch (reused while no request is added or finished),
-        the counts checked and advanced together."""
+        the counts checked and advanced together. ``same_rows(request_ids)``: an array of these rows the caller
+        already holds (or ``None``), adopted when equal, so that the caller can tell its batch by identity."""
         last = self._batch
         if last is not None and last[1] == self.members and last[0] == request_ids:
             rows = last[2]
@@ -133,16 +135,25 @@ class RequestPool:
                 rows[i] = req.row
             if len(set(rows.tolist())) != len(rows):
                 raise fail(ValueError, "request_ids: expected distinct requests, got one listed twice")
+            held = same_rows(request_ids) if same_rows is not None else None
+            if held is not None and np.array_equal(held, rows):
+                rows = held
             self._batch = (request_ids, self.members, rows)
         cols = self.counts[rows]
-        full = cols >= self.cols
-        if full.any():
-            i = int(np.flatnonzero(full)[0])
+        if cols.max() >= self.cols:  # one reduction on the common path; the culprit looked up only on failure
+            i = int(np.flatnonzero(cols >= self.cols)[0])
             raise fail(ValueError, f"token_ids: expected at most {self.cols} tokens per request (the pool's "
                                    f"columns, max_seq_len + 1), got {self.cols + 1} for request {request_ids[i]!r}")
-        self.counts[rows] = cols + 1
+        ends = cols + 1
+        self.counts[rows] = ends
         self.version += 1
-        self.updates.append(RowTokens(rows, cols, tokens))
+        self.updates.append(RowTokens(rows, cols, tokens, ends))
+
+    def batch_rows(self, request_ids: tuple) -> np.ndarray | None:
+        """The rows :meth:`accept_batch` holds for exactly these ids (no request added or finished since), or
+        ``None``."""
+        last = self._batch
+        return last[2] if last is not None and last[1] == self.members and last[0] == request_ids else None
 
     def take_updates(self) -> list[tuple[int, int, Any]]:
         out, self.updates = self.updates, []

@@ -58,6 +58,7 @@ class HostTransfer:
 
     def __init__(self, block: ReportBlock):
         self.block = block
+        self.append = None  # stage_append's scatter: a GPU transfer's alone
 
     def snapshot(self, rpi: ArrayView | None, bs: int, stream) -> tuple[np.ndarray, np.ndarray | None]:
         b = self.block
@@ -175,10 +176,11 @@ class CudaTransfer:
     """
 
     def __init__(self, ordinal: int, *, block: ReportBlock, staging: dict[str, Any], u_cap: int, scatter,
-                 report_kernel: Any = None, depth: int = 3):
+                 append: Any = None, report_kernel: Any = None, depth: int = 3):
         self.ordinal = ordinal
         self.block = block
         self.scatter = scatter
+        self.append = append
         self.qv, self.upd = staging["qv"], staging["upd"]
         self.qv_ptr = as_view(self.qv, "staging.qv").ptr
         self.upd_ptr = as_view(self.upd, "staging.upd").ptr
@@ -190,6 +192,8 @@ class CudaTransfer:
         self.block_bytes = 8 * block.words
         self.rt = runtime()
         self.merged = self.upd_ptr == self.qv_ptr + 16 * self.b_cap  # one device area: one copy fills both
+        if not self.merged:
+            self.append = None  # its copy fills rows, valid lengths and tokens at once
         with OnDevice(self.rt, ordinal):
             stage_bytes = 8 * (2 * self.b_cap + 3 * u + 1 + self.t_cap)
             self.stage_bufs = [_Pinned(stage_bytes) for _ in range(depth)]
@@ -230,11 +234,11 @@ class CudaTransfer:
         buf.pending, buf.step, buf.stream = True, self._step, stream
 
     def stage(self, pool, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream: int,
-              defer_scatter: bool = False) -> tuple[int, int] | None:
+              defer_scatter: bool = False) -> tuple | None:
         """Copy the step's pool rows, valid lengths and queued expected tokens to the device and scatter the
         tokens into the pool, on ``stream``. ``defer_scatter``: the last scatter is left to the caller (who
-        launches ``scatter(k, t, stream)`` next on the same stream, in an eager step's graph): its ``(k, t)``
-        is returned (``None``: no update)."""
+        launches ``scatter(k, t, stream)`` next on the same stream, in an eager step's graph): ``(scatter, k,
+        t)`` is returned (``None``: no update)."""
         # A staging buffer holds the pool rows and valid lengths at [0, 2 B) and a scatter's update at [2 B, ...),
         # as the device area does when the manager allocates qv and upd back to back (self.merged): the first
         # scatter's copy then carries the rows and lengths too, one copy for both.
@@ -247,7 +251,7 @@ class CudaTransfer:
         with OnDevice(rt, self.ordinal):
             for rows, cols, offsets, tokens in _chunks(updates, self.u_cap, self.t_cap) if updates else ():
                 if deferred is not None:  # an earlier chunk's scatter: before this chunk's copy overwrites it
-                    self.scatter(*deferred, stream)
+                    self.scatter(deferred[1], deferred[2], stream)
                 buf = self._stage_buf()
                 k, t = rows.shape[0], tokens.shape[0]
                 w = buf.words
@@ -262,9 +266,9 @@ class CudaTransfer:
                     rt.memcpy_async(self.upd_ptr, buf.ptr + 8 * o, 8 * (3 * u + 1 + t), H2D, stream)
                 rt.event_record(buf.ev, stream)  # the copy read the buffer: free once it has run
                 self._used(buf, stream)
-                deferred = (k, t)
+                deferred = (self.scatter, k, t)
             if deferred is not None and not defer_scatter:
-                self.scatter(*deferred, stream)
+                self.scatter(deferred[1], deferred[2], stream)
                 deferred = None
             if qv_due:
                 buf = self._stage_buf()
@@ -274,6 +278,26 @@ class CudaTransfer:
                 rt.event_record(buf.ev, stream)
                 self._used(buf, stream)
         return deferred
+
+    def stage_append(self, q: np.ndarray, valid: np.ndarray, tokens: np.ndarray, stream: int,
+                     defer_scatter: bool = False) -> tuple | None:
+        """:meth:`stage` of a decode batch's one accepted token a row, for the very rows ``q`` (``[n]``) the step
+        plans, the valid lengths ``valid`` counting them: one copy of ``q``, ``valid`` and ``tokens`` and the
+        :class:`DeviceScatter.appending` scatter, which takes its rows and columns from the plan's own staging
+        (nothing else to pack or copy). Only when :attr:`append` is set (a merged staging area)."""
+        n, b = len(q), self.b_cap
+        rt = self.rt
+        with OnDevice(rt, self.ordinal):
+            buf = self._stage_buf()
+            w = buf.words
+            w[:n], w[b:b + n], w[2 * b:2 * b + n] = q, valid, tokens
+            rt.memcpy_async(self.qv_ptr, buf.ptr, 8 * (2 * b + n), H2D, stream)
+            rt.event_record(buf.ev, stream)
+            self._used(buf, stream)
+            if defer_scatter:
+                return (self.append, n, n)
+            self.append(n, n, stream)
+        return None
 
     # -- device -> host ------------------------------------------------------------------------------------------
     @property
@@ -410,35 +434,57 @@ class CudaTransfer:
 
 
 class DeviceScatter:
-    """The expected-token scatter of :class:`CudaTransfer`'s ``upd`` staging into the pool, on ``backend``: views
-    of both checked once here (the public ``scatter_expected_tokens`` checks every argument on every call), a
-    call then only sizes them (``k`` rows, ``t`` tokens) and launches."""
+    """An expected-token scatter into the pool from fixed device staging (docs/records.md 7), on ``backend``: views
+    of its arrays checked once here (the public ``scatter_expected_tokens`` checks every argument on every call),
+    a call then only sizes them (``k`` rows, ``t`` tokens) and launches. ``parts``: the ``rows``, ``cols``,
+    ``offsets`` and ``tokens`` int64 views at their capacities; the scatter writes row ``rows[i]``'s tokens from
+    column ``cols[i] + column_offset``. :meth:`over` builds the general one, :meth:`appending` the decode
+    batch's."""
 
-    def __init__(self, pool: Any, upd: Any, u_cap: int, backend: str):
+    def __init__(self, pool: Any, parts: tuple, column_offset: int, backend: str):
         from .. import backends
         from ..interop.adapter import check_view
 
         pv = check_view(as_view(pool, "req_to_verify_expected_tokens"), dtype=np.int32, ndim=2, writable=True)
-        uv = check_view(as_view(upd, "staging.upd"), dtype=np.int64, ndim=1)
         self.module = backends.resolve(backend, pv.device_id, family="records")
-        self.pool = pv
-        u = int(u_cap)
-        self.parts = [uv._replace(name=name, ptr=uv.ptr + 8 * off, strides=(1,))
-                      for name, off in (("rows", 0), ("cols", u), ("offsets", 2 * u), ("tokens", 3 * u + 1))]
-
+        self.pool, self.parts, self.column_offset = pv, parts, int(column_offset)
+        rows, _, _, tokens = parts
         prepare = getattr(self.module, "prepare_scatter", None)  # the CuPy backend packs the launch once
-        self.prepared = None if prepare is None else prepare(self._args(u, self.t_cap_of(uv, u)))
+        self.prepared = None if prepare is None else prepare(self._args(rows.shape[0], tokens.shape[0]))
 
-    @staticmethod
-    def t_cap_of(uv, u: int) -> int:
-        return int(uv.shape[0]) - 3 * u - 1
+    @classmethod
+    def over(cls, pool: Any, upd: Any, u_cap: int, backend: str) -> "DeviceScatter":
+        """The scatter of :class:`CudaTransfer`'s ``upd`` staging: ``rows`` ``[U]``, ``cols`` ``[U]``, ``offsets``
+        ``[U + 1]``, ``tokens`` ``[T]`` back to back."""
+        from ..interop.adapter import check_view
+
+        uv = check_view(as_view(upd, "staging.upd"), dtype=np.int64, ndim=1)
+        u = int(u_cap)
+        spans = (("rows", 0, u), ("cols", u, u), ("offsets", 2 * u, u + 1), ("tokens", 3 * u + 1, uv.shape[0] - 3 * u - 1))
+        return cls(pool, tuple(uv._replace(name=n, ptr=uv.ptr + 8 * o, shape=(k,), strides=(1,)) for n, o, k in spans),
+                   0, backend)
+
+    @classmethod
+    def appending(cls, pool: Any, qv: Any, upd: Any, offsets: Any, backend: str) -> "DeviceScatter":
+        """A decode batch's scatter (:meth:`CudaTransfer.stage_append`): one token a batch row, row ``r``'s into
+        pool row ``q[r]`` at column ``valid[r] - 1``, reading the plan's own staged rows and valid lengths (``qv``),
+        the tokens from the start of ``upd`` and ``offsets`` = ``0, 1, ..., B`` (a constant device array)."""
+        from ..interop.adapter import check_view
+
+        qvv = check_view(as_view(qv, "staging.qv"), dtype=np.int64, ndim=1)
+        uv = check_view(as_view(upd, "staging.upd"), dtype=np.int64, ndim=1)
+        ov = check_view(as_view(offsets, "staging.offsets"), dtype=np.int64, ndim=1)
+        b = qvv.shape[0] // 2
+        parts = (qvv._replace(name="rows", shape=(b,)), qvv._replace(name="cols", ptr=qvv.ptr + 8 * b, shape=(b,)),
+                 ov._replace(name="offsets"), uv._replace(name="tokens", shape=(b,)))
+        return cls(pool, parts, -1, backend)
 
     def _args(self, k: int, t: int):
         from ..backends.args import ScatterArgs
 
         rows, cols, offsets, tokens = self.parts
         return ScatterArgs(self.pool, rows._replace(shape=(k,)), tokens._replace(shape=(t,)),
-                           offsets._replace(shape=(k + 1,)), cols._replace(shape=(k,)), 0)
+                           offsets._replace(shape=(k + 1,)), cols._replace(shape=(k,)), self.column_offset)
 
     def __call__(self, k: int, t: int, stream: int) -> None:
         if self.prepared is not None:

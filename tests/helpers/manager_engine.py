@@ -183,3 +183,40 @@ def ids_for(batch, reqs, loc) -> list:
         if rid is not None:
             out += [rid] * n
     return out
+
+
+def accept_batch_runs(**engine_kw) -> list:
+    """The same decode steps with tokens accepted per request, then per batch (accept_tokens_batch): each run's
+    ``(pool, counts, violations, protected tokens)`` (for :func:`check_accept_batch_runs`)."""
+    out = []
+    for batch in (False, True):
+        got = []
+        e = ToyEngine(on_violation=got.append, **engine_kw)
+        e.add("a", [5, 6, 7, 8])
+        e.add("b", [9, 10])
+        e.add("c", [11])
+        for _ in range(3):
+            e.decode_step(["a", "b", "c"], batch=batch)
+        e.decode_step(["c", "a"], batch=batch)  # another batch: its rows looked up again
+        for _ in range(2):
+            e.decode_step(["a", "b", "c"], batch=batch)
+        e.reqs["b"]["tokens"][-1] = 77  # the engine writes a token that was never accepted
+        e.decode_step(["a", "b", "c"], batch=batch)
+        e.forward([("a", 0), ("b", 0), ("c", 0)])
+        e.manager.flush()
+        m = e.manager
+        rows = {rid: m.requests.live[rid].row for rid in "abc"}
+        pool = m.pool_array if isinstance(m.pool_array, np.ndarray) else m.pool_array.get()
+        out.append((np.array(pool), {rid: int(m.requests.counts[r]) for rid, r in rows.items()},
+                    [(v.position, v.reasons, v.stored_token, v.expected_token, v.requests) for vs in got for v in vs],
+                    m.stats()["protected_tokens"]))
+        m.close()
+    return out
+
+
+def check_accept_batch_runs(out: list) -> None:
+    from canary import FailReason
+
+    (pool_e, counts_e, found_e, prot_e), (pool_b, counts_b, found_b, prot_b) = out
+    assert np.array_equal(pool_e, pool_b) and counts_e == counts_b and prot_e == prot_b
+    assert found_e == found_b and [(f[1], f[2], f[4][0][0]) for f in found_b] == [(FailReason.VERIFY_TOKEN, 77, "b")]

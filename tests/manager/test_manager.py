@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers.manager_engine import ToyEngine
+from helpers.manager_engine import ToyEngine, accept_batch_runs, check_accept_batch_runs
 
 from canary import CanaryHealthError, CanaryManager, CanaryViolationError, FailReason, KVGroup
 
@@ -165,28 +165,7 @@ def test_a_recycled_req_to_token_row_read_by_a_stale_forward_is_caught_by_reques
 def test_accept_tokens_batch_is_accept_tokens_for_each_request():
     """The same steps with one accept_tokens_batch per step or one accept_tokens per request: the same pool, the
     same valid lengths, the same violation (a token stored that no accepted token matches)."""
-    out = []
-    for batch in (False, True):
-        got = []
-        e = ToyEngine(on_violation=got.append)
-        e.add("a", [5, 6, 7, 8])
-        e.add("b", [9, 10])
-        e.add("c", [11])
-        for _ in range(3):
-            e.decode_step(["a", "b", "c"], batch=batch)
-        e.decode_step(["c", "a"], batch=batch)  # another batch: its rows looked up again
-        e.reqs["b"]["tokens"][-1] = 77  # the engine writes a token that was never accepted
-        e.decode_step(["a", "b", "c"], batch=batch)
-        e.forward([("a", 0), ("b", 0), ("c", 0)])
-        e.manager.flush()
-        m = e.manager
-        rows = {rid: m.requests.live[rid].row for rid in "abc"}
-        out.append((m.pool_array.copy(), {rid: int(m.requests.counts[r]) for rid, r in rows.items()},
-                    [(v.position, v.reasons, v.stored_token, v.expected_token, v.requests) for vs in got for v in vs],
-                    m.stats()["protected_tokens"]))
-    (pool_e, counts_e, found_e, prot_e), (pool_b, counts_b, found_b, prot_b) = out
-    assert np.array_equal(pool_e, pool_b) and counts_e == counts_b and prot_e == prot_b
-    assert found_e == found_b and [(f[1], f[2], f[4][0][0]) for f in found_b] == [(FailReason.VERIFY_TOKEN, 77, "b")]
+    check_accept_batch_runs(accept_batch_runs())
 
 
 def test_accept_tokens_batch_refuses_bad_batches_and_accepts_nothing():

@@ -7,8 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
-from helpers.manager_engine import ToyEngine
+from helpers.manager_engine import ToyEngine, accept_batch_runs, check_accept_batch_runs
 
 from canary import FailReason
 
@@ -110,6 +111,18 @@ def test_cupy_expected_tokens_reach_the_device_pool():
     found = [(v.position, v.reasons, v.stored_token, v.expected_token) for vs in got for v in vs]
     assert found == [(6, FailReason.VERIFY_TOKEN, 16, 26)]
     e.manager.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static", [False, True], ids=["fresh-arrays", "static-buffers"])
+def test_cupy_accept_tokens_batch_is_accept_tokens_for_each_request(static):
+    """On the device: a decode batch's tokens through accept_tokens_batch (the append scatter, inside the replayed
+    before-graph with static buffers) fill the pool as accept_tokens per request does, and as the host manager."""
+    cupy = pytest.importorskip("cupy")
+    runs = accept_batch_runs(xp=cupy, device=0, static=static)
+    check_accept_batch_runs(runs)
+    host = accept_batch_runs()
+    assert np.array_equal(runs[1][0], host[1][0]) and runs[1][1:] == host[1][1:]
 
 
 def _capture(library: str, *extra: str) -> str:

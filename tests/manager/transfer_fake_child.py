@@ -171,6 +171,55 @@ m.before_forward(request_ids=["a", "b"], **before)
 m.after_kv_store(**after)
 m.flush()
 assert m.pool_array._a[row_a, col] == 55 and m.requests.counts[row_a] == col + 1
+
+# accept_tokens_batch for exactly the step's requests, in its order: the append scatter (rows and columns read from
+# the plan's own staging, one copy of rows, valid lengths and tokens), inside the before-graph from the second
+# step on; the tokens land where accept_tokens puts them. Then the same ids in another order, and a batch with a
+# request's own accept_tokens mixed in: the general scatter, the same pool.
+cols = {rid: int(m.requests.counts[m.requests.live[rid].row]) for rid in ("a", "b")}
+appended, general = m._transfer.append, m._transfer.scatter
+calls = []
+m._transfer.append = lambda k, t, stream: (calls.append(("append", k, t)), appended(k, t, stream))
+m._transfer.scatter = lambda k, t, stream: (calls.append(("general", k, t)), general(k, t, stream))
+replays = m._eager.replays
+for t in range(4):
+    m.accept_tokens_batch(["a", "b"], np.array([70 + t, 80 + t]))
+    fakecuda.COUNTS.clear()
+    m.before_forward(request_ids=["a", "b"], **before)
+    m.after_kv_store(**after)
+    assert fakecuda.COUNTS["cuda.cudaMemcpyAsync"] == (1 if KERNEL else 3), dict(fakecuda.COUNTS)  # + report copies
+    assert m._qv.get()[4:6].tolist() == [cols["a"] + t + 1, cols["b"] + t + 1]  # the plan's valid lengths
+# two direct calls, the second one's capture, then replays only
+assert calls == [("append", 2, 2)] * 3, calls
+assert m._eager.replays >= replays + 2 * 2, (replays, m._eager.replays)
+n_calls = len(calls)
+m.accept_tokens_batch(["b", "a"], np.array([91, 90]))  # not the step's order: the general scatter
+m.before_forward(request_ids=["a", "b"], **before)
+m.after_kv_store(**after)
+m.accept_tokens_batch(["a", "b"], np.array([92, 93]))
+m.accept_tokens("a", [94])  # a second update: the general scatter
+m.before_forward(request_ids=["a", "b"], **before)
+m.after_kv_store(**after)
+assert [c[0] for c in calls[n_calls:]] == ["general"] * (len(calls) - n_calls) and len(calls) > n_calls, calls
+# A graph launch that fails after an append was staged: its scatter still runs
+m.accept_tokens_batch(["a", "b"], np.array([95, 96]))
+m._eager.rt.graph_launch = failing_launch
+try:
+    m.before_forward(request_ids=["a", "b"], **before)
+    raise AssertionError("the failing graph launch did not raise")
+except RuntimeError as exc:
+    assert "test's failure" in str(exc)
+finally:
+    m._eager.rt.graph_launch = launch
+m._transfer.append, m._transfer.scatter = appended, general
+m.before_forward(request_ids=["a", "b"], **before)
+m.after_kv_store(**after)
+m.flush()
+pool = m.pool_array._a
+ra, rb = m.requests.live["a"].row, m.requests.live["b"].row
+assert pool[ra, cols["a"]:cols["a"] + 8].tolist() == [70, 71, 72, 73, 90, 92, 94, 95], pool[ra, cols["a"]:]
+assert pool[rb, cols["b"]:cols["b"] + 7].tolist() == [80, 81, 82, 83, 91, 93, 96], pool[rb, cols["b"]:]
+assert m.requests.counts[ra] == cols["a"] + 8 and m.requests.counts[rb] == cols["b"] + 7
 decoded = m.stats()["decoded_steps"]
 
 # Far ahead of the GPU: more steps than report slots with no report read in between (as if none had landed):
