@@ -114,7 +114,10 @@ def launch_stream(device_id: int, stream: Any, owner: Any) -> tuple[int, str | N
     if stream is not None:
         return stream_handle(stream), None
     lib = library_of(owner)
-    handle = current_stream(owner, device_id)
+    if lib == "cupy":  # current_stream's common case inline (a call per step of every per-step call)
+        handle = sys.modules["cupy"].cuda.get_current_stream(device_id).ptr
+    else:
+        handle = current_stream(owner, device_id)
     # No stream given: a graph capture running on another library's current stream would silently miss this
     # launch (a stale graph on every replay). Only other libraries are asked, so the common eager call costs
     # no driver query when the owner's library is the only one in use.

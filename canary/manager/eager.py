@@ -63,8 +63,12 @@ class EagerGraphs:
                 return _MISS
         if fingerprint(objs) != e.prints:
             return _MISS
-        with OnDevice(self.rt, self.ordinal):  # the graph was instantiated in this device's context
-            self.rt.graph_launch(e.graph, st.handle)
+        rt = self.rt
+        if rt.get_device() == self.ordinal:  # OnDevice's common case without its context object
+            rt.graph_launch(e.graph, st.handle)
+        else:
+            with OnDevice(rt, self.ordinal):  # the graph was instantiated in this device's context
+                rt.graph_launch(e.graph, st.handle)
         self.replays += 1
         return e.extra
 

@@ -126,6 +126,9 @@ class CanaryManager:
         self._q, self._valid = self._qv[:b], self._qv[b:]
         self._step_inputs: dict[int, tuple] = {}  # bs -> (q[:bs], valid[:bs]): the same objects every step
         self._block = ReportBlock([s.name for s in specs], int(ring_capacity), empty)
+        g = len(specs)  # the block words a step's decode reads first (block.py): the write indexes, then the heads
+        self._head_words = np.array(list(range(g)) + [h + k for h in self._block.heads for k in range(5)], np.int64)
+        assert g > 1 or self._head_words.tolist() == list(range(6))
         self.groups: list[BoundGroup] = [
             bind_group(i, g, pool=self.pool_array, device=device, library=library, backend=backend,
                        max_batch_size=self.max_batch_size, ring_capacity=int(ring_capacity),
@@ -160,6 +163,7 @@ class CanaryManager:
         self._step: _StepRecord | None = None
         self._inputs: tuple | None = None
         self._launches = {g.name: (0, 0) for g in self.groups}
+        self._streams: dict[tuple, LaunchStream] = {}  # (handle, ordered library) -> its LaunchStream
         self._stalled = {g.name: 0 for g in self.groups}
         self._last_counters = {g.name: (0, 0) for g in self.groups}
         self._last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
@@ -273,7 +277,7 @@ class CanaryManager:
         Never syncs the engine's stream. A call that raises leaves no step open: the engine may call it again,
         and :meth:`after_kv_store` without a successful :meth:`before_forward` raises before writing anything.
         """
-        sel = self._select(groups)
+        sel = self.groups if groups is None else self._select(groups)
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and is_capturing(handle)
         bs = int(req_pool_indices.shape[0])  # an attribute read: no DLPack export inside a capture
@@ -363,7 +367,7 @@ class CanaryManager:
         computed into a preallocated buffer (values must lie in the mapping; torch, CuPy and NumPy arrays), unless
         ``out_cache_loc_by_group[name]`` gives them. ``groups`` and ``stream`` as in :meth:`before_forward`.
         """
-        sel = self._select(groups)
+        sel = self.groups if groups is None else self._select(groups)
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and is_capturing(handle)
         if not capturing and self._step is None:  # before any write: no record is written for a step never opened
@@ -435,7 +439,7 @@ class CanaryManager:
         pool = self.requests
         last = self._rows_cache
         if last is not None and last[1] == pool.members and last[0] == ids:
-            q = last[2]  # the same batch, no request added or finished since: the same pool rows
+            ids, q = last[0], last[2]  # the same batch, no request added or finished since: the same pool rows
         else:
             # RequestPool.lookup inlined (a few hundred ids a step): running, else finished but not reused, else
             # row 0 (None itself is never a key), whose count is 0: an id never added has no expected tokens, only
@@ -587,7 +591,12 @@ class CanaryManager:
                                        f"stream), got {type(stream).__name__}")
             return 0, None
         handle, lib = launch_stream(self.ordinal, stream, self.pool_array)
-        return handle, LaunchStream(handle, lib)
+        st = self._streams.get((handle, lib))
+        if st is None:  # one per stream seen (a handful), not one per call
+            st = LaunchStream(handle, lib)
+            if len(self._streams) < 64:
+                self._streams[(handle, lib)] = st
+        return handle, st
 
     def _translate(self, g: BoundGroup, loc: Any) -> Any:
         n, cap = int(loc.shape[0]), int(g.loc_scratch.shape[0])
@@ -610,19 +619,21 @@ class CanaryManager:
     def _handle_reports(self, wait: bool) -> None:
         new: list[SlotViolation] = []
         dropped, last_step = 0, None
-        while self._pending:
-            rec, token = self._pending[0]
-            if not self._transfer.ready(token):
+        pending, transfer = self._pending, self._transfer
+        while pending:
+            rec, token = pending[0]
+            if not transfer.ready(token):
                 if not wait:
                     break
-                self._transfer.wait(token)
-            self._pending.popleft()
-            words, rpi = self._transfer.read(token)
+                transfer.wait(token)
+            pending.popleft()
+            words, rpi = transfer.read(token)
             try:
                 got, lost = self._decode(rec, words, rpi)
             finally:
-                self._transfer.release(token)  # the words stay the buffer's until here
-            new += got
+                transfer.release(token)  # the words (and rows) stay the buffer's until here
+            if got:
+                new += got
             dropped += lost
             last_step = rec.index
         if last_step is None:
@@ -634,18 +645,19 @@ class CanaryManager:
 
     def _note_rows(self, rec: _StepRecord, rpi: np.ndarray) -> None:
         # Each request's last req_to_token row (for _holders). A decode step repeats the last batch: nothing to do
-        # (add_request / finish_request forget the last batch, so a new request under an old id is noted).
-        rows = rpi.tolist()
+        # (add_request / finish_request forget the last batch, so a new request under an old id is noted). The
+        # rows are compared as bytes and the ids by identity first (_begin hands a repeated batch the same tuple).
+        raw = rpi.tobytes()
         last = self._last_rows
-        if last is not None and last[0] == rec.request_ids and last[1] == rows:
+        if last is not None and last[1] == raw and (last[0] is rec.request_ids or last[0] == rec.request_ids):
             return
         live, retired = self.requests.live.get, self.requests.retired.get
-        for rid, rp in zip(rec.request_ids, rows):
+        for rid, rp in zip(rec.request_ids, rpi.tolist()):
             if rp:
                 req = live(rid) or retired(rid)
                 if req is not None:
                     req.last_req_pool_index = rp
-        self._last_rows = (rec.request_ids, rows)
+        self._last_rows = (rec.request_ids, raw)
 
     def _decode(self, rec: _StepRecord, words: np.ndarray, rpi: np.ndarray | None
                 ) -> tuple[list[SlotViolation], int]:
@@ -658,11 +670,13 @@ class CanaryManager:
         new, dropped = [], 0
         block = self._block
         metrics = self.metrics
-        indexes = words[:len(self.groups)].tolist()  # one conversion for all groups, then one per group's head
+        n_groups = len(self.groups)
+        # The ring write indexes [G], then each group's head: slot counters [2], kernel counters [2], the plan's
+        # status, in one conversion (one group's are contiguous: a slice).
+        vals = (words[:n_groups + 5] if n_groups == 1 else words[self._head_words]).tolist()
         for i, g in enumerate(self.groups):
             name = g.name
-            o = block.heads[i]
-            head = words[o:o + 5].tolist()  # slot counters [2], kernel counters [2], the plan's status
+            head = vals[n_groups + 5 * i:n_groups + 5 * i + 5]
             st.written[name], st.verified[name] = head[_WRITE_COUNTER], head[_VERIFY_COUNTER]
             now = (head[2 + _WRITE_COUNTER], head[2 + _VERIFY_COUNTER])
             status = head[4] & 0xFFFFFFFF  # the int32 in the word's low half (bits, all below 2^31)
@@ -679,7 +693,7 @@ class CanaryManager:
                                 f"({'|'.join(b.name for b in PlanStatus if b and b in bits)}): that step verified "
                                 f"nothing")
             self._last_counters[name] = now
-            index = indexes[i] & 0xFFFFFFFF  # the ring's int32 write index, read as its uint32 count
+            index = vals[i] & 0xFFFFFFFF  # the ring's int32 write index, read as its uint32 count
             if index:
                 ring = words[block.rings[i]].reshape(block.ring_capacity, -1)
                 report = decode(ring, index)

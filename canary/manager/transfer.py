@@ -343,7 +343,7 @@ class CudaTransfer:
         """Wait for ``snap`` (a host wait: only when every slot is unread), copy it out and free its slot."""
         self.wait(snap)
         words, rpi = self.read(snap)
-        out = _Detached(np.array(words), rpi)
+        out = _Detached(np.array(words), None if rpi is None else np.array(rpi))
         self.release(snap)
         return out
 
@@ -403,9 +403,8 @@ class CudaTransfer:
         self._ran(snap)
 
     def read(self, snap: _Snap) -> tuple[np.ndarray, np.ndarray | None]:
-        """``(the block's words, the step's req_pool_indices or None)``: the words are pinned memory itself,
-        valid until :meth:`release` (the decode reads a few of them; copying the whole block cost more), the
-        request rows a copy."""
+        """``(the block's words, the step's req_pool_indices or None)``: both pinned memory itself, valid until
+        :meth:`release` (the decode reads a few words; copying the block cost more)."""
         if type(snap) is _Detached:
             return snap.words, snap.rpi
         n = self.block.words
@@ -414,7 +413,7 @@ class CudaTransfer:
             words = self.mailbox.words[o:o + n + (snap.bs or 0)]
         else:
             words = snap.buf.words
-        return words[:n], (np.array(words[n:n + snap.bs]) if snap.bs is not None else None)
+        return words[:n], (words[n:n + snap.bs] if snap.bs is not None else None)
 
     def release(self, snap: _Snap) -> None:
         if type(snap) is _Detached:
