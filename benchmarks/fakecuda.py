@@ -237,6 +237,19 @@ def _report(args) -> None:
     ctypes.c_int64.from_address(slot).value = seq
 
 
+class _Copy:
+    """A copy captured into a graph: the GPU's work when the graph runs (emulated, not timed as host work)."""
+
+    def __init__(self, dst: int, src: int, n: int):
+        self.dst, self.src, self.n = dst, src, n
+
+    def run(self, args) -> None:
+        global EMULATED_NS
+        t0 = time.thread_time_ns()
+        ctypes.memmove(self.dst, self.src, self.n)
+        EMULATED_NS += time.thread_time_ns() - t0
+
+
 _CAPTURES: dict = {}  # stream handle -> the launches captured on it so far
 _GRAPHS: dict = {}  # graph or graph-exec handle -> its launches
 
@@ -352,6 +365,10 @@ class FakeRuntime:
         return (0,)
 
     def cudaMemcpyAsync(self, dst, src, n, kind, stream):
+        captured = _CAPTURES.get(int(stream))
+        if captured is not None:  # a copy node of the graph, run by its launches (from the buffer as it is then)
+            captured.append((_Copy(int(dst), int(src), int(n)), (None, None)))
+            return (0,)
         self._count("cudaMemcpyAsync")
         ctypes.memmove(int(dst), int(src), int(n))
         return (0,)

@@ -169,7 +169,7 @@ class CanaryManager:
         self._last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
         self._rows_cache: tuple | None = None  # (request ids, pool members version, pool rows) of _begin
         self._last_staged: tuple | None = None  # (pool rows, pool version, stream) of the last staging
-        self._deferred: tuple | None = None  # (scatter, rows, tokens) of the staging's scatter left to before_forward
+        self._deferred: tuple | None = None  # (scatter, rows, tokens, copy): the staging left to before_forward
         self._eager = (EagerGraphs(runtime(), self.ordinal)
                        if eager_graphs and self.ordinal is not None and self.backend == "cupy" else None)
         self._translates = any(g.loc_scratch is not None for g in self.groups)  # an SWA group translates slots
@@ -300,8 +300,8 @@ class CanaryManager:
                     self._eager_plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
             except BaseException:
                 if self._deferred is not None:  # the staged tokens still reach the pool (a scatter is idempotent)
-                    fn, k, t = self._deferred
-                    fn(k, t, handle)
+                    self._transfer.launch_deferred(self._deferred, handle)
+                    self._transfer.deferred_launched(self._deferred, handle)
                     self._deferred = None
                 self._last_staged = None  # the next call stages again
                 self._abandon_step()
@@ -310,23 +310,27 @@ class CanaryManager:
             self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
 
     def _eager_plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st) -> None:
-        # The staging's last expected-token scatter (its row and token counts in the key) joins the graph. It
-        # stays in self._deferred until launched, so that a call that raises first still launches it.
+        # The staging's last expected-token scatter (its row and token counts in the key) joins the graph, and so
+        # does an append's copy (its staging buffer and size in the key: a graph per buffer). It stays in
+        # self._deferred until launched, so that a call that raises first still launches it.
         scatter = self._deferred
         key, objs = (self._step.groups, bs, scatter), (req_pool_indices, prefix_lens, extend_seq_lens)
         got = self._eager.launch("before", key, objs, st)
         if got is not _MISS:
+            if scatter is not None:
+                self._transfer.deferred_launched(scatter, st.handle)
             self._deferred = None
             self._inputs = got
             return
         if scatter is not None:
-            scatter[0](scatter[1], scatter[2], st.handle)
+            self._transfer.launch_deferred(scatter, st.handle)
+            self._transfer.deferred_launched(scatter, st.handle)
             self._deferred = None
         self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
 
         def body(stream):
             if scatter is not None:
-                scatter[0](scatter[1], scatter[2], stream.handle)
+                self._transfer.launch_deferred(scatter, stream.handle)
             self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, stream)
             return self._inputs
 

@@ -237,8 +237,8 @@ class CudaTransfer:
               defer_scatter: bool = False) -> tuple | None:
         """Copy the step's pool rows, valid lengths and queued expected tokens to the device and scatter the
         tokens into the pool, on ``stream``. ``defer_scatter``: the last scatter is left to the caller (who
-        launches ``scatter(k, t, stream)`` next on the same stream, in an eager step's graph): ``(scatter, k,
-        t)`` is returned (``None``: no update)."""
+        launches it next on the same stream, in an eager step's graph, by :meth:`launch_deferred`): ``(scatter, k,
+        t, None)`` is returned (``None``: no update)."""
         # A staging buffer holds the pool rows and valid lengths at [0, 2 B) and a scatter's update at [2 B, ...),
         # as the device area does when the manager allocates qv and upd back to back (self.merged): the first
         # scatter's copy then carries the rows and lengths too, one copy for both.
@@ -266,7 +266,7 @@ class CudaTransfer:
                     rt.memcpy_async(self.upd_ptr, buf.ptr + 8 * o, 8 * (3 * u + 1 + t), H2D, stream)
                 rt.event_record(buf.ev, stream)  # the copy read the buffer: free once it has run
                 self._used(buf, stream)
-                deferred = (self.scatter, k, t)
+                deferred = (self.scatter, k, t, None)
             if deferred is not None and not defer_scatter:
                 self.scatter(deferred[1], deferred[2], stream)
                 deferred = None
@@ -280,24 +280,44 @@ class CudaTransfer:
         return deferred
 
     def stage_append(self, q: np.ndarray, valid: np.ndarray, tokens: np.ndarray, stream: int,
-                     defer_scatter: bool = False) -> tuple | None:
+                     defer: bool = False) -> tuple | None:
         """:meth:`stage` of a decode batch's one accepted token a row, for the very rows ``q`` (``[n]``) the step
         plans, the valid lengths ``valid`` counting them: one copy of ``q``, ``valid`` and ``tokens`` and the
         :class:`DeviceScatter.appending` scatter, which takes its rows and columns from the plan's own staging
-        (nothing else to pack or copy). Only when :attr:`append` is set (a merged staging area)."""
+        (nothing else to pack or copy). Only when :attr:`append` is set (a merged staging area). ``defer``: the
+        copy and the scatter are both left to the caller, returned as ``(scatter, k, t, (buffer index, bytes))``
+        for :meth:`launch_deferred` (an eager step's graph holds the copy too: a copy from a fixed pinned buffer,
+        so the graph is one per staging buffer) and then :meth:`deferred_launched`."""
         n, b = len(q), self.b_cap
-        rt = self.rt
-        with OnDevice(rt, self.ordinal):
+        i = self._next_stage
+        with OnDevice(self.rt, self.ordinal):
             buf = self._stage_buf()
-            w = buf.words
-            w[:n], w[b:b + n], w[2 * b:2 * b + n] = q, valid, tokens
-            rt.memcpy_async(self.qv_ptr, buf.ptr, 8 * (2 * b + n), H2D, stream)
-            rt.event_record(buf.ev, stream)
-            self._used(buf, stream)
-            if defer_scatter:
-                return (self.append, n, n)
-            self.append(n, n, stream)
+        w = buf.words
+        w[:n], w[b:b + n], w[2 * b:2 * b + n] = q, valid, tokens
+        deferred = (self.append, n, n, (i, 8 * (2 * b + n)))
+        if defer:
+            return deferred
+        self.launch_deferred(deferred, stream)
+        self.deferred_launched(deferred, stream)
         return None
+
+    def launch_deferred(self, deferred: tuple, stream: int) -> None:
+        """Launch what :meth:`stage` / :meth:`stage_append` left to the caller, on ``stream`` (capturable)."""
+        fn, k, t, copy = deferred
+        if copy is not None:
+            with OnDevice(self.rt, self.ordinal):
+                self.rt.memcpy_async(self.qv_ptr, self.stage_bufs[copy[0]].ptr, copy[1], H2D, stream)
+        fn(k, t, stream)
+
+    def deferred_launched(self, deferred: tuple, stream: int) -> None:
+        """After :meth:`launch_deferred` ran on ``stream`` (directly or inside a replayed graph): its staging
+        buffer is free once the stream gets here."""
+        copy = deferred[3]
+        if copy is not None:
+            buf = self.stage_bufs[copy[0]]
+            with OnDevice(self.rt, self.ordinal):
+                self.rt.event_record(buf.ev, stream)
+            self._used(buf, stream)
 
     # -- device -> host ------------------------------------------------------------------------------------------
     @property
