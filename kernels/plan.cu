@@ -280,92 +280,140 @@ __device__ __forceinline__ i64 rotation_head(const PlanParams& p, i64 requests) 
     return head >= 0 && head < requests ? head : 0;
 }
 
-// A sampled step's extra columns of the row table, from the scan's (off and pdelta still unsampled): lo[r] the
-// window start, len[r] the verify count, rank[r] the rows with entries before r. Returns the number of rows with
-// entries. Thread x owns rows x, x + THREADS, ... here as in sample_rows, so each reads back only its own rows.
-template <int THREADS>
-__device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t) {
-    i64 carry = 0;
-    for (i64 tile = 0; tile < p.bs; tile += THREADS) {  // uniform: the scan has barriers
-        const i64 r = tile + threadIdx.x;
-        i64 len = 0, lo = 0;
-        if (r < p.bs) {
-            len = t.off[r + 1] - t.off[r];
-            lo = len > 0 ? t.pdelta[r] + t.off[r] : 0;
-        }
-        const i64 v[1] = {len > 0 ? 1 : 0};
-        i64 excl[1], tot[1];
-        block_scan<THREADS, 1>(v, excl, tot);
-        if (r < p.bs) { t.lo[r] = lo; t.len[r] = len; t.rank[r] = excl[0] + carry; }
-        carry += tot[0];
-    }
-    __syncthreads();  // every read of off[r + 1] is done before sample_rows rewrites off
-    return carry;
-}
-
-// Turn the row table into a sampled step's (SPEC 3.7): off[r] becomes first[r], the row's first output entry,
-// and base / pdelta start the row at its run (its cursor). Each thread rewrites only its own rows, ROW_BATCH of
-// them per round with their loads issued together when the table is in global memory (two-pass: BATCH =
-// ROW_BATCH); from shared memory (fused) one row a round, as batching there only costs registers and spills. The cursors are
-// read here, not in the scan, so that a step that does not sample pays nothing for them. Every block that
-// needs the table does this itself; the cursors move once all have read them (fused_sampled, plan_rows). Returns the
-// number of rows with entries.
+// A sampled step's table (SPEC 3.7) is built in two rounds over the rows, each thread owning rows x, x + THREADS,
+// ... in both, so that it reads back only what it wrote. rank_rows: from the scan's table (off, base, pdelta still
+// unsampled) each row's window (lo, len), its rank among the rows with entries and its run (its cursor, read
+// here); sample_rows: each row's first output entry, the table rewritten around it. Before (run 44), rank_rows
+// only ranked and sample_rows re-read req_pool_indices, then the cursor behind it, and the rows kernel reset the
+// cursors in a third round that re-read the table: on the two-pass path's one block, about 12 dependent round
+// trips at bs=4096. Now the cursor loads are issued right behind req_pool_indices, before the rank scan, so their
+// round trip hides behind it, and the reset is done from registers in sample_rows.
+//
+// rank_rows stores lo, len and, as stand-ins until sample_rows, rank in base[r] (sample_rows rebuilds base from
+// rp and pdelta: base - pdelta = rp * r2t_row_stride) and rp in rank[r] (what the cursor update needs); pdelta
+// already includes the run. rp, pdelta and rank are stored for rows with entries only (the others are never
+// emitted from nor advanced). BATCH tiles' loads are issued together and ranked by one block scan. head_raw gets
+// cursors[0] as read here, before anyone writes it. Returns the number of rows with entries. Ends on a barrier:
+// every cursor read of this block is done, and every read of off[r + 1] before sample_rows rewrites off.
 template <int THREADS, int BATCH>
-__device__ __forceinline__ i64 sample_rows(const PlanParams& p, RowTable t, i64 total) {
-    const i64 requests = rank_rows<THREADS>(p, t);
-    const i64 cap = p.verify_capacity;
-    const i64 head = cap < requests ? rotation_head(p, requests) : 0;
-    for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)blockDim.x * BATCH) {
-        i64 m[BATCH], off[BATCH], len[BATCH], run[BATCH], rp[BATCH];
+__device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t, i64& head_raw) {
+    head_raw = p.cursors[0];
+    i64 carry = 0;
+    for (i64 group = 0; group < p.bs; group += (i64)THREADS * BATCH) {  // uniform: the scan has barriers
+        i64 o0[BATCH], len[BATCH], pd[BATCH], rp[BATCH], cur[BATCH];
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
-            const i64 r = r0 + (i64)k * blockDim.x;
-            if (r < p.bs) { m[k] = t.rank[r]; off[k] = t.off[r]; len[k] = t.len[r]; rp[k] = p.req_pool_indices[r]; }
+            const i64 r = group + k * THREADS + threadIdx.x;
+            o0[k] = 0; len[k] = 0; pd[k] = 0; rp[k] = 0;
+            if (r < p.bs) { o0[k] = t.off[r]; len[k] = t.off[r + 1]; pd[k] = t.pdelta[r]; rp[k] = p.req_pool_indices[r]; }
         }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {  // a row with entries is trusted: 0 < rp < max_reqs
-            const i64 r = r0 + (i64)k * blockDim.x;
-            run[k] = (r < p.bs && len[k] > 0) ? p.cursors[rp[k]] : 0;
+            len[k] -= o0[k];
+            cur[k] = len[k] > 0 ? p.cursors[rp[k]] : 0;
         }
+        i64 v[BATCH], excl[BATCH], tot[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) v[k] = len[k] > 0 ? 1 : 0;
+        block_scan<THREADS, BATCH>(v, excl, tot);
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
-            const i64 r = r0 + (i64)k * blockDim.x;
-            if (r < p.bs && len[k] > 0) {
-                const i64 lo = t.lo[r];
-                run[k] = (run[k] >= lo && run[k] < lo + len[k]) ? run[k] - lo : 0;
+            const i64 r = group + k * THREADS + threadIdx.x;
+            if (r < p.bs) {
+                const i64 lo = len[k] > 0 ? pd[k] + o0[k] : 0;
+                t.lo[r] = lo;
+                t.len[r] = len[k];
+                t.base[r] = excl[k] + carry;
+                if (len[k] > 0) {
+                    t.pdelta[r] = pd[k] + (cur[k] >= lo && cur[k] < lo + len[k] ? cur[k] - lo : 0);
+                    t.rank[r] = rp[k];
+                }
+            }
+            carry += tot[k];
+        }
+    }
+    __syncthreads();
+    return carry;
+}
+
+// floor(a / b) for 0 <= a < 2^62, 1 <= b < 2^62, a / b < 2^50, given inv_b = 1.0 / (double)b: a 64-bit integer
+// division is a long subroutine on the GPU, this a multiply and one correction. Why one suffices: (double)a,
+// (double)b, the reciprocal and the product each round once, relative error at most u = 2^-53 each, so the
+// estimate is (a / b)(1 + d) with |d| < 5u, off by less than 2^50 * 5 * 2^-53 = 5/8 from a / b. It is >= 0 and
+// truncates to q - 1, q or q + 1 (q the exact floor), so rem = a - est * b lies in [-b, 2b): one step corrects
+// it, and est * b <= a + b < 2^63 does not overflow.
+__device__ __forceinline__ i64 floor_div(i64 a, i64 b, double inv_b) {
+    i64 q = (i64)((double)a * inv_b);
+    const i64 rem = a - q * b;
+    if (rem < 0) --q;
+    else if (rem >= b) ++q;
+    return q;
+}
+
+// The second round (see rank_rows): off[r] becomes first[r], the row's first output entry, and base / pdelta start
+// the row at its run; rank[r] keeps rp. RESET (the two-pass rows kernel, the cursors' only reader): the cursors of
+// the rows that take entries are reset and the head moved here, from registers (rank_rows' barrier: every read is
+// done). The fused launch's extra block does that instead (fused_sampled), once every block has read them.
+template <int THREADS, int BATCH, bool RESET>
+__device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64 total, i64 requests, i64 head_raw) {
+    const i64 cap = p.verify_capacity;
+    const i64 head = cap < requests && head_raw >= 0 && head_raw < requests ? head_raw : 0;
+    // cap >= requests: first = rank + floor((cap - requests) * (off - rank) / (total - requests)), and
+    // off - rank <= total - requests, so the quotient is at most cap - requests; the products are < 2^62 (bind).
+    const bool by_double = cap >= requests && cap - requests < (1LL << 50);
+    const double inv = by_double ? 1.0 / (double)(total - requests) : 0.0;
+    for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)THREADS * BATCH) {
+        i64 m[BATCH], off[BATCH], len[BATCH], pd[BATCH], rp[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const i64 r = r0 + (i64)k * THREADS;
+            m[k] = 0; off[k] = 0; len[k] = 0; pd[k] = 0; rp[k] = 0;
+            if (r < p.bs) {
+                m[k] = t.base[r]; off[k] = t.off[r]; len[k] = t.len[r];
+                if (len[k] > 0) { pd[k] = t.pdelta[r]; rp[k] = t.rank[r]; }
             }
         }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
-            const i64 r = r0 + (i64)k * blockDim.x;
+            const i64 r = r0 + (i64)k * THREADS;
             if (r >= p.bs) continue;
             i64 first;
+            bool takes = len[k] > 0;
             if (cap >= requests) {  // one entry each, the rest in proportion to len - 1 (the running sum rounded)
-                first = m[k] + (cap - requests) * (off[k] - m[k]) / (total - requests);
-            } else if (head + cap <= requests) {  // the requests of ranks [head, head + cap) take one entry each
-                first = min(max(m[k] - head, (i64)0), cap);
-            } else {  // ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
-                first = min(m[k], head + cap - requests) + max(m[k] - head, (i64)0);
+                const i64 a = (cap - requests) * (off[k] - m[k]), b = total - requests;
+                first = m[k] + (by_double ? floor_div(a, b, inv) : a / b);
+            } else {
+                if (head + cap <= requests)  // the requests of ranks [head, head + cap) take one entry each
+                    first = min(max(m[k] - head, (i64)0), cap);
+                else  // ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
+                    first = min(m[k], head + cap - requests) + max(m[k] - head, (i64)0);
+                const i64 d = m[k] >= head ? m[k] - head : m[k] - head + requests;
+                takes = takes && d < cap;
             }
             if (len[k] > 0) {
-                const i64 shift = off[k] - first + run[k];  // base and pdelta were relative to off[r] and lo
-                t.base[r] += shift;
-                t.pdelta[r] += shift;
-                t.rank[r] = rp[k];  // the rank is spent; the cursor update needs the row's cursor index
+                const i64 pdelta = pd[k] + off[k] - first;  // pdelta was relative to off[r]
+                t.pdelta[r] = pdelta;
+                t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
+                if (RESET && takes) p.cursors[rp[k]] = (i64)(-0x7fffffffffffffffLL - 1);
             }
             t.off[r] = first;
         }
     }
-    if (threadIdx.x == 0) t.off[p.bs] = cap;
+    if (threadIdx.x == 0) {
+        t.off[p.bs] = cap;
+        if (RESET && cap < requests) {
+            const i64 next = head + cap;  // < 2 * requests
+            p.cursors[0] = next >= requests ? next - requests : next;
+        }
+    }
     __syncthreads();
-    return requests;
 }
 
-// The cursor update of a sampled step (SPEC 3.7), in two halves so that the two-pass path can spread the second
-// over the entries kernel's blocks. reset_cursors, once every reader has read the cursors: each sampled row's
-// cursor to INT64_MIN, and the rotation head moved (thread 0 only reads and writes cursors[0]; no row with entries
-// has rp = 0). rank[r] holds the row's req_pool_indices value by now (sample_rows), so nothing is read from
-// global memory again.
+// The cursor update of a sampled step (SPEC 3.7), in two halves: a reset, once every reader has read the cursors,
+// then advance_cursor. The two-pass rows kernel resets in sample_rows<..., true> and its entries kernel advances;
+// the fused launch's extra block does both (update_cursors). reset_cursors: each sampled row's cursor to INT64_MIN,
+// and the rotation head moved (thread 0 only reads and writes cursors[0]; no row with entries has rp = 0).
+// rank[r] holds the row's req_pool_indices value by now (rank_rows), so nothing is read from global memory again.
 __device__ __forceinline__ void reset_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
     for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x)
         if (t.off[r + 1] > t.off[r]) p.cursors[t.rank[r]] = (i64)(-0x7fffffffffffffffLL - 1);
@@ -517,7 +565,7 @@ __device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64
     }
 }
 
-// A sampled step of the fused launch. Every block reads the cursors (sample_rows) and the cursors may move only
+// A sampled step of the fused launch. Every block reads the cursors (rank_rows) and the cursors may move only
 // once all have. A sampling planner's fused grid has one block more than its entries need (plan_layout.py
 // fused_grid): that last block emits nothing, waits until every other block has counted itself in (after its
 // reads, without waiting for an answer), and moves the cursors with all its threads. No emitting warp waits for
@@ -526,7 +574,9 @@ __device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64
 // other blocks never wait for this one, so they always finish.
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, int row_flags, i64 total, int bad) {
-    const i64 requests = sample_rows<ENTRY_THREADS, 1>(p, t, total);  // ends on a barrier: the block's reads are done
+    i64 head_raw;
+    const i64 requests = rank_rows<ENTRY_THREADS, 1>(p, t, head_raw);  // ends on a barrier: reads done
+    sample_rows<ENTRY_THREADS, 1, false>(p, t, total, requests, head_raw);
     unsigned long long* readers = reinterpret_cast<unsigned long long*>(p.scratch) + SCRATCH_READERS;
     const i64 emitters = (i64)gridDim.x - 1;
     if (blockIdx.x == emitters) {
@@ -574,7 +624,7 @@ __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
 }
 
 // One block: the scans, and for a sampled step the sampled table and the cursors' reset (this block is the only
-// reader of the cursors, so it may reset them once its threads have read them: sample_rows ends on a barrier).
+// reader of the cursors, so it may reset them once its threads have read them: rank_rows ends on a barrier).
 // The entries kernel advances them, a row per thread over its grid: on one block that half was a chain of
 // dependent round trips, rows deep per thread (run 44: a bs=4096 sampled step 44.7 us against 24.2 for a full
 // plan of its capacity).
@@ -584,7 +634,11 @@ __device__ __forceinline__ void plan_rows(const PlanParams& p) {
     int row_flags, seed_bad;
     const i64 total = scan_rows<ROWS_THREADS, ROW_BATCH, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad);
     row_flags |= seed_bad ? CANARY_BAD_SLOT : 0;
-    if (sampling(p, row_flags, total)) reset_cursors(p, t, sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total));
+    if (sampling(p, row_flags, total)) {
+        i64 head_raw;
+        const i64 requests = rank_rows<ROWS_THREADS, ROW_BATCH>(p, t, head_raw);
+        sample_rows<ROWS_THREADS, ROW_BATCH, true>(p, t, total, requests, head_raw);
+    }
     if (threadIdx.x == 0) {
         p.scratch[SCRATCH_ROW_FLAGS] = row_flags;
         p.scratch[SCRATCH_TOTAL] = total;
