@@ -84,7 +84,7 @@ def test_cupy_full_swa_and_draft_groups_and_blind_spots(static):
     # More decode steps of the same batch: the target forwards' before_forward calls (the staged token scatter
     # included) replay as graphs with static buffers; the SWA group's writes stay direct. The corrupt slots are
     # repeats by now, not new reports.
-    for _ in range(3):
+    for _ in range(8):  # a graph per staging buffer (3): captured at its second sighting
         e.decode_step(["a", "b"], batch=static)
     e.manager.flush()
     assert sorted((v.group, v.position) for vs in got for v in vs) == found
