@@ -46,15 +46,16 @@ SPLIT: dict = {}  # --split: {"clock": the clock, "parts": [(accept ns, before_f
 
 def manager_case(cp, bs: int, context: int, tokens: str | None):
     """bench_manager's manager and decode step; ``tokens``: one accepted token per request per step, reported
-    ``"each"`` (``accept_tokens`` per request) or as a ``"batch"`` (``accept_tokens_batch``), timed with the step
+    ``"each"`` (``accept_tokens`` per request) or as a ``"batch"`` (``accept_tokens_batch``) or ``"device"`` (``accept_tokens_batch`` with a device array), timed with the step
     (half the context is then prompt, so that the accepted tokens have room)."""
     from bench_manager import build
 
     m, ids, before, after = build(cp, bs, context, prompt=context // 2 if tokens else None, **MANAGER_KW)
-    if tokens == "batch" and not hasattr(m, "accept_tokens_batch"):  # a tree from before it (a baseline run)
+    if tokens in ("batch", "device") and not hasattr(m, "accept_tokens_batch"):  # a tree from before it (a baseline)
         m.close()
         return None
     one, ones = [0], np.zeros(bs, dtype=np.int64)
+    sampled = cp.asarray(ones)
     tick = SPLIT.get("clock")
 
     def accept():
@@ -63,6 +64,8 @@ def manager_case(cp, bs: int, context: int, tokens: str | None):
                 m.accept_tokens(rid, one)
         elif tokens == "batch":
             m.accept_tokens_batch(ids, ones)
+        elif tokens == "device":  # the engine's sampled token ids, in its static device buffer
+            m.accept_tokens_batch(ids, sampled)
 
     def call():
         if tick is None:
@@ -127,7 +130,7 @@ def cases(cp, only: list[str] | None):
     want = (lambda kind: not only or kind in only)
     if want("manager"):
         for name, (bs, ctx) in MANAGER.items():
-            for tokens in (None, "each", "batch"):
+            for tokens in (None, "each", "batch", "device"):
                 out[f"manager {name}{' +tokens ' + tokens if tokens else ''}"] = \
                     lambda bs=bs, ctx=ctx, t=tokens: manager_case(cp, bs, ctx, t)
     if want("records"):

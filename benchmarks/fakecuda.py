@@ -183,6 +183,8 @@ class _Kernel:
             _report(args)
         elif self.name.startswith("canary_scatter") and EMULATE_SCATTER:
             _scatter(args)
+        elif self.name.startswith("canary_append_tokens") and EMULATE_SCATTER:
+            _append(args, np.int64 if self.name.endswith("i64") else np.int32)
 
 
 # This thread's CPU time spent emulating kernels (the report's copy into the mailbox, the counters): the GPU's work,
@@ -217,6 +219,27 @@ def _scatter(args) -> None:
             if 0 <= col < w["pool_cols"]:
                 at = w["pool"] + 4 * (w["pool_row_stride"] * int(rows[i]) + col)
                 ctypes.c_int32.from_address(at).value = int(toks[j])  # ctypes keeps the low 32 bits
+
+
+def _append(args, token_type) -> None:
+    """kernels/records.cu's canary_append_tokens on host memory: row r's token into pool row q[r] at column
+    valid[r], valid[r] advanced."""
+    from canary.backends.records_layout import APPEND_FIELDS
+
+    raw = np.ctypeslib.as_array((ctypes.c_uint64 * len(APPEND_FIELDS)).from_address(args[0].address))
+    w = {k: int(v) for k, v in zip(APPEND_FIELDS, raw)}
+    n = w["n"]
+    if not n:
+        return
+    q = np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(w["q"]))
+    valid = np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(w["valid"]))
+    ctype = ctypes.c_int64 if token_type is np.int64 else ctypes.c_int32
+    tokens = np.ctypeslib.as_array((ctype * n).from_address(w["tokens"]))
+    for r in range(n):
+        rp, col = int(q[r]), int(valid[r])
+        if 0 < rp < w["pool_rows"] and 0 <= col < w["pool_cols"]:
+            ctypes.c_int32.from_address(w["pool"] + 4 * (w["pool_row_stride"] * rp + col)).value = int(tokens[r])
+            valid[r] = col + 1
 
 
 def _report(args) -> None:

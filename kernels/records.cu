@@ -487,6 +487,42 @@ extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) canary_scatter_i32
     scatter<int>(p);
 }
 
+// A decode batch's accepted tokens, read from the engine's device array: row r's token goes to pool row q[r] at
+// column valid[r], and valid[r] counts it, so that the plan launched next reads the new valid lengths with no
+// host-to-device copy (the manager's accept_tokens_batch with device token ids, canary/manager/transfer.py). Not
+// idempotent (it advances valid): the manager launches it once per accept. One thread a row; a row outside the
+// pool or a full row is skipped and keeps its length (the manager refuses both on the host first). CuPy backend
+// only, like report.cu: a Numba manager copies device tokens to the host instead. Reference: docs/records.md 7.
+struct AppendParams {
+    int* pool;
+    i64 pool_rows;
+    i64 pool_cols;
+    i64 pool_row_stride;   // elements
+    const i64* q;          // [n] pool rows
+    i64* valid;            // [n] tokens each row holds, advanced here
+    const void* tokens;    // [n] int64 or int32 (the kernel's suffix says which)
+    i64 n;
+};
+
+template <typename Token>
+__device__ void append_tokens(const AppendParams& p) {
+    const i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= p.n) return;
+    const i64 rp = p.q[r];
+    const i64 col = p.valid[r];
+    if (rp <= 0 || rp >= p.pool_rows || col < 0 || col >= p.pool_cols) return;
+    p.pool[rp * p.pool_row_stride + col] = (int)static_cast<const Token*>(p.tokens)[r];
+    p.valid[r] = col + 1;
+}
+
+extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) canary_append_tokens_i64(const AppendParams p) {
+    append_tokens<i64>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) canary_append_tokens_i32(const AppendParams p) {
+    append_tokens<int>(p);
+}
+
 // ---- The layer rotation (docs/records.md 10; host: canary/records/layers.py; reference:
 // canary/backends/reference/layers.py). A side table layer_hashes[num_slots, num_layers] holds every layer's
 // real-KV fold of each slot (fold_slot above, unchanged, over that layer's sources); write_layers refreshes the

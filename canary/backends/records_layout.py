@@ -30,6 +30,7 @@ SCATTER_FIELDS = (
     "pool", "pool_rows", "pool_cols", "pool_row_stride", "req_pool_indices", "bs", "tokens", "num_tokens",
     "token_offsets", "column_starts", "column_offset",
 )
+APPEND_FIELDS = ("pool", "pool_rows", "pool_cols", "pool_row_stride", "q", "valid", "tokens", "n")
 CONSTANTS = {"MAX_SOURCES": MAX_SOURCES, "WRITE_THREADS": WRITE_THREADS, "WRITE_MAX_SEGMENTS": WRITE_MAX_SEGMENTS, "VERIFY_THREADS": VERIFY_THREADS,
              "SCATTER_THREADS": SCATTER_THREADS}
 

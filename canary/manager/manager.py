@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from ..errors import INPUT_ERROR_BITS, PlanStatus, fail
-from ..interop.adapter import as_view
+from ..interop.adapter import HOST, as_view, identity
 from ..interop.cudart import H2D, OnDevice, runtime
 from ..interop.devices import allocator, cuda_ordinal
 from ..interop.hostcopy import to_host
@@ -147,9 +147,16 @@ class CanaryManager:
 
                 ordinal = self.ordinal
                 report = (empty(1, np.int64), lambda **layout: ReportLaunch(ordinal, **layout))
+            device_append = None
+            if self.backend == "cupy":  # device token ids appended on the device (kernels/records.cu)
+                from ..backends.cupy.records import prepare_append
+
+                device_append = prepare_append(as_view(self.pool_array, "pool"), as_view(self._q, "staging.q"),
+                                               as_view(self._valid, "staging.valid"))
             self._transfer = CudaTransfer(self.ordinal, block=self._block, staging={"qv": self._qv, "upd": upd},
                                           u_cap=u, scatter=DeviceScatter.over(self.pool_array, upd, u, self.backend),
-                                          append=self._append_scatter(empty, upd), report_kernel=report)
+                                          append=self._append_scatter(empty, upd), device_append=device_append,
+                                          report_kernel=report)
         # -- sweep hook (canary/manager/sweep.py) --
         self._sweep = Sweeper(self.groups, check_budget("sweep_budget", sweep_budget), empty, self.ordinal,
                               prefix_source)
@@ -164,6 +171,7 @@ class CanaryManager:
         self._inputs: tuple | None = None
         self._launches = {g.name: (0, 0) for g in self.groups}
         self._streams: dict[tuple, LaunchStream] = {}  # (handle, ordered library) -> its LaunchStream
+        self._tokens_view: tuple | None = None  # (array, identity, view) of the last device token ids
         self._stalled = {g.name: 0 for g in self.groups}
         self._last_counters = {g.name: (0, 0) for g in self.groups}
         self._last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
@@ -240,6 +248,10 @@ class CanaryManager:
         per request. Raises ``KeyError`` for a request not running, ``ValueError`` for a request listed twice, a
         length mismatch or a request past ``max_seq_len + 1`` tokens (nothing is accepted then)."""
         ids = tuple(request_ids.tolist()) if isinstance(request_ids, np.ndarray) else tuple(request_ids)
+        if type(token_ids) not in (list, tuple, np.ndarray):
+            token_ids = self._device_tokens(ids, token_ids)
+            if token_ids is None:
+                return
         toks = np.asarray(token_ids)
         if toks.ndim != 1 or toks.shape[0] != len(ids):
             raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
@@ -248,6 +260,45 @@ class CanaryManager:
             raise fail(TypeError, f"token_ids: expected integer token ids, got dtype {toks.dtype}")
         if len(ids):
             self.requests.accept_batch(ids, toks.astype(np.int64, copy=True), self._batch_rows)
+
+    def _device_tokens(self, ids: tuple, token_ids: Any) -> Any:
+        """accept_tokens_batch's arrays that are not NumPy's: device token ids are queued zero-copy when this
+        manager appends on the device (returns ``None``); otherwise returns host values for the host path (a
+        device array copied to the host: a sync, e.g. a Numba-backend manager)."""
+        ident = identity(token_ids)  # an engine's static buffer: its checked view reused while the same array
+        last = self._tokens_view
+        if ident is not None and last is not None and last[0] is token_ids and last[1] == ident:
+            view = last[2]
+            if view.shape[0] != len(ids):
+                raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
+                                       f"{tuple(view.shape)}")
+            self.requests.accept_batch(ids, None, self._batch_rows, device=(view, token_ids))
+            return None
+        t = type(token_ids)  # the type's attributes: an instance's __cuda_array_interface__ builds a dict
+        if not (hasattr(t, "__cuda_array_interface__") or hasattr(t, "__dlpack__")):
+            return token_ids  # a sequence of another kind: NumPy reads it
+        view = as_view(token_ids, "token_ids")
+        self._tokens_view = None
+        if view.device_id == HOST:
+            return view.host
+        if self._transfer.device_append is None:
+            return to_host(token_ids)
+        if len(view.shape) != 1 or view.shape[0] != len(ids):
+            raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
+                                   f"{tuple(view.shape)}")
+        if view.dtype not in (np.dtype(np.int64), np.dtype(np.int32)):
+            raise fail(TypeError, f"token_ids: expected int64 or int32 device token ids, got dtype {view.dtype}")
+        if view.device_id != self.ordinal:
+            raise fail(ValueError, f"token_ids: expected host ints or an array on cuda:{self.ordinal} (the manager's "
+                                   f"device), got an array on cuda:{view.device_id}")
+        if len(ids) > 1 and view.strides[0] != 1:
+            raise fail(ValueError, f"token_ids: expected a contiguous device array (stride 1), got stride "
+                                   f"{view.strides[0]}")
+        if ident is not None:
+            self._tokens_view = (token_ids, ident, view)
+        if len(ids):
+            self.requests.accept_batch(ids, None, self._batch_rows, device=(view, token_ids))
+        return None
 
     def _batch_rows(self, ids: tuple) -> np.ndarray | None:
         # The pool rows _begin holds for this batch: accept_batch adopts the same array, so that _begin can tell a
@@ -466,7 +517,13 @@ class CanaryManager:
         updates = pool.updates
         if last is None or last[0] is not q or last[1] != pool.version or last[2] != handle or updates:
             one = updates[0] if len(updates) == 1 else None
-            if type(one) is RowTokens and one.rows is q and self._transfer.append is not None:
+            if type(one) is RowTokens and one.rows is q and one.device is not None:
+                # Device token ids for exactly this step's rows: appended on the device, which also advances the
+                # plan's valid lengths there (no copy when it holds these rows' lengths from before the accept).
+                pool.take_updates()
+                synced = last is not None and last[0] is q and last[1] == one.version and last[2] == handle
+                self._deferred = self._transfer.stage_device_append(q, one, handle, synced, defer_scatter)
+            elif type(one) is RowTokens and one.rows is q and self._transfer.append is not None:
                 # A decode batch that accepted one token a request for exactly this step's rows: the scatter
                 # reads the plan's staged rows and valid lengths (the tokens' columns are valid - 1).
                 pool.take_updates()

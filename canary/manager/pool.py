@@ -29,11 +29,23 @@ class _Request:
 @dataclass
 class RowTokens:
     """A queued update of one token for each of several pool rows (:meth:`RequestPool.accept_batch`): ``rows``,
-    ``cols`` (each row's first free column), ``tokens``, ``ends``, ``[k]`` int64 each."""
+    ``cols`` (each row's first free column), ``tokens``, ``ends``, ``[k]`` int64 each. Device token ids (the
+    manager's zero-copy path) stay on the device: ``device`` = ``(their view, the caller's array)`` and ``tokens``
+    is ``None`` until :meth:`host_tokens` copies them (a sync, off the decode path). ``version``: the pool's
+    version before this update (the manager's device staging knows the lengths of that version)."""
     rows: np.ndarray
     cols: np.ndarray
-    tokens: np.ndarray
+    tokens: np.ndarray | None
     ends: np.ndarray  # cols + 1: the rows' token counts once this update is in
+    device: Any = None
+    version: int = 0
+
+    def host_tokens(self) -> np.ndarray:
+        if self.tokens is None:
+            from ..interop.hostcopy import to_host
+
+            self.tokens = np.asarray(to_host(self.device[1])).astype(np.int64).reshape(-1)
+        return self.tokens
 
 
 class RequestPool:
@@ -56,6 +68,7 @@ class RequestPool:
         self.version = 0
         self.members = 0
         self._batch: tuple | None = None  # (ids, members, rows) of the last accept_batch
+        self._batch_state: tuple | None = None  # (version after it, its rows, their counts, the largest count)
 
     def add(self, request_id: Hashable, tokens: Any) -> None:
         if request_id is None:
@@ -116,9 +129,10 @@ class RequestPool:
             self.counts[req.row] = start + n
             self.updates.append((req.row, start, toks))
 
-    def accept_batch(self, request_ids: tuple, tokens: np.ndarray, same_rows=None) -> None:
-        """One token for each running request of ``request_ids`` (distinct), ``tokens`` ``[k]`` int64: one update
-        for the batch. The ids' rows are looked up once per batch (reused while no request is added or finished),
+    def accept_batch(self, request_ids: tuple, tokens: np.ndarray | None, same_rows=None, device=None) -> None:
+        """One token for each running request of ``request_ids`` (distinct), ``tokens`` ``[k]`` int64 (or
+        ``None`` and ``device`` = ``(view, array)`` of device token ids, see :class:`RowTokens`): one update for
+        the batch. The ids' rows are looked up once per batch (reused while no request is added or finished),
         the counts checked and advanced together. ``same_rows(request_ids)``: an array of these rows the caller
         already holds (or ``None``), adopted when equal, so that the caller can tell its batch by identity."""
         last = self._batch
@@ -139,15 +153,23 @@ class RequestPool:
             if held is not None and np.array_equal(held, rows):
                 rows = held
             self._batch = (request_ids, self.members, rows)
-        cols = self.counts[rows]
-        if cols.max() >= self.cols:  # one reduction on the common path; the culprit looked up only on failure
+        state = self._batch_state
+        if state is not None and state[0] == self.version and state[1] is rows:
+            # A decode loop: nothing changed these rows since this batch's last accept, so their counts are its
+            # ends and the largest is known (no gather, no reduction)
+            cols, top = state[2], state[3]
+        else:
+            cols = self.counts[rows]
+            top = int(cols.max()) if len(cols) else -1
+        if top >= self.cols:  # the culprit looked up only on failure
             i = int(np.flatnonzero(cols >= self.cols)[0])
             raise fail(ValueError, f"token_ids: expected at most {self.cols} tokens per request (the pool's "
                                    f"columns, max_seq_len + 1), got {self.cols + 1} for request {request_ids[i]!r}")
         ends = cols + 1
         self.counts[rows] = ends
         self.version += 1
-        self.updates.append(RowTokens(rows, cols, tokens, ends))
+        self._batch_state = (self.version, rows, ends, top + 1)
+        self.updates.append(RowTokens(rows, cols, tokens, ends, device, self.version - 1))
 
     def batch_rows(self, request_ids: tuple) -> np.ndarray | None:
         """The rows :meth:`accept_batch` holds for exactly these ids (no request added or finished since), or

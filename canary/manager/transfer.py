@@ -49,7 +49,7 @@ class HostTransfer:
         for u in updates:
             # int64 first: the pool keeps the low 32 bits, as the scatter stores them
             if type(u) is RowTokens:
-                pool[u.rows, u.cols] = u.tokens
+                pool[u.rows, u.cols] = u.host_tokens()
                 continue
             row, col, toks = u
             pool[row, col:col + len(toks)] = np.asarray(toks, dtype=np.int64)
@@ -58,7 +58,7 @@ class HostTransfer:
 
     def __init__(self, block: ReportBlock):
         self.block = block
-        self.append = None  # stage_append's scatter: a GPU transfer's alone
+        self.append = self.device_append = None  # a GPU transfer's alone
 
     def snapshot(self, rpi: ArrayView | None, bs: int, stream) -> tuple[np.ndarray, np.ndarray | None]:
         b = self.block
@@ -176,11 +176,14 @@ class CudaTransfer:
     """
 
     def __init__(self, ordinal: int, *, block: ReportBlock, staging: dict[str, Any], u_cap: int, scatter,
-                 append: Any = None, report_kernel: Any = None, depth: int = 3):
+                 append: Any = None, device_append: Any = None, report_kernel: Any = None, depth: int = 3):
         self.ordinal = ordinal
         self.block = block
         self.scatter = scatter
         self.append = append
+        # kernels/records.cu's canary_append_tokens over the plan's staging (the CuPy backend's PreparedAppend)
+        self.device_append = device_append
+        self._append_calls: dict[tuple, _AppendCall] = {}
         self.qv, self.upd = staging["qv"], staging["upd"]
         self.qv_ptr = as_view(self.qv, "staging.qv").ptr
         self.upd_ptr = as_view(self.upd, "staging.upd").ptr
@@ -299,6 +302,35 @@ class CudaTransfer:
             return deferred
         self.launch_deferred(deferred, stream)
         self.deferred_launched(deferred, stream)
+        return None
+
+    def stage_device_append(self, q: np.ndarray, one, stream: int, synced: bool, defer: bool = False
+                            ) -> tuple | None:
+        """A decode batch's device token ids (``one``: a :class:`RowTokens` with ``device`` set, for exactly the
+        rows ``q``): ``canary_append_tokens`` writes each row's token at column ``valid[r]`` and advances
+        ``valid[r]`` on the device, so no copy at all when the device area already holds ``q`` and the lengths
+        before this update (``synced``); else those are copied first. ``defer`` as in :meth:`stage_append`."""
+        n, b = len(q), self.b_cap
+        rt = self.rt
+        if not synced:
+            with OnDevice(rt, self.ordinal):
+                buf = self._stage_buf()
+                w = buf.words
+                w[:n], w[b:b + n] = q, one.cols
+                rt.memcpy_async(self.qv_ptr, buf.ptr, 8 * (b + n), H2D, stream)
+                rt.event_record(buf.ev, stream)
+                self._used(buf, stream)
+        view, obj = one.device
+        key = (view.ptr, view.dtype)
+        call = self._append_calls.get(key)
+        if call is None or call.obj is not obj:
+            if len(self._append_calls) >= 8:  # a graph keyed by an evicted call keeps it (and its array) alive
+                self._append_calls.pop(next(iter(self._append_calls)))
+            call = self._append_calls[key] = _AppendCall(self.device_append, view.ptr, view.dtype, obj)
+        deferred = (call, n, n, None)
+        if defer:
+            return deferred
+        call(n, n, stream)
         return None
 
     def launch_deferred(self, deferred: tuple, stream: int) -> None:
@@ -452,6 +484,19 @@ class CudaTransfer:
                 self.mailbox.free()
 
 
+class _AppendCall:
+    """``canary_append_tokens`` reading one device array of token ids (kept alive: a graph may hold its pointer);
+    called as a deferred scatter, ``(k, t, stream)``, ``k = t`` = the batch's rows."""
+
+    __slots__ = ("launcher", "ptr", "dtype", "obj")
+
+    def __init__(self, launcher, ptr: int, dtype, obj):
+        self.launcher, self.ptr, self.dtype, self.obj = launcher, ptr, dtype, obj
+
+    def __call__(self, k: int, t: int, stream: int) -> None:
+        self.launcher.launch(self.ptr, self.dtype, k, stream)
+
+
 class DeviceScatter:
     """An expected-token scatter into the pool from fixed device staging (docs/records.md 7), on ``backend``: views
     of its arrays checked once here (the public ``scatter_expected_tokens`` checks every argument on every call),
@@ -533,7 +578,7 @@ def _chunks(updates, u_cap: int, t_cap: int):
             for lo in range(0, u.rows.shape[0], step):
                 k = min(step, u.rows.shape[0] - lo)
                 yield (u.rows[lo:lo + k], u.cols[lo:lo + k], np.arange(k + 1, dtype=np.int64),
-                       u.tokens[lo:lo + k])
+                       u.host_tokens()[lo:lo + k])
             continue
         row, col, t = u
         total = len(t)

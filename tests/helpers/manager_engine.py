@@ -154,9 +154,10 @@ class ToyEngine:
         self.reqs[rid]["tokens"] += list(tokens)
         self.manager.accept_tokens(rid, tokens)
 
-    def decode_step(self, rids, *, next_token=lambda rid, n: 1000 + n, batch: bool = False) -> None:
+    def decode_step(self, rids, *, next_token=lambda rid, n: 1000 + n, batch: bool | str = False) -> None:
         """A decode step of every request in ``rids`` (each writes its last known token), then each accepts one
-        sampled token (``batch``: all through one ``accept_tokens_batch``)."""
+        sampled token (``batch``: all through one ``accept_tokens_batch``; ``"device"``: its token ids in a device
+        array, one static buffer per batch size when the engine keeps static buffers)."""
         self.forward([(rid, len(self.reqs[rid]["tokens"]) - self.reqs[rid]["kv_len"]) for rid in rids])
         toks = [next_token(rid, len(self.reqs[rid]["tokens"])) for rid in rids]
         if not batch:
@@ -165,7 +166,11 @@ class ToyEngine:
             return
         for rid, t in zip(rids, toks):
             self.reqs[rid]["tokens"].append(t)
-        self.manager.accept_tokens_batch(rids, np.array(toks, dtype=np.int64))
+        host = np.array(toks, dtype=np.int64)
+        if batch == "device":
+            self.manager.accept_tokens_batch(rids, self.a(host, name="sampled"))
+            return
+        self.manager.accept_tokens_batch(rids, host)
 
     def slot_of(self, rid, pos: int, group: str = "full") -> int:
         s = int(self.r2t_host[self.reqs[rid]["row"], pos])
@@ -185,11 +190,12 @@ def ids_for(batch, reqs, loc) -> list:
     return out
 
 
-def accept_batch_runs(**engine_kw) -> list:
-    """The same decode steps with tokens accepted per request, then per batch (accept_tokens_batch): each run's
-    ``(pool, counts, violations, protected tokens)`` (for :func:`check_accept_batch_runs`)."""
+def accept_batch_runs(batch_kind: bool | str = True, **engine_kw) -> list:
+    """The same decode steps with tokens accepted per request, then per batch (accept_tokens_batch, ``batch_kind``
+    as :meth:`ToyEngine.decode_step`'s ``batch``): each run's ``(pool, counts, violations, protected tokens)``
+    (for :func:`check_accept_batch_runs`)."""
     out = []
-    for batch in (False, True):
+    for batch in (False, batch_kind):
         got = []
         e = ToyEngine(on_violation=got.append, **engine_kw)
         e.add("a", [5, 6, 7, 8])

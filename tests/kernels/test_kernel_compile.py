@@ -59,7 +59,8 @@ def test_canary_cu_compiles(arch):
     from cuda.core import Program, ProgramOptions
 
     cubin = Program(cuda_source("records"), "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin").code
-    for kernel in (b"canary_write", b"canary_verify", b"canary_scatter_i64", b"canary_scatter_i32"):
+    for kernel in (b"canary_write", b"canary_verify", b"canary_scatter_i64", b"canary_scatter_i32",
+                   b"canary_append_tokens_i64", b"canary_append_tokens_i32"):
         assert kernel in cubin
 
 
@@ -124,7 +125,8 @@ def test_canary_params_layout_matches_the_cuda_structs():
     assert _struct_fields(src, "WriteParams", nested) == L.WRITE_FIELDS
     assert _struct_fields(src, "VerifyParams", nested) == L.VERIFY_FIELDS
     assert _struct_fields(src, "ScatterParams", {}) == L.SCATTER_FIELDS
-    for name in ("StateParams", "RealKVParams", "WriteParams", "VerifyParams", "ScatterParams"):
+    assert _struct_fields(src, "AppendParams", {}) == L.APPEND_FIELDS
+    for name in ("StateParams", "RealKVParams", "WriteParams", "VerifyParams", "ScatterParams", "AppendParams"):
         for decl in _struct_body(src, name):
             ty = re.fullmatch(r"(.*?)\w+(\[\w+\])?;", decl).group(1).strip()
             assert "*" in ty or ty in ("i64", "u64", "StateParams", "RealKVParams"), f"{name}: {decl}"

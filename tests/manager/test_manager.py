@@ -168,6 +168,21 @@ def test_accept_tokens_batch_is_accept_tokens_for_each_request():
     check_accept_batch_runs(accept_batch_runs())
 
 
+def test_accept_tokens_batch_takes_any_host_array():
+    """Token ids in an array of another library (here a torch CPU tensor, through DLPack) are host values: the
+    same pool as NumPy's."""
+    torch = pytest.importorskip("torch")
+    pools = []
+    for wrap in (np.asarray, torch.as_tensor):
+        e = ToyEngine()
+        e.add("a", [1, 2])
+        e.add("b", [3])
+        e.manager.accept_tokens_batch(["a", "b"], wrap(np.array([7, 8], dtype=np.int64)))
+        e.forward([("a", 0), ("b", 0)])
+        pools.append(np.array(e.manager.pool_array))
+    assert np.array_equal(*pools) and pools[0].sum() == 1 + 2 + 3 + 7 + 8
+
+
 def test_accept_tokens_batch_refuses_bad_batches_and_accepts_nothing():
     e = ToyEngine()
     e.add("a", [1, 2])

@@ -114,12 +114,14 @@ def test_cupy_expected_tokens_reach_the_device_pool():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", [True, "device"], ids=["host-tokens", "device-tokens"])
 @pytest.mark.parametrize("static", [False, True], ids=["fresh-arrays", "static-buffers"])
-def test_cupy_accept_tokens_batch_is_accept_tokens_for_each_request(static):
-    """On the device: a decode batch's tokens through accept_tokens_batch (the append scatter, inside the replayed
-    before-graph with static buffers) fill the pool as accept_tokens per request does, and as the host manager."""
+def test_cupy_accept_tokens_batch_is_accept_tokens_for_each_request(static, kind):
+    """On the device: a decode batch's tokens through accept_tokens_batch, host ints (the append scatter) or a
+    device array (canary_append_tokens, which advances the valid lengths on the device), inside the replayed
+    before-graph with static buffers, fill the pool as accept_tokens per request does, and as the host manager."""
     cupy = pytest.importorskip("cupy")
-    runs = accept_batch_runs(xp=cupy, device=0, static=static)
+    runs = accept_batch_runs(kind, xp=cupy, device=0, static=static)
     check_accept_batch_runs(runs)
     host = accept_batch_runs()
     assert np.array_equal(runs[1][0], host[1][0]) and runs[1][1:] == host[1][1:]

@@ -13,6 +13,7 @@ Prints ``OK``; a failure is an assertion error.
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -229,13 +230,72 @@ ra, rb = m.requests.live["c"].row, m.requests.live["d"].row
 assert pool[ra, cols["c"]:cols["c"] + 14].tolist() == list(range(70, 80)) + [90, 92, 94, 95], pool[ra, cols["c"]:]
 assert pool[rb, cols["d"]:cols["d"] + 13].tolist() == list(range(80, 90)) + [91, 93, 96], pool[rb, cols["d"]:]
 assert m.requests.counts[ra] == cols["c"] + 14 and m.requests.counts[rb] == cols["d"] + 13
+
+# Device token ids (accept_tokens_batch with a device array): appended on the device by canary_append_tokens,
+# which advances the plan's valid lengths there, so a step of the same batch copies nothing host-to-device; in the
+# before-graph from the second step on. Then a batch in another order: the tokens come to the host (the general
+# scatter), and the pool is the same as with host tokens.
+m.finish_request("c")
+m.finish_request("d")
+m.add_request("e", [3])
+m.add_request("f", [4])
+calls.clear()
+m._transfer.scatter = lambda k, t, stream: (calls.append(("general", k, t)), general(k, t, stream))
+dev = cupy.asarray(np.zeros(2, dtype=np.int64))  # the engine's static buffer of sampled tokens
+start = {rid: int(m.requests.counts[m.requests.live[rid].row]) for rid in ("e", "f")}
+copies = []
+for t in range(3):
+    dev[:] = cupy.asarray(np.array([100 + t, 110 + t]))
+    m.accept_tokens_batch(["e", "f"], dev)
+    fakecuda.COUNTS.clear()
+    m.before_forward(request_ids=["e", "f"], **before)
+    m.after_kv_store(**after)
+    copies.append(fakecuda.COUNTS.get("cuda.cudaMemcpyAsync", 0) - (0 if KERNEL else 2))
+    assert m._qv.get()[4:6].tolist() == [start["e"] + t + 1, start["f"] + t + 1]  # advanced on the device
+assert copies == [2, 0, 0], copies  # the first step of a new batch: its prompts and tokens through the host
+assert m._eager.replays >= 2, m._eager.replays
+n_general = len(calls)  # the new batch's first step
+m.accept_tokens_batch(["f", "e"], cupy.asarray(np.array([121, 120], dtype=np.int32)))
+m.before_forward(request_ids=["e", "f"], **before)
+m.after_kv_store(**after)
+assert len(calls) > n_general and {c[0] for c in calls} == {"general"}, calls
+n_general = len(calls)
+# A step of another batch in between: the device's staging holds that batch's rows, so the next device accept
+# copies this batch's rows and lengths (from before the accept) first, then appends on the device.
+one_row = dict(req_pool_indices=a(np.array([2], dtype=np.int64)), prefix_lens=a(np.array([0], dtype=np.int64)),
+               extend_seq_lens=a(np.array([0], dtype=np.int64)))
+empty = a(np.zeros(0, dtype=np.int64))
+m.before_forward(request_ids=["e"], **one_row)
+m.after_kv_store(out_cache_loc=empty, input_ids=empty, positions=empty)
+m.accept_tokens_batch(["e", "f"], cupy.asarray(np.array([122, 132], dtype=np.int64)))
+fakecuda.COUNTS.clear()
+m.before_forward(request_ids=["e", "f"], **before)
+m.after_kv_store(**after)
+assert fakecuda.COUNTS["cuda.cudaMemcpyAsync"] - (0 if KERNEL else 2) == 1, dict(fakecuda.COUNTS)
+assert m._qv.get()[4:6].tolist() == [start["e"] + 5, start["f"] + 5]
+assert len(calls) == n_general, calls
+for bad, exc, words in [(cupy.asarray(np.zeros(3, np.int64)), ValueError, r"token_ids: expected one token per "
+                         r"request \(\[2\]\), got shape \(3,\)"),
+                        (cupy.asarray(np.zeros(2, np.float32)), TypeError, "token_ids: expected int64 or int32")]:
+    try:
+        m.accept_tokens_batch(["e", "f"], bad)
+        raise AssertionError("accepted " + words)
+    except exc as e:
+        assert re.search("kv-canary: " + words, str(e)), str(e)
+m.flush()
+pool = m.pool_array._a
+for rid, want in (("e", [100, 101, 102, 120, 122]), ("f", [110, 111, 112, 121, 132])):
+    r = m.requests.live[rid].row
+    assert pool[r, start[rid]:start[rid] + 5].tolist() == want, pool[r]
+    assert m.requests.counts[r] == start[rid] + 5
+m._transfer.scatter = general
 decoded = m.stats()["decoded_steps"]
 
 # Far ahead of the GPU: more steps than report slots with no report read in between (as if none had landed):
 # the oldest is copied out of its slot when the slots run out, and nothing is lost.
 m.poll = lambda: None
 for _ in range(m._transfer.slots + 3):
-    m.before_forward(request_ids=["c", "d"], **before)
+    m.before_forward(request_ids=["e", "f"], **before)
     m.after_kv_store(**after)
 del m.poll
 assert len(m._pending) == m._transfer.slots + 3

@@ -14,7 +14,7 @@ from ...records.ring import KernelTag, encode_tag
 from ...records.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
 from ..records_layout import (
-    MAX_SOURCES, REAL_KV_FIELDS, SCATTER_FIELDS, SCATTER_THREADS, VERIFY_FIELDS, VERIFY_THREADS,
+    APPEND_FIELDS, MAX_SOURCES, REAL_KV_FIELDS, SCATTER_FIELDS, SCATTER_THREADS, VERIFY_FIELDS, VERIFY_THREADS,
     WRITE_FIELDS, WRITE_THREADS, verify_grid, write_grid,
 )
 from . import OnDevice, Params, Streams, cupy, load_functions, raw_module
@@ -180,6 +180,36 @@ def scatter(a: ScatterArgs, stream: int) -> None:
     fn = _scatter_fn(a.pool.device_id, _DTYPE_SUFFIX[a.tokens.dtype])
     with OnDevice(a.pool.device_id):
         fn((max(values["bs"], 1),), (SCATTER_THREADS,), params.args, stream=_SCATTER_STREAMS.get_stream(stream))
+
+
+class PreparedAppend:
+    """``kernels/records.cu``'s ``canary_append_tokens`` over fixed staging (the plan's pool rows ``q`` and valid
+    lengths ``valid``, ``[B]`` int64 device arrays) into ``pool``: a launch names the tokens' device pointer, their
+    dtype and the row count ``n`` (canary/manager/transfer.py, ``DeviceAppend``)."""
+
+    def __init__(self, pool, q, valid):
+        self.device_id = pool.device_id
+        stride = pool.strides[0] if pool.shape[0] > 1 else pool.shape[1]
+        self._params = Params(APPEND_FIELDS, dict(pool=pool.ptr, pool_rows=pool.shape[0], pool_cols=pool.shape[1],
+                                                  pool_row_stride=stride, q=q.ptr, valid=valid.ptr, tokens=0, n=0))
+        self._words, self._args = self._params.words, self._params.args
+        self._tokens, self._n = APPEND_FIELDS.index("tokens"), APPEND_FIELDS.index("n")
+        with cupy.cuda.Device(self.device_id):
+            module = raw_module("records")
+            self._fns = {np.dtype(np.int64): module.get_function("canary_append_tokens_i64").kernel,
+                         np.dtype(np.int32): module.get_function("canary_append_tokens_i32").kernel}
+        self._streams = Streams()
+
+    def launch(self, tokens_ptr: int, dtype, n: int, stream: int) -> None:
+        w = self._words
+        w[self._tokens], w[self._n] = tokens_ptr, n
+        with OnDevice(self.device_id):
+            self._fns[dtype]((max(-(-n // SCATTER_THREADS), 1),), (SCATTER_THREADS,), self._args,
+                             stream=self._streams.get_stream(stream))
+
+
+def prepare_append(pool, q, valid) -> PreparedAppend:
+    return PreparedAppend(pool, q, valid)
 
 
 class PreparedScatter:
