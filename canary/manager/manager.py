@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
@@ -20,7 +21,7 @@ from ..interop.adapter import HOST, as_view, identity
 from ..interop.cudart import H2D, OnDevice, runtime
 from ..interop.devices import allocator, cuda_ordinal
 from ..interop.hostcopy import to_host
-from ..interop.streams import LaunchStream, is_capturing, launch_stream
+from ..interop.streams import LaunchStream, is_capturing, launch_stream, library_of
 from ..records.ring import KernelTag, decode
 from .groups import BoundGroup, KVGroup, bind_group, check_groups
 from .layers import verify_layers, write_layers
@@ -172,6 +173,11 @@ class CanaryManager:
         self._launches = {g.name: (0, 0) for g in self.groups}
         self._streams: dict[tuple, LaunchStream] = {}  # (handle, ordered library) -> its LaunchStream
         self._tokens_view: tuple | None = None  # (array, identity, view) of the last device token ids
+        # _launch's common case: arrays of CuPy's, no stream given (cupy.cuda.get_current_stream), and the capture
+        # query bound once (canary/interop/cudart.py's runtime)
+        self._cupy_current = (sys.modules["cupy"].cuda.get_current_stream
+                              if self.ordinal is not None and library_of(self.pool_array) == "cupy" else None)
+        self._is_capturing = runtime().is_capturing if self.ordinal is not None else None
         self._stalled = {g.name: 0 for g in self.groups}
         self._last_counters = {g.name: (0, 0) for g in self.groups}
         self._last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
@@ -330,7 +336,7 @@ class CanaryManager:
         """
         sel = self.groups if groups is None else self._select(groups)
         handle, st = self._launch(stream)
-        capturing = self.ordinal is not None and is_capturing(handle)
+        capturing = self.ordinal is not None and self._is_capturing(handle)
         bs = int(req_pool_indices.shape[0])  # an attribute read: no DLPack export inside a capture
         # Checked before the step opens: a refused call leaves no step behind (a retry, or an after_kv_store
         # that writes with the last step's plan, would otherwise follow).
@@ -424,7 +430,7 @@ class CanaryManager:
         """
         sel = self.groups if groups is None else self._select(groups)
         handle, st = self._launch(stream)
-        capturing = self.ordinal is not None and is_capturing(handle)
+        capturing = self.ordinal is not None and self._is_capturing(handle)
         if not capturing and self._step is None:  # before any write: no record is written for a step never opened
             raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
         in_graph = False
@@ -651,7 +657,13 @@ class CanaryManager:
                 raise fail(ValueError, "stream: expected None for a manager on device='cpu' (host arrays take no "
                                        f"stream), got {type(stream).__name__}")
             return 0, None
-        handle, lib = launch_stream(self.ordinal, stream, self.pool_array)
+        cupy_current = self._cupy_current
+        if stream is None and cupy_current is not None and "torch" not in sys.modules:
+            # launch_stream's answer for CuPy-owned arrays when no other library could be capturing: the current
+            # CuPy stream, ordered for CuPy arrays (the common eager call, without its generic checks)
+            handle, lib = cupy_current(self.ordinal).ptr, "cupy"
+        else:
+            handle, lib = launch_stream(self.ordinal, stream, self.pool_array)
         st = self._streams.get((handle, lib))
         if st is None:  # one per stream seen (a handful), not one per call
             st = LaunchStream(handle, lib)
