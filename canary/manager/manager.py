@@ -246,13 +246,21 @@ class CanaryManager:
         self.requests.accept(request_id, token_ids)
 
     def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any) -> None:
-        """:meth:`accept_tokens` for a whole decode batch at once: ``token_ids[i]`` (host ints, ``[bs]``) is the one
-        token request ``request_ids[i]`` accepted this step (a plain decode step's sampled tokens). Requests must
-        be running and distinct. One update for the batch instead of one per request: the host cost of a step
-        that accepts a token for each of 256 requests drops from about 1 us a request to a few numpy calls
-        (docs/performance.md). For several tokens a request (speculative decoding), call :meth:`accept_tokens`
-        per request. Raises ``KeyError`` for a request not running, ``ValueError`` for a request listed twice, a
-        length mismatch or a request past ``max_seq_len + 1`` tokens (nothing is accepted then)."""
+        """:meth:`accept_tokens` for a whole decode batch at once: ``token_ids[i]`` is the one token request
+        ``request_ids[i]`` accepted this step (a plain decode step's sampled tokens). Requests must be running and
+        distinct. One update for the batch instead of one per request: the host cost of a step that accepts a
+        token for each of 256 requests drops from about 1 us a request to a few numpy calls (docs/performance.md).
+        For several tokens a request (speculative decoding), call :meth:`accept_tokens` per request.
+
+        ``token_ids``: ``[bs]`` host ints (a list, a NumPy array, a CPU tensor), or the engine's device array of
+        sampled token ids (int64 or int32, contiguous, on this manager's device; any DLPack / CUDA-array-interface
+        array). A device array is read zero-copy by the next :meth:`before_forward`, on its launch stream, when
+        these ids are exactly that step's ``request_ids`` and nothing else was queued (the decode loop; CuPy
+        backend): keep its values until then. Otherwise its values are copied to the host (a sync).
+
+        Raises ``KeyError`` for a request not running; ``ValueError`` for a request listed twice, a length
+        mismatch, a request past ``max_seq_len + 1`` tokens (nothing is accepted then), a device array on another
+        device or not contiguous; ``TypeError`` for token ids that are not integers."""
         ids = tuple(request_ids.tolist()) if isinstance(request_ids, np.ndarray) else tuple(request_ids)
         if type(token_ids) not in (list, tuple, np.ndarray):
             token_ids = self._device_tokens(ids, token_ids)
