@@ -11,7 +11,6 @@ import json
 import logging
 import sys
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
@@ -40,15 +39,18 @@ MODES = ("log", "raise")
 # Plain ints for the per-step decode (enum arithmetic costs a microsecond a use there)
 _SAMPLED, _INPUT_ERRORS = int(PlanStatus.SAMPLED), int(INPUT_ERROR_BITS)
 _WRITE_COUNTER, _VERIFY_COUNTER = KernelTag.WRITE.counter_index, KernelTag.VERIFY.counter_index
+_QUIET_MASK = _SAMPLED | _INPUT_ERRORS  # status bits a decode counts or logs: a report without them is quiet
+_NONE: tuple = ()  # a quiet report's new violations
 
 
-@dataclass
 class _StepRecord:
-    index: int
-    request_ids: tuple
-    groups: tuple[str, ...]
-    bs: int
-    sweep: tuple[str, ...] | None = None  # groups whose sweep runs at end_step (None: those of ``groups``)
+    """One step: its index, request ids, groups, batch size and ``sweep``, the groups whose sweep runs at
+    end_step (``None``: those of ``groups``). A slotted class: one is made every step."""
+
+    __slots__ = ("index", "request_ids", "groups", "bs", "sweep")
+
+    def __init__(self, index: int, request_ids: tuple, groups: tuple, bs: int):
+        self.index, self.request_ids, self.groups, self.bs, self.sweep = index, request_ids, groups, bs, None
 
 
 class CanaryManager:
@@ -173,6 +175,8 @@ class CanaryManager:
         self._launches = {g.name: (0, 0) for g in self.groups}
         self._streams: dict[tuple, LaunchStream] = {}  # (handle, ordered library) -> its LaunchStream
         self._tokens_view: tuple | None = None  # (array, identity, view) of the last device token ids
+        self._ids_cache: tuple | None = None  # (type, snapshot, tuple) of the last request ids (_ids)
+        self._one_group = self.groups[0].name if len(self.groups) == 1 else None  # _decode's quiet path
         # _launch's common case: arrays of CuPy's, no stream given (cupy.cuda.get_current_stream), and the capture
         # query bound once (canary/interop/cudart.py's runtime)
         self._cupy_current = (sys.modules["cupy"].cuda.get_current_stream
@@ -261,7 +265,7 @@ class CanaryManager:
         Raises ``KeyError`` for a request not running; ``ValueError`` for a request listed twice, a length
         mismatch, a request past ``max_seq_len + 1`` tokens (nothing is accepted then), a device array on another
         device or not contiguous; ``TypeError`` for token ids that are not integers."""
-        ids = tuple(request_ids.tolist()) if isinstance(request_ids, np.ndarray) else tuple(request_ids)
+        ids = self._ids(request_ids)
         if type(token_ids) not in (list, tuple, np.ndarray):
             token_ids = self._device_tokens(ids, token_ids)
             if token_ids is None:
@@ -313,6 +317,25 @@ class CanaryManager:
         if len(ids):
             self.requests.accept_batch(ids, None, self._batch_rows, device=(view, token_ids))
         return None
+
+    def _ids(self, request_ids: Any) -> tuple:
+        """The request ids as a tuple; the same tuple object as last call when the caller passes the same ids in a
+        list or tuple (compared with a snapshot, element by element: the caller may refill its list), so that the
+        per-batch caches downstream compare by identity."""
+        c = self._ids_cache
+        t = type(request_ids)
+        if c is not None and t is c[0] and request_ids == c[1]:
+            return c[2]
+        if request_ids is None:
+            return ()
+        if t is np.ndarray:
+            return tuple(request_ids.tolist())
+        ids = tuple(request_ids)
+        if t is list:
+            self._ids_cache = (list, list(request_ids), ids)
+        elif t is tuple:
+            self._ids_cache = (tuple, request_ids, ids)
+        return ids
 
     def _batch_rows(self, ids: tuple) -> np.ndarray | None:
         # The pool rows _begin holds for this batch: accept_batch adopts the same array, so that _begin can tell a
@@ -499,15 +522,14 @@ class CanaryManager:
                                      f"after_kv_store / end_step, got a new step first")
         if self._pending:
             self.poll()
-        ids = () if request_ids is None else (tuple(request_ids.tolist()) if isinstance(request_ids, np.ndarray)
-                                              else tuple(request_ids))
+        ids = self._ids(request_ids)
         bs = len(ids)
         if bs > self.max_batch_size:
             raise fail(ValueError, f"request_ids: expected at most max_batch_size = {self.max_batch_size} ids, "
                                    f"got {bs}")
         pool = self.requests
         last = self._rows_cache
-        if last is not None and last[1] == pool.members and last[0] == ids:
+        if last is not None and last[1] == pool.members and (last[0] is ids or last[0] == ids):
             ids, q = last[0], last[2]  # the same batch, no request added or finished since: the same pool rows
         else:
             # RequestPool.lookup inlined (a few hundred ids a step): running, else finished but not reused, else
@@ -703,18 +725,20 @@ class CanaryManager:
         pending, transfer = self._pending, self._transfer
         while pending:
             rec, token = pending[0]
-            if not transfer.ready(token):
+            got = transfer.take(token)
+            if got is None:
                 if not wait:
                     break
                 transfer.wait(token)
+                got = transfer.read(token)
             pending.popleft()
-            words, rpi = transfer.read(token)
+            words, rpi = got
             try:
-                got, lost = self._decode(rec, words, rpi)
+                found, lost = self._decode(rec, words, rpi)
             finally:
                 transfer.release(token)  # the words (and rows) stay the buffer's until here
-            if got:
-                new += got
+            if found:
+                new += found
             dropped += lost
             last_step = rec.index
         if last_step is None:
@@ -748,9 +772,25 @@ class CanaryManager:
         st.decoded_steps += 1
         if rpi is not None:
             self._note_rows(rec, rpi)
+        metrics = self.metrics
+        name = self._one_group
+        if name is not None and metrics is None:
+            # One group, no metrics: a quiet report (no ring row, no status bit the stats count) needs its counters
+            # only. [write index, slot counters [2], kernel counters [2], status] (block.py).
+            vals = words[:6].tolist()
+            if not vals[0] & 0xFFFFFFFF and not vals[5] & _QUIET_MASK:
+                st.written[name], st.verified[name] = vals[1 + _WRITE_COUNTER], vals[1 + _VERIFY_COUNTER]
+                now = (vals[3 + _WRITE_COUNTER], vals[3 + _VERIFY_COUNTER])
+                if name in rec.groups:
+                    before = self._last_counters[name]
+                    stalled = 0 if now[0] > before[0] and now[1] > before[1] else self._stalled[name] + 1
+                    self._stalled[name] = stalled
+                    if stalled >= self.health_steps:
+                        self._health_failed(name, stalled, rec.index)
+                self._last_counters[name] = now
+                return _NONE, 0
         new, dropped = [], 0
         block = self._block
-        metrics = self.metrics
         n_groups = len(self.groups)
         # The ring write indexes [G], then each group's head: slot counters [2], kernel counters [2], the plan's
         # status, in one conversion (one group's are contiguous: a slice).
@@ -799,10 +839,7 @@ class CanaryManager:
                     metrics.sampled.labels(group=name).inc()
         for name, n in self._stalled.items():
             if n >= self.health_steps:
-                raise CanaryHealthError(
-                    f"kv-canary: health: expected the kernels of group {name!r} to run every scheduled step, got "
-                    f"launch counters unchanged for {n} consecutive steps (up to step {rec.index}): the canary "
-                    f"calls are no longer launched (a CUDA graph captured without them, or a stream mix-up)")
+                self._health_failed(name, n, rec.index)
         for viol in new:
             for reason in viol.reason_names or ("NONE",):
                 st.violations[reason] = st.violations.get(reason, 0) + 1
@@ -812,6 +849,13 @@ class CanaryManager:
             metrics.steps.inc()
             metrics.protected.set(self.requests.protected_tokens())
         return new, dropped
+
+    @staticmethod
+    def _health_failed(name: str, n: int, step: int) -> None:
+        raise CanaryHealthError(
+            f"kv-canary: health: expected the kernels of group {name!r} to run every scheduled step, got launch "
+            f"counters unchanged for {n} consecutive steps (up to step {step}): the canary calls are no longer "
+            f"launched (a CUDA graph captured without them, or a stream mix-up)")
 
     def _record(self, g: BoundGroup, v, rec: _StepRecord, rpi: np.ndarray | None) -> SlotViolation:
         sw = self._sweep.sweeps.get(g.name)

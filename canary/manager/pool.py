@@ -136,7 +136,7 @@ class RequestPool:
         the counts checked and advanced together. ``same_rows(request_ids)``: an array of these rows the caller
         already holds (or ``None``), adopted when equal, so that the caller can tell its batch by identity."""
         last = self._batch
-        if last is not None and last[1] == self.members and last[0] == request_ids:
+        if last is not None and last[1] == self.members and (last[0] is request_ids or last[0] == request_ids):
             rows = last[2]
         else:
             live = self.live.get

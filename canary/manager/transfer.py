@@ -69,6 +69,9 @@ class HostTransfer:
     def ready(self, token) -> bool:
         return True
 
+    def take(self, token) -> tuple[np.ndarray, np.ndarray | None]:
+        return token
+
     def read(self, token) -> tuple[np.ndarray, np.ndarray | None]:
         return token
 
@@ -439,6 +442,21 @@ class CudaTransfer:
         if done:
             self._ran(snap)
         return done
+
+    def take(self, snap) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """:meth:`ready` and :meth:`read` in one call (the decode's per-step path): the report's ``(words, rows)``
+        if it has landed, else ``None``."""
+        if type(snap) is _Snap and snap.buf is None:  # a mailbox slot
+            o = (snap.seq % self.mail_slots) * self.slot_words
+            mw = self.mailbox.words
+            if mw.item(o) != snap.seq:
+                return None
+            if self._done.get(snap.stream, -1) < snap.step:
+                self._done[snap.stream] = snap.step
+            n = self.block.words
+            words = mw[o + 1:o + 1 + n + (snap.bs or 0)]
+            return words[:n], (words[n:n + snap.bs] if snap.bs is not None else None)
+        return self.read(snap) if self.ready(snap) else None
 
     def wait(self, snap: _Snap) -> None:
         if type(snap) is _Detached:
