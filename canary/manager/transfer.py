@@ -152,13 +152,15 @@ class _Detached:
     rpi: np.ndarray | None
 
 
-@dataclass
 class _Snap:
-    buf: _Pinned | None  # the copy's buffer (None: a mailbox slot written by the report kernel)
-    bs: int | None  # req_pool_indices copied after the block (None: not this step)
-    step: int
-    stream: int
-    seq: int = 0  # the report kernel's sequence number of this report (mailbox slot seq % slots)
+    """One queued report (a slotted class: one is made every step). ``buf``: the copy's buffer (``None``: a mailbox
+    slot written by the report kernel); ``bs``: req_pool_indices words after the block (``None``: not this step);
+    ``step``, ``stream``; ``seq``: the report kernel's sequence number (mailbox slot ``seq % slots``)."""
+
+    __slots__ = ("buf", "bs", "step", "stream", "seq")
+
+    def __init__(self, buf: _Pinned | None, bs: int | None, step: int, stream: int, seq: int = 0):
+        self.buf, self.bs, self.step, self.stream, self.seq = buf, bs, step, stream, seq
 
 
 class CudaTransfer:
