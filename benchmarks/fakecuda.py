@@ -182,7 +182,7 @@ class _Kernel:
         elif self.name == "canary_report":
             _report(args)
         elif self.name.startswith("canary_scatter") and EMULATE_SCATTER:
-            _scatter(args)
+            _scatter(args, ctypes.c_int64 if self.name.endswith("i64") else ctypes.c_int32)
         elif self.name.startswith("canary_append_tokens") and EMULATE_SCATTER:
             _append(args, np.int64 if self.name.endswith("i64") else np.int32)
 
@@ -197,7 +197,7 @@ _PARAM_WORDS: dict = {}  # address of a parameter struct's words -> their count 
 EMULATE_SCATTER = False
 
 
-def _scatter(args) -> None:
+def _scatter(args, token_type=ctypes.c_int64) -> None:
     """kernels/records.cu's scatter on host memory (the expected-token pool is host memory here)."""
     from canary.backends.records_layout import SCATTER_FIELDS
 
@@ -210,7 +210,9 @@ def _scatter(args) -> None:
 
     bs = w["bs"]
     rows, offs = vec(w["req_pool_indices"], bs), vec(w["token_offsets"], bs + 1)
-    cols, toks = vec(w["column_starts"], bs), vec(w["tokens"], w["num_tokens"])
+    cols = vec(w["column_starts"], bs)
+    n_tok = w["num_tokens"]
+    toks = np.ctypeslib.as_array((token_type * n_tok).from_address(w["tokens"])) if n_tok else np.zeros(0, np.int64)
     for i in range(bs):
         if not 0 < rows[i] < w["pool_rows"]:
             continue

@@ -188,6 +188,8 @@ class CanaryManager:
         self._rows_cache: tuple | None = None  # (request ids, pool members version, pool rows) of _begin
         self._last_staged: tuple | None = None  # (pool rows, pool version, stream) of the last staging
         self._deferred: tuple | None = None  # (scatter, rows, tokens, copy): the staging left to before_forward
+        self._taken: list | None = None  # the pool updates that staging carries (queued again if never launched)
+        self._graph_inputs: dict[int, tuple] = {}  # bs -> the report inputs of the engine's captured graph
         self._eager = (EagerGraphs(runtime(), self.ordinal)
                        if eager_graphs and self.ordinal is not None and self.backend == "cupy" else None)
         self._translates = any(g.loc_scratch is not None for g in self.groups)  # an SWA group translates slots
@@ -252,15 +254,15 @@ class CanaryManager:
     def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any) -> None:
         """:meth:`accept_tokens` for a whole decode batch at once: ``token_ids[i]`` is the one token request
         ``request_ids[i]`` accepted this step (a plain decode step's sampled tokens). Requests must be running and
-        distinct. One update for the batch instead of one per request: the host cost of a step that accepts a
+        distinct; ``None`` marks a padding row (a batch padded to a graph size), whose token is ignored. One update for the batch instead of one per request: the host cost of a step that accepts a
         token for each of 256 requests drops from about 1 us a request to a few numpy calls (docs/performance.md).
         For several tokens a request (speculative decoding), call :meth:`accept_tokens` per request.
 
         ``token_ids``: ``[bs]`` host ints (a list, a NumPy array, a CPU tensor), or the engine's device array of
         sampled token ids (int64 or int32, contiguous, on this manager's device; any DLPack / CUDA-array-interface
-        array). A device array is read zero-copy by the next :meth:`before_forward`, on its launch stream, when
-        these ids are exactly that step's ``request_ids`` and nothing else was queued (the decode loop; CuPy
-        backend): keep its values until then. Otherwise its values are copied to the host (a sync).
+        array). A device array is read where it is by the next :meth:`before_forward` (or :meth:`begin_step`), on
+        its launch stream (CuPy backend): keep its values until then, and use another buffer for a second accept
+        before that step. On a Numba-backend or CPU manager its values are copied to the host here (a sync).
 
         Raises ``KeyError`` for a request not running; ``ValueError`` for a request listed twice, a length
         mismatch, a request past ``max_seq_len + 1`` tokens (nothing is accepted then), a device array on another
@@ -387,15 +389,24 @@ class CanaryManager:
                 else:
                     self._eager_plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
             except BaseException:
-                if self._deferred is not None:  # the staged tokens still reach the pool (a scatter is idempotent)
-                    self._transfer.launch_deferred(self._deferred, handle)
-                    self._transfer.deferred_launched(self._deferred, handle)
-                    self._deferred = None
-                self._last_staged = None  # the next call stages again
-                self._abandon_step()
+                d, self._deferred = self._deferred, None
+                try:
+                    if d is not None:  # the staged tokens still reach the pool (it was not launched: once now)
+                        try:
+                            self._transfer.launch_deferred(d, handle)
+                        except BaseException:
+                            self._requeue()  # still not launched: the next staging takes the update again
+                            raise
+                        self._taken = None
+                        self._transfer.deferred_launched(d, handle)
+                finally:
+                    self._last_staged = None  # the next call stages again
+                    self._taken = None
+                    self._abandon_step()
                 raise
         else:
             self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+            self._graph_inputs[bs] = self._inputs  # what begin_step / end_step report for this graph's replays
 
     def _eager_plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st) -> None:
         # The staging's last expected-token scatter (its row and token counts in the key) joins the graph, and so
@@ -405,15 +416,15 @@ class CanaryManager:
         key, objs = (self._step.groups, bs, scatter), (req_pool_indices, prefix_lens, extend_seq_lens)
         got = self._eager.launch("before", key, objs, st)
         if got is not _MISS:
+            self._deferred = self._taken = None  # launched: never again (the device append is not idempotent)
             if scatter is not None:
                 self._transfer.deferred_launched(scatter, st.handle)
-            self._deferred = None
             self._inputs = got
             return
         if scatter is not None:
             self._transfer.launch_deferred(scatter, st.handle)
+            self._deferred = self._taken = None
             self._transfer.deferred_launched(scatter, st.handle)
-            self._deferred = None
         self._plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
 
         def body(stream):
@@ -423,6 +434,12 @@ class CanaryManager:
             return self._inputs
 
         self._eager.observe("before", key, objs, st, self.pool_array, body)
+
+    def _requeue(self) -> None:
+        # The staged updates whose launch was left to before_forward (self._deferred) never ran: queued again.
+        if self._taken:
+            self.requests.updates[:0] = self._taken
+        self._taken = None
 
     def _abandon_step(self) -> None:
         # A before_forward that raised after opening its step: the step is dropped (not counted, no report).
@@ -514,6 +531,9 @@ class CanaryManager:
         pool rows and valid lengths (and queued tokens) on ``stream``. A CUDA-graph engine calls it before each
         replay of a graph that captured :meth:`before_forward` / :meth:`after_kv_store`."""
         self._begin(request_ids, groups, self._launch(stream)[0])
+        # The report of the engine's graph of this batch size names its captured req_pool_indices, whatever eager
+        # step ran in between (an eager step at another batch size leaves its own in self._inputs).
+        self._inputs = self._graph_inputs.get(self._step.bs, self._inputs)
 
     def _begin(self, request_ids, groups, handle: int, defer_scatter: bool = False) -> None:
         self._deferred = None
@@ -553,20 +573,28 @@ class CanaryManager:
         updates = pool.updates
         if last is None or last[0] is not q or last[1] != pool.version or last[2] != handle or updates:
             one = updates[0] if len(updates) == 1 else None
-            if type(one) is RowTokens and one.rows is q and one.device is not None:
-                # Device token ids for exactly this step's rows: appended on the device, which also advances the
-                # plan's valid lengths there (no copy when it holds these rows' lengths from before the accept).
-                pool.take_updates()
-                synced = last is not None and last[0] is q and last[1] == one.version and last[2] == handle
-                self._deferred = self._transfer.stage_device_append(q, one, handle, synced, defer_scatter)
-            elif type(one) is RowTokens and one.rows is q and self._transfer.append is not None:
-                # A decode batch that accepted one token a request for exactly this step's rows: the scatter
-                # reads the plan's staged rows and valid lengths (the tokens' columns are valid - 1).
-                pool.take_updates()
-                self._deferred = self._transfer.stage_append(q, one.ends, one.tokens, handle, defer_scatter)
-            else:
-                self._deferred = self._transfer.stage(self.pool_array, pool.take_updates(), self._q, self._valid, q,
-                                                      pool.counts[q], handle, defer_scatter)
+            taken = pool.take_updates()
+            try:
+                if type(one) is RowTokens and one.rows is q and one.device is not None:
+                    # Device token ids for exactly this step's rows: appended on the device, which also advances
+                    # the plan's valid lengths there (no copy when it holds these rows' lengths from before the
+                    # accept).
+                    synced = last is not None and last[0] is q and last[1] == one.version and last[2] == handle
+                    self._deferred = self._transfer.stage_device_append(q, one, handle, synced, defer_scatter)
+                elif type(one) is RowTokens and one.rows is q and self._transfer.append is not None:
+                    # A decode batch that accepted one token a request for exactly this step's rows: the scatter
+                    # reads the plan's staged rows and valid lengths (the tokens' columns are valid - 1).
+                    self._deferred = self._transfer.stage_append(q, one.ends, one.tokens, handle, defer_scatter)
+                else:
+                    self._deferred = self._transfer.stage(self.pool_array, taken, self._q, self._valid, q,
+                                                          pool.counts[q], handle, defer_scatter)
+            except BaseException:
+                # Not launched (or only in part: a scatter is idempotent, and the append launches last): the next
+                # staging takes them again, from a fresh copy of the rows and lengths.
+                pool.updates[:0] = taken
+                self._last_staged = None
+                raise
+            self._taken = taken if self._deferred is not None else None
             self._last_staged = (q, pool.version, handle)
         names = self._all_names if groups is None else tuple(g.name for g in self._select(groups))
         self._step = _StepRecord(self.stats_.steps, ids, names, bs)

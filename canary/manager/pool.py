@@ -67,7 +67,7 @@ class RequestPool:
         self.counts = np.zeros(rows, dtype=np.int64)
         self.version = 0
         self.members = 0
-        self._batch: tuple | None = None  # (ids, members, rows) of the last accept_batch
+        self._batch: tuple | None = None  # (ids, members, rows, padding mask or None) of the last accept_batch
         self._batch_state: tuple | None = None  # (version after it, its rows, their counts, the largest count)
 
     def add(self, request_id: Hashable, tokens: Any) -> None:
@@ -79,6 +79,10 @@ class RequestPool:
         if not self._free:
             raise fail(RuntimeError, f"request_id: expected a free expected-token pool row for {request_id!r}, got "
                                      f"none of {self.rows - 1} free (raise max_requests)")
+        tokens = self._host_tokens(tokens)
+        if len(tokens) > self.cols:  # refused before the request is registered: a retry with a shorter prompt works
+            raise fail(ValueError, f"prompt_token_ids: expected at most {self.cols} tokens per request (the pool's "
+                                   f"columns, max_seq_len + 1), got {len(tokens)} for request {request_id!r}")
         row = self._free.popleft()
         old = self._owner_of_free.pop(row, None)
         if old is not None:
@@ -112,13 +116,15 @@ class RequestPool:
             return None
         return self.live.get(request_id) or self.retired.get(request_id)
 
-    def _append(self, request_id: Hashable, req: _Request, tokens: Any, name: str) -> None:
+    @staticmethod
+    def _host_tokens(tokens: Any) -> Any:
         if type(tokens) in _SEQUENCES and all(type(t) is int and _I64_MIN <= t <= _I64_MAX for t in tokens):
-            toks: Any = list(tokens)  # a decode step's token or few: kept as ints, no array made per request
-        else:
-            arr = np.asarray(tokens if tokens is not None else [], dtype=np.int64).reshape(-1) if not isinstance(
-                tokens, np.ndarray) else tokens.astype(np.int64, copy=False).reshape(-1)
-            toks = arr
+            return list(tokens)  # a decode step's token or few: kept as ints, no array made per request
+        return np.asarray(tokens if tokens is not None else [], dtype=np.int64).reshape(-1) if not isinstance(
+            tokens, np.ndarray) else tokens.astype(np.int64, copy=False).reshape(-1)
+
+    def _append(self, request_id: Hashable, req: _Request, tokens: Any, name: str) -> None:
+        toks = self._host_tokens(tokens)
         n = len(toks)
         start = int(self.counts[req.row])
         if start + n > self.cols:
@@ -130,29 +136,34 @@ class RequestPool:
             self.updates.append((req.row, start, toks))
 
     def accept_batch(self, request_ids: tuple, tokens: np.ndarray | None, same_rows=None, device=None) -> None:
-        """One token for each running request of ``request_ids`` (distinct), ``tokens`` ``[k]`` int64 (or
+        """One token for each running request of ``request_ids`` (distinct; ``None``: a padding row, its token
+        ignored), ``tokens`` ``[k]`` int64 (or
         ``None`` and ``device`` = ``(view, array)`` of device token ids, see :class:`RowTokens`): one update for
         the batch. The ids' rows are looked up once per batch (reused while no request is added or finished),
         the counts checked and advanced together. ``same_rows(request_ids)``: an array of these rows the caller
         already holds (or ``None``), adopted when equal, so that the caller can tell its batch by identity."""
         last = self._batch
         if last is not None and last[1] == self.members and (last[0] is request_ids or last[0] == request_ids):
-            rows = last[2]
+            rows, pad = last[2], last[3]
         else:
             live = self.live.get
-            rows = np.empty(len(request_ids), dtype=np.int64)
+            rows = np.zeros(len(request_ids), dtype=np.int64)
             for i, rid in enumerate(request_ids):
+                if rid is None:  # a padding row: pool row 0, which no update writes
+                    continue
                 req = live(rid)
                 if req is None:
                     raise fail(KeyError, f"request_ids[{i}]: expected a running request (add_request first), got "
                                          f"{rid!r}")
                 rows[i] = req.row
-            if len(set(rows.tolist())) != len(rows):
+            real = rows[rows > 0]
+            if len(set(real.tolist())) != len(real):
                 raise fail(ValueError, "request_ids: expected distinct requests, got one listed twice")
+            pad = None if len(real) == len(rows) else rows == 0
             held = same_rows(request_ids) if same_rows is not None else None
             if held is not None and np.array_equal(held, rows):
                 rows = held
-            self._batch = (request_ids, self.members, rows)
+            self._batch = (request_ids, self.members, rows, pad)
         state = self._batch_state
         if state is not None and state[0] == self.version and state[1] is rows:
             # A decode loop: nothing changed these rows since this batch's last accept, so their counts are its
@@ -166,6 +177,8 @@ class RequestPool:
             raise fail(ValueError, f"token_ids: expected at most {self.cols} tokens per request (the pool's "
                                    f"columns, max_seq_len + 1), got {self.cols + 1} for request {request_ids[i]!r}")
         ends = cols + 1
+        if pad is not None:
+            ends[pad] = 0  # pool row 0 holds no tokens
         self.counts[rows] = ends
         self.version += 1
         self._batch_state = (self.version, rows, ends, top + 1)
@@ -175,7 +188,8 @@ class RequestPool:
         """The rows :meth:`accept_batch` holds for exactly these ids (no request added or finished since), or
         ``None``."""
         last = self._batch
-        return last[2] if last is not None and last[1] == self.members and last[0] == request_ids else None
+        return last[2] if last is not None and last[1] == self.members and (last[0] is request_ids or
+                                                                             last[0] == request_ids) else None
 
     def take_updates(self) -> list[tuple[int, int, Any]]:
         out, self.updates = self.updates, []

@@ -49,7 +49,8 @@ class HostTransfer:
         for u in updates:
             # int64 first: the pool keeps the low 32 bits, as the scatter stores them
             if type(u) is RowTokens:
-                pool[u.rows, u.cols] = u.host_tokens()
+                keep = u.rows > 0  # padding rows (pool row 0) take no token
+                pool[u.rows[keep], u.cols[keep]] = u.host_tokens()[keep]
                 continue
             row, col, toks = u
             pool[row, col:col + len(toks)] = np.asarray(toks, dtype=np.int64)
@@ -185,6 +186,7 @@ class CudaTransfer:
         self.ordinal = ordinal
         self.block = block
         self.scatter = scatter
+        self.general = scatter  # the DeviceScatter itself (tests may wrap self.scatter)
         self.append = append
         # kernels/records.cu's canary_append_tokens over the plan's staging (the CuPy backend's PreparedAppend)
         self.device_append = device_append
@@ -197,6 +199,7 @@ class CudaTransfer:
         self.u_cap = int(u_cap)
         self.t_cap = int(as_view(self.upd, "upd").shape[0]) - 3 * self.u_cap - 1
         u = self.u_cap
+        self._arange = np.arange(u + 1, dtype=np.int64)
         self.block_bytes = 8 * block.words
         self.rt = runtime()
         self.merged = self.upd_ptr == self.qv_ptr + 16 * self.b_cap  # one device area: one copy fills both
@@ -257,6 +260,14 @@ class CudaTransfer:
         qv_due = True
         deferred = None
         with OnDevice(rt, self.ordinal):
+            # Device token ids first, each scattered straight from the engine's array (their rows and columns
+            # staged): before any host update's copy reuses the staging area. Updates write disjoint columns, so
+            # their order does not matter.
+            if updates and any(type(x) is RowTokens and x.tokens is None for x in updates):
+                for x in updates:
+                    if type(x) is RowTokens and x.tokens is None:
+                        self._scatter_device_tokens(x, stream)
+                updates = [x for x in updates if not (type(x) is RowTokens and x.tokens is None)]
             for rows, cols, offsets, tokens in _chunks(updates, self.u_cap, self.t_cap) if updates else ():
                 if deferred is not None:  # an earlier chunk's scatter: before this chunk's copy overwrites it
                     self.scatter(deferred[1], deferred[2], stream)
@@ -286,6 +297,21 @@ class CudaTransfer:
                 rt.event_record(buf.ev, stream)
                 self._used(buf, stream)
         return deferred
+
+    def _scatter_device_tokens(self, x, stream: int) -> None:
+        # One token a row from a device array (x: RowTokens with device set): its rows, columns and offsets
+        # 0..k through a pinned buffer into the scatter's staging, then the general scatter kernel reading the
+        # tokens where they are (padding rows, pool row 0, are skipped by the kernel).
+        rt, u, b = self.rt, self.u_cap, self.b_cap
+        k = x.rows.shape[0]
+        buf = self._stage_buf()
+        w = buf.words
+        o = 2 * b
+        w[o:o + k], w[o + u:o + u + k], w[o + 2 * u:o + 2 * u + k + 1] = x.rows, x.cols, self._arange[:k + 1]
+        rt.memcpy_async(self.upd_ptr, buf.ptr + 8 * o, 8 * (3 * u + 1), H2D, stream)
+        rt.event_record(buf.ev, stream)
+        self._used(buf, stream)
+        self.general.launch_with_tokens(x.device[0], k, stream)
 
     def stage_append(self, q: np.ndarray, valid: np.ndarray, tokens: np.ndarray, stream: int,
                      defer: bool = False) -> tuple | None:
@@ -339,7 +365,9 @@ class CudaTransfer:
         return None
 
     def launch_deferred(self, deferred: tuple, stream: int) -> None:
-        """Launch what :meth:`stage` / :meth:`stage_append` left to the caller, on ``stream`` (capturable)."""
+        """Launch what :meth:`stage`, :meth:`stage_append` or :meth:`stage_device_append` left to the caller, on
+        ``stream`` (capturable): the copy if any, then the scatter or the device append (once: it is not
+        idempotent)."""
         fn, k, t, copy = deferred
         if copy is not None:
             with OnDevice(self.rt, self.ordinal):
@@ -575,6 +603,16 @@ class DeviceScatter:
             self.prepared.launch(k, t, stream)
         else:
             self.module.scatter(self._args(k, t), stream)
+
+    def launch_with_tokens(self, tokens, k: int, stream: int) -> None:
+        """The first ``k`` staged rows' scatter, one token a row read from ``tokens`` (a checked ``[>= k]`` device
+        view: the engine's own array), not from the staging."""
+        from ..backends.args import ScatterArgs
+
+        rows, cols, offsets, _ = self.parts
+        self.module.scatter(ScatterArgs(self.pool, rows._replace(shape=(k,)), tokens._replace(shape=(k,)),
+                                        offsets._replace(shape=(k + 1,)), cols._replace(shape=(k,)),
+                                        self.column_offset), stream)
 
 
 def _chunks(updates, u_cap: int, t_cap: int):

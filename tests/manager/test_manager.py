@@ -183,6 +183,34 @@ def test_accept_tokens_batch_takes_any_host_array():
     assert np.array_equal(*pools) and pools[0].sum() == 1 + 2 + 3 + 7 + 8
 
 
+def test_accept_tokens_batch_skips_padding_rows():
+    """A batch padded to a graph size (None ids): the padding rows' tokens are ignored, pool row 0 stays empty, and
+    the pool is the one accept_tokens per request gives."""
+    pools = []
+    for padded in (False, True):
+        e = ToyEngine()
+        e.add("a", [1, 2])
+        e.add("b", [3])
+        m = e.manager
+        if padded:
+            m.accept_tokens_batch(["a", None, "b", None], [7, 99, 8, 98])
+        else:
+            m.accept_tokens("a", [7])
+            m.accept_tokens("b", [8])
+        e.forward([("a", 0), (None, 0), ("b", 0), (None, 0)])
+        pools.append(np.array(m.pool_array))
+        assert m.requests.counts[0] == 0
+    assert np.array_equal(*pools) and not pools[1][0].any()
+
+
+def test_add_request_refuses_a_long_prompt_before_registering_it():
+    e = ToyEngine()
+    cols = e.manager.requests.cols
+    with pytest.raises(ValueError, match="kv-canary: prompt_token_ids: expected at most"):
+        e.manager.add_request("x", list(range(cols + 1)))
+    e.manager.add_request("x", [1, 2])  # a retry with a shorter prompt: not "already running"
+
+
 def test_accept_tokens_batch_refuses_bad_batches_and_accepts_nothing():
     e = ToyEngine()
     e.add("a", [1, 2])

@@ -255,11 +255,16 @@ for t in range(3):
 assert copies == [2, 0, 0], copies  # the first step of a new batch: its prompts and tokens through the host
 assert m._eager.replays >= 2, m._eager.replays
 n_general = len(calls)  # the new batch's first step
+# Another order (int32 ids): scattered by the general kernel straight from the device array, its rows and columns
+# staged, never copied to the host (no sync).
+host_reads = []
+get = type(dev).get
+type(dev).get = lambda self: (host_reads.append(self.shape), get(self))[1]
 m.accept_tokens_batch(["f", "e"], cupy.asarray(np.array([121, 120], dtype=np.int32)))
 m.before_forward(request_ids=["e", "f"], **before)
+type(dev).get = get
 m.after_kv_store(**after)
-assert len(calls) > n_general and {c[0] for c in calls} == {"general"}, calls
-n_general = len(calls)
+assert len(calls) == n_general and (2,) not in host_reads, (calls, host_reads)
 # A step of another batch in between: the device's staging holds that batch's rows, so the next device accept
 # copies this batch's rows and lengths (from before the accept) first, then appends on the device.
 one_row = dict(req_pool_indices=a(np.array([2], dtype=np.int64)), prefix_lens=a(np.array([0], dtype=np.int64)),
@@ -288,6 +293,50 @@ for rid, want in (("e", [100, 101, 102, 120, 122]), ("f", [110, 111, 112, 121, 1
     r = m.requests.live[rid].row
     assert pool[r, start[rid]:start[rid] + 5].tolist() == want, pool[r]
     assert m.requests.counts[r] == start[rid] + 5
+# A batch padded to a graph size (a None id): the padding row's token is ignored, pool row 0 stays empty, and the
+# decode loop stays zero-copy (no host read of the device ids).
+ids3 = ["e", "f", None]
+before3 = dict(req_pool_indices=a(np.array([2, 1, 0], dtype=np.int64)),
+               prefix_lens=a(np.array([0, 0, 0], dtype=np.int64)), extend_seq_lens=a(np.array([0, 0, 0], dtype=np.int64)))
+buf3 = cupy.asarray(np.zeros(3, dtype=np.int64))
+start3 = {rid: int(m.requests.counts[m.requests.live[rid].row]) for rid in ("e", "f")}
+host_reads.clear()
+type(dev).get = lambda self: (host_reads.append(self.shape), get(self))[1]
+for t in range(4):
+    buf3[:] = cupy.asarray(np.array([140 + t, 150 + t, 7]))
+    m.accept_tokens_batch(ids3, buf3)
+    m.before_forward(request_ids=ids3, **before3)
+    m.after_kv_store(out_cache_loc=empty, input_ids=empty, positions=empty)
+type(dev).get = get
+assert (3,) not in host_reads, host_reads
+m.flush()
+pool = m.pool_array._a
+for rid, first in (("e", 140), ("f", 150)):
+    r = m.requests.live[rid].row
+    assert pool[r, start3[rid]:start3[rid] + 4].tolist() == [first, first + 1, first + 2, first + 3], pool[r]
+    assert m.requests.counts[r] == start3[rid] + 4
+assert not pool[0].any() and m.requests.counts[0] == 0
+# The graph launch and then the relaunch of the staged append both fail (a persistent CUDA error): no step is left
+# open, and the update is queued again, so the next step stages it afresh (no column skipped or written twice).
+m.accept_tokens_batch(ids3, cupy.asarray(np.array([160, 170, 7])))
+relaunch = m._transfer.launch_deferred
+m._eager.rt.graph_launch = failing_launch
+m._transfer.launch_deferred = failing_launch
+try:
+    m.before_forward(request_ids=ids3, **before3)
+    raise AssertionError("the failing launches did not raise")
+except RuntimeError as exc:
+    assert "test's failure" in str(exc)
+finally:
+    m._eager.rt.graph_launch = launch
+    m._transfer.launch_deferred = relaunch
+assert m._step is None and len(m.requests.updates) == 1
+m.before_forward(request_ids=ids3, **before3)
+m.after_kv_store(out_cache_loc=empty, input_ids=empty, positions=empty)
+m.flush()
+for rid, want in (("e", 160), ("f", 170)):
+    r = m.requests.live[rid].row
+    assert pool[r, start3[rid] + 4] == want and m.requests.counts[r] == start3[rid] + 5, pool[r]
 m._transfer.scatter = general
 decoded = m.stats()["decoded_steps"]
 
