@@ -575,10 +575,11 @@ class CanaryManager:
             one = updates[0] if len(updates) == 1 else None
             taken = pool.take_updates()
             try:
-                if type(one) is RowTokens and one.rows is q and one.device is not None:
-                    # Device token ids for exactly this step's rows: appended on the device, which also advances
-                    # the plan's valid lengths there (no copy when it holds these rows' lengths from before the
-                    # accept).
+                if type(one) is RowTokens and one.rows is q and (
+                        one.device is not None or self._transfer.device_append is not None):
+                    # Tokens for exactly this step's rows: appended on the device (device token ids where they
+                    # are, host ints from pinned memory), which also advances the plan's valid lengths there (no
+                    # copy when it holds these rows' lengths from before the accept).
                     synced = last is not None and last[0] is q and last[1] == one.version and last[2] == handle
                     self._deferred = self._transfer.stage_device_append(q, one, handle, synced, defer_scatter)
                 elif type(one) is RowTokens and one.rows is q and self._transfer.append is not None:

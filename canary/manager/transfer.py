@@ -146,6 +146,9 @@ def _strides(shape, dtype) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+_INT64 = np.dtype(np.int64)
+
+
 @dataclass
 class _Detached:
     """A report copied out of its pinned slot (:meth:`CudaTransfer.detach`), waiting for the manager's decode."""
@@ -238,7 +241,9 @@ class CudaTransfer:
         self._next_stage = (self._next_stage + 1) % len(self.stage_bufs)
         if buf.pending and self._done.get(buf.stream, -1) >= buf.step:
             buf.pending = False
-        buf.wait()  # the host is len(stage_bufs) steps ahead of the GPU: the only wait on this path
+        if buf.pending:  # the host is len(stage_bufs) steps ahead of the GPU: the only wait on this path
+            with OnDevice(self.rt, self.ordinal):
+                buf.wait()
         return buf
 
     def _used(self, buf: _Pinned, stream: int) -> None:
@@ -337,31 +342,49 @@ class CudaTransfer:
 
     def stage_device_append(self, q: np.ndarray, one, stream: int, synced: bool, defer: bool = False
                             ) -> tuple | None:
-        """A decode batch's device token ids (``one``: a :class:`RowTokens` with ``device`` set, for exactly the
-        rows ``q``): ``canary_append_tokens`` writes each row's token at column ``valid[r]`` and advances
-        ``valid[r]`` on the device, so no copy at all when the device area already holds ``q`` and the lengths
-        before this update (``synced``); else those are copied first. ``defer`` as in :meth:`stage_append`."""
+        """A decode batch's tokens for exactly the rows ``q`` (``one``: a :class:`RowTokens`): ``canary_append_tokens``
+        writes each row's token at column ``valid[r]`` and advances ``valid[r]`` on the device, so no copy at all
+        when the device area already holds ``q`` and the lengths before this update (``synced``); else those are
+        copied first. The tokens are read where they are: the engine's device array (``one.device``), or host
+        ints written into a pinned staging buffer, which the kernel reads over the bus (pinned memory is mapped
+        into the device's address space, as the report kernel's mailbox is), one buffer of the rotation a step.
+        ``defer`` as in :meth:`stage_append` (then :meth:`deferred_launched` records the buffer's release)."""
         n, b = len(q), self.b_cap
         rt = self.rt
-        if not synced:
-            with OnDevice(rt, self.ordinal):
-                buf = self._stage_buf()
-                w = buf.words
+        copy = None
+        if one.device is None:
+            i = self._next_stage
+            buf = self._stage_buf()
+            w = buf.words
+            w[2 * b:2 * b + n] = one.tokens
+            nbytes = 0
+            if not synced:
                 w[:n], w[b:b + n] = q, one.cols
-                rt.memcpy_async(self.qv_ptr, buf.ptr, 8 * (b + n), H2D, stream)
-                rt.event_record(buf.ev, stream)
-                self._used(buf, stream)
-        view, obj = one.device
-        key = (view.ptr, view.dtype)
+                nbytes = 8 * (b + n)
+            copy = (i, nbytes)  # the buffer is in use until the append has read it (deferred_launched)
+            ptr, dtype, obj = buf.ptr + 16 * b, _INT64, buf
+        else:
+            if not synced:
+                with OnDevice(rt, self.ordinal):
+                    buf = self._stage_buf()
+                    w = buf.words
+                    w[:n], w[b:b + n] = q, one.cols
+                    rt.memcpy_async(self.qv_ptr, buf.ptr, 8 * (b + n), H2D, stream)
+                    rt.event_record(buf.ev, stream)
+                    self._used(buf, stream)
+            view, obj = one.device
+            ptr, dtype = view.ptr, view.dtype
+        key = (ptr, dtype)
         call = self._append_calls.get(key)
         if call is None or call.obj is not obj:
             if len(self._append_calls) >= 8:  # a graph keyed by an evicted call keeps it (and its array) alive
                 self._append_calls.pop(next(iter(self._append_calls)))
-            call = self._append_calls[key] = _AppendCall(self.device_append, view.ptr, view.dtype, obj)
-        deferred = (call, n, n, None)
+            call = self._append_calls[key] = _AppendCall(self.device_append, ptr, dtype, obj)
+        deferred = (call, n, n, copy)
         if defer:
             return deferred
-        call(n, n, stream)
+        self.launch_deferred(deferred, stream)
+        self.deferred_launched(deferred, stream)
         return None
 
     def launch_deferred(self, deferred: tuple, stream: int) -> None:
@@ -369,7 +392,7 @@ class CudaTransfer:
         ``stream`` (capturable): the copy if any, then the scatter or the device append (once: it is not
         idempotent)."""
         fn, k, t, copy = deferred
-        if copy is not None:
+        if copy is not None and copy[1]:
             with OnDevice(self.rt, self.ordinal):
                 self.rt.memcpy_async(self.qv_ptr, self.stage_bufs[copy[0]].ptr, copy[1], H2D, stream)
         fn(k, t, stream)
@@ -380,8 +403,12 @@ class CudaTransfer:
         copy = deferred[3]
         if copy is not None:
             buf = self.stage_bufs[copy[0]]
-            with OnDevice(self.rt, self.ordinal):
-                self.rt.event_record(buf.ev, stream)
+            rt = self.rt
+            if rt.get_device() == self.ordinal:  # OnDevice's common case without its context object
+                rt.event_record(buf.ev, stream)
+            else:
+                with OnDevice(rt, self.ordinal):
+                    rt.event_record(buf.ev, stream)
             self._used(buf, stream)
 
     # -- device -> host ------------------------------------------------------------------------------------------

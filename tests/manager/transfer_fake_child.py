@@ -196,12 +196,32 @@ for t in range(10):
     copies.append(fakecuda.COUNTS["cuda.cudaMemcpyAsync"] - (0 if KERNEL else 2))  # less the report's copies
     seen.append(len(calls))
     assert m._qv.get()[4:6].tolist() == [cols["c"] + t + 1, cols["d"] + t + 1]  # the plan's valid lengths
-# A new batch's first step stages through the general scatter (accept_batch looked its rows up first); then each
-# staging buffer's graph (the copy from that buffer inside) is captured at its second sighting and replayed: no
-# copy and no scatter launched from the host any more.
-assert calls[0][0] == "general" and set(calls[2:]) == {("append", 2, 2)} and seen[-1] == seen[-3], (calls, seen)
-assert copies[1:4] == [1, 1, 1] and copies[-3:] == [0, 0, 0], copies
+# A new batch's first step stages through the general scatter (accept_batch looked its rows up first); from then on
+# canary_append_tokens reads the host ints from a pinned staging buffer and advances the valid lengths on the device:
+# no copy, no scatter; each buffer's graph captured at its second sighting, then replayed.
+assert [c[0] for c in calls] == ["general"] * len(calls) and seen[-1] == seen[0], (calls, seen)
+assert copies[1:] == [0] * 9, copies
 assert m._eager.replays >= replays + 2 * 3, (replays, m._eager.replays)
+# Without the device append (a Numba-backend manager): the append scatter, which reads its rows and columns from
+# the plan's staging, one copy of rows, lengths and tokens a step, inside the before-graph once captured.
+device_append, m._transfer.device_append = m._transfer.device_append, None
+m.add_request("g", [5])
+m.add_request("h", [6])
+copies = []
+for t in range(8):
+    m.accept_tokens_batch(["g", "h"], np.array([170 + t, 180 + t]))
+    fakecuda.COUNTS.clear()
+    m.before_forward(request_ids=["g", "h"], **before)
+    m.after_kv_store(**after)
+    copies.append(fakecuda.COUNTS.get("cuda.cudaMemcpyAsync", 0) - (0 if KERNEL else 2))
+m._transfer.device_append = device_append
+m.flush()
+for rid, prompt, first in (("g", 5, 170), ("h", 6, 180)):
+    r = m.requests.live[rid].row
+    assert m.pool_array._a[r, :9].tolist() == [prompt] + list(range(first, first + 8)), m.pool_array._a[r]
+    m.finish_request(rid)
+assert {c for c in calls if c[0] == "append"} == {("append", 2, 2)} and copies[1:4] == [1, 1, 1], (calls, copies)
+assert copies[-1] == 0, copies  # the copy inside the replayed graph of its staging buffer
 n_calls = len(calls)
 m.accept_tokens_batch(["d", "c"], np.array([91, 90]))  # not the step's order: the general scatter
 m.before_forward(request_ids=["c", "d"], **before)
