@@ -115,6 +115,7 @@ class _Pinned:
         self.pending = False
         self.words = self.array(0, (self.nbytes // 8,), np.int64)  # viewed once: a view costs ~5 us to make
         self.step, self.stream = -1, None  # the step and stream of the last copy that used it
+        self.evented = True  # the event marks that use (else only the step's report does: CudaTransfer._stage_buf)
 
     def array(self, offset: int, shape, dtype) -> np.ndarray:
         return host_view(self.ptr + offset, tuple(shape), _strides(shape, dtype), dtype, self)
@@ -243,11 +244,15 @@ class CudaTransfer:
             buf.pending = False
         if buf.pending:  # the host is len(stage_bufs) steps ahead of the GPU: the only wait on this path
             with OnDevice(self.rt, self.ordinal):
-                buf.wait()
+                if buf.evented:
+                    buf.wait()
+                else:  # no event marks that use: its stream up to now (it had passed it by its report)
+                    self.rt.stream_synchronize(buf.stream)
+                    buf.pending = False
         return buf
 
-    def _used(self, buf: _Pinned, stream: int) -> None:
-        buf.pending, buf.step, buf.stream = True, self._step, stream
+    def _used(self, buf: _Pinned, stream: int, evented: bool = True) -> None:
+        buf.pending, buf.step, buf.stream, buf.evented = True, self._step, stream, evented
 
     def stage(self, pool, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream: int,
               defer_scatter: bool = False) -> tuple | None:
@@ -403,13 +408,16 @@ class CudaTransfer:
         copy = deferred[3]
         if copy is not None:
             buf = self.stage_bufs[copy[0]]
-            rt = self.rt
-            if rt.get_device() == self.ordinal:  # OnDevice's common case without its context object
-                rt.event_record(buf.ev, stream)
-            else:
-                with OnDevice(rt, self.ordinal):
+            if copy[1]:  # a copy from it: its event
+                rt = self.rt
+                if rt.get_device() == self.ordinal:  # OnDevice's common case without its context object
                     rt.event_record(buf.ev, stream)
-            self._used(buf, stream)
+                else:
+                    with OnDevice(rt, self.ordinal):
+                        rt.event_record(buf.ev, stream)
+                self._used(buf, stream)
+            else:  # only the append reads it, before this step's report: the report marks its release (no event)
+                self._used(buf, stream, evented=False)
 
     # -- device -> host ------------------------------------------------------------------------------------------
     @property

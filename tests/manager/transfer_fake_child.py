@@ -220,6 +220,24 @@ for rid, prompt, first in (("g", 5, 170), ("h", 6, 180)):
     r = m.requests.live[rid].row
     assert m.pool_array._a[r, :9].tolist() == [prompt] + list(range(first, first + 8)), m.pool_array._a[r]
     m.finish_request(rid)
+# Host ints read from pinned memory by the device append hold their buffer until the step's report lands; a host
+# that runs ahead with no report read waits for its stream before reusing a buffer (no event marks that use).
+m.add_request("i", [7])
+m.add_request("j", [8])
+for t in range(8):
+    if t == 2:
+        m.poll = lambda: None
+        fakecuda.COUNTS.clear()
+    m.accept_tokens_batch(["i", "j"], np.array([200 + t, 210 + t]))
+    m.before_forward(request_ids=["i", "j"], **before)
+    m.after_kv_store(**after)
+del m.poll
+assert fakecuda.COUNTS["cuda.cudaStreamSynchronize"] >= 1, dict(fakecuda.COUNTS)
+m.flush()
+for rid, prompt, first in (("i", 7, 200), ("j", 8, 210)):
+    r = m.requests.live[rid].row
+    assert m.pool_array._a[r, :9].tolist() == [prompt] + list(range(first, first + 8)), m.pool_array._a[r]
+    m.finish_request(rid)
 assert {c for c in calls if c[0] == "append"} == {("append", 2, 2)} and copies[1:4] == [1, 1, 1], (calls, copies)
 assert copies[-1] == 0, copies  # the copy inside the replayed graph of its staging buffer
 n_calls = len(calls)
