@@ -158,14 +158,23 @@ def failing_launch(*args):
     raise RuntimeError("kv-canary: cudaGraphLaunch: expected cudaSuccess, got a test's failure")
 
 
-m._eager.rt.graph_launch = failing_launch
-try:
-    m.before_forward(request_ids=["a", "b"], **before)
-    raise AssertionError("the failing graph launch did not raise")
-except RuntimeError as exc:
-    assert "test's failure" in str(exc)
-finally:
-    m._eager.rt.graph_launch = launch
+def expect_failing_before(ids, step, relaunch_fails=False):
+    """before_forward with its graph launch failing (and, if asked, the staged launch's relaunch too): it raises."""
+    relaunch = m._transfer.launch_deferred
+    m._eager.rt.graph_launch = failing_launch
+    if relaunch_fails:
+        m._transfer.launch_deferred = failing_launch
+    try:
+        m.before_forward(request_ids=ids, **step)
+        raise AssertionError("the failing launch did not raise")
+    except RuntimeError as exc:
+        assert "test's failure" in str(exc)
+    finally:
+        m._eager.rt.graph_launch = launch
+        m._transfer.launch_deferred = relaunch
+
+
+expect_failing_before(["a", "b"], before)
 assert m.pool_array._a[row_a, col] == 55, m.pool_array._a[row_a, :col + 2]
 assert m.pool_array._a[row_a, col - 3:col].tolist() == [40, 41, 42]  # the replayed scatters wrote theirs
 m.before_forward(request_ids=["a", "b"], **before)
@@ -251,14 +260,7 @@ m.after_kv_store(**after)
 assert [c[0] for c in calls[n_calls:]] == ["general"] * (len(calls) - n_calls) and len(calls) > n_calls, calls
 # A graph launch that fails after an append was staged: its scatter still runs
 m.accept_tokens_batch(["c", "d"], np.array([95, 96]))
-m._eager.rt.graph_launch = failing_launch
-try:
-    m.before_forward(request_ids=["c", "d"], **before)
-    raise AssertionError("the failing graph launch did not raise")
-except RuntimeError as exc:
-    assert "test's failure" in str(exc)
-finally:
-    m._eager.rt.graph_launch = launch
+expect_failing_before(["c", "d"], before)
 m._transfer.append, m._transfer.scatter = appended, general
 m.before_forward(request_ids=["c", "d"], **before)
 m.after_kv_store(**after)
@@ -357,17 +359,7 @@ assert not pool[0].any() and m.requests.counts[0] == 0
 # The graph launch and then the relaunch of the staged append both fail (a persistent CUDA error): no step is left
 # open, and the update is queued again, so the next step stages it afresh (no column skipped or written twice).
 m.accept_tokens_batch(ids3, cupy.asarray(np.array([160, 170, 7])))
-relaunch = m._transfer.launch_deferred
-m._eager.rt.graph_launch = failing_launch
-m._transfer.launch_deferred = failing_launch
-try:
-    m.before_forward(request_ids=ids3, **before3)
-    raise AssertionError("the failing launches did not raise")
-except RuntimeError as exc:
-    assert "test's failure" in str(exc)
-finally:
-    m._eager.rt.graph_launch = launch
-    m._transfer.launch_deferred = relaunch
+expect_failing_before(ids3, before3, relaunch_fails=True)
 assert m._step is None and len(m.requests.updates) == 1
 m.before_forward(request_ids=ids3, **before3)
 m.after_kv_store(out_cache_loc=empty, input_ids=empty, positions=empty)
