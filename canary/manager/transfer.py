@@ -67,9 +67,6 @@ class HostTransfer:
         b.array[:b.index_words] = 0
         return out
 
-    def ready(self, token) -> bool:
-        return True
-
     def take(self, token) -> tuple[np.ndarray, np.ndarray | None]:
         return token
 
@@ -273,10 +270,10 @@ class CudaTransfer:
             # Device token ids first, each scattered straight from the engine's array (their rows and columns
             # staged): before any host update's copy reuses the staging area. Updates write disjoint columns, so
             # their order does not matter.
-            if updates and any(type(x) is RowTokens and x.tokens is None for x in updates):
-                for x in updates:
-                    if type(x) is RowTokens and x.tokens is None:
-                        self._scatter_device_tokens(x, stream)
+            on_device = [x for x in updates if type(x) is RowTokens and x.tokens is None]
+            if on_device:
+                for x in on_device:
+                    self._scatter_device_tokens(x, stream)
                 updates = [x for x in updates if not (type(x) is RowTokens and x.tokens is None)]
             for rows, cols, offsets, tokens in _chunks(updates, self.u_cap, self.t_cap) if updates else ():
                 if deferred is not None:  # an earlier chunk's scatter: before this chunk's copy overwrites it
@@ -355,28 +352,22 @@ class CudaTransfer:
         into the device's address space, as the report kernel's mailbox is), one buffer of the rotation a step.
         ``defer`` as in :meth:`stage_append` (then :meth:`deferred_launched` records the buffer's release)."""
         n, b = len(q), self.b_cap
-        rt = self.rt
         copy = None
-        if one.device is None:
+        if one.device is None or not synced:
+            # A staging buffer: host ints for the append to read, and / or the rows and lengths to copy first.
+            # Either way it is in use until the launch has read it (launch_deferred, then deferred_launched).
             i = self._next_stage
             buf = self._stage_buf()
             w = buf.words
-            w[2 * b:2 * b + n] = one.tokens
             nbytes = 0
             if not synced:
                 w[:n], w[b:b + n] = q, one.cols
                 nbytes = 8 * (b + n)
-            copy = (i, nbytes)  # the buffer is in use until the append has read it (deferred_launched)
+            copy = (i, nbytes)
+        if one.device is None:
+            w[2 * b:2 * b + n] = one.tokens
             ptr, dtype, obj = buf.ptr + 16 * b, _INT64, buf
         else:
-            if not synced:
-                with OnDevice(rt, self.ordinal):
-                    buf = self._stage_buf()
-                    w = buf.words
-                    w[:n], w[b:b + n] = q, one.cols
-                    rt.memcpy_async(self.qv_ptr, buf.ptr, 8 * (b + n), H2D, stream)
-                    rt.event_record(buf.ev, stream)
-                    self._used(buf, stream)
             view, obj = one.device
             ptr, dtype = view.ptr, view.dtype
         key = (ptr, dtype)
