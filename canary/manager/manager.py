@@ -158,7 +158,8 @@ class CanaryManager:
                                                as_view(self._valid, "staging.valid"))
             self._transfer = CudaTransfer(self.ordinal, block=self._block, staging={"qv": self._qv, "upd": upd},
                                           u_cap=u, scatter=DeviceScatter.over(self.pool_array, upd, u, self.backend),
-                                          append=self._append_scatter(empty, upd), device_append=device_append,
+                                          append=None if device_append else self._append_scatter(empty, upd),
+                                          device_append=device_append,
                                           report_kernel=report)
         # -- sweep hook (canary/manager/sweep.py) --
         self._sweep = Sweeper(self.groups, check_budget("sweep_budget", sweep_budget), empty, self.ordinal,
@@ -227,7 +228,7 @@ class CanaryManager:
 
     def _append_scatter(self, empty, upd) -> DeviceScatter:
         # The decode batch's scatter (CudaTransfer.stage_append) over the staging area, and its constant offsets
-        # 0, 1, ..., B, copied once (a sync, at construction).
+        # 0, 1, ..., B, copied once (a sync, at construction): for managers without the device append (Numba).
         b = self.max_batch_size
         self._append_offsets = empty(b + 1, np.int64)
         host = np.arange(b + 1, dtype=np.int64)
@@ -289,33 +290,32 @@ class CanaryManager:
         last = self._tokens_view
         if ident is not None and last is not None and last[0] is token_ids and last[1] == ident:
             view = last[2]
-            if view.shape[0] != len(ids):
+        else:
+            t = type(token_ids)  # the type's attributes: an instance's __cuda_array_interface__ builds a dict
+            if not (hasattr(t, "__cuda_array_interface__") or hasattr(t, "__dlpack__")):
+                return token_ids  # a sequence of another kind: NumPy reads it
+            view = as_view(token_ids, "token_ids")
+            self._tokens_view = None
+            if view.device_id == HOST:
+                return view.host
+            if self._transfer.device_append is None:
+                return to_host(token_ids)
+            if len(view.shape) != 1:
                 raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
                                        f"{tuple(view.shape)}")
-            self.requests.accept_batch(ids, None, self._batch_rows, device=(view, token_ids))
-            return None
-        t = type(token_ids)  # the type's attributes: an instance's __cuda_array_interface__ builds a dict
-        if not (hasattr(t, "__cuda_array_interface__") or hasattr(t, "__dlpack__")):
-            return token_ids  # a sequence of another kind: NumPy reads it
-        view = as_view(token_ids, "token_ids")
-        self._tokens_view = None
-        if view.device_id == HOST:
-            return view.host
-        if self._transfer.device_append is None:
-            return to_host(token_ids)
-        if len(view.shape) != 1 or view.shape[0] != len(ids):
+            if view.dtype not in (np.dtype(np.int64), np.dtype(np.int32)):
+                raise fail(TypeError, f"token_ids: expected int64 or int32 device token ids, got dtype {view.dtype}")
+            if view.device_id != self.ordinal:
+                raise fail(ValueError, f"token_ids: expected host ints or an array on cuda:{self.ordinal} (the "
+                                       f"manager's device), got an array on cuda:{view.device_id}")
+            if view.shape[0] > 1 and view.strides[0] != 1:
+                raise fail(ValueError, f"token_ids: expected a contiguous device array (stride 1), got stride "
+                                       f"{view.strides[0]}")
+            if ident is not None:  # checked: the next call over the same array reuses it
+                self._tokens_view = (token_ids, ident, view)
+        if view.shape[0] != len(ids):
             raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
                                    f"{tuple(view.shape)}")
-        if view.dtype not in (np.dtype(np.int64), np.dtype(np.int32)):
-            raise fail(TypeError, f"token_ids: expected int64 or int32 device token ids, got dtype {view.dtype}")
-        if view.device_id != self.ordinal:
-            raise fail(ValueError, f"token_ids: expected host ints or an array on cuda:{self.ordinal} (the manager's "
-                                   f"device), got an array on cuda:{view.device_id}")
-        if len(ids) > 1 and view.strides[0] != 1:
-            raise fail(ValueError, f"token_ids: expected a contiguous device array (stride 1), got stride "
-                                   f"{view.strides[0]}")
-        if ident is not None:
-            self._tokens_view = (token_ids, ident, view)
         if len(ids):
             self.requests.accept_batch(ids, None, self._batch_rows, device=(view, token_ids))
         return None

@@ -31,6 +31,7 @@ fakecuda.EMULATE_SCATTER = True  # the pool's contents are checked below
 import cupy  # noqa: E402 - the fake
 
 from canary import CanaryManager, FailReason, KVGroup  # noqa: E402
+from canary.interop.devices import allocator  # noqa: E402
 from canary.records.ring import KernelTag, append_rows, encode_tag  # noqa: E402
 
 ROWS, SEQ = 4, 16
@@ -191,9 +192,8 @@ m.finish_request("b")
 m.add_request("c", [1])
 m.add_request("d", [2])
 cols = {rid: int(m.requests.counts[m.requests.live[rid].row]) for rid in ("c", "d")}
-appended, general = m._transfer.append, m._transfer.scatter
+general = m._transfer.scatter
 calls = []
-m._transfer.append = lambda k, t, stream: (calls.append(("append", k, t)), appended(k, t, stream))
 m._transfer.scatter = lambda k, t, stream: (calls.append(("general", k, t)), general(k, t, stream))
 replays = m._eager.replays
 copies, seen = [], []
@@ -214,6 +214,8 @@ assert m._eager.replays >= replays + 2 * 3, (replays, m._eager.replays)
 # Without the device append (a Numba-backend manager): the append scatter, which reads its rows and columns from
 # the plan's staging, one copy of rows, lengths and tokens a step, inside the before-graph once captured.
 device_append, m._transfer.device_append = m._transfer.device_append, None
+appended = m._append_scatter(allocator(0), m._transfer.upd)  # what such a manager builds
+m._transfer.append = lambda k, t, stream: (calls.append(("append", k, t)), appended(k, t, stream))
 m.add_request("g", [5])
 m.add_request("h", [6])
 copies = []
@@ -223,7 +225,7 @@ for t in range(8):
     m.before_forward(request_ids=["g", "h"], **before)
     m.after_kv_store(**after)
     copies.append(fakecuda.COUNTS.get("cuda.cudaMemcpyAsync", 0) - (0 if KERNEL else 2))
-m._transfer.device_append = device_append
+m._transfer.device_append, m._transfer.append = device_append, None
 m.flush()
 for rid, prompt, first in (("g", 5, 170), ("h", 6, 180)):
     r = m.requests.live[rid].row
@@ -261,7 +263,7 @@ assert [c[0] for c in calls[n_calls:]] == ["general"] * (len(calls) - n_calls) a
 # A graph launch that fails after an append was staged: its scatter still runs
 m.accept_tokens_batch(["c", "d"], np.array([95, 96]))
 expect_failing_before(["c", "d"], before)
-m._transfer.append, m._transfer.scatter = appended, general
+m._transfer.scatter = general
 m.before_forward(request_ids=["c", "d"], **before)
 m.after_kv_store(**after)
 m.flush()
