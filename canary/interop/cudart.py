@@ -238,3 +238,12 @@ class OnDevice:
         if self.prev != self.ordinal:
             self.rt.set_device(self.prev)
         return False
+
+
+def on_device(rt, ordinal: int, fn, *args):
+    """``fn(*args)`` with ``ordinal`` as the current device: :class:`OnDevice`'s guard, without making its object
+    when the device already is current (a per-step call's common case)."""
+    if rt.get_device() == ordinal:
+        return fn(*args)
+    with OnDevice(rt, ordinal):
+        return fn(*args)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from ..interop.adapter import fast_device_view
 from ..interop.callviews import fingerprint
-from ..interop.cudart import OnDevice
+from ..interop.cudart import OnDevice, on_device
 from ..interop.streams import LaunchStream
 
 MAX_GRAPHS = 8  # per call site: each keeps its step arrays alive
@@ -63,12 +63,8 @@ class EagerGraphs:
                 return _MISS
         if fingerprint(objs) != e.prints:
             return _MISS
-        rt = self.rt
-        if rt.get_device() == self.ordinal:  # OnDevice's common case without its context object
-            rt.graph_launch(e.graph, st.handle)
-        else:
-            with OnDevice(rt, self.ordinal):  # the graph was instantiated in this device's context
-                rt.graph_launch(e.graph, st.handle)
+        # the graph was instantiated in this device's context
+        on_device(self.rt, self.ordinal, self.rt.graph_launch, e.graph, st.handle)
         self.replays += 1
         return e.extra
 

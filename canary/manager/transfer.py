@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import fail
 from ..interop.adapter import ArrayView, as_view
-from ..interop.cudart import D2H, H2D, OnDevice, runtime
+from ..interop.cudart import D2H, H2D, OnDevice, on_device, runtime
 from ..interop.memview import host_view
 from .block import ReportBlock
 from .pool import RowTokens
@@ -400,12 +400,7 @@ class CudaTransfer:
         if copy is not None:
             buf = self.stage_bufs[copy[0]]
             if copy[1]:  # a copy from it: its event
-                rt = self.rt
-                if rt.get_device() == self.ordinal:  # OnDevice's common case without its context object
-                    rt.event_record(buf.ev, stream)
-                else:
-                    with OnDevice(rt, self.ordinal):
-                        rt.event_record(buf.ev, stream)
+                on_device(self.rt, self.ordinal, self.rt.event_record, buf.ev, stream)
                 self._used(buf, stream)
             else:  # only the append reads it, before this step's report: the report marks its release (no event)
                 self._used(buf, stream, evented=False)

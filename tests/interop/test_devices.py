@@ -74,3 +74,24 @@ def test_drain_on_host_state_resets_the_ring():
     report = state.drain()
     assert (report.total, report.capacity, report.dropped, len(report)) == (3, 2, 1, 2)
     assert not state.ring.any() and int(state.ring_write_index[0]) == 0
+
+
+def test_on_device_switches_only_when_another_device_is_current():
+    """cudart.on_device: the call runs with the ordinal current, and the caller's device is restored after."""
+    from canary.interop.cudart import on_device
+
+    class Runtime:
+        def __init__(self, current):
+            self.current, self.log = current, []
+
+        def get_device(self):
+            return self.current
+
+        def set_device(self, d):
+            self.log.append(d)
+            self.current = d
+
+    for current, switches in ((0, []), (1, [0, 1])):
+        rt = Runtime(current)
+        seen = on_device(rt, 0, lambda x: (rt.current, x), "arg")
+        assert seen == (0, "arg") and rt.log == switches and rt.current == current
