@@ -98,7 +98,7 @@ class RequestPool:
         req = self.live.get(request_id)
         if req is None:
             raise fail(KeyError, f"request_id: expected a running request (add_request first), got {request_id!r}")
-        self._append(request_id, req, tokens, "token_ids")
+        self._append(request_id, req, self._host_tokens(tokens), "token_ids")
 
     def finish(self, request_id: Hashable) -> None:
         req = self.live.pop(request_id, None)
@@ -123,8 +123,8 @@ class RequestPool:
         return np.asarray(tokens if tokens is not None else [], dtype=np.int64).reshape(-1) if not isinstance(
             tokens, np.ndarray) else tokens.astype(np.int64, copy=False).reshape(-1)
 
-    def _append(self, request_id: Hashable, req: _Request, tokens: Any, name: str) -> None:
-        toks = self._host_tokens(tokens)
+    def _append(self, request_id: Hashable, req: _Request, toks: Any, name: str) -> None:
+        # toks: _host_tokens' form (its callers made it: add checks the prompt's length with it first)
         n = len(toks)
         start = int(self.counts[req.row])
         if start + n > self.cols:
@@ -142,8 +142,8 @@ class RequestPool:
         the batch. The ids' rows are looked up once per batch (reused while no request is added or finished),
         the counts checked and advanced together. ``same_rows(request_ids)``: an array of these rows the caller
         already holds (or ``None``), adopted when equal, so that the caller can tell its batch by identity."""
-        last = self._batch
-        if last is not None and last[1] == self.members and (last[0] is request_ids or last[0] == request_ids):
+        last = self._cached_batch(request_ids)
+        if last is not None:
             rows, pad = last[2], last[3]
         else:
             live = self.live.get
@@ -184,12 +184,17 @@ class RequestPool:
         self._batch_state = (self.version, rows, ends, top + 1)
         self.updates.append(RowTokens(rows, cols, tokens, ends, device, self.version - 1))
 
+    def _cached_batch(self, request_ids: tuple) -> tuple | None:
+        last = self._batch
+        if last is not None and last[1] == self.members and (last[0] is request_ids or last[0] == request_ids):
+            return last
+        return None
+
     def batch_rows(self, request_ids: tuple) -> np.ndarray | None:
         """The rows :meth:`accept_batch` holds for exactly these ids (no request added or finished since), or
         ``None``."""
-        last = self._batch
-        return last[2] if last is not None and last[1] == self.members and (last[0] is request_ids or
-                                                                             last[0] == request_ids) else None
+        last = self._cached_batch(request_ids)
+        return None if last is None else last[2]
 
     def take_updates(self) -> list[tuple[int, int, Any]]:
         out, self.updates = self.updates, []
