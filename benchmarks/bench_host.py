@@ -13,8 +13,10 @@ outside the clock after each call): median over ``--repeats`` calls, us.
 
 ``--fake``: no GPU needed: a NumPy-backed stand-in for CuPy and the CUDA runtime (``benchmarks/fakecuda.py``)
 whose launches do nothing, so the numbers are the pure Python host path (a proxy: compare before / after in
-one run; timed in this thread's CPU time, less the stand-in's emulation of the kernels), with the driver calls a GPU would pay counted per call.
-``--profile NAME``: cProfile of one row. ``--split``: the manager rows' calls timed one by one too. ``--direct``: the manager without its eager CUDA graphs.
+one run; timed in this thread's CPU time, less the stand-in's emulation of the kernels), with the driver calls a
+GPU would pay counted per call.
+``--profile NAME``: cProfile of one row. ``--split``: the manager rows' calls timed one by one too. ``--direct``:
+the manager without its eager CUDA graphs.
 
     python benchmarks/bench_host.py [--repeats 300] [--fake] [--only manager] [--direct] [--profile "manager bs1"]
 """
@@ -46,7 +48,8 @@ SPLIT: dict = {}  # --split: {"clock": the clock, "parts": [(accept ns, before_f
 
 def manager_case(cp, bs: int, context: int, tokens: str | None):
     """bench_manager's manager and decode step; ``tokens``: one accepted token per request per step, reported
-    ``"each"`` (``accept_tokens`` per request) or as a ``"batch"`` (``accept_tokens_batch``) or ``"device"`` (``accept_tokens_batch`` with a device array), timed with the step
+    ``"each"`` (``accept_tokens`` per request) or as a ``"batch"`` (``accept_tokens_batch``) or ``"device"``
+    (``accept_tokens_batch`` with a device array), timed with the step
     (half the context is then prompt, so that the accepted tokens have room)."""
     from bench_manager import build
 
@@ -153,13 +156,10 @@ def measure(call, after, sync, repeats: int, counts=None, clock=time.perf_counte
             after()
     times = []
     before = dict(counts) if counts is not None else {}
-    fake = sys.modules.get("fakecuda")  # --fake: the kernels' emulation on the host is the GPU's time, not ours
     for _ in range(repeats):
-        e0 = fake.EMULATED_NS if fake else 0
         t0 = clock()
         call()
-        t1 = clock()
-        times.append((t1 - t0 - ((fake.EMULATED_NS - e0) if fake else 0)) / 1e3)
+        times.append((clock() - t0) / 1e3)
         sync()  # outside the clock: each call starts with an idle GPU
         if after:
             after()
@@ -184,18 +184,17 @@ def main() -> int:
     args = ap.parse_args()
     if args.direct:
         MANAGER_KW["eager_graphs"] = False
-    clock = time.thread_time_ns if args.fake else time.perf_counter_ns
-    if args.split:
-        def tick():
-            fake = sys.modules.get("fakecuda")
-            return clock() - (fake.EMULATED_NS if fake else 0)
-        SPLIT["clock"] = tick
+    clock = time.perf_counter_ns
     counts = None
     if args.fake:
         import fakecuda
 
         fakecuda.install()
         counts = fakecuda.COUNTS
+        # this thread's CPU time, less the stand-in's emulation of the kernels (the GPU's time, not ours)
+        clock = lambda: time.thread_time_ns() - fakecuda.EMULATED_NS  # noqa: E731
+    if args.split:
+        SPLIT["clock"] = clock
     import cupy as cp
 
     def sync():

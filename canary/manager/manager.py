@@ -255,9 +255,10 @@ class CanaryManager:
     def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any) -> None:
         """:meth:`accept_tokens` for a whole decode batch at once: ``token_ids[i]`` is the one token request
         ``request_ids[i]`` accepted this step (a plain decode step's sampled tokens). Requests must be running and
-        distinct; ``None`` marks a padding row (a batch padded to a graph size), whose token is ignored. One update for the batch instead of one per request: the host cost of a step that accepts a
-        token for each of 256 requests drops from about 1 us a request to a few numpy calls (docs/performance.md).
-        For several tokens a request (speculative decoding), call :meth:`accept_tokens` per request.
+        distinct; ``None`` marks a padding row (a batch padded to a graph size), whose token is ignored. One update
+        for the batch instead of one per request: the host cost of a step that accepts a token for each of 256
+        requests drops from about 1 us a request to a few numpy calls (docs/performance.md). For several tokens a
+        request (speculative decoding), call :meth:`accept_tokens` per request.
 
         ``token_ids``: ``[bs]`` host ints (a list, a NumPy array, a CPU tensor), or the engine's device array of
         sampled token ids (int64 or int32, contiguous, on this manager's device; any DLPack / CUDA-array-interface

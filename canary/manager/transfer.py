@@ -593,7 +593,8 @@ class DeviceScatter:
 
         uv = check_view(as_view(upd, "staging.upd"), dtype=np.int64, ndim=1)
         u = int(u_cap)
-        spans = (("rows", 0, u), ("cols", u, u), ("offsets", 2 * u, u + 1), ("tokens", 3 * u + 1, uv.shape[0] - 3 * u - 1))
+        spans = (("rows", 0, u), ("cols", u, u), ("offsets", 2 * u, u + 1),
+                 ("tokens", 3 * u + 1, uv.shape[0] - 3 * u - 1))
         return cls(pool, tuple(uv._replace(name=n, ptr=uv.ptr + 8 * o, shape=(k,), strides=(1,)) for n, o, k in spans),
                    0, backend)
 

@@ -339,7 +339,8 @@ for rid, want in (("e", [100, 101, 102, 120, 122]), ("f", [110, 111, 112, 121, 1
 # decode loop stays zero-copy (no host read of the device ids).
 ids3 = ["e", "f", None]
 before3 = dict(req_pool_indices=a(np.array([2, 1, 0], dtype=np.int64)),
-               prefix_lens=a(np.array([0, 0, 0], dtype=np.int64)), extend_seq_lens=a(np.array([0, 0, 0], dtype=np.int64)))
+               prefix_lens=a(np.array([0, 0, 0], dtype=np.int64)),
+               extend_seq_lens=a(np.array([0, 0, 0], dtype=np.int64)))
 buf3 = cupy.asarray(np.zeros(3, dtype=np.int64))
 start3 = {rid: int(m.requests.counts[m.requests.live[rid].row]) for rid in ("e", "f")}
 host_reads.clear()
