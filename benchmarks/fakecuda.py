@@ -169,12 +169,7 @@ class _Kernel:
         self.run(args)
 
     def run(self, args):
-        global EMULATED_NS
-        t0 = time.thread_time_ns()
-        try:
-            self._run(args)
-        finally:
-            EMULATED_NS += time.thread_time_ns() - t0
+        _emulated(self._run, args)
 
     def _run(self, args):
         if self.name in ("canary_write", "canary_verify"):
@@ -184,12 +179,21 @@ class _Kernel:
         elif self.name.startswith("canary_scatter") and EMULATE_SCATTER:
             _scatter(args, ctypes.c_int64 if self.name.endswith("i64") else ctypes.c_int32)
         elif self.name.startswith("canary_append_tokens") and EMULATE_SCATTER:
-            _append(args, np.int64 if self.name.endswith("i64") else np.int32)
+            _append(args, ctypes.c_int64 if self.name.endswith("i64") else ctypes.c_int32)
 
 
 # This thread's CPU time spent emulating kernels (the report's copy into the mailbox, the counters): the GPU's work,
 # not the library's host path, so bench_host --fake subtracts it from each call's time.
 EMULATED_NS = 0
+
+
+def _emulated(fn, *args) -> None:
+    global EMULATED_NS
+    t0 = time.thread_time_ns()
+    try:
+        fn(*args)
+    finally:
+        EMULATED_NS += time.thread_time_ns() - t0
 
 _PARAM_WORDS: dict = {}  # address of a parameter struct's words -> their count (canary.backends.cupy.Params)
 # Tests that read the expected-token pool set this: the scatter then runs on host memory, in Python (a benchmark
@@ -235,8 +239,7 @@ def _append(args, token_type) -> None:
         return
     q = np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(w["q"]))
     valid = np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(w["valid"]))
-    ctype = ctypes.c_int64 if token_type is np.int64 else ctypes.c_int32
-    tokens = np.ctypeslib.as_array((ctype * n).from_address(w["tokens"]))
+    tokens = np.ctypeslib.as_array((token_type * n).from_address(w["tokens"]))
     for r in range(n):
         rp, col = int(q[r]), int(valid[r])
         if 0 < rp < w["pool_rows"] and 0 <= col < w["pool_cols"]:
@@ -269,10 +272,7 @@ class _Copy:
         self.dst, self.src, self.n = dst, src, n
 
     def run(self, args) -> None:
-        global EMULATED_NS
-        t0 = time.thread_time_ns()
-        ctypes.memmove(self.dst, self.src, self.n)
-        EMULATED_NS += time.thread_time_ns() - t0
+        _emulated(ctypes.memmove, self.dst, self.src, self.n)
 
 
 _CAPTURES: dict = {}  # stream handle -> the launches captured on it so far
