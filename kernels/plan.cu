@@ -6,8 +6,9 @@
 // scans, seeds, row flags into scratch) and canary_plan_entries_* (entries, rows found in the scratch scan).
 // With a LUT, the last block to finish composes status / enable / verify_num_valid and re-arms the scratch
 // counters, so each launch leaves the scratch as it found it (CUDA-graph replays stay correct). A sampling
-// planner's fused grid has one extra block that moves the sampling cursors (fused_sampled); on the two-pass
-// path the rows kernel resets them and the entries kernel's threads advance them (plan_rows, plan_entries).
+// planner's fused grid has one extra block that moves the sampling cursors (fused_sampled); its two-pass rows
+// launch has side blocks that build a sampled step's table and move the cursors on other SMs while block 0 scans
+// (side_rows), and without room for them (huge batches) block 0 builds the table after its scan.
 // Grids are sized from verify_capacity, never from data: a captured graph is valid for any later input.
 // Specialized at compile time only on what changes the code path: HAS_LUT, HAS_POOL. 64-bit indices.
 
@@ -44,8 +45,15 @@
 #define SCRATCH_ROW_FLAGS 2   // two-pass only: row checks of the rows kernel
 #define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
 #define SCRATCH_READERS 4     // fused, sampled steps: emitting blocks done reading the cursors
-#define SCRATCH_TABLE 5       // two-pass only: the row table, TABLE_ARRAYS arrays of R + 1 (RowTable)
-#define TABLE_ARRAYS 8
+#define SCRATCH_SIDE 5        // two-pass: side blocks of the rows launch (0: block 0 builds a sampled table)
+#define SCRATCH_SIDE_PUBLISHED 6  // side blocks whose tile sums are published
+#define SCRATCH_SIDE_RESET 7      // side blocks done resetting their rows' cursors
+#define SCRATCH_SIDE_EXITED 8     // side blocks done (the last one re-arms the three counters)
+#define SCRATCH_TABLE 9       // two-pass only: the row tables, TABLE_ARRAYS arrays of R + 1 (RowTable), then the
+                              // side blocks' tile sums (3 words a tile of SIDE_ROWS rows)
+#define TABLE_ARRAYS 11       // the scan's table (8 arrays), then a side-built sampled table's off, base, pdelta
+#define SIDE_BATCH 1        // rows a thread of a side block owns (2 spilled in the rows kernel)
+#define SIDE_ROWS (ROWS_THREADS * SIDE_BATCH)  // rows of one side block's tile
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -350,6 +358,21 @@ __device__ __forceinline__ i64 floor_div(i64 a, i64 b, double inv_b) {
     return q;
 }
 
+// first[r] of SPEC 3.7: the first output entry of a row with m rows with entries before it and `off` entries
+// (unsampled) before it; head is the rotation head of a step with fewer entries than requests. Also first[r + 1]
+// when called with (m + 1, off + L[r]), which is how a side block finds a row's take without its neighbour.
+__device__ __forceinline__ i64 first_entry(i64 m, i64 off, i64 cap, i64 requests, i64 total, i64 head,
+                                           bool by_double, double inv) {
+    if (cap >= requests) {  // one entry each, the rest in proportion to len - 1 (the running sum rounded)
+        const i64 a = (cap - requests) * (off - m), b = total - requests;
+        return m + (by_double ? floor_div(a, b, inv) : a / b);
+    }
+    if (head + cap <= requests)  // the requests of ranks [head, head + cap) take one entry each
+        return min(max(m - head, (i64)0), cap);
+    // ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
+    return min(m, head + cap - requests) + max(m - head, (i64)0);
+}
+
 // The second round (see rank_rows): off[r] becomes first[r], the row's first output entry, and base / pdelta start
 // the row at its run; rank[r] keeps rp. RESET (the two-pass rows kernel, the cursors' only reader): the cursors of
 // the rows that take entries are reset and the head moved here, from registers (rank_rows' barrier: every read is
@@ -377,16 +400,9 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
         for (int k = 0; k < BATCH; ++k) {
             const i64 r = r0 + (i64)k * THREADS;
             if (r >= p.bs) continue;
-            i64 first;
+            const i64 first = first_entry(m[k], off[k], cap, requests, total, head, by_double, inv);
             bool takes = len[k] > 0;
-            if (cap >= requests) {  // one entry each, the rest in proportion to len - 1 (the running sum rounded)
-                const i64 a = (cap - requests) * (off[k] - m[k]), b = total - requests;
-                first = m[k] + (by_double ? floor_div(a, b, inv) : a / b);
-            } else {
-                if (head + cap <= requests)  // the requests of ranks [head, head + cap) take one entry each
-                    first = min(max(m[k] - head, (i64)0), cap);
-                else  // ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
-                    first = min(m[k], head + cap - requests) + max(m[k] - head, (i64)0);
+            if (cap < requests) {
                 const i64 d = m[k] >= head ? m[k] - head : m[k] - head + requests;
                 takes = takes && d < cap;
             }
@@ -623,6 +639,182 @@ __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
     return RowTable{t, t + n, t + 2 * n, t + 3 * n, t + 4 * n, t + 5 * n, t + 6 * n, t + 7 * n};
 }
 
+// A sampled table built by the side blocks: its own off, base and pdelta (block 0 writes the scan's at the same
+// time), the scan's pbase and vlim (the same values for every row with entries), and lo, len and rank, which only
+// block 0's own sampled table (no side blocks) would use.
+__device__ __forceinline__ RowTable side_table(const PlanParams& p) {
+    RowTable t = global_table(p);
+    const i64 n = p.write_req_capacity + 1;
+    t.off = p.scratch + SCRATCH_TABLE + 8 * n;
+    t.base = t.off + n;
+    t.pdelta = t.off + 2 * n;
+    return t;
+}
+
+// A side block of a sampling planner's two-pass rows launch (blocks 1.., one tile of SIDE_ROWS rows each): while
+// block 0 scans the batch, the side blocks build a sampled step's table and move the cursors on other SMs, so a
+// sampled step's rows launch takes no longer than a full plan's. Block 0 alone took 26 us at bs=4096 against 12.5
+// for a full plan (run 71, Nsight Compute): its rank and table rounds were chains of dependent round trips, rows
+// deep per thread, on one SM. Here each thread owns SIDE_BATCH rows and keeps them in registers throughout:
+// - its rows' facts (row_facts, as the scan), their cursors and the rotation head, then the tile's scans of the
+//   verify counts and of the rows with entries;
+// - the tile's sums are published in the scratch and every side block waits for all of them (a spin on
+//   co-resident blocks: the host launches side blocks only when the grid fits the device at once, and no block
+//   waits for anything a later one does after its own publication), then adds the sums of the tiles before it;
+// - if the step samples: each row's first entry and take (first_entry, closed form), the sampled table, the
+//   reset of its rows' cursors, a second wait (every block has read its cursors before publishing, so a reset
+//   cannot reach a reader; the advance must follow every reset), then the advance (atomicMax: a request row in two
+//   batch rows keeps the larger new cursor, SPEC 3.7).
+// The last block out re-arms the counters. Block 0's scan writes the status, the write side and the scan's table;
+// the entries kernel reads this table when SCRATCH_SIDE says so.
+template <bool HAS_POOL>
+__device__ __forceinline__ void side_rows(const PlanParams& p) {
+    constexpr int THREADS = ROWS_THREADS, BATCH = SIDE_BATCH;
+    const i64 bs = p.bs, tile = (i64)blockIdx.x - 1, r0 = tile * SIDE_ROWS;
+    if (r0 >= bs) return;  // uniform: the tile lies past the batch (the grid is sized from R, not bs)
+    const i64 tiles = (bs + SIDE_ROWS - 1) / SIDE_ROWS;
+    u64* words = reinterpret_cast<u64*>(p.scratch);
+    i64* sums = p.scratch + SCRATCH_TABLE + TABLE_ARRAYS * (p.write_req_capacity + 1);
+    __shared__ int s_flags;
+    __shared__ i64 s_sum[5];  // verify entries and rows with entries before the tile; both in all; flags
+    if (threadIdx.x == 0) s_flags = 0;
+    i64 rp[BATCH], len[BATCH], cnt[BATCH], run[BATCH], voff[BATCH], rank[BATCH];
+    const i64 head_raw = p.cursors[0];
+    {
+        i64 e[BATCH], vl[BATCH], q[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const i64 r = r0 + k * THREADS + threadIdx.x;
+            rp[k] = 0; e[k] = 0; len[k] = 0; vl[k] = 0; q[k] = 0;
+            if (r < bs) { rp[k] = p.req_pool_indices[r]; e[k] = p.extend_seq_lens[r]; len[k] = p.prefix_lens[r]; }
+        }
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const i64 r = r0 + k * THREADS + threadIdx.x;
+            if (HAS_POOL && r < bs && rp[k] != 0) {
+                vl[k] = p.valid_lens[r];
+                q[k] = p.expected_token_pool_indices ? p.expected_token_pool_indices[r] : rp[k];
+            }
+        }
+        int flags = 0;
+        i64 cur[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const Row f = row_facts<HAS_POOL>(p, rp[k], e[k], len[k], vl[k], q[k]);
+            cnt[k] = f.vcount;
+            len[k] = f.len;
+            flags |= f.flags;
+            cur[k] = cnt[k] > 0 ? p.cursors[rp[k]] : 0;  // a row with entries is trusted: 0 < rp < max_reqs
+        }
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {  // the cursors consumed here, before the publication below
+            const i64 lo = len[k] - cnt[k];
+            run[k] = cnt[k] > 0 && cur[k] >= lo && cur[k] < lo + cnt[k] ? cur[k] - lo : 0;
+        }
+        i64 vcarry = 0, ccarry = 0;
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const i64 v[2] = {cnt[k], cnt[k] > 0 ? 1 : 0};
+            i64 excl[2], tot[2];
+            block_scan<THREADS, 2>(v, excl, tot);
+            voff[k] = vcarry + excl[0];
+            rank[k] = ccarry + excl[1];
+            vcarry += tot[0];
+            ccarry += tot[1];
+        }
+        if (flags) atomicOr(&s_flags, flags);  // s_flags = 0 was published by the scans' barriers
+        __threadfence();  // this thread's cursor and head reads come before the publication
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            i64* mine = sums + 3 * tile;
+            mine[0] = vcarry;
+            mine[1] = ccarry;
+            mine[2] = s_flags;
+            __threadfence();
+            atomicAdd(words + SCRATCH_SIDE_PUBLISHED, 1ull);
+            while (atomicAdd(words + SCRATCH_SIDE_PUBLISHED, 0ull) < (u64)tiles) __nanosleep(32);
+            __threadfence();
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < 32) {  // one warp adds the tiles' sums (L2 reads: other SMs wrote them)
+        const int lane = threadIdx.x;
+        i64 pv = 0, pc = 0, tv = 0, tc = 0, fl = 0;
+        for (i64 j = lane; j < tiles; j += 32) {
+            const i64 v = __ldcg(sums + 3 * j), c = __ldcg(sums + 3 * j + 1), f = __ldcg(sums + 3 * j + 2);
+            tv += v; tc += c; fl |= f;
+            if (j < tile) { pv += v; pc += c; }
+        }
+#pragma unroll
+        for (int d = 16; d; d >>= 1) {
+            pv += __shfl_xor_sync(0xffffffffu, pv, d);
+            pc += __shfl_xor_sync(0xffffffffu, pc, d);
+            tv += __shfl_xor_sync(0xffffffffu, tv, d);
+            tc += __shfl_xor_sync(0xffffffffu, tc, d);
+            fl |= __shfl_xor_sync(0xffffffffu, fl, d);
+        }
+        if (lane == 0) { s_sum[0] = pv; s_sum[1] = pc; s_sum[2] = tv; s_sum[3] = tc; s_sum[4] = fl; }
+    }
+    __syncthreads();
+    const i64 total = s_sum[2], requests = s_sum[3];
+    if (sampling(p, (int)s_sum[4], total)) {  // uniform: every side block sees the same sums
+        const RowTable t = side_table(p);
+        const i64 cap = p.verify_capacity;
+        const i64 head = cap < requests && head_raw >= 0 && head_raw < requests ? head_raw : 0;
+        const bool by_double = cap >= requests && cap - requests < (1LL << 50);  // as in sample_rows
+        const double inv = by_double ? 1.0 / (double)(total - requests) : 0.0;
+        bool takes[BATCH];
+        i64 next[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const i64 r = r0 + k * THREADS + threadIdx.x;
+            takes[k] = false;
+            next[k] = 0;
+            if (r >= bs) continue;
+            const i64 m = s_sum[1] + rank[k], off = s_sum[0] + voff[k];
+            const i64 first = first_entry(m, off, cap, requests, total, head, by_double, inv);
+            t.off[r] = first;
+            if (cnt[k] > 0) {
+                const i64 take = first_entry(m + 1, off + cnt[k], cap, requests, total, head, by_double, inv) - first;
+                const i64 lo = len[k] - cnt[k], pdelta = lo + run[k] - first;
+                t.pdelta[r] = pdelta;
+                t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
+                t.lo[r] = lo;
+                t.len[r] = cnt[k];
+                t.rank[r] = rp[k];
+                const i64 nx = run[k] + take;  // run < L and take <= L: one subtraction wraps
+                next[k] = lo + (nx >= cnt[k] ? nx - cnt[k] : nx);
+                takes[k] = take > 0;
+                if (takes[k]) p.cursors[rp[k]] = (i64)(-0x7fffffffffffffffLL - 1);
+            }
+        }
+        if (threadIdx.x == 0) {
+            if (r0 + SIDE_ROWS >= bs) t.off[bs] = cap;
+            if (tile == 0 && cap < requests) {
+                const i64 h = head + cap;  // < 2 * requests
+                p.cursors[0] = h >= requests ? h - requests : h;
+            }
+        }
+        __threadfence();  // the resets come before this block's count
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            atomicAdd(words + SCRATCH_SIDE_RESET, 1ull);
+            while (atomicAdd(words + SCRATCH_SIDE_RESET, 0ull) < (u64)tiles) __nanosleep(32);
+            __threadfence();
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k)
+            if (takes[k]) atomicMax(reinterpret_cast<long long*>(p.cursors + rp[k]), (long long)next[k]);
+    }
+    if (threadIdx.x == 0 && atomicAdd(words + SCRATCH_SIDE_EXITED, 1ull) == (u64)tiles - 1) {
+        // every side block has passed its waits: nobody reads these counters until the next launch
+        words[SCRATCH_SIDE_PUBLISHED] = 0;
+        words[SCRATCH_SIDE_RESET] = 0;
+        words[SCRATCH_SIDE_EXITED] = 0;
+    }
+}
+
 // One block: the scans, and for a sampled step the sampled table and the cursors' reset (this block is the only
 // reader of the cursors, so it may reset them once its threads have read them: rank_rows ends on a barrier).
 // The entries kernel advances them, a row per thread over its grid: on one block that half was a chain of
@@ -630,11 +822,15 @@ __device__ __forceinline__ RowTable global_table(const PlanParams& p) {
 // plan of its capacity).
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void plan_rows(const PlanParams& p) {
+    if (blockIdx.x > 0) {
+        side_rows<HAS_POOL>(p);
+        return;
+    }
     const RowTable t = global_table(p);
     int row_flags, seed_bad;
     const i64 total = scan_rows<ROWS_THREADS, ROW_BATCH, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad);
     row_flags |= seed_bad ? CANARY_BAD_SLOT : 0;
-    if (sampling(p, row_flags, total)) {
+    if (gridDim.x == 1 && sampling(p, row_flags, total)) {  // no side blocks: this block builds the table
         i64 head_raw;
         const i64 requests = rank_rows<ROWS_THREADS, ROW_BATCH>(p, t, head_raw);
         sample_rows<ROWS_THREADS, ROW_BATCH, true>(p, t, total, requests, head_raw);
@@ -642,6 +838,7 @@ __device__ __forceinline__ void plan_rows(const PlanParams& p) {
     if (threadIdx.x == 0) {
         p.scratch[SCRATCH_ROW_FLAGS] = row_flags;
         p.scratch[SCRATCH_TOTAL] = total;
+        p.scratch[SCRATCH_SIDE] = (i64)gridDim.x - 1;
         if (!HAS_LUT) write_status(p, row_flags, total);
     }
 }
@@ -651,9 +848,9 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     __shared__ i64 s_samples[ROW_SAMPLES + 1];
     const int row_flags = (int)p.scratch[SCRATCH_ROW_FLAGS];
     const i64 total = p.scratch[SCRATCH_TOTAL];
-    const bool sampled = sampling(p, row_flags, total);
+    const bool sampled = sampling(p, row_flags, total), side = p.scratch[SCRATCH_SIDE] != 0;
     const i64 emitted = sampled ? p.verify_capacity : total;
-    const RowTable t = global_table(p);
+    const RowTable t = sampled && side ? side_table(p) : global_table(p);
     const i64 step = max((p.bs + ROW_SAMPLES - 1) / ROW_SAMPLES, (i64)1), count = (p.bs + step - 1) / step;
     for (i64 j = threadIdx.x; j < count; j += blockDim.x) s_samples[j] = t.off[j * step];
     if (threadIdx.x == 0) s_samples[count] = emitted;
@@ -661,10 +858,11 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     int bad = 0;
     if (sampled) {
         bad = emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{s_samples, step, count}, emitted, gridDim.x);
-        // The cursors' second half (plan_rows reset them): nothing in this launch reads a cursor, so no block
-        // waits for another; after the entries, off their path.
-        for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < p.bs; r += (i64)gridDim.x * blockDim.x)
-            advance_cursor(p, t, r);
+        // Without side blocks, the cursors' second half (plan_rows reset them): nothing in this launch reads a
+        // cursor, so no block waits for another; after the entries, off their path.
+        if (!side)
+            for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < p.bs; r += (i64)gridDim.x * blockDim.x)
+                advance_cursor(p, t, r);
     } else if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
         bad = emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{s_samples, step, count}, emitted, gridDim.x);
     if (HAS_LUT) finalize(p, row_flags, total, bad);

@@ -23,6 +23,11 @@ class LaunchConfig:
     - ``numba_fast_launch``: the Numba planner launches through ``cuda.core`` with its arguments marshalled at
       bind (``True``) or through numba's own ``kernel[grid, block, stream](...)`` (``False``; also the
       fallback where numba-cuda's internals differ).
+    - ``side_blocks``: a sampling planner's two-launch path builds a sampled step's table in side blocks of the
+      rows launch, on other SMs while its first block scans the batch (``True``, CuPy), or in that first block
+      after its scan (``False``; also what a ``max_batch_size`` too large for the side blocks to fit the device at
+      once gets: more than about 131,000 rows on an H200). The outputs are the same; the time is not
+      (docs/performance.md). The Numba backend has one way.
 
     Raises ``TypeError`` / ``ValueError`` (``kv-canary:``) for a value of the wrong type or range.
     """
@@ -30,6 +35,7 @@ class LaunchConfig:
     fused_max_bs: int | None = None
     simulator_threads: int | str | None = None
     numba_fast_launch: bool = True
+    side_blocks: bool = True
 
     def __post_init__(self):
         from ..errors import fail
@@ -43,6 +49,10 @@ class LaunchConfig:
             low = -1 if name == "fused_max_bs" else 1
             if int(value) < low:
                 raise fail(ValueError, f"launch_config.{name}: expected >= {low} or None, got {value}")
+        for name in ("numba_fast_launch", "side_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise fail(TypeError, f"launch_config.{name}: expected a bool, got {type(value).__name__}")
 
 
 DEFAULT_LAUNCH = LaunchConfig()

@@ -7,10 +7,12 @@ FUSED_MAX_BS = 512
 ITEMS = 4
 ENTRY_CHUNK = ITEMS * 32
 ROW_BATCH = 2
-SCRATCH_TABLE = 5
-TABLE_ARRAYS = 8
+SCRATCH_TABLE = 9
+TABLE_ARRAYS = 11
+SIDE_BATCH = 1
+SIDE_ROWS = ROWS_THREADS * SIDE_BATCH  # rows of one side block's tile (plan.cu side_rows)
 CONSTANTS = dict(ROWS_THREADS=ROWS_THREADS, ENTRY_THREADS=ENTRY_THREADS, FUSED_MAX_BS=FUSED_MAX_BS, ITEMS=ITEMS,
-                 ROW_BATCH=ROW_BATCH, SCRATCH_TABLE=SCRATCH_TABLE, TABLE_ARRAYS=TABLE_ARRAYS)
+                 ROW_BATCH=ROW_BATCH, SCRATCH_TABLE=SCRATCH_TABLE, TABLE_ARRAYS=TABLE_ARRAYS, SIDE_BATCH=SIDE_BATCH)
 
 # struct PlanParams of plan.cu, field by field (each 8 bytes).
 PARAM_FIELDS = (
@@ -41,7 +43,23 @@ def fused_grid(verify_capacity: int, sms: int, blocks_per_sm: int, sample: bool)
     return 1 + max(1, min(-(-int(verify_capacity) // (ENTRY_THREADS * ITEMS)), int(sms) * max(1, int(blocks_per_sm)) - 1))
 
 
+def side_tiles(write_req_capacity: int) -> int:
+    """Side blocks a sampling planner's two-pass rows launch may use: one a tile of ``SIDE_ROWS`` rows of
+    ``write_req_capacity`` (plan.cu ``side_rows``)."""
+    return -(-int(write_req_capacity) // SIDE_ROWS)
+
+
+def rows_grid(write_req_capacity: int, sms: int, blocks_per_sm: int, sample: bool) -> int:
+    """Blocks of the two-pass rows launch: block 0 scans the batch; a sampling planner's launch adds the side
+    blocks that build a sampled step's table meanwhile (plan.cu ``side_rows``). Those spin until every side block
+    has published its tile, so the whole grid must fit on the device at once; when it would not (more than
+    ``sms * blocks_per_sm - 1`` tiles), the launch is one block, which builds the table itself after its scan.
+    Depends on the capacities only, never on data, so that a captured CUDA graph stays valid for any input."""
+    tiles = side_tiles(write_req_capacity)
+    return 1 + tiles if sample and 1 + tiles <= int(sms) * max(1, int(blocks_per_sm)) else 1
+
+
 def scratch_words(write_req_capacity: int) -> int:
-    """int64 words of planner scratch: the head words, then the two-pass row table (TABLE_ARRAYS arrays of
-    R + 1)."""
-    return SCRATCH_TABLE + TABLE_ARRAYS * (write_req_capacity + 1)
+    """int64 words of planner scratch: the head words, the two-pass row tables (TABLE_ARRAYS arrays of R + 1),
+    then the side blocks' tile sums (3 words a tile)."""
+    return SCRATCH_TABLE + TABLE_ARRAYS * (write_req_capacity + 1) + 3 * side_tiles(write_req_capacity)

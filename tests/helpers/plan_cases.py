@@ -1045,12 +1045,14 @@ def run_case(
     check: bool = False,
     stream: Any = None,
     warmup: bool = True,
+    launch_config: Any = None,
 ) -> dict[str, np.ndarray]:
     """Run ``case`` on ``backend`` with arrays of library ``xp``; return the 10 output buffers as NumPy.
 
     ``api="planner"``: ``CanaryPlanner(...)`` (+ ``warmup()``), then ``plan(...)``; ``api="launch"``:
-    ``launch_canary_plan_kernels(...)``. ``check`` and ``stream`` are passed through (``check=True`` may
-    raise ``CanaryInputError``). Output buffers are poisoned before the run.
+    ``launch_canary_plan_kernels(...)``. ``check``, ``stream`` and ``launch_config`` (a ``LaunchConfig``; the
+    planner API only) are passed through (``check=True`` may raise ``CanaryInputError``). Output buffers are
+    poisoned before the run.
     """
     from canary import CanaryPlanner, launch_canary_plan_kernels
 
@@ -1059,8 +1061,10 @@ def run_case(
     static = case.static_kwargs(conv)
     step = case.step_kwargs(conv)
     if api == "planner":
+        launch = {} if launch_config is None else {"launch_config": launch_config}
         planner = CanaryPlanner(backend=backend, verify_plan_out=vp, write_plan_out=wp,
-                                verify_capacity=case.verify_capacity, max_batch_size=case.max_batch_size, **static)
+                                verify_capacity=case.verify_capacity, max_batch_size=case.max_batch_size, **launch,
+                                **static)
         if warmup:
             planner.warmup()
         planner.plan(**step, stream=stream, check=check)

@@ -555,3 +555,17 @@ def test_sampling_refuses_a_zero_capacity_and_products_past_int64():
     raises(ValueError, CanaryPlanner, "verify_capacity", ">= 1", "got 0", **{**static, "verify_plan_out": empty})
     CanaryPlanner(**{**static, "verify_plan_out": empty, "on_overflow": "skip"})
     raises(ValueError, CanaryPlanner, "verify_capacity", "2**62", **{**static, "max_batch_size": 1 << 60})
+
+
+@pytest.mark.parametrize("kwargs, exc, text", [
+    (dict(fused_max_bs=-2), ValueError, r"launch_config\.fused_max_bs: expected >= -1 or None, got -2"),
+    (dict(fused_max_bs=True), TypeError, r"launch_config\.fused_max_bs: expected an int or None, got bool"),
+    (dict(simulator_threads=0), ValueError, r"launch_config\.simulator_threads: expected >= 1 or None, got 0"),
+    (dict(side_blocks=1), TypeError, r"launch_config\.side_blocks: expected a bool, got int"),
+    (dict(numba_fast_launch="yes"), TypeError, r"launch_config\.numba_fast_launch: expected a bool, got str"),
+])
+def test_launch_config_refuses_bad_values(kwargs, exc, text):
+    from canary import LaunchConfig
+
+    with pytest.raises(exc, match="^kv-canary: " + text):
+        LaunchConfig(**kwargs)

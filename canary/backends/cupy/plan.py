@@ -10,7 +10,8 @@ host sync, so the call can be captured in a CUDA graph.
 from __future__ import annotations
 
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
-from ..plan_layout import ENTRY_THREADS, FUSED_MAX_BS, PARAM_FIELDS, ROWS_THREADS, entry_grid, fused_grid, scratch_words
+from ..plan_layout import (ENTRY_THREADS, FUSED_MAX_BS, PARAM_FIELDS, ROWS_THREADS, entry_grid, fused_grid, rows_grid,
+                           scratch_words)
 from . import Params, Streams, cupy, occupancy, raw_module
 
 NAME = "cupy"
@@ -61,6 +62,7 @@ class Bound:
         self._fns = None
         self._last = None  # the StepArgs whose words are in the params
         self.fused_max_bs = FUSED_MAX_BS if launch.fused_max_bs is None else min(launch.fused_max_bs, FUSED_MAX_BS)
+        self._side_blocks = bool(launch.side_blocks)
 
     def warmup(self) -> None:
         """Compile (once per process) and load the module on this device; later launches only launch."""
@@ -71,6 +73,8 @@ class Bound:
                 self._grids = (
                     (fused_grid(cap, self._sms, occupancy(fns[0], ENTRY_THREADS), self.static.sample),),
                     (entry_grid(cap, self._sms, occupancy(fns[2], ENTRY_THREADS)),),
+                    (rows_grid(self.static.write_req_capacity, self._sms, occupancy(fns[1], ROWS_THREADS),
+                               self.static.sample and self._side_blocks),),
                 )
                 self._fns = fns
 
@@ -100,7 +104,7 @@ class Bound:
             if step.bs <= self.fused_max_bs:
                 fused(self._grids[0], (ENTRY_THREADS,), self._args, stream=st)
             else:
-                rows((1,), (ROWS_THREADS,), self._args, stream=st)
+                rows(self._grids[2], (ROWS_THREADS,), self._args, stream=st)
                 entries(self._grids[1], (ENTRY_THREADS,), self._args, stream=st)
         finally:
             if dev != self.device_id:
