@@ -425,6 +425,61 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
     __syncthreads();
 }
 
+// A sampled step's table in one round, for a batch whose rows all fit the block's registers at once
+// (bs <= THREADS * BATCH: the fused launch). rank_rows and sample_rows in one: the rank scan gives `requests` at
+// once, so each row's first entry is computed from registers and the table written once (the two rounds stored
+// five arrays and read them back across two more barriers). The table as sample_rows leaves it; head_raw as in
+// rank_rows. Returns the number of rows with entries; ends on a barrier.
+template <int THREADS, int BATCH>
+__device__ __forceinline__ i64 sample_rows_at_once(const PlanParams& p, RowTable t, i64 total, i64& head_raw) {
+    head_raw = p.cursors[0];
+    i64 o0[BATCH], len[BATCH], pd[BATCH], rp[BATCH], cur[BATCH];
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) {
+        const i64 r = k * THREADS + threadIdx.x;
+        o0[k] = 0; len[k] = 0; pd[k] = 0; rp[k] = 0;
+        if (r < p.bs) { o0[k] = t.off[r]; len[k] = t.off[r + 1]; pd[k] = t.pdelta[r]; rp[k] = p.req_pool_indices[r]; }
+    }
+    i64 v[BATCH], excl[BATCH], tot[BATCH];
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) {  // a row with entries is trusted: 0 < rp < max_reqs
+        len[k] -= o0[k];
+        cur[k] = len[k] > 0 ? p.cursors[rp[k]] : 0;
+        v[k] = len[k] > 0 ? 1 : 0;
+    }
+    block_scan<THREADS, BATCH>(v, excl, tot);  // every read of off is done before the writes below
+    i64 requests = 0;
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) {
+        excl[k] += requests;  // the rows of tiles before k come first
+        requests += tot[k];
+    }
+    const i64 cap = p.verify_capacity;
+    const i64 head = cap < requests && head_raw >= 0 && head_raw < requests ? head_raw : 0;
+    const bool by_double = cap >= requests && cap - requests < (1LL << 50);  // as in sample_rows
+    const double inv = by_double ? 1.0 / (double)(total - requests) : 0.0;
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) {
+        const i64 r = k * THREADS + threadIdx.x;
+        if (r >= p.bs) continue;
+        const i64 first = first_entry(excl[k], o0[k], cap, requests, total, head, by_double, inv);
+        const i64 lo = len[k] > 0 ? pd[k] + o0[k] : 0;
+        t.lo[r] = lo;
+        t.len[r] = len[k];
+        if (len[k] > 0) {
+            const i64 run = cur[k] >= lo && cur[k] < lo + len[k] ? cur[k] - lo : 0;
+            const i64 pdelta = lo + run - first;
+            t.pdelta[r] = pdelta;
+            t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
+            t.rank[r] = rp[k];
+        }
+        t.off[r] = first;
+    }
+    if (threadIdx.x == 0) t.off[p.bs] = cap;
+    __syncthreads();
+    return requests;
+}
+
 // The cursor update of a sampled step (SPEC 3.7), in two halves: a reset, once every reader has read the cursors,
 // then advance_cursor. The two-pass rows kernel resets in sample_rows<..., true> and its entries kernel advances;
 // the fused launch's extra block does both (update_cursors). reset_cursors: each sampled row's cursor to INT64_MIN,
@@ -591,8 +646,7 @@ __device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64
 template <bool HAS_LUT, bool HAS_POOL>
 __device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, int row_flags, i64 total, int bad) {
     i64 head_raw;
-    const i64 requests = rank_rows<ENTRY_THREADS, 1>(p, t, head_raw);  // ends on a barrier: reads done
-    sample_rows<ENTRY_THREADS, 1, false>(p, t, total, requests, head_raw);
+    const i64 requests = sample_rows_at_once<ENTRY_THREADS, FUSED_BATCH>(p, t, total, head_raw);  // reads done
     unsigned long long* readers = reinterpret_cast<unsigned long long*>(p.scratch) + SCRATCH_READERS;
     const i64 emitters = (i64)gridDim.x - 1;
     if (blockIdx.x == emitters) {
