@@ -7,8 +7,8 @@
 // With a LUT, the last block to finish composes status / enable / verify_num_valid and re-arms the scratch
 // counters, so each launch leaves the scratch as it found it (CUDA-graph replays stay correct). A sampling
 // planner's fused grid has one extra block that moves the sampling cursors (fused_sampled); its two-pass rows
-// launch has side blocks that build a sampled step's table and move the cursors on other SMs while block 0 scans
-// (side_rows), and without room for them (huge batches) block 0 builds the table after its scan.
+// launch has side blocks that build a sampled step's table on other SMs while block 0 scans (side_rows; the
+// entries kernel moves the cursors), and for huge batch capacities block 0 builds the table after its scan.
 // Grids are sized from verify_capacity, never from data: a captured graph is valid for any later input.
 // Specialized at compile time only on what changes the code path: HAS_LUT, HAS_POOL. 64-bit indices.
 
@@ -46,11 +46,8 @@
 #define SCRATCH_TOTAL 3       // two-pass only: verify entries in all
 #define SCRATCH_READERS 4     // fused, sampled steps: emitting blocks done reading the cursors
 #define SCRATCH_SIDE 5        // two-pass: side blocks of the rows launch (0: block 0 builds a sampled table)
-#define SCRATCH_SIDE_PUBLISHED 6  // side blocks whose tile sums are published
-#define SCRATCH_SIDE_RESET 7      // side blocks done resetting their rows' cursors
-#define SCRATCH_SIDE_EXITED 8     // side blocks done (the last one re-arms the three counters)
-#define SCRATCH_TABLE 9       // two-pass only: the row tables, TABLE_ARRAYS arrays of R + 1 (RowTable), then the
-                              // side blocks' tile sums (3 words a tile of SIDE_ROWS rows)
+#define SCRATCH_TABLE 6       // two-pass only: the row tables, TABLE_ARRAYS arrays of R + 1 (RowTable), then the
+                              // side blocks' next cursors, max_reqs words (next_cursors; zero between launches)
 #define TABLE_ARRAYS 11       // the scan's table (8 arrays), then a side-built sampled table's off, base, pdelta
 #define SIDE_BATCH 1        // rows a thread of a side block owns (2 spilled in the rows kernel)
 #define SIDE_ROWS (ROWS_THREADS * SIDE_BATCH)  // rows of one side block's tile
@@ -706,166 +703,158 @@ __device__ __forceinline__ RowTable side_table(const PlanParams& p) {
 }
 
 // A side block of a sampling planner's two-pass rows launch (blocks 1.., one tile of SIDE_ROWS rows each): while
-// block 0 scans the batch, the side blocks build a sampled step's table and move the cursors on other SMs, so a
-// sampled step's rows launch takes no longer than a full plan's. Block 0 alone took 26 us at bs=4096 against 12.5
-// for a full plan (run 71, Nsight Compute): its rank and table rounds were chains of dependent round trips, rows
-// deep per thread, on one SM. Here each thread owns SIDE_BATCH rows and keeps them in registers throughout:
-// - its rows' facts (row_facts, as the scan), their cursors and the rotation head, then the tile's scans of the
-//   verify counts and of the rows with entries;
-// - the tile's sums are published in the scratch and every side block waits for all of them (a spin on
-//   co-resident blocks: the host launches side blocks only when the grid fits the device at once, and no block
-//   waits for anything a later one does after its own publication), then adds the sums of the tiles before it;
-// - if the step samples: each row's first entry and take (first_entry, closed form), the sampled table, the
-//   reset of its rows' cursors, a second wait (every block has read its cursors before publishing, so a reset
-//   cannot reach a reader; the advance must follow every reset), then the advance (atomicMax: a request row in two
-//   batch rows keeps the larger new cursor, SPEC 3.7).
-// The last block out re-arms the counters. Block 0's scan writes the status, the write side and the scan's table;
-// the entries kernel reads this table when SCRATCH_SIDE says so.
+// block 0 scans the batch, the side blocks build a sampled step's table on other SMs, so that a sampled step's
+// rows launch takes about as long as a full plan's. Block 0 alone took 26 us at bs=4096 against 12.5 for a full
+// plan (run 71, Nsight Compute): its rank and table rounds were chains of dependent round trips, rows deep per
+// thread, on one SM. No side block waits for another (a spin on other blocks would hang wherever the grid cannot
+// be resident at once, as under MPS with a share of the SMs), which decides the design:
+// - each thread owns SIDE_BATCH rows of the tile: their facts (row_facts, as the scan), cursors and runs, and the
+//   tile's scans of the verify counts and of the rows with entries;
+// - the block reads every other row's facts as well, for the sums before its tile and the batch's totals
+//   (SIDE_ROWS-row tiles keep that cheap: tiles x bs row reads in all, and the host gives a batch capacity too
+//   large for one wave of tiles to block 0 instead);
+// - if the step samples: each row's first entry and take (first_entry, closed form), the sampled table, and the
+//   row's next cursor, merged into next_cursors[rp] (scratch, + 1 so that 0 means none) with atomicMax: a request
+//   row in two batch rows keeps the larger (SPEC 3.7). The cursors themselves are only read in this launch, so no
+//   reader can see a write; the entries kernel moves next_cursors into them (move_cursors). Tile 0 leaves the
+//   rotation head's next value in next_cursors[0] (no row with entries has rp = 0).
+// Block 0's scan writes the status, the write side and the scan's table; the entries kernel reads this table
+// when SCRATCH_SIDE says so.
+template <bool HAS_POOL>
+__device__ __forceinline__ Row side_facts(const PlanParams& p, i64 r) {
+    const i64 rp = p.req_pool_indices[r], e = p.extend_seq_lens[r], len = p.prefix_lens[r];
+    i64 vl = 0, q = 0;
+    if (HAS_POOL && rp != 0) {
+        vl = p.valid_lens[r];
+        q = p.expected_token_pool_indices ? p.expected_token_pool_indices[r] : rp;
+    }
+    return row_facts<HAS_POOL>(p, rp, e, len, vl, q);
+}
+
+__device__ __forceinline__ u64* next_cursors(const PlanParams& p) {
+    return reinterpret_cast<u64*>(p.scratch + SCRATCH_TABLE + TABLE_ARRAYS * (p.write_req_capacity + 1));
+}
+
 template <bool HAS_POOL>
 __device__ __forceinline__ void side_rows(const PlanParams& p) {
-    constexpr int THREADS = ROWS_THREADS, BATCH = SIDE_BATCH;
+    constexpr int THREADS = ROWS_THREADS, BATCH = SIDE_BATCH, OTHERS = 2;  // OTHERS: other rows' loads in flight (3 spilled)
     const i64 bs = p.bs, tile = (i64)blockIdx.x - 1, r0 = tile * SIDE_ROWS;
     if (r0 >= bs) return;  // uniform: the tile lies past the batch (the grid is sized from R, not bs)
-    const i64 tiles = (bs + SIDE_ROWS - 1) / SIDE_ROWS;
-    u64* words = reinterpret_cast<u64*>(p.scratch);
-    i64* sums = p.scratch + SCRATCH_TABLE + TABLE_ARRAYS * (p.write_req_capacity + 1);
     __shared__ int s_flags;
-    __shared__ i64 s_sum[5];  // verify entries and rows with entries before the tile; both in all; flags
     if (threadIdx.x == 0) s_flags = 0;
-    i64 rp[BATCH], len[BATCH], cnt[BATCH], run[BATCH], voff[BATCH], rank[BATCH];
+    i64 rp[BATCH], lo[BATCH], cnt[BATCH], run[BATCH], voff[BATCH], rank[BATCH];
     const i64 head_raw = p.cursors[0];
-    {
-        i64 e[BATCH], vl[BATCH], q[BATCH];
+    int flags = 0;
+    i64 sums[4] = {0, 0, 0, 0};  // verify entries and rows with entries before the tile; both in the batch
 #pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const i64 r = r0 + k * THREADS + threadIdx.x;
-            rp[k] = 0; e[k] = 0; len[k] = 0; vl[k] = 0; q[k] = 0;
-            if (r < bs) { rp[k] = p.req_pool_indices[r]; e[k] = p.extend_seq_lens[r]; len[k] = p.prefix_lens[r]; }
+    for (int k = 0; k < BATCH; ++k) {
+        const i64 r = r0 + k * THREADS + threadIdx.x;
+        Row f = {0, 0, 0, 0, 0};
+        if (r < bs) f = side_facts<HAS_POOL>(p, r);
+        rp[k] = f.rp;
+        cnt[k] = f.vcount;
+        lo[k] = f.len - f.vcount;
+        flags |= f.flags;
+        const i64 cur = cnt[k] > 0 ? p.cursors[rp[k]] : 0;  // a row with entries is trusted: 0 < rp < max_reqs
+        run[k] = cnt[k] > 0 && cur >= lo[k] && cur < lo[k] + cnt[k] ? cur - lo[k] : 0;
+        sums[2] += cnt[k];
+        sums[3] += cnt[k] > 0 ? 1 : 0;
+    }
+    // Every other row, OTHERS a thread at a time, their loads issued together.
+    for (i64 j0 = 0; j0 < bs; j0 += (i64)THREADS * OTHERS) {
+        i64 orp[OTHERS], oe[OTHERS], olen[OTHERS], ovl[OTHERS], oq[OTHERS];
+        bool other[OTHERS];
+#pragma unroll
+        for (int u = 0; u < OTHERS; ++u) {
+            const i64 j = j0 + u * THREADS + threadIdx.x;
+            other[u] = j < bs && !(j >= r0 && j < r0 + SIDE_ROWS);
+            orp[u] = 0; oe[u] = 0; olen[u] = 0; ovl[u] = 0; oq[u] = 0;
+            if (other[u]) { orp[u] = p.req_pool_indices[j]; oe[u] = p.extend_seq_lens[j]; olen[u] = p.prefix_lens[j]; }
         }
 #pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const i64 r = r0 + k * THREADS + threadIdx.x;
-            if (HAS_POOL && r < bs && rp[k] != 0) {
-                vl[k] = p.valid_lens[r];
-                q[k] = p.expected_token_pool_indices ? p.expected_token_pool_indices[r] : rp[k];
+        for (int u = 0; u < OTHERS; ++u) {
+            const i64 j = j0 + u * THREADS + threadIdx.x;
+            if (HAS_POOL && other[u] && orp[u] != 0) {
+                ovl[u] = p.valid_lens[j];
+                oq[u] = p.expected_token_pool_indices ? p.expected_token_pool_indices[j] : orp[u];
             }
         }
-        int flags = 0;
-        i64 cur[BATCH];
 #pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const Row f = row_facts<HAS_POOL>(p, rp[k], e[k], len[k], vl[k], q[k]);
-            cnt[k] = f.vcount;
-            len[k] = f.len;
+        for (int u = 0; u < OTHERS; ++u) {
+            if (!other[u]) continue;
+            const Row f = row_facts<HAS_POOL>(p, orp[u], oe[u], olen[u], ovl[u], oq[u]);
+            const i64 has = f.vcount > 0 ? 1 : 0;
             flags |= f.flags;
-            cur[k] = cnt[k] > 0 ? p.cursors[rp[k]] : 0;  // a row with entries is trusted: 0 < rp < max_reqs
+            sums[2] += f.vcount;
+            sums[3] += has;
+            if (j0 + u * THREADS + threadIdx.x < r0) { sums[0] += f.vcount; sums[1] += has; }
         }
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {  // the cursors consumed here, before the publication below
-            const i64 lo = len[k] - cnt[k];
-            run[k] = cnt[k] > 0 && cur[k] >= lo && cur[k] < lo + cnt[k] ? cur[k] - lo : 0;
-        }
-        i64 vcarry = 0, ccarry = 0;
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const i64 v[2] = {cnt[k], cnt[k] > 0 ? 1 : 0};
-            i64 excl[2], tot[2];
-            block_scan<THREADS, 2>(v, excl, tot);
-            voff[k] = vcarry + excl[0];
-            rank[k] = ccarry + excl[1];
-            vcarry += tot[0];
-            ccarry += tot[1];
-        }
-        if (flags) atomicOr(&s_flags, flags);  // s_flags = 0 was published by the scans' barriers
-        __threadfence();  // this thread's cursor and head reads come before the publication
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            i64* mine = sums + 3 * tile;
-            mine[0] = vcarry;
-            mine[1] = ccarry;
-            mine[2] = s_flags;
-            __threadfence();
-            atomicAdd(words + SCRATCH_SIDE_PUBLISHED, 1ull);
-            while (atomicAdd(words + SCRATCH_SIDE_PUBLISHED, 0ull) < (u64)tiles) __nanosleep(32);
-            __threadfence();
-        }
-        __syncthreads();
     }
-    if (threadIdx.x < 32) {  // one warp adds the tiles' sums (L2 reads: other SMs wrote them)
-        const int lane = threadIdx.x;
-        i64 pv = 0, pc = 0, tv = 0, tc = 0, fl = 0;
-        for (i64 j = lane; j < tiles; j += 32) {
-            const i64 v = __ldcg(sums + 3 * j), c = __ldcg(sums + 3 * j + 1), f = __ldcg(sums + 3 * j + 2);
-            tv += v; tc += c; fl |= f;
-            if (j < tile) { pv += v; pc += c; }
-        }
+    i64 excl4[4], tot4[4];
+    block_scan<THREADS, 4>(sums, excl4, tot4);  // the totals; s_flags = 0 is published by its barriers
+    if (flags) atomicOr(&s_flags, flags);
+    i64 vcarry = tot4[0], ccarry = tot4[1];
 #pragma unroll
-        for (int d = 16; d; d >>= 1) {
-            pv += __shfl_xor_sync(0xffffffffu, pv, d);
-            pc += __shfl_xor_sync(0xffffffffu, pc, d);
-            tv += __shfl_xor_sync(0xffffffffu, tv, d);
-            tc += __shfl_xor_sync(0xffffffffu, tc, d);
-            fl |= __shfl_xor_sync(0xffffffffu, fl, d);
-        }
-        if (lane == 0) { s_sum[0] = pv; s_sum[1] = pc; s_sum[2] = tv; s_sum[3] = tc; s_sum[4] = fl; }
+    for (int k = 0; k < BATCH; ++k) {
+        const i64 v[2] = {cnt[k], cnt[k] > 0 ? 1 : 0};
+        i64 excl[2], tot[2];
+        block_scan<THREADS, 2>(v, excl, tot);  // ends on a barrier: s_flags is complete
+        voff[k] = vcarry + excl[0];
+        rank[k] = ccarry + excl[1];
+        vcarry += tot[0];
+        ccarry += tot[1];
     }
-    __syncthreads();
-    const i64 total = s_sum[2], requests = s_sum[3];
-    if (sampling(p, (int)s_sum[4], total)) {  // uniform: every side block sees the same sums
-        const RowTable t = side_table(p);
-        const i64 cap = p.verify_capacity;
-        const i64 head = cap < requests && head_raw >= 0 && head_raw < requests ? head_raw : 0;
-        const bool by_double = cap >= requests && cap - requests < (1LL << 50);  // as in sample_rows
-        const double inv = by_double ? 1.0 / (double)(total - requests) : 0.0;
-        bool takes[BATCH];
-        i64 next[BATCH];
+    const i64 total = tot4[2], requests = tot4[3];
+    if (!sampling(p, s_flags, total)) return;  // uniform: every side block sees the same totals
+    const RowTable t = side_table(p);
+    u64* next = next_cursors(p);
+    const i64 cap = p.verify_capacity;
+    const i64 head = cap < requests && head_raw >= 0 && head_raw < requests ? head_raw : 0;
+    const bool by_double = cap >= requests && cap - requests < (1LL << 50);  // as in sample_rows
+    const double inv = by_double ? 1.0 / (double)(total - requests) : 0.0;
 #pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const i64 r = r0 + k * THREADS + threadIdx.x;
-            takes[k] = false;
-            next[k] = 0;
-            if (r >= bs) continue;
-            const i64 m = s_sum[1] + rank[k], off = s_sum[0] + voff[k];
-            const i64 first = first_entry(m, off, cap, requests, total, head, by_double, inv);
-            t.off[r] = first;
-            if (cnt[k] > 0) {
-                const i64 take = first_entry(m + 1, off + cnt[k], cap, requests, total, head, by_double, inv) - first;
-                const i64 lo = len[k] - cnt[k], pdelta = lo + run[k] - first;
-                t.pdelta[r] = pdelta;
-                t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
-                t.lo[r] = lo;
-                t.len[r] = cnt[k];
-                t.rank[r] = rp[k];
-                const i64 nx = run[k] + take;  // run < L and take <= L: one subtraction wraps
-                next[k] = lo + (nx >= cnt[k] ? nx - cnt[k] : nx);
-                takes[k] = take > 0;
-                if (takes[k]) p.cursors[rp[k]] = (i64)(-0x7fffffffffffffffLL - 1);
-            }
+    for (int k = 0; k < BATCH; ++k) {
+        const i64 r = r0 + k * THREADS + threadIdx.x;
+        if (r >= bs) continue;
+        const i64 first = first_entry(rank[k], voff[k], cap, requests, total, head, by_double, inv);
+        t.off[r] = first;
+        if (cnt[k] > 0) {
+            const i64 take = first_entry(rank[k] + 1, voff[k] + cnt[k], cap, requests, total, head, by_double, inv)
+                             - first;
+            const i64 pdelta = lo[k] + run[k] - first;
+            t.pdelta[r] = pdelta;
+            t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
+            t.lo[r] = lo[k];
+            t.len[r] = cnt[k];
+            t.rank[r] = rp[k];
+            const i64 nx = run[k] + take;  // run < L and take <= L: one subtraction wraps
+            if (take > 0) atomicMax(next + rp[k], (u64)(lo[k] + (nx >= cnt[k] ? nx - cnt[k] : nx)) + 1);
         }
-        if (threadIdx.x == 0) {
-            if (r0 + SIDE_ROWS >= bs) t.off[bs] = cap;
-            if (tile == 0 && cap < requests) {
-                const i64 h = head + cap;  // < 2 * requests
-                p.cursors[0] = h >= requests ? h - requests : h;
-            }
-        }
-        __threadfence();  // the resets come before this block's count
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            atomicAdd(words + SCRATCH_SIDE_RESET, 1ull);
-            while (atomicAdd(words + SCRATCH_SIDE_RESET, 0ull) < (u64)tiles) __nanosleep(32);
-            __threadfence();
-        }
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k)
-            if (takes[k]) atomicMax(reinterpret_cast<long long*>(p.cursors + rp[k]), (long long)next[k]);
     }
-    if (threadIdx.x == 0 && atomicAdd(words + SCRATCH_SIDE_EXITED, 1ull) == (u64)tiles - 1) {
-        // every side block has passed its waits: nobody reads these counters until the next launch
-        words[SCRATCH_SIDE_PUBLISHED] = 0;
-        words[SCRATCH_SIDE_RESET] = 0;
-        words[SCRATCH_SIDE_EXITED] = 0;
+    if (threadIdx.x == 0) {
+        if (r0 + SIDE_ROWS >= bs) t.off[bs] = cap;
+        if (tile == 0 && cap < requests) {
+            const i64 h = head + cap;  // < 2 * requests
+            next[0] = (u64)(h >= requests ? h - requests : h) + 1;
+        }
+    }
+}
+
+// The entries kernel's half of a side-built sampled step: each row that took entries moves its merged next cursor
+// into the cursors (a request row in two batch rows: the first to take it moves it, the other finds 0), and the
+// rotation head its next value. After the rows launch, so every cursor read is done.
+__device__ __forceinline__ void move_cursors(const PlanParams& p, const RowTable& t) {
+    u64* next = next_cursors(p);
+    for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < p.bs; r += (i64)gridDim.x * blockDim.x) {
+        if (t.off[r + 1] > t.off[r]) {
+            const i64 rp = t.rank[r];
+            const u64 v = atomicExch(next + rp, 0ull);
+            if (v) p.cursors[rp] = (i64)v - 1;
+        }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const u64 v = atomicExch(next, 0ull);
+        if (v) p.cursors[0] = (i64)v - 1;
     }
 }
 
@@ -912,9 +901,11 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     int bad = 0;
     if (sampled) {
         bad = emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{s_samples, step, count}, emitted, gridDim.x);
-        // Without side blocks, the cursors' second half (plan_rows reset them): nothing in this launch reads a
-        // cursor, so no block waits for another; after the entries, off their path.
-        if (!side)
+        // The cursors' second half, after the entries, off their path: nothing in this launch reads a cursor, so
+        // no block waits for another. Side blocks merged the next cursors; without them, plan_rows reset them.
+        if (side)
+            move_cursors(p, t);
+        else
             for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < p.bs; r += (i64)gridDim.x * blockDim.x)
                 advance_cursor(p, t, r);
     } else if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))

@@ -7,7 +7,7 @@ FUSED_MAX_BS = 512
 ITEMS = 4
 ENTRY_CHUNK = ITEMS * 32
 ROW_BATCH = 2
-SCRATCH_TABLE = 9
+SCRATCH_TABLE = 6
 TABLE_ARRAYS = 11
 SIDE_BATCH = 1
 SIDE_ROWS = ROWS_THREADS * SIDE_BATCH  # rows of one side block's tile (plan.cu side_rows)
@@ -51,15 +51,16 @@ def side_tiles(write_req_capacity: int) -> int:
 
 def rows_grid(write_req_capacity: int, sms: int, blocks_per_sm: int, sample: bool) -> int:
     """Blocks of the two-pass rows launch: block 0 scans the batch; a sampling planner's launch adds the side
-    blocks that build a sampled step's table meanwhile (plan.cu ``side_rows``). Those spin until every side block
-    has published its tile, so the whole grid must fit on the device at once; when it would not (more than
-    ``sms * blocks_per_sm - 1`` tiles), the launch is one block, which builds the table itself after its scan.
-    Depends on the capacities only, never on data, so that a captured CUDA graph stays valid for any input."""
+    blocks that build a sampled step's table meanwhile on other SMs (plan.cu ``side_rows``). No block waits for
+    another, but each side block reads every row of the batch (for the sums before its tile and the totals), so
+    their reads grow as tiles x bs: past one wave of the device (more than ``sms * blocks_per_sm - 1`` tiles) the
+    launch is one block, which builds the table itself after its scan. Depends on the capacities only, never on
+    data, so that a captured CUDA graph stays valid for any input."""
     tiles = side_tiles(write_req_capacity)
     return 1 + tiles if sample and 1 + tiles <= int(sms) * max(1, int(blocks_per_sm)) else 1
 
 
-def scratch_words(write_req_capacity: int) -> int:
+def scratch_words(write_req_capacity: int, max_reqs: int) -> int:
     """int64 words of planner scratch: the head words, the two-pass row tables (TABLE_ARRAYS arrays of R + 1),
-    then the side blocks' tile sums (3 words a tile)."""
-    return SCRATCH_TABLE + TABLE_ARRAYS * (write_req_capacity + 1) + 3 * side_tiles(write_req_capacity)
+    then the side blocks' next cursors (one word a request row of ``req_to_token``)."""
+    return SCRATCH_TABLE + TABLE_ARRAYS * (write_req_capacity + 1) + int(max_reqs)

@@ -212,7 +212,7 @@ def test_fused_grid_adds_one_cursor_block_to_a_sampling_planner():
 
 def test_rows_grid_adds_side_blocks_to_a_sampling_planner_when_they_fit():
     """plan.cu side_rows: a sampling planner's two-pass rows launch has one side block a tile of SIDE_ROWS rows of
-    the batch capacity; they spin on each other, so the grid must fit the device at once, else one block."""
+    the batch capacity, up to one wave of the device (each reads every row), else one block."""
     from canary.backends.plan_layout import SIDE_ROWS, rows_grid, scratch_words, side_tiles
 
     assert rows_grid(4096, 132, 1, sample=False) == 1
@@ -220,7 +220,8 @@ def test_rows_grid_adds_side_blocks_to_a_sampling_planner_when_they_fit():
     assert rows_grid(SIDE_ROWS, 132, 1, sample=True) == 2
     assert rows_grid(SIDE_ROWS + 1, 132, 1, sample=True) == 3
     assert rows_grid(131 * SIDE_ROWS, 132, 1, sample=True) == 132  # the whole device, block 0 included
-    assert rows_grid(131 * SIDE_ROWS + 1, 132, 1, sample=True) == 1  # would not fit: block 0 builds the table
+    assert rows_grid(131 * SIDE_ROWS + 1, 132, 1, sample=True) == 1  # past one wave: block 0 builds the table
     assert rows_grid(3 * SIDE_ROWS, 2, 2, sample=True) == 4
     assert side_tiles(0) == 0 and side_tiles(SIDE_ROWS + 1) == 2
-    assert scratch_words(SIDE_ROWS + 1) - scratch_words(SIDE_ROWS) == 11 + 3  # a table row, and a tile's sums
+    assert scratch_words(SIDE_ROWS + 1, 7) - scratch_words(SIDE_ROWS, 7) == 11  # a row of the tables
+    assert scratch_words(10, 8) - scratch_words(10, 7) == 1  # a request row's next cursor

@@ -48,11 +48,11 @@ def test_random_sampled_cases(seed, launch):
     assert_same(run_case(case, "cupy", "cupy", launch_config=launch), expected_outputs(case), case)
 
 
-def test_side_blocks_leave_their_counters_armed(launch):
-    """The side blocks' counters are re-armed by the last block out: one planner, stepped over sampled and full
-    steps of changing batch sizes (one to three side tiles), stays byte-identical to the reference, each step from
-    the cursors the step before left (a counter left set would let a block run ahead of the others' tile sums, or
-    hang)."""
+def test_sampled_steps_follow_each_other(launch):
+    """One planner stepped over sampled and full steps of changing batch sizes (one to three side tiles) stays
+    byte-identical to the reference, each step from the cursors the step before left: the side blocks' next
+    cursors in the scratch are moved and zeroed by every sampled step (a word left behind would move a cursor in a
+    later step)."""
     import cupy
 
     from canary import CanaryPlanner

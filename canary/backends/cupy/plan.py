@@ -35,8 +35,8 @@ class Bound:
             self._fused = module.get_function(f"canary_plan_fused_{sfx}")
             self._rows = module.get_function(f"canary_plan_rows_{sfx}")
             self._entries = module.get_function(f"canary_plan_entries_{sfx}")
-            # Head words re-armed by every launch, then the two-pass row table (bs <= R).
-            self.scratch = cupy.zeros(scratch_words(s.write_req_capacity), dtype=cupy.int64)
+            # Head words re-armed by every launch, the two-pass row tables (bs <= R), the next cursors.
+            self.scratch = cupy.zeros(scratch_words(s.write_req_capacity, s.max_reqs), dtype=cupy.int64)
             self._sms = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
         lut, pool, r2t = s.full_to_swa_index_mapping, s.req_to_verify_expected_tokens, s.req_to_token
         values = dict(
