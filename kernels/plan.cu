@@ -152,7 +152,7 @@ struct RowTable {
     i64* vlim;    // valid_lens[r]                                  (HAS_POOL)
     i64* lo;      // window_start
     i64* len;     // verify count of the row (its window length)
-    i64* rank;    // rows with entries before r
+    i64* rank;    // rank_rows: rows with entries before r; a sampled table: the row's req_pool_indices (side_rows: 0 if it takes none)
 };
 
 // Exclusive block-wide scan of N int64 per thread (warp shuffles, then one warp over the warp totals).
@@ -818,6 +818,7 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
         if (r >= bs) continue;
         const i64 first = first_entry(rank[k], voff[k], cap, requests, total, head, by_double, inv);
         t.off[r] = first;
+        t.rank[r] = 0;  // the request row of a row that takes entries, else 0 (move_cursors reads only this)
         if (cnt[k] > 0) {
             const i64 take = first_entry(rank[k] + 1, voff[k] + cnt[k], cap, requests, total, head, by_double, inv)
                              - first;
@@ -826,9 +827,11 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
             t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
             t.lo[r] = lo[k];
             t.len[r] = cnt[k];
-            t.rank[r] = rp[k];
             const i64 nx = run[k] + take;  // run < L and take <= L: one subtraction wraps
-            if (take > 0) atomicMax(next + rp[k], (u64)(lo[k] + (nx >= cnt[k] ? nx - cnt[k] : nx)) + 1);
+            if (take > 0) {
+                t.rank[r] = rp[k];
+                atomicMax(next + rp[k], (u64)(lo[k] + (nx >= cnt[k] ? nx - cnt[k] : nx)) + 1);
+            }
         }
     }
     if (threadIdx.x == 0) {
@@ -846,8 +849,8 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
 __device__ __forceinline__ void move_cursors(const PlanParams& p, const RowTable& t) {
     u64* next = next_cursors(p);
     for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < p.bs; r += (i64)gridDim.x * blockDim.x) {
-        if (t.off[r + 1] > t.off[r]) {
-            const i64 rp = t.rank[r];
+        const i64 rp = t.rank[r];  // side_rows: 0 unless the row took entries (one load, not off[r] and off[r + 1])
+        if (rp > 0) {
             const u64 v = atomicExch(next + rp, 0ull);
             if (v) p.cursors[rp] = (i64)v - 1;
         }
