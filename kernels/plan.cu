@@ -152,7 +152,8 @@ struct RowTable {
     i64* vlim;    // valid_lens[r]                                  (HAS_POOL)
     i64* lo;      // window_start
     i64* len;     // verify count of the row (its window length)
-    i64* rank;    // rank_rows: rows with entries before r; a sampled table: the row's req_pool_indices (side_rows: 0 if it takes none)
+    i64* rank;    // rank_rows: rows with entries before r; a sampled table: the row's req_pool_indices
+                  // (side_rows: 0 for a row that takes no entries)
 };
 
 // Exclusive block-wide scan of N int64 per thread (warp shuffles, then one warp over the warp totals).
@@ -370,11 +371,11 @@ __device__ __forceinline__ i64 first_entry(i64 m, i64 off, i64 cap, i64 requests
     return min(m, head + cap - requests) + max(m - head, (i64)0);
 }
 
-// The second round (see rank_rows): off[r] becomes first[r], the row's first output entry, and base / pdelta start
-// the row at its run; rank[r] keeps rp. RESET (the two-pass rows kernel, the cursors' only reader): the cursors of
-// the rows that take entries are reset and the head moved here, from registers (rank_rows' barrier: every read is
-// done). The fused launch's extra block does that instead (fused_sampled), once every block has read them.
-template <int THREADS, int BATCH, bool RESET>
+// The second round (see rank_rows), in the two-pass rows kernel without side blocks (its block 0 is then the
+// cursors' only reader): off[r] becomes first[r], the row's first output entry, and base / pdelta start the row at
+// its run; rank[r] keeps rp. The cursors of the rows that take entries are reset and the head moved here, from
+// registers (rank_rows' barrier: every read is done); the entries kernel advances them.
+template <int THREADS, int BATCH>
 __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64 total, i64 requests, i64 head_raw) {
     const i64 cap = p.verify_capacity;
     const i64 head = cap < requests && head_raw >= 0 && head_raw < requests ? head_raw : 0;
@@ -407,14 +408,14 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
                 const i64 pdelta = pd[k] + off[k] - first;  // pdelta was relative to off[r]
                 t.pdelta[r] = pdelta;
                 t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
-                if (RESET && takes) p.cursors[rp[k]] = (i64)(-0x7fffffffffffffffLL - 1);
+                if (takes) p.cursors[rp[k]] = (i64)(-0x7fffffffffffffffLL - 1);
             }
             t.off[r] = first;
         }
     }
     if (threadIdx.x == 0) {
         t.off[p.bs] = cap;
-        if (RESET && cap < requests) {
+        if (cap < requests) {
             const i64 next = head + cap;  // < 2 * requests
             p.cursors[0] = next >= requests ? next - requests : next;
         }
@@ -478,10 +479,11 @@ __device__ __forceinline__ i64 sample_rows_at_once(const PlanParams& p, RowTable
 }
 
 // The cursor update of a sampled step (SPEC 3.7), in two halves: a reset, once every reader has read the cursors,
-// then advance_cursor. The two-pass rows kernel resets in sample_rows<..., true> and its entries kernel advances;
-// the fused launch's extra block does both (update_cursors). reset_cursors: each sampled row's cursor to INT64_MIN,
-// and the rotation head moved (thread 0 only reads and writes cursors[0]; no row with entries has rp = 0).
-// rank[r] holds the row's req_pool_indices value by now (rank_rows), so nothing is read from global memory again.
+// then advance_cursor. The two-pass rows kernel without side blocks resets in sample_rows and its entries kernel
+// advances; the fused launch's extra block does both (update_cursors); side blocks merge the next cursors instead
+// (side_rows, move_cursors). reset_cursors: each sampled row's cursor to INT64_MIN, and the rotation head moved
+// (thread 0 only reads and writes cursors[0]; no row with entries has rp = 0). rank[r] holds the row's
+// req_pool_indices value by now, so nothing is read from global memory again.
 __device__ __forceinline__ void reset_cursors(const PlanParams& p, const RowTable& t, i64 requests) {
     for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x)
         if (t.off[r + 1] > t.off[r]) p.cursors[t.rank[r]] = (i64)(-0x7fffffffffffffffLL - 1);
@@ -737,7 +739,8 @@ __device__ __forceinline__ u64* next_cursors(const PlanParams& p) {
 
 template <bool HAS_POOL>
 __device__ __forceinline__ void side_rows(const PlanParams& p) {
-    constexpr int THREADS = ROWS_THREADS, BATCH = SIDE_BATCH, OTHERS = 2;  // OTHERS: other rows' loads in flight (3 spilled)
+    // OTHERS: other rows' loads a thread keeps in flight (3 spilled)
+    constexpr int THREADS = ROWS_THREADS, BATCH = SIDE_BATCH, OTHERS = 2;
     const i64 bs = p.bs, tile = (i64)blockIdx.x - 1, r0 = tile * SIDE_ROWS;
     if (r0 >= bs) return;  // uniform: the tile lies past the batch (the grid is sized from R, not bs)
     __shared__ int s_flags;
@@ -879,7 +882,7 @@ __device__ __forceinline__ void plan_rows(const PlanParams& p) {
     if (gridDim.x == 1 && sampling(p, row_flags, total)) {  // no side blocks: this block builds the table
         i64 head_raw;
         const i64 requests = rank_rows<ROWS_THREADS, ROW_BATCH>(p, t, head_raw);
-        sample_rows<ROWS_THREADS, ROW_BATCH, true>(p, t, total, requests, head_raw);
+        sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total, requests, head_raw);
     }
     if (threadIdx.x == 0) {
         p.scratch[SCRATCH_ROW_FLAGS] = row_flags;
