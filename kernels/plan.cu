@@ -9,7 +9,8 @@
 // planner's fused grid has one extra block that moves the sampling cursors (fused_sampled); its two-pass rows
 // launch has side blocks that build a sampled step's table on other SMs while block 0 scans (side_rows; the
 // entries kernel moves the cursors), and for huge batch capacities block 0 builds the table after its scan.
-// Grids are sized from verify_capacity, never from data: a captured graph is valid for any later input.
+// Grids are sized from the capacities (verify_capacity, write_req_capacity) and the device, never from data: a
+// captured graph is valid for any later input.
 // Specialized at compile time only on what changes the code path: HAS_LUT, HAS_POOL. 64-bit indices.
 
 #define CANARY_OVERFLOW 1
@@ -37,6 +38,7 @@
 #define ROW_SAMPLES 512     // two-pass: row offsets sampled into shared memory to shorten the row search
 #define ROW_BATCH 2         // row tiles whose loads the rows kernel issues together (4 spilled: 64 registers at 1024 threads)
 #define FUSED_BATCH (FUSED_MAX_BS / ENTRY_THREADS)  // the fused scan: every row in one batch, no more registers
+static_assert(FUSED_MAX_BS % ENTRY_THREADS == 0, "sample_rows_at_once: every fused row in one batch");
 #define ENTRY_MIN_BLOCKS 4  // resident blocks per SM the register budget must allow (__launch_bounds__)
 
 // Scratch words (int64, owned by the planner, zeroed once at bind, re-armed by every launch).
@@ -848,7 +850,9 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
 
 // The entries kernel's half of a side-built sampled step: each row that took entries moves its merged next cursor
 // into the cursors (a request row in two batch rows: the first to take it moves it, the other finds 0), and the
-// rotation head its next value. After the rows launch, so every cursor read is done.
+// rotation head its next value. After the rows launch, so every cursor read is done. The words are zero again
+// after every launch pair; a pair cut short (the entries launch failing after the rows launch) would leave words
+// that the next sampled step merges with its own, a state SPEC 3.7 still calls safe (any cursor content is).
 __device__ __forceinline__ void move_cursors(const PlanParams& p, const RowTable& t) {
     u64* next = next_cursors(p);
     for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < p.bs; r += (i64)gridDim.x * blockDim.x) {

@@ -25,9 +25,9 @@ class LaunchConfig:
       fallback where numba-cuda's internals differ).
     - ``side_blocks``: a sampling planner's two-launch path builds a sampled step's table in side blocks of the
       rows launch, on other SMs while its first block scans the batch (``True``, CuPy), or in that first block
-      after its scan (``False``; also what a ``max_batch_size`` too large for the side blocks to fit the device at
-      once gets: more than about 131,000 rows on an H200). The outputs are the same; the time is not
-      (docs/performance.md). The Numba backend has one way.
+      after its scan (``False``; also what a ``max_batch_size`` past one wave of side blocks gets, since each
+      reads every row: more than 134,144 rows on an H200, 131 tiles of 1,024). The outputs are the same; the time
+      is not (docs/performance.md). The Numba backend has one way.
 
     Raises ``TypeError`` / ``ValueError`` (``kv-canary:``) for a value of the wrong type or range.
     """

@@ -33,7 +33,9 @@ SAMPLED_KNOBS = [
     dict(bs=(1, 40), max_seq_len=(1, 60)),
     dict(bs=(900, 1100), max_seq_len=(1, 40), max_reqs=(50, 1200)),  # one or two side tiles
     dict(bs=(2000, 4500), max_seq_len=(1, 30), max_reqs=(50, 5000)),  # several tiles, rows sharing a request row
-    dict(bs=(1000, 3000), max_seq_len=(1, 30), max_reqs=(3000, 3000), swa=True, pool=True, fault_prob=0.02),
+    dict(bs=(1000, 3000), max_seq_len=(1, 30), max_reqs=(3000, 3000), swa=True, pool=True, pool_indices=None),
+    # faults: a flagged row stops sampling (SPEC 3.7: the state advances only on steps whose rows are trusted)
+    dict(bs=(1000, 3000), max_seq_len=(1, 30), max_reqs=(3000, 3000), swa=True, pool=True, fault_prob=0.001),
     dict(bs=(1500, 2500), max_seq_len=(2, 20), max_reqs=(2600, 2600), padding_fraction=0.5,
          padding_rows_carry_tokens=True),
 ]
@@ -85,3 +87,60 @@ def test_sampled_steps_follow_each_other(launch):
         sampled += bool(int(want["status"][0]) & 64)
         cursors = want["verify_cursors"]
     assert 2 <= sampled < len(sizes)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("side_blocks", [True, False], ids=["side_blocks", "block0"])
+def test_hostile_step_sequences(seed, side_blocks):
+    """One planner (default launch: fused and two-pass launches alternate with the batch size) over 14 steps of
+    random subsets of one batch, request rows repeated, a bad row now and then, the rotation head overwritten
+    with garbage between steps, budgets below, at and above the number of requests: every step byte-identical to
+    the reference from the cursors the step before left, and the side blocks' next cursors all zero after each."""
+    backend_or_skip("cupy")
+    import cupy
+
+    from canary import CanaryPlanner, LaunchConfig
+    from canary.backends.plan_layout import SCRATCH_TABLE, TABLE_ARRAYS
+    from helpers.plan_cases import OUTPUTS, make_plans, to_xp
+
+    rng = np.random.default_rng(seed)
+    base = random_case(seed, bs=(3000, 3000), max_reqs=(150, 400), max_seq_len=(2, 30), padding_fraction=0.2,
+                       capacity="loose", on_overflow="sample", name=f"hostile-{seed}")
+    rpi, R = base.req_pool_indices, base.write_req_capacity
+    n = int((base.prefix_lens[rpi > 0] > 0).sum())
+    C = int(rng.choice([max(1, n // 3), n, n + 1, n + 50, 2 * n, 1]))
+    base = base.replace(verify_capacity=C)
+    vp, wp, raw = make_plans(base, "cupy")
+    conv = lambda a: to_xp(a, "cupy")  # noqa: E731
+    planner = CanaryPlanner(backend="cupy", verify_plan_out=vp, write_plan_out=wp, verify_capacity=C,
+                            launch_config=LaunchConfig(side_blocks=side_blocks), max_batch_size=R,
+                            **base.static_kwargs(conv))
+    next_words = SCRATCH_TABLE + TABLE_ARRAYS * (R + 1)
+    cursors = base.initial_cursors
+    for step in range(14):
+        k = int(rng.choice([3000, 2999, 2048, 1025, 1024, 700, 513, 512, 100, 1, 0]))
+        idx = rng.choice(3000, k, replace=False) if rng.random() < 0.5 else np.arange(k)
+        rows = rpi[idx].copy()
+        if k and rng.random() < 0.15:
+            rows[rng.integers(k)] = -1  # BAD_REQ_POOL_INDEX: nothing sampled, the state left alone
+        if rng.random() < 0.3:
+            head = int(rng.choice([-5, 0, 1, n - 1, n, 10**18]))
+            cursors = cursors.copy()
+            cursors[0] = head
+            raw["verify_cursors"][0] = head
+        c = base.replace(req_pool_indices=rows, prefix_lens=base.prefix_lens[idx], cursors=cursors,
+                         extend_seq_lens=base.extend_seq_lens[idx],
+                         valid_lens=None if base.valid_lens is None else base.valid_lens[idx],
+                         pool_indices=None if base.pool_indices is None else base.pool_indices[idx],
+                         name=f"hostile-{seed}-step{step}-bs{k}")
+        want = expected_outputs(c)
+        planner.plan(**c.step_kwargs(conv))
+        cupy.cuda.Device().synchronize()
+        no_entries = 2 | 4 | 16 | 32  # SPEC 3.4: the rows cannot be trusted, no verify entry is written
+        m = 0 if int(want["status"][0]) & no_entries else int(want["verify_num_valid"][0])
+        for name in OUTPUTS + ("verify_cursors",):  # what this step wrote: the buffers hold earlier steps too
+            end = {"verify_slot_indices": m, "verify_expected_tokens": m, "verify_expected_positions": m,
+                   "verify_prev_slot_indices": m, "write_seed_slot_indices": k}.get(name)
+            np.testing.assert_array_equal(cupy.asnumpy(raw[name])[:end], want[name][:end], err_msg=f"{c.name}: {name}")
+        assert not cupy.asnumpy(planner._bound.scratch[next_words:]).any(), c.name
+        cursors = want["verify_cursors"]
