@@ -358,19 +358,37 @@ __device__ __forceinline__ i64 floor_div(i64 a, i64 b, double inv_b) {
     return q;
 }
 
+// What a sampled step's rows share (SPEC 3.7): the budget, the requests (rows with entries), the entries asked,
+// and the rotation head (cursors[0] as read, if in [0, requests)).
+struct Split {
+    i64 cap, requests, total, head;
+    bool by_double;  // cap >= requests: first = rank + floor((cap - requests) * (off - rank) / (total - requests)),
+    double inv;      // off - rank <= total - requests, so the quotient is at most cap - requests (floor_div's bound
+};                   // when cap - requests < 2^50); the products are < 2^62 (refused at bind otherwise)
+
+__device__ __forceinline__ Split split_of(const PlanParams& p, i64 total, i64 requests, i64 head_raw) {
+    Split s;
+    s.cap = p.verify_capacity;
+    s.requests = requests;
+    s.total = total;
+    s.head = s.cap < requests && head_raw >= 0 && head_raw < requests ? head_raw : 0;
+    s.by_double = s.cap >= requests && s.cap - requests < (1LL << 50);
+    s.inv = s.by_double ? 1.0 / (double)(total - requests) : 0.0;
+    return s;
+}
+
 // first[r] of SPEC 3.7: the first output entry of a row with m rows with entries before it and `off` entries
-// (unsampled) before it; head is the rotation head of a step with fewer entries than requests. Also first[r + 1]
-// when called with (m + 1, off + L[r]), which is how a side block finds a row's take without its neighbour.
-__device__ __forceinline__ i64 first_entry(i64 m, i64 off, i64 cap, i64 requests, i64 total, i64 head,
-                                           bool by_double, double inv) {
-    if (cap >= requests) {  // one entry each, the rest in proportion to len - 1 (the running sum rounded)
-        const i64 a = (cap - requests) * (off - m), b = total - requests;
-        return m + (by_double ? floor_div(a, b, inv) : a / b);
+// (unsampled) before it. Also first[r + 1] when called with (m + 1, off + L[r]), which is how a side block finds a
+// row's take without its neighbour.
+__device__ __forceinline__ i64 first_entry(const Split& s, i64 m, i64 off) {
+    if (s.cap >= s.requests) {  // one entry each, the rest in proportion to len - 1 (the running sum rounded)
+        const i64 a = (s.cap - s.requests) * (off - m), b = s.total - s.requests;
+        return m + (s.by_double ? floor_div(a, b, s.inv) : a / b);
     }
-    if (head + cap <= requests)  // the requests of ranks [head, head + cap) take one entry each
-        return min(max(m - head, (i64)0), cap);
+    if (s.head + s.cap <= s.requests)  // the requests of ranks [head, head + cap) take one entry each
+        return min(max(m - s.head, (i64)0), s.cap);
     // ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
-    return min(m, head + cap - requests) + max(m - head, (i64)0);
+    return min(m, s.head + s.cap - s.requests) + max(m - s.head, (i64)0);
 }
 
 // The second round (see rank_rows), in the two-pass rows kernel without side blocks (its block 0 is then the
@@ -379,12 +397,8 @@ __device__ __forceinline__ i64 first_entry(i64 m, i64 off, i64 cap, i64 requests
 // registers (rank_rows' barrier: every read is done); the entries kernel advances them.
 template <int THREADS, int BATCH>
 __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64 total, i64 requests, i64 head_raw) {
-    const i64 cap = p.verify_capacity;
-    const i64 head = cap < requests && head_raw >= 0 && head_raw < requests ? head_raw : 0;
-    // cap >= requests: first = rank + floor((cap - requests) * (off - rank) / (total - requests)), and
-    // off - rank <= total - requests, so the quotient is at most cap - requests; the products are < 2^62 (bind).
-    const bool by_double = cap >= requests && cap - requests < (1LL << 50);
-    const double inv = by_double ? 1.0 / (double)(total - requests) : 0.0;
+    const Split sp = split_of(p, total, requests, head_raw);
+    const i64 cap = sp.cap, head = sp.head;
     for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)THREADS * BATCH) {
         i64 m[BATCH], off[BATCH], len[BATCH], pd[BATCH], rp[BATCH];
 #pragma unroll
@@ -400,7 +414,7 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
         for (int k = 0; k < BATCH; ++k) {
             const i64 r = r0 + (i64)k * THREADS;
             if (r >= p.bs) continue;
-            const i64 first = first_entry(m[k], off[k], cap, requests, total, head, by_double, inv);
+            const i64 first = first_entry(sp, m[k], off[k]);
             bool takes = len[k] > 0;
             if (cap < requests) {
                 const i64 d = m[k] >= head ? m[k] - head : m[k] - head + requests;
@@ -454,15 +468,12 @@ __device__ __forceinline__ i64 sample_rows_at_once(const PlanParams& p, RowTable
         excl[k] += requests;  // the rows of tiles before k come first
         requests += tot[k];
     }
-    const i64 cap = p.verify_capacity;
-    const i64 head = cap < requests && head_raw >= 0 && head_raw < requests ? head_raw : 0;
-    const bool by_double = cap >= requests && cap - requests < (1LL << 50);  // as in sample_rows
-    const double inv = by_double ? 1.0 / (double)(total - requests) : 0.0;
+    const Split sp = split_of(p, total, requests, head_raw);
 #pragma unroll
     for (int k = 0; k < BATCH; ++k) {
         const i64 r = k * THREADS + threadIdx.x;
         if (r >= p.bs) continue;
-        const i64 first = first_entry(excl[k], o0[k], cap, requests, total, head, by_double, inv);
+        const i64 first = first_entry(sp, excl[k], o0[k]);
         const i64 lo = len[k] > 0 ? pd[k] + o0[k] : 0;
         t.lo[r] = lo;
         t.len[r] = len[k];
@@ -475,7 +486,7 @@ __device__ __forceinline__ i64 sample_rows_at_once(const PlanParams& p, RowTable
         }
         t.off[r] = first;
     }
-    if (threadIdx.x == 0) t.off[p.bs] = cap;
+    if (threadIdx.x == 0) t.off[p.bs] = sp.cap;
     __syncthreads();
     return requests;
 }
@@ -813,20 +824,16 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
     if (!sampling(p, s_flags, total)) return;  // uniform: every side block sees the same totals
     const RowTable t = side_table(p);
     u64* next = next_cursors(p);
-    const i64 cap = p.verify_capacity;
-    const i64 head = cap < requests && head_raw >= 0 && head_raw < requests ? head_raw : 0;
-    const bool by_double = cap >= requests && cap - requests < (1LL << 50);  // as in sample_rows
-    const double inv = by_double ? 1.0 / (double)(total - requests) : 0.0;
+    const Split sp = split_of(p, total, requests, head_raw);
 #pragma unroll
     for (int k = 0; k < BATCH; ++k) {
         const i64 r = r0 + k * THREADS + threadIdx.x;
         if (r >= bs) continue;
-        const i64 first = first_entry(rank[k], voff[k], cap, requests, total, head, by_double, inv);
+        const i64 first = first_entry(sp, rank[k], voff[k]);
         t.off[r] = first;
         t.rank[r] = 0;  // the request row of a row that takes entries, else 0 (move_cursors reads only this)
         if (cnt[k] > 0) {
-            const i64 take = first_entry(rank[k] + 1, voff[k] + cnt[k], cap, requests, total, head, by_double, inv)
-                             - first;
+            const i64 take = first_entry(sp, rank[k] + 1, voff[k] + cnt[k]) - first;
             const i64 pdelta = lo[k] + run[k] - first;
             t.pdelta[r] = pdelta;
             t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
@@ -840,9 +847,9 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
         }
     }
     if (threadIdx.x == 0) {
-        if (r0 + SIDE_ROWS >= bs) t.off[bs] = cap;
-        if (tile == 0 && cap < requests) {
-            const i64 h = head + cap;  // < 2 * requests
+        if (r0 + SIDE_ROWS >= bs) t.off[bs] = sp.cap;
+        if (tile == 0 && sp.cap < requests) {
+            const i64 h = sp.head + sp.cap;  // < 2 * requests
             next[0] = (u64)(h >= requests ? h - requests : h) + 1;
         }
     }
