@@ -282,10 +282,22 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
     return vcarry;
 }
 
-// Head of the request rotation of a step with fewer entries than requests (SPEC 3.7): cursors[0], if in range.
-__device__ __forceinline__ i64 rotation_head(const PlanParams& p, i64 requests) {
-    const i64 head = p.cursors[0];
-    return head >= 0 && head < requests ? head : 0;
+// Head of the request rotation of a step with fewer entries than requests (SPEC 3.7): cursors[0] as read
+// (head_raw), if in range.
+__device__ __forceinline__ i64 rotation_head(i64 head_raw, i64 requests) {
+    return head_raw >= 0 && head_raw < requests ? head_raw : 0;
+}
+
+// The head after a step of cap < requests entries: (head + cap) mod requests, one subtraction (< 2 * requests).
+__device__ __forceinline__ i64 next_head(i64 head, i64 cap, i64 requests) {
+    const i64 next = head + cap;
+    return next >= requests ? next - requests : next;
+}
+
+// Where row r's run starts in its window [lo, lo + len) (SPEC 3.7): its cursor's offset, or 0 for a cursor
+// outside the window.
+__device__ __forceinline__ i64 run_in_window(i64 cur, i64 lo, i64 len) {
+    return cur >= lo && cur < lo + len ? cur - lo : 0;
 }
 
 // A sampled step's table (SPEC 3.7) is built in two rounds over the rows, each thread owning rows x, x + THREADS,
@@ -333,7 +345,7 @@ __device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t, i64& h
                 t.len[r] = len[k];
                 t.base[r] = excl[k] + carry;
                 if (len[k] > 0) {
-                    t.pdelta[r] = pd[k] + (cur[k] >= lo && cur[k] < lo + len[k] ? cur[k] - lo : 0);
+                    t.pdelta[r] = pd[k] + run_in_window(cur[k], lo, len[k]);
                     t.rank[r] = rp[k];
                 }
             }
@@ -371,7 +383,7 @@ __device__ __forceinline__ Split split_of(const PlanParams& p, i64 total, i64 re
     s.cap = p.verify_capacity;
     s.requests = requests;
     s.total = total;
-    s.head = s.cap < requests && head_raw >= 0 && head_raw < requests ? head_raw : 0;
+    s.head = s.cap < requests ? rotation_head(head_raw, requests) : 0;
     s.by_double = s.cap >= requests && s.cap - requests < (1LL << 50);
     s.inv = s.by_double ? 1.0 / (double)(total - requests) : 0.0;
     return s;
@@ -431,10 +443,7 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
     }
     if (threadIdx.x == 0) {
         t.off[p.bs] = cap;
-        if (cap < requests) {
-            const i64 next = head + cap;  // < 2 * requests
-            p.cursors[0] = next >= requests ? next - requests : next;
-        }
+        if (cap < requests) p.cursors[0] = next_head(head, cap, requests);
     }
     __syncthreads();
 }
@@ -492,8 +501,7 @@ __device__ __forceinline__ i64 sample_rows_at_once(const PlanParams& p, RowTable
         t.lo[r] = lo;
         t.len[r] = len[k];
         if (len[k] > 0) {
-            const i64 run = cur[k] >= lo && cur[k] < lo + len[k] ? cur[k] - lo : 0;
-            const i64 pdelta = lo + run - first;
+            const i64 pdelta = lo + run_in_window(cur[k], lo, len[k]) - first;
             t.pdelta[r] = pdelta;
             t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
             t.rank[r] = rp[k];
@@ -515,10 +523,8 @@ __device__ __forceinline__ void reset_cursors(const PlanParams& p, const RowTabl
     for (i64 r = threadIdx.x; r < p.bs; r += blockDim.x)
         if (t.off[r + 1] > t.off[r]) p.cursors[t.rank[r]] = (i64)(-0x7fffffffffffffffLL - 1);
     const i64 cap = p.verify_capacity;
-    if (threadIdx.x == 0 && cap < requests) {
-        const i64 head = rotation_head(p, requests) + cap;  // < 2 * requests: cap < requests here
-        p.cursors[0] = head >= requests ? head - requests : head;
-    }
+    if (threadIdx.x == 0 && cap < requests)
+        p.cursors[0] = next_head(rotation_head(p.cursors[0], requests), cap, requests);
 }
 
 // advance_cursor, after the reset: raise row r's cursor past its run. A request row in two batch rows (an engine
@@ -786,7 +792,7 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
         lo[k] = f.len - f.vcount;
         flags |= f.flags;
         const i64 cur = cnt[k] > 0 ? p.cursors[rp[k]] : 0;  // a row with entries is trusted: 0 < rp < max_reqs
-        run[k] = cnt[k] > 0 && cur >= lo[k] && cur < lo[k] + cnt[k] ? cur - lo[k] : 0;
+        run[k] = cnt[k] > 0 ? run_in_window(cur, lo[k], cnt[k]) : 0;
         sums[2] += cnt[k];
         sums[3] += cnt[k] > 0 ? 1 : 0;
     }
@@ -862,10 +868,7 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
     }
     if (threadIdx.x == 0) {
         if (r0 + SIDE_ROWS >= bs) t.off[bs] = sp.cap;
-        if (tile == 0 && sp.cap < requests) {
-            const i64 h = sp.head + sp.cap;  // < 2 * requests
-            next[0] = (u64)(h >= requests ? h - requests : h) + 1;
-        }
+        if (tile == 0 && sp.cap < requests) next[0] = (u64)next_head(sp.head, sp.cap, requests) + 1;
     }
 }
 
