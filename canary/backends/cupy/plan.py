@@ -2,8 +2,8 @@
 
 One compile per process (all specializations in one module; CuPy also caches it on disk), one module load
 per device. ``bind`` packs every launch argument into one by-value ``PlanParams`` struct (uint64 words in a
-NumPy array whose address CuPy hands to ``cuLaunchKernel``), allocates the scratch and fixes the grid
-from ``verify_capacity``. A call then writes six words (the per-step pointers and ``bs``) and issues one
+NumPy array whose address CuPy hands to ``cuLaunchKernel``) and allocates the scratch; ``warmup`` (or the
+first call) compiles, loads and fixes the grids from the capacities and the device. A call then writes six words (the per-step pointers and ``bs``) and issues one
 launch (``bs <= FUSED_MAX_BS``) or two, on the caller's stream: no allocation, compilation, module load or
 host sync, so the call can be captured in a CUDA graph.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 from ..plan_layout import (ENTRY_THREADS, FUSED_MAX_BS, PARAM_FIELDS, ROWS_THREADS, entry_grid, fused_grid, rows_grid,
                            scratch_words)
-from . import Params, Streams, cupy, occupancy, raw_module
+from . import Params, Streams, cupy, load_functions
 
 NAME = "cupy"
 ON_DEVICE = True
@@ -30,14 +30,10 @@ class Bound:
         s = static
         self.device_id = s.device_id
         sfx = suffix(s.full_to_swa_index_mapping is not None, s.req_to_verify_expected_tokens is not None)
-        module = raw_module("plan")
+        self._names = tuple(f"canary_plan_{kernel}_{sfx}" for kernel in ("fused", "rows", "entries"))
         with cupy.cuda.Device(self.device_id):
-            self._fused = module.get_function(f"canary_plan_fused_{sfx}")
-            self._rows = module.get_function(f"canary_plan_rows_{sfx}")
-            self._entries = module.get_function(f"canary_plan_entries_{sfx}")
             # Head words re-armed by every launch, the two-pass row tables (bs <= R), the next cursors.
             self.scratch = cupy.zeros(scratch_words(s.write_req_capacity, s.max_reqs), dtype=cupy.int64)
-            self._sms = cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"]
         lut, pool, r2t = s.full_to_swa_index_mapping, s.req_to_verify_expected_tokens, s.req_to_token
         values = dict(
             req_to_token=r2t.ptr, r2t_row_stride=r2t.strides[0], rp_bound=s.max_reqs, pool_rows=s.pool_rows,
@@ -67,16 +63,16 @@ class Bound:
     def warmup(self) -> None:
         """Compile (once per process) and load the module on this device; later launches only launch."""
         if self._fns is None:
-            with cupy.cuda.Device(self.device_id):
-                fns = tuple(k.kernel for k in (self._fused, self._rows, self._entries))
-                cap = self.static.verify_capacity
-                self._grids = (
-                    (fused_grid(cap, self._sms, occupancy(fns[0], ENTRY_THREADS), self.static.sample),),
-                    (entry_grid(cap, self._sms, occupancy(fns[2], ENTRY_THREADS)),),
-                    (rows_grid(self.static.write_req_capacity, self._sms, occupancy(fns[1], ROWS_THREADS),
-                               self.static.sample and self._side_blocks),),
-                )
-                self._fns = fns
+            fns, (fused_per_sm, rows_per_sm, entries_per_sm), sms = load_functions(
+                self.device_id, "plan", tuple(zip(self._names, (ENTRY_THREADS, ROWS_THREADS, ENTRY_THREADS))))
+            cap = self.static.verify_capacity
+            self._grids = (
+                (fused_grid(cap, sms, fused_per_sm, self.static.sample),),
+                (entry_grid(cap, sms, entries_per_sm),),
+                (rows_grid(self.static.write_req_capacity, sms, rows_per_sm,
+                           self.static.sample and self._side_blocks),),
+            )
+            self._fns = fns
 
     def forget_step(self) -> None:
         """Drop the last step (its arrays): a one-shot call's cached launcher keeps no caller array alive. The
