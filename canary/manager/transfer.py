@@ -277,7 +277,7 @@ class CudaTransfer:
                 updates = [x for x in updates if not (type(x) is RowTokens and x.tokens is None)]
             for rows, cols, offsets, tokens in _chunks(updates, self.u_cap, self.t_cap) if updates else ():
                 if deferred is not None:  # an earlier chunk's scatter: before this chunk's copy overwrites it
-                    self.scatter(deferred[1], deferred[2], stream)
+                    self.launch_deferred(deferred, stream)
                 buf = self._stage_buf()
                 k, t = rows.shape[0], tokens.shape[0]
                 w = buf.words
@@ -294,7 +294,7 @@ class CudaTransfer:
                 self._used(buf, stream)
                 deferred = (self.scatter, k, t, None)
             if deferred is not None and not defer_scatter:
-                self.scatter(deferred[1], deferred[2], stream)
+                self.launch_deferred(deferred, stream)
                 deferred = None
             if qv_due:
                 buf = self._stage_buf()
@@ -335,12 +335,7 @@ class CudaTransfer:
             buf = self._stage_buf()
         w = buf.words
         w[:n], w[b:b + n], w[2 * b:2 * b + n] = q, valid, tokens
-        deferred = (self.append, n, n, (i, 8 * (2 * b + n)))
-        if defer:
-            return deferred
-        self.launch_deferred(deferred, stream)
-        self.deferred_launched(deferred, stream)
-        return None
+        return self._launch_unless(defer, (self.append, n, n, (i, 8 * (2 * b + n))), stream)
 
     def stage_device_append(self, q: np.ndarray, one, stream: int, synced: bool, defer: bool = False
                             ) -> tuple | None:
@@ -376,7 +371,10 @@ class CudaTransfer:
             if len(self._append_calls) >= 8:  # a graph keyed by an evicted call keeps it (and its array) alive
                 self._append_calls.pop(next(iter(self._append_calls)))
             call = self._append_calls[key] = _AppendCall(self.device_append, ptr, dtype, obj)
-        deferred = (call, n, n, copy)
+        return self._launch_unless(defer, (call, n, n, copy), stream)
+
+    def _launch_unless(self, defer: bool, deferred: tuple, stream: int) -> tuple | None:
+        # The tail of stage_append and stage_device_append: left to the caller (defer), or launched here.
         if defer:
             return deferred
         self.launch_deferred(deferred, stream)
@@ -613,10 +611,12 @@ class DeviceScatter:
                  ov._replace(name="offsets"), uv._replace(name="tokens", shape=(b,)))
         return cls(pool, parts, -1, backend)
 
-    def _args(self, k: int, t: int):
+    def _args(self, k: int, t: int, tokens=None):
+        # tokens: a device view to read the tokens from instead of the staging's (launch_with_tokens)
         from ..backends.args import ScatterArgs
 
-        rows, cols, offsets, tokens = self.parts
+        rows, cols, offsets, staged = self.parts
+        tokens = staged if tokens is None else tokens
         return ScatterArgs(self.pool, rows._replace(shape=(k,)), tokens._replace(shape=(t,)),
                            offsets._replace(shape=(k + 1,)), cols._replace(shape=(k,)), self.column_offset)
 
@@ -629,12 +629,7 @@ class DeviceScatter:
     def launch_with_tokens(self, tokens, k: int, stream: int) -> None:
         """The first ``k`` staged rows' scatter, one token a row read from ``tokens`` (a checked ``[>= k]`` device
         view: the engine's own array), not from the staging."""
-        from ..backends.args import ScatterArgs
-
-        rows, cols, offsets, _ = self.parts
-        self.module.scatter(ScatterArgs(self.pool, rows._replace(shape=(k,)), tokens._replace(shape=(k,)),
-                                        offsets._replace(shape=(k + 1,)), cols._replace(shape=(k,)),
-                                        self.column_offset), stream)
+        self.module.scatter(self._args(k, k, tokens), stream)
 
 
 def _chunks(updates, u_cap: int, t_cap: int):
