@@ -368,7 +368,7 @@ class CanaryManager:
         Never syncs the engine's stream. A call that raises leaves no step open: the engine may call it again,
         and :meth:`after_kv_store` without a successful :meth:`before_forward` raises before writing anything.
         """
-        sel = self.groups if groups is None else self._select(groups)
+        sel = self._select(groups)
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and self._is_capturing(handle)
         bs = int(req_pool_indices.shape[0])  # an attribute read: no DLPack export inside a capture
@@ -437,7 +437,8 @@ class CanaryManager:
         self._eager.observe("before", key, objs, st, self.pool_array, body)
 
     def _requeue(self) -> None:
-        # The staged updates whose launch was left to before_forward (self._deferred) never ran: queued again.
+        # Taken updates that never launched (a staging that raised, or the launch left to before_forward,
+        # self._deferred): queued again, ahead of anything queued since.
         if self._taken:
             self.requests.updates[:0] = self._taken
         self._taken = None
@@ -477,7 +478,7 @@ class CanaryManager:
         computed into a preallocated buffer (values must lie in the mapping; torch, CuPy and NumPy arrays), unless
         ``out_cache_loc_by_group[name]`` gives them. ``groups`` and ``stream`` as in :meth:`before_forward`.
         """
-        sel = self.groups if groups is None else self._select(groups)
+        sel = self._select(groups)
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and self._is_capturing(handle)
         if not capturing and self._step is None:  # before any write: no record is written for a step never opened
@@ -593,7 +594,8 @@ class CanaryManager:
             except BaseException:
                 # Not launched (or only in part: a scatter is idempotent, and the append launches last): the next
                 # staging takes them again, from a fresh copy of the rows and lengths.
-                pool.updates[:0] = taken
+                self._taken = taken
+                self._requeue()
                 self._last_staged = None
                 raise
             self._taken = taken if self._deferred is not None else None
