@@ -7,9 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from canary.errors import PlanStatus
+
 from helpers.gpu_guard import backend_or_skip
 from helpers.plan_cases import (
-    POISON_ALT, assert_same, expected_outputs, hand_cases, random_case, run_case,
+    OUTPUTS, POISON_ALT, assert_same, expected_outputs, hand_cases, random_case, run_case,
 )
 
 pytestmark = pytest.mark.gpu
@@ -21,6 +23,24 @@ def launch(request):
     from canary import LaunchConfig
 
     return LaunchConfig(fused_max_bs=-1, side_blocks=request.param)
+
+
+# SPEC 3.4: rows that cannot be trusted; a step with any of these bits writes no verify entry
+NO_ENTRIES = int(PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | PlanStatus.BAD_VALID_LEN
+                 | PlanStatus.BAD_EXTEND_LEN)
+
+
+def assert_step_wrote(raw, want, entries: int, bs: int, label: str) -> None:
+    """The device buffers equal the reference ``want`` where one step of a planner stepped repeatedly writes:
+    ``entries`` verify entries, ``bs`` seeds, every other output and the cursors whole (the buffers hold earlier
+    steps' values past those)."""
+    import cupy
+
+    for name in OUTPUTS + ("verify_cursors",):
+        end = {"verify_slot_indices": entries, "verify_expected_tokens": entries,
+               "verify_expected_positions": entries, "verify_prev_slot_indices": entries,
+               "write_seed_slot_indices": bs}.get(name)
+        np.testing.assert_array_equal(cupy.asnumpy(raw[name])[:end], want[name][:end], err_msg=f"{label}: {name}")
 
 
 @pytest.mark.parametrize("case", hand_cases(), ids=lambda c: c.name)
@@ -58,7 +78,7 @@ def test_sampled_steps_follow_each_other(launch):
     import cupy
 
     from canary import CanaryPlanner
-    from helpers.plan_cases import OUTPUTS, make_plans, to_xp
+    from helpers.plan_cases import make_plans, to_xp
 
     base = random_case(2024, bs=(2900, 2900), max_reqs=(3000, 3000), max_seq_len=(1, 30), swa=False, lut=False,
                        pool=False, padding_fraction=0.1, capacity="loose", on_overflow="sample", name="steps")
@@ -78,13 +98,8 @@ def test_sampled_steps_follow_each_other(launch):
         want = expected_outputs(c)
         planner.plan(**c.step_kwargs(conv))
         cupy.cuda.Device().synchronize()
-        got = {name: cupy.asnumpy(raw[name]) for name in OUTPUTS + ("verify_cursors",)}
-        n = int(want["verify_num_valid"][0])
-        for name in OUTPUTS + ("verify_cursors",):  # what this step wrote: the buffers hold earlier steps too
-            end = {"verify_slot_indices": n, "verify_expected_tokens": n, "verify_expected_positions": n,
-                   "verify_prev_slot_indices": n, "write_seed_slot_indices": k}.get(name)
-            np.testing.assert_array_equal(got[name][:end], want[name][:end], err_msg=f"{c.name}: {name}")
-        sampled += bool(int(want["status"][0]) & 64)
+        assert_step_wrote(raw, want, int(want["verify_num_valid"][0]), k, c.name)
+        sampled += bool(int(want["status"][0]) & PlanStatus.SAMPLED)
         cursors = want["verify_cursors"]
     assert 2 <= sampled < len(sizes)
 
@@ -101,7 +116,7 @@ def test_hostile_step_sequences(seed, side_blocks):
 
     from canary import CanaryPlanner, LaunchConfig
     from canary.backends.plan_layout import SCRATCH_TABLE, TABLE_ARRAYS
-    from helpers.plan_cases import OUTPUTS, make_plans, to_xp
+    from helpers.plan_cases import make_plans, to_xp
 
     rng = np.random.default_rng(seed)
     base = random_case(seed, bs=(3000, 3000), max_reqs=(150, 400), max_seq_len=(2, 30), padding_fraction=0.2,
@@ -136,11 +151,7 @@ def test_hostile_step_sequences(seed, side_blocks):
         want = expected_outputs(c)
         planner.plan(**c.step_kwargs(conv))
         cupy.cuda.Device().synchronize()
-        no_entries = 2 | 4 | 16 | 32  # SPEC 3.4: the rows cannot be trusted, no verify entry is written
-        m = 0 if int(want["status"][0]) & no_entries else int(want["verify_num_valid"][0])
-        for name in OUTPUTS + ("verify_cursors",):  # what this step wrote: the buffers hold earlier steps too
-            end = {"verify_slot_indices": m, "verify_expected_tokens": m, "verify_expected_positions": m,
-                   "verify_prev_slot_indices": m, "write_seed_slot_indices": k}.get(name)
-            np.testing.assert_array_equal(cupy.asnumpy(raw[name])[:end], want[name][:end], err_msg=f"{c.name}: {name}")
+        m = 0 if int(want["status"][0]) & NO_ENTRIES else int(want["verify_num_valid"][0])
+        assert_step_wrote(raw, want, m, k, c.name)
         assert not cupy.asnumpy(planner._bound.scratch[next_words:]).any(), c.name
         cursors = want["verify_cursors"]
