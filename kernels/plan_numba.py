@@ -58,7 +58,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from numba import cuda, int32, int64
+from numba import cuda, float64, int32, int64
 
 CANARY_OVERFLOW = 1
 CANARY_BAD_REQ_POOL_INDEX = 2
@@ -382,15 +382,32 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return head if (head >= 0 and head < requests) else int64(0)
 
     @cuda.jit(device=True)
+    def floor_div(a, b, inv_b):
+        """plan.cu's ``floor_div``: a // b for 0 <= a < 2^62, 1 <= b < 2^62, a / b < 2^50, from the double
+        reciprocal ``inv_b`` and one correction (why one suffices: plan.cu). A 64-bit ``//`` is a long
+        subroutine on the GPU, and Python's floor semantics add sign fix-ups to it."""
+        q = int64(float64(a) * inv_b)
+        rem = a - q * b
+        if rem < 0:
+            q -= 1
+        elif rem >= b:
+            q += 1
+        return q
+
+    @cuda.jit(device=True)
     def sample_rows(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, total, requests):
         """plan.cu's ``sample_rows``: the row table becomes a sampled step's (off[r] = the row's first output
         entry; base / pdelta start the row at its cursor). Each thread rewrites only its own rows."""
         cap = verify_capacity
         head = rotation_head(cursors, requests) if cap < requests else int64(0)
+        by_double = cap >= requests and cap - requests < (int64(1) << 50)
+        inv = 1.0 / float64(total - requests) if by_double else 0.0
         r = int64(cuda.threadIdx.x)
         while r < bs:
             m = tab[t0 + 7 * tn + r]
-            if cap >= requests:  # one entry each, the rest in proportion to len - 1 (the running sum rounded)
+            if by_double:  # one entry each, the rest in proportion to len - 1 (the running sum rounded)
+                first = m + floor_div((cap - requests) * (tab[t0 + r] - m), total - requests, inv)
+            elif cap >= requests:
                 first = m + (cap - requests) * (tab[t0 + r] - m) // (total - requests)
             elif head + cap <= requests:  # the requests of ranks [head, head + cap) take one entry each
                 first = min(max(m - head, int64(0)), cap)
@@ -419,8 +436,9 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             if tab[t0 + r + 1] > tab[t0 + r]:
                 cursors[req_pool_indices[r]] = INT64_MIN
             r += cuda.blockDim.x
-        if cuda.threadIdx.x == 0 and verify_capacity < requests:
-            cursors[0] = (rotation_head(cursors, requests) + verify_capacity) % requests
+        if cuda.threadIdx.x == 0 and verify_capacity < requests:  # head < requests, cap < requests: no modulo
+            nxt = rotation_head(cursors, requests) + verify_capacity
+            cursors[0] = nxt - requests if nxt >= requests else nxt
 
     @cuda.jit(device=True)
     def advance_cursor(req_pool_indices, cursors, tab, t0, tn, r):
@@ -431,7 +449,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             lo = tab[t0 + 5 * tn + r]
             ln = tab[t0 + 6 * tn + r]
             run = tab[t0 + 2 * tn + r] + tab[t0 + r] - lo
-            cuda.atomic.max(cursors, req_pool_indices[r], lo + (run + take) % ln)
+            nxt = run + take  # run < ln and take <= ln: one subtraction wraps (a 64-bit modulo is a subroutine)
+            cuda.atomic.max(cursors, req_pool_indices[r], lo + (nxt - ln if nxt >= ln else nxt))
 
     @cuda.jit(device=True)
     def update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests):
