@@ -359,8 +359,9 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
     want_canary = not args.plan_only
     if want_canary and kind == "numba":  # refused before numba is imported, or any work done
         if args.canary or args.inject:
+            asked = "--inject" if args.inject else "--canary"  # the argument that asked for the canary
             raise BackendUnavailableError(
-                "kv-canary: --canary: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
+                f"kv-canary: {asked}: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
                 "[cuda12]), got Numba device arrays only (CuPy is missing or sees no GPU)")
         console.print("kv-canary replay: Numba device arrays only (no CuPy): planning only, as with --plan-only",
                       markup=False, highlight=False)

@@ -233,10 +233,21 @@ def test_bad_inject_values(capsys, value):
     assert f"got {value!r}" in err
 
 
-def test_canary_on_numba_arrays_needs_cupy(monkeypatch, capsys):
+@pytest.mark.parametrize("asked", [["--canary"], ["--inject", "kv-flip@3"], ["--canary", "--inject", "token@3"]])
+def test_canary_on_numba_arrays_needs_cupy(monkeypatch, capsys, asked):
     monkeypatch.setattr(canary.sim.replay, "_placement", lambda backend: "numba")
-    assert cli.main(["replay", "--max-requests", "2", "--canary"]) == 2
-    assert "kv-canary: --canary: expected CuPy" in capsys.readouterr().out
+    assert cli.main(["replay", "--max-requests", "2", *asked]) == 2
+    named = "--inject" if "--inject" in asked else "--canary"  # the message names the argument that asked for it
+    assert f"kv-canary: {named}: expected CuPy" in capsys.readouterr().out
+
+
+def test_numba_arrays_alone_plan_only(monkeypatch, capsys):
+    monkeypatch.setattr(canary.sim.replay, "_placement", lambda backend: "numba")
+    host_arrays = canary.sim.replay._Arrays
+    monkeypatch.setattr(canary.sim.replay, "_Arrays", lambda kind: host_arrays("host"))  # no GPU here
+    assert cli.main(["replay", "--max-requests", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert "Numba device arrays only (no CuPy): planning only, as with --plan-only" in out
 
 
 def test_readme_replay_canary_command(tmp_path, capsys):

@@ -68,7 +68,8 @@ def test_each_fault_is_detected_with_a_small_budget(tmp_path, kind):
     """Budget 256 of the ~1000 cached tokens of a step: nearly every step is sampled. A fault the write sees is
     caught at once; one only a verify sees waits for the rotation to reach its token, so at most the run's
     longest staleness plus the step it was applied in (measured delays: kv-flip 5, zero-kv 5, swa-evict 6,
-    stale-row 9, spec-reject 13; overwrite and row-recycle 1; position and token 0)."""
+    stale-row 9, spec-reject 13, token 13 (the manager's write has no token assert); overwrite and row-recycle
+    1; position 0)."""
     extra = ("--swa-window", "256") if kind == "swa-evict" else ()
     # The layer rotation under sampling needs a dwell of at least the sampling bound (measured here: 19 steps;
     # with dwell 1 this fault goes undetected): then within dwell * num_layers steps (docs/integration.md 5c).
