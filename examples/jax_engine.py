@@ -9,11 +9,15 @@ reports VERIFY_TOKEN for that request. CPU JAX arrays and the reference backend;
 Real-KV hashing is off here: a JAX step returns a *new* KV array (functional update), while the manager binds
 real-KV sources by pointer once (docs/integration.md, "JAX").
 
-    python examples/jax_engine.py
+    python -m pip install jax && python examples/jax_engine.py
 """
 import logging
+import sys
 
-import jax
+try:
+    import jax
+except ModuleNotFoundError:
+    sys.exit("jax_engine.py needs JAX: python -m pip install jax")
 
 jax.config.update("jax_enable_x64", True)  # the manager's step inputs are int64
 # Host JAX arrays with the reference backend, also where JAX finds a GPU (a JAX-on-GPU engine passes device=0 to
