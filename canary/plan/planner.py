@@ -22,6 +22,11 @@ from .plans import (
 from .rows import bad_slot_rows, first_bad_row, row_checks
 
 
+# The bound of the int arguments that enter the plan's int64 index arithmetic: positions (< 2**31) plus or minus
+# one of them cannot overflow.
+MAX_INDEX_ARG = 1 << 62
+
+
 def _int_arg(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise fail(TypeError, f"{name}: expected an int, got {type(value).__name__}")
@@ -54,8 +59,8 @@ def bind_static(
     r2t = check_view(as_view(req_to_token, "req_to_token"), dtype=np.int32, ndim=2)
 
     window = _int_arg("swa_window_size", swa_window_size)
-    if window < 0:
-        raise fail(ValueError, f"swa_window_size: expected 0 (full attention) or a window > 0, got {window}")
+    if not 0 <= window <= MAX_INDEX_ARG:  # the plan's window arithmetic is int64 (SPEC 3.3)
+        raise fail(ValueError, f"swa_window_size: expected 0 (full attention) or a window in [1, 2**62], got {window}")
     lut = None
     if full_to_swa_index_mapping is not None:
         lut = check_view(as_view(full_to_swa_index_mapping, "full_to_swa_index_mapping"), dtype=INT64, ndim=1)
@@ -69,6 +74,8 @@ def bind_static(
         pool = check_view(as_view(req_to_verify_expected_tokens, "req_to_verify_expected_tokens"), dtype=np.int32,
                           ndim=2)
     offset = _int_arg("kv_token_id_vs_position_offset", kv_token_id_vs_position_offset)
+    if not -MAX_INDEX_ARG <= offset <= MAX_INDEX_ARG:  # position + offset is int64 (SPEC 3.3)
+        raise fail(ValueError, f"kv_token_id_vs_position_offset: expected an int in [-2**62, 2**62], got {offset}")
     if not isinstance(padding_rows_carry_tokens, (bool, np.bool_)):
         raise fail(TypeError, f"padding_rows_carry_tokens: expected a bool, got "
                               f"{type(padding_rows_carry_tokens).__name__} {padding_rows_carry_tokens!r}")
@@ -319,13 +326,15 @@ class CanaryPlanner:
             return None
         status = PlanStatus(int(to_host(self.static.status.owner)[0]))
         if status & ~(PlanStatus.OVERFLOW | PlanStatus.SAMPLED):
-            raise_for_status(status, self._first_bad_row(status, req_pool_indices, prefix_lens, extend_seq_lens,
-                                                         req_to_verify_expected_tokens_valid_lens,
-                                                         expected_token_pool_indices))
+            row, why = self._first_bad_row(status, req_pool_indices, prefix_lens, extend_seq_lens,
+                                           req_to_verify_expected_tokens_valid_lens, expected_token_pool_indices)
+            raise_for_status(status, row, **({"row_unknown": why} if why else {}))
         return status
 
-    def _first_bad_row(self, status: PlanStatus, rpi, prefix, ext, valid_lens, pool_indices=None) -> int | None:
-        """The first batch row the plan flagged, recomputed on the host from the step's inputs (a sync)."""
+    def _first_bad_row(self, status: PlanStatus, rpi, prefix, ext, valid_lens,
+                       pool_indices=None) -> tuple[int | None, str | None]:
+        """The first batch row the plan flagged, recomputed on the host from the step's inputs (a sync), and when
+        there is none to name for sure, why (``None``: the default reason)."""
         s = self.static
         pool, lut = s.req_to_verify_expected_tokens, s.full_to_swa_index_mapping
         rpi, prefix, ext = to_host(rpi), to_host(prefix), to_host(ext)
@@ -336,16 +345,26 @@ class CanaryPlanner:
             pool_cols=None if pool is None else pool.shape[1], padding_rows_carry_tokens=s.padding_rows_carry_tokens,
             pool_indices=q, pool_rows=s.pool_rows,
         )
-        bad_slot = None
-        if status & PlanStatus.BAD_SLOT and lut is not None:
-            row_bits = PlanStatus.OVERFLOW | PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | \
-                PlanStatus.BAD_VALID_LEN | PlanStatus.BAD_EXTEND_LEN
-            r2t = s.req_to_token
-            source = r2t.host if r2t.host is not None else r2t.owner
-            bad_slot = bad_slot_rows(c, rpi, prefix, ext, window=s.swa_window_size, lut_len=lut.shape[0],
-                                     verify_ran=not status & row_bits,
-                                     read_row=lambda rp, lo, hi: part_to_host(source, (rp, slice(lo, hi))))
-        return first_bad_row(c, bad_slot)
+        if not (status & PlanStatus.BAD_SLOT and lut is not None):
+            return first_bad_row(c), None
+        row_bits = PlanStatus.OVERFLOW | PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | \
+            PlanStatus.BAD_VALID_LEN | PlanStatus.BAD_EXTEND_LEN
+        r2t = s.req_to_token
+        source = r2t.host if r2t.host is not None else r2t.owner
+        read_row = lambda rp, lo, hi: part_to_host(source, (rp, slice(lo, hi)))  # noqa: E731
+        verify_ran = not status & row_bits
+        # A sampled step translated only the entries it took (SPEC 3.7), which the host cannot tell apart once the
+        # cursors have moved: its seeds are certain, its windows only candidates.
+        sampled = verify_ran and bool(status & PlanStatus.SAMPLED)
+        row = first_bad_row(c, bad_slot_rows(c, rpi, prefix, ext, window=s.swa_window_size, lut_len=lut.shape[0],
+                                             verify_ran=verify_ran and not sampled, read_row=read_row))
+        if row is not None or not sampled:
+            return row, None
+        maybe = np.flatnonzero(bad_slot_rows(c, rpi, prefix, ext, window=s.swa_window_size, lut_len=lut.shape[0],
+                                             verify_ran=True, read_row=read_row))
+        rows = ", ".join(str(int(r)) for r in maybe[:8]) + (", ..." if maybe.size > 8 else "")
+        return None, (f"unknown (a sampled step translates only the entries it takes; batch rows holding slots "
+                      f"outside the LUT in their windows: {rows or 'none'})")
 
 
 _OUTPUT_FIELDS = VERIFY_ENTRY_FIELDS + VERIFY_SCALAR_FIELDS + WRITE_FIELDS

@@ -103,3 +103,20 @@ def test_inputs_changed_after_the_plan_make_the_row_unknown(monkeypatch):
         planner.plan(**case.step_kwargs(), check=True)
     assert str(info.value).endswith("first offending batch row: unknown (the step's inputs, read back now, show no "
                                     "offending row: were they changed after the plan was launched?)")
+
+
+@pytest.mark.parametrize("xp", XPS)
+@pytest.mark.parametrize("api", APIS)
+def test_a_sampled_step_names_no_row_it_cannot_be_sure_of(api, xp):
+    """A sampled step translates only the entries it takes (SPEC 3.7), which the host cannot tell apart once the
+    cursors have moved: both rows hold a slot outside the LUT at position 3, the step samples row 0 at position 0
+    and row 1 at position 3, and the message lists both candidates instead of naming row 0."""
+    case = make_case("sampled_bad_slot", [(1, 4, 0), (2, 4, 0)], r2t=r2t_with(r1_p3=5000, r2_p3=5000), lut=LUT, C=2,
+                     cursors=[0, 0, 3, 0, 0, 0], expect_status=B.SAMPLED | B.BAD_SLOT)
+    _vp, run = _plan(case, api, xp)
+    with pytest.raises(CanaryInputError) as info:
+        run()
+    assert str(info.value) == _message(B.SAMPLED | B.BAD_SLOT, "unknown (a sampled step translates only the entries "
+                                                               "it takes; batch rows holding slots outside the LUT "
+                                                               "in their windows: 0, 1)")
+    assert info.value.first_bad_row is None

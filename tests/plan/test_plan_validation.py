@@ -142,6 +142,20 @@ def test_negative_swa_window():
     raises(ValueError, plan_with, "swa_window_size", "-1", static=static, step=step, swa_window_size=-1)
 
 
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("bad", [2**62 + 1, 2**63, 2**80])
+def test_window_and_offset_past_int64_arithmetic_are_refused_at_bind(bad, api):
+    """Both enter the plan's int64 index arithmetic (a position plus the offset, a prefix minus the window): a
+    value past 2**62 is refused before anything is launched or written, not an OverflowError mid-plan."""
+    _, static, step, raw = setup(W=3)
+    raises(ValueError, plan_with, "swa_window_size", "[1, 2**62]", str(bad), static=static, step=step, api=api,
+           swa_window_size=bad)
+    for off in (bad, -bad):
+        raises(ValueError, plan_with, "kv_token_id_vs_position_offset", "[-2**62, 2**62]", str(off), static=static,
+               step=step, api=api, kv_token_id_vs_position_offset=off)
+    assert raw["status"][0] == POISON.i32
+
+
 @pytest.mark.parametrize("bad", [2.0, True, "3", None])
 def test_swa_window_and_offset_must_be_ints(bad):
     _, static, step, _ = setup()
