@@ -24,12 +24,13 @@ from ..interop.streams import LaunchStream, is_capturing, launch_stream, library
 from ..records.ring import KernelTag, decode
 from .groups import BoundGroup, KVGroup, bind_group, check_groups
 from .layers import verify_layers, write_layers
-from .pool import RequestPool, RowTokens
+from .pool import RequestPool, RowTokens, host_token_array
 from .report import (
     CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, kernel_name, log, log_violations,
     overflow_line,
 )
 from .stats import PrometheusMetrics, Stats
+from .slots import translate as translate_slots, warmup as warmup_slots
 from .sweep import Sweeper, check_budget
 from .block import ReportBlock
 from .eager import _MISS, EagerGraphs
@@ -204,6 +205,8 @@ class CanaryManager:
             g.records.warmup()
             if g.layers is not None:
                 g.layers.warmup()
+            if g.loc_scratch is not None:
+                warmup_slots(g.spec.full_to_swa_index_mapping, g.loc_scratch, self._launch(None)[0])
         self._prepare_verifies(self._launch(None)[1])
 
     def _prepare_verifies(self, stream: Any) -> None:
@@ -270,16 +273,17 @@ class CanaryManager:
         mismatch, a request past ``max_seq_len + 1`` tokens (nothing is accepted then), a device array on another
         device or not contiguous; ``TypeError`` for token ids that are not integers."""
         ids = self._ids(request_ids)
+        if token_ids is None:
+            raise fail(TypeError, f"token_ids: expected one token id per request ([{len(ids)}] host ints or a device "
+                                  f"array), got None")
         if type(token_ids) not in (list, tuple, np.ndarray):
             token_ids = self._device_tokens(ids, token_ids)
             if token_ids is None:
                 return
-        toks = np.asarray(token_ids)
-        if toks.ndim != 1 or toks.shape[0] != len(ids):
+        toks = host_token_array(token_ids, "token_ids")
+        if toks.shape[0] != len(ids) or (np.ndim(token_ids) != 1 and not isinstance(token_ids, (list, tuple))):
             raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
-                                   f"{tuple(toks.shape)}")
-        if toks.dtype.kind not in "iu":
-            raise fail(TypeError, f"token_ids: expected integer token ids, got dtype {toks.dtype}")
+                                   f"{tuple(np.shape(token_ids))}")
         if len(ids):
             self.requests.accept_batch(ids, toks.astype(np.int64, copy=True), self._batch_rows)
 
@@ -475,14 +479,30 @@ class CanaryManager:
 
         ``out_cache_loc``, ``input_ids``, ``positions``: ``[N]`` int64 (slot, token id, position of each new
         token; slot < 0: skipped). An SWA group's slots are ``full_to_swa_index_mapping[out_cache_loc]``,
-        computed into a preallocated buffer (values must lie in the mapping; torch, CuPy and NumPy arrays), unless
-        ``out_cache_loc_by_group[name]`` gives them. ``groups`` and ``stream`` as in :meth:`before_forward`.
+        computed into a preallocated buffer on the launch stream (torch, CuPy and NumPy arrays; a negative slot
+        stays negative, a slot past the mapping becomes one the write reports as ``SLOT_RANGE``:
+        ``canary/manager/slots.py``), unless ``out_cache_loc_by_group[name]`` (``[N]`` int64) gives them. Every
+        group's slots are checked or translated before any group writes. ``groups``: the step's (its
+        :meth:`before_forward`'s) by default; a group it did not plan is a ``ValueError``. ``stream`` as in
+        :meth:`before_forward`. Raises ``TypeError`` for slots that are not int64.
         """
         sel = self._select(groups)
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and self._is_capturing(handle)
-        if not capturing and self._step is None:  # before any write: no record is written for a step never opened
+        step = self._step
+        if not capturing and step is None:  # before any write: no record is written for a step never opened
             raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
+        if not capturing and not (groups is None and step.groups is self._all_names):
+            # A group the step did not plan has no write plan for it (its last one is another step's): the step's
+            # groups by default, and naming another is an error.
+            if groups is None:
+                groups = step.groups
+                sel = self._select(groups)
+            else:
+                extra = [g.name for g in sel if g.name not in step.groups]
+                if extra:
+                    raise fail(ValueError, f"groups: expected groups this step's before_forward planned "
+                                           f"({list(step.groups)}), got {extra}")
         in_graph = False
         if capturing or self._eager is None or out_cache_loc_by_group or (
                 self._translates and any(g.loc_scratch is not None for g in sel)):
@@ -519,13 +539,34 @@ class CanaryManager:
         return False
 
     def _write(self, sel, out_cache_loc, input_ids, positions, out_cache_loc_by_group, st) -> None:
+        # Every group's slots first (translated, or checked when given by group), then the writes: an input that
+        # fails for one group fails the call before any group has written.
+        locs = []
         for g in sel:
             loc = out_cache_loc_by_group.get(g.name) if out_cache_loc_by_group else None
-            if loc is None:
-                loc = out_cache_loc if g.loc_scratch is None else self._translate(g, out_cache_loc)
+            if loc is not None:
+                self._check_group_loc(g.name, loc, input_ids)
+            elif g.loc_scratch is not None:
+                loc = translate_slots(g.spec.full_to_swa_index_mapping, out_cache_loc, g.loc_scratch,
+                                      0 if st is None else st.handle)
+            else:
+                loc = out_cache_loc
+            locs.append(loc)
+        for g, loc in zip(sel, locs):
             g.records.write(g.write_plan, out_cache_loc=loc, input_ids=input_ids, positions=positions,
                             launch_tag=g.write_tag, stream=st)
             write_layers(g, loc, st)
+
+    @staticmethod
+    def _check_group_loc(name: str, loc: Any, input_ids: Any) -> None:
+        """``out_cache_loc_by_group[name]``: ``[N]`` int64 like ``input_ids`` (the write checks the rest)."""
+        arg = f"out_cache_loc_by_group[{name!r}]"
+        view, ids = as_view(loc, arg), as_view(input_ids, "input_ids")
+        if len(view.shape) != 1 or len(ids.shape) != 1 or view.shape[0] != ids.shape[0]:
+            raise fail(ValueError, f"{arg}: expected [N] slots, one per token of input_ids ([{ids.shape[0]}]), "
+                                   f"got shape {tuple(view.shape)}")
+        if view.dtype != np.dtype(np.int64):
+            raise fail(TypeError, f"{arg}: expected int64 slots, got dtype {view.dtype}")
 
     def begin_step(self, request_ids: Sequence[Hashable] | None, *, groups: Sequence[str] | None = None,
                    stream: Any = None) -> None:
@@ -733,23 +774,6 @@ class CanaryManager:
                 self._streams[(handle, lib)] = st
         return handle, st
 
-    def _translate(self, g: BoundGroup, loc: Any) -> Any:
-        n, cap = int(loc.shape[0]), int(g.loc_scratch.shape[0])
-        if n > cap:
-            raise fail(ValueError, f"out_cache_loc: expected at most max_step_tokens = {cap} tokens, got {n}")
-        out = g.loc_scratch[:n]
-        lut = g.spec.full_to_swa_index_mapping
-        module = type(out).__module__.split(".")[0]
-        if module == "torch":
-            __import__("torch").index_select(lut, 0, loc, out=out)
-        elif module == "cupy":
-            __import__("cupy").take(lut, loc, out=out)
-        elif isinstance(out, np.ndarray):
-            np.take(lut, loc, out=out)
-        else:
-            raise fail(TypeError, f"out_cache_loc_by_group: expected the {g.name!r} group's SWA slots for "
-                                  f"{type(out).__name__} arrays (the manager translates torch, CuPy and NumPy only)")
-        return out
 
     def _handle_reports(self, wait: bool) -> None:
         new: list[SlotViolation] = []

@@ -17,7 +17,31 @@ from ..errors import fail
 
 
 _SEQUENCES = (list, tuple)
-_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+TOKEN_MAX = (1 << 31) - 1  # the pool is int32: a token id is in [0, 2**31) (-1 there means "no expected token")
+
+
+def host_token_array(tokens: Any, name: str) -> np.ndarray:
+    """Host token ids as a ``[k]`` int64 array, checked: integers (no float, bool or string is converted), one
+    dimension (a single int is one token; ``None`` none), each in ``[0, 2**31)``, the pool's int32 range (a value
+    outside would be stored as another token, or as -1, which turns the token check off). ``TypeError`` /
+    ``ValueError`` naming ``name``."""
+    if tokens is None:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    except (ValueError, TypeError) as exc:  # ragged nesting and the like
+        raise fail(TypeError, f"{name}: expected a sequence of integer token ids, got {type(tokens).__name__} "
+                              f"({exc})") from None
+    if arr.dtype.kind not in "iu":
+        raise fail(TypeError, f"{name}: expected integer token ids, got {type(tokens).__name__} of dtype {arr.dtype}")
+    if arr.ndim > 1:
+        raise fail(ValueError, f"{name}: expected one dimension of token ids, got shape {tuple(arr.shape)}")
+    arr = arr.reshape(-1)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > TOKEN_MAX):
+        bad = arr[(arr < 0) | (arr > TOKEN_MAX)][0]
+        raise fail(ValueError, f"{name}: expected token ids in [0, 2**31) (the expected-token pool is int32), got "
+                               f"{int(bad)}")
+    return arr.astype(np.int64, copy=False)
 
 
 @dataclass
@@ -79,7 +103,7 @@ class RequestPool:
         if not self._free:
             raise fail(RuntimeError, f"request_id: expected a free expected-token pool row for {request_id!r}, got "
                                      f"none of {self.rows - 1} free (raise max_requests)")
-        tokens = self._host_tokens(tokens)
+        tokens = self._host_tokens(tokens, "prompt_token_ids")
         if len(tokens) > self.cols:  # refused before the request is registered: a retry with a shorter prompt works
             raise fail(ValueError, f"prompt_token_ids: expected at most {self.cols} tokens per request (the pool's "
                                    f"columns, max_seq_len + 1), got {len(tokens)} for request {request_id!r}")
@@ -98,7 +122,7 @@ class RequestPool:
         req = self.live.get(request_id)
         if req is None:
             raise fail(KeyError, f"request_id: expected a running request (add_request first), got {request_id!r}")
-        self._append(request_id, req, self._host_tokens(tokens), "token_ids")
+        self._append(request_id, req, self._host_tokens(tokens, "token_ids"), "token_ids")
 
     def finish(self, request_id: Hashable) -> None:
         req = self.live.pop(request_id, None)
@@ -117,11 +141,10 @@ class RequestPool:
         return self.live.get(request_id) or self.retired.get(request_id)
 
     @staticmethod
-    def _host_tokens(tokens: Any) -> Any:
-        if type(tokens) in _SEQUENCES and all(type(t) is int and _I64_MIN <= t <= _I64_MAX for t in tokens):
+    def _host_tokens(tokens: Any, name: str) -> Any:
+        if type(tokens) in _SEQUENCES and all(type(t) is int and 0 <= t <= TOKEN_MAX for t in tokens):
             return list(tokens)  # a decode step's token or few: kept as ints, no array made per request
-        return np.asarray(tokens if tokens is not None else [], dtype=np.int64).reshape(-1) if not isinstance(
-            tokens, np.ndarray) else tokens.astype(np.int64, copy=False).reshape(-1)
+        return host_token_array(tokens, name)
 
     def _append(self, request_id: Hashable, req: _Request, toks: Any, name: str) -> None:
         # toks: _host_tokens' form (its callers made it: add checks the prompt's length with it first)

@@ -205,7 +205,8 @@ class CanaryPlanner:
         # Host outputs' NumPy arrays: a caller may clear their writeable flag after binding, and the reference
         # would then fail half-way through a plan; plan() reads the flags first (a few attribute reads).
         self._host_outputs = tuple(
-            (v.name, v.host) for f in _OUTPUT_FIELDS if (v := getattr(static, f)).device_id < 0 and v.host is not None
+            (v.name, v.host) for f in _OUTPUT_FIELDS + ("verify_cursors",)
+            if (v := getattr(static, f)) is not None and v.device_id < 0 and v.host is not None
         )
 
     @property

@@ -1,0 +1,185 @@
+"""Hostile inputs to the manager's step calls (a reviewing helper's findings): no record is written from a bad
+input, a failing call writes nothing for any group, and every error is a ``kv-canary:`` one naming its argument.
+
+- An SWA group's slots are the mapping's only for slots inside it: -1 (a token whose KV is not stored) stays -1
+  and is skipped, a slot past the mapping becomes a slot of no pool that the write reports as ``SLOT_RANGE``
+  (a plain gather read the mapping's last entry for -1 and overwrote a real record). On the host here, and with
+  torch and CuPy arrays on a GPU (``gpu`` marker).
+- ``after_kv_store`` checks (or translates) every group's slots before any group writes.
+- ``after_kv_store`` writes only groups the step planned (another group's write plan is a stale one).
+- Token ids are integers in the int32 pool's range, checked on the host (``add_request``, ``accept_tokens``,
+  ``accept_tokens_batch``); ``accept_tokens_batch(ids, None)`` is an error, not a silent no-op.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from canary import CanaryManager, FailReason, KVGroup
+from canary.manager.slots import OUT_OF_MAPPING
+
+R2T = np.arange(64, dtype=np.int32).reshape(4, 16)
+
+
+def _groups(xp=np, device="cpu"):
+    r2t = xp.asarray(R2T)
+    lut = xp.asarray(np.arange(64, dtype=np.int64)[::-1].copy())  # full slot s -> SWA slot 63 - s
+    full = KVGroup(name="full", req_to_token=r2t, num_slots=64, verify_capacity=1024)
+    swa = KVGroup(name="swa", req_to_token=r2t, num_slots=64, verify_capacity=1024, swa_window_size=4,
+                  full_to_swa_index_mapping=lut)
+    return full, swa
+
+
+def _step(m, xp=np, ids=("A",), groups=None):
+    m.before_forward(req_pool_indices=xp.asarray(np.array([1], np.int64)), prefix_lens=xp.asarray(np.zeros(1, np.int64)),
+                     extend_seq_lens=xp.asarray(np.array([3], np.int64)), request_ids=list(ids), groups=groups)
+
+
+def _records(m, name):
+    g = next(g for g in m.groups if g.name == name)
+    buf = g.records.state.canary_buffer
+    host = buf.get() if hasattr(buf, "get") else (buf.cpu().numpy() if hasattr(buf, "cpu") else np.asarray(buf))
+    return np.array(host, copy=True)
+
+
+def _manager(xp=np, device="cpu", groups=("full", "swa"), **kw):
+    full, swa = _groups(xp, device)
+    chosen = [g for g in (full, swa) if g.name in groups]
+    got = []
+    m = CanaryManager(chosen, max_batch_size=8, device=device, on_violation=got.append, **kw)
+    m.warmup()
+    m.add_request("A", [1, 2, 3])
+    return m, got
+
+
+def _slot_range_rows(got):
+    return sorted(v.slot for vs in got for v in vs if v.reasons & FailReason.SLOT_RANGE)
+
+
+def _check_swa_translation(xp, device):
+    m, got = _manager(xp, device, groups=("swa",))
+    _step(m, xp)
+    before = _records(m, "swa")
+    loc = xp.asarray(np.array([16, -1, 100], np.int64))  # a stored token, one skipped, one past the mapping
+    m.after_kv_store(out_cache_loc=loc, input_ids=xp.asarray(np.array([1, 2, 3], np.int64)),
+                     positions=xp.asarray(np.array([0, 1, 2], np.int64)))
+    m.flush()
+    after = _records(m, "swa")
+    changed = sorted(set(np.flatnonzero((before != after).any(axis=1)).tolist()))
+    assert changed == [63 - 16]  # the stored token's SWA slot only: lut[-1] = slot 0's record is untouched
+    assert _slot_range_rows(got) == [OUT_OF_MAPPING]  # the slot past the mapping, reported
+    m.close()
+
+
+def test_swa_slots_keep_minus_one_and_report_a_slot_past_the_mapping():
+    _check_swa_translation(np, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_swa_slots_on_the_gpu(lib):
+    from helpers.gpu_guard import backend_or_skip
+
+    backend_or_skip("cupy")
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("needs torch with CUDA")
+
+        class T:
+            @staticmethod
+            def asarray(a):
+                return torch.as_tensor(a, device="cuda:0")
+        _check_swa_translation(T, 0)
+    else:
+        import cupy
+
+        _check_swa_translation(cupy, 0)
+
+
+def test_a_bad_group_slot_fails_the_call_before_any_group_writes():
+    m, got = _manager()
+    _step(m)
+    before = {n: _records(m, n) for n in ("full", "swa")}
+    ids, pos = np.array([1, 2, 3], np.int64), np.array([0, 1, 2], np.int64)
+    for by_group, exc, words in [
+        ({"swa": np.array([16], np.int64)}, ValueError, r"out_cache_loc_by_group\['swa'\]: expected \[N\] slots, "
+                                                        r"one per token of input_ids \(\[3\]\), got shape \(1,\)"),
+        ({"swa": np.array([16, 17, 18], np.int32)}, TypeError, r"out_cache_loc_by_group\['swa'\]: expected int64"),
+    ]:
+        with pytest.raises(exc, match="^kv-canary: " + words):
+            m.after_kv_store(out_cache_loc=np.array([16, 17, 18], np.int64), input_ids=ids, positions=pos,
+                             out_cache_loc_by_group=by_group)
+        assert all(np.array_equal(before[n], _records(m, n)) for n in before)
+    with pytest.raises(TypeError, match=r"^kv-canary: out_cache_loc: expected int64 slots, got dtype int32"):
+        m.after_kv_store(out_cache_loc=np.array([16, 17, 18], np.int32), input_ids=ids, positions=pos)
+    assert all(np.array_equal(before[n], _records(m, n)) for n in before)
+    m.after_kv_store(out_cache_loc=np.array([16, 17, 18], np.int64), input_ids=ids, positions=pos)  # a retry works
+    m.flush()
+    assert got == []
+    m.close()
+
+
+def test_after_kv_store_writes_only_groups_the_step_planned():
+    m, got = _manager()
+    ids, pos, loc = np.array([1, 2, 3], np.int64), np.array([0, 1, 2], np.int64), np.array([16, 17, 18], np.int64)
+    _step(m)
+    m.after_kv_store(out_cache_loc=loc, input_ids=ids, positions=pos)
+    m.add_request("B", [4])
+    m.before_forward(req_pool_indices=np.array([2], np.int64), prefix_lens=np.zeros(1, np.int64),
+                     extend_seq_lens=np.array([1], np.int64), request_ids=["B"], groups=["full"])
+    before = _records(m, "swa")
+    with pytest.raises(ValueError, match=r"^kv-canary: groups: expected groups this step's before_forward planned "
+                                         r"\(\['full'\]\), got \['swa'\]"):
+        m.after_kv_store(out_cache_loc=np.array([32], np.int64), input_ids=np.array([4], np.int64),
+                         positions=np.zeros(1, np.int64), groups=["swa"])
+    # groups=None: the step's groups, not every group (the SWA group's last write plan is step 0's)
+    m.after_kv_store(out_cache_loc=np.array([32], np.int64), input_ids=np.array([4], np.int64),
+                     positions=np.zeros(1, np.int64))
+    m.flush()
+    assert np.array_equal(before, _records(m, "swa")) and got == []
+    m.close()
+
+
+@pytest.mark.parametrize("tokens, exc, words", [
+    ([1.9, 2.7], TypeError, "expected integer token ids"),
+    (["12", "13"], TypeError, "expected integer token ids"),
+    ("123", TypeError, "expected integer token ids"),
+    (np.array([np.nan]), TypeError, "expected integer token ids"),
+    ([True], TypeError, "expected integer token ids"),
+    ([1, None], TypeError, "expected integer token ids"),
+    ({1, 2}, TypeError, "expected integer token ids"),
+    ([[1, 2], [3, 4]], ValueError, "expected one dimension of token ids"),
+    (np.array([2**64 - 1], np.uint64), ValueError, r"expected token ids in \[0, 2\*\*31\)"),
+    ([2**40 + 7], ValueError, r"expected token ids in \[0, 2\*\*31\)"),
+    ([2**63], ValueError, r"expected token ids in \[0, 2\*\*31\)"),
+    ([-1], ValueError, r"expected token ids in \[0, 2\*\*31\)"),
+])
+def test_token_ids_are_checked_integers_in_the_pool_range(tokens, exc, words):
+    m = CanaryManager(_groups()[0], max_batch_size=4)
+    with pytest.raises(exc, match="^kv-canary: prompt_token_ids: " + words):
+        m.add_request("x", tokens)
+    assert "x" not in m.requests.live  # refused before it was registered
+    m.add_request("y", [5])
+    with pytest.raises(exc, match="^kv-canary: token_ids: " + words):
+        m.accept_tokens("y", tokens)
+    assert int(m.requests.counts[m.requests.live["y"].row]) == 1
+    m.close()
+
+
+def test_accept_tokens_batch_checks_token_ids():
+    m = CanaryManager(_groups()[0], max_batch_size=4)
+    m.add_request("a", [5])
+    for toks, exc, words in [
+        (None, TypeError, r"token_ids: expected one token id per request \(\[1\] host ints or a device array\), "
+                          r"got None"),
+        (np.array([2**64 - 1], np.uint64), ValueError, r"token_ids: expected token ids in \[0, 2\*\*31\)"),
+        ([2**40], ValueError, r"token_ids: expected token ids in \[0, 2\*\*31\)"),
+        (np.int64(5), ValueError, r"token_ids: expected one token per request \(\[1\]\)"),
+    ]:
+        with pytest.raises(exc, match="^kv-canary: " + words):
+            m.accept_tokens_batch(["a"], toks)
+    assert int(m.requests.counts[m.requests.live["a"].row]) == 1
+    m.accept_tokens_batch(["a"], [7])
+    assert int(m.requests.counts[m.requests.live["a"].row]) == 2
+    m.close()
