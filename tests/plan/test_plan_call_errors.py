@@ -42,6 +42,20 @@ def test_output_made_read_only_after_binding(field, planned_before):
     assert raw["verify_num_valid"][0] == 3
 
 
+
+def test_cursors_made_read_only_after_binding():
+    """The sampling state is written like an output: a read-only flag set after binding is refused before any
+    output byte or cursor changes (it was a bare NumPy error at the cursors' update, SPEC 3.7)."""
+    case = make_case("s", ((1, 3, 1, 8), (2, 2, 1, 8)), pool=True, C=2, R=4)  # 5 entries over 2: sampled
+    vp, wp, raw = make_plans(case)
+    planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, **case.static_kwargs())
+    vp.verify_cursors.flags.writeable = False
+    before, cursors = _bytes(raw), vp.verify_cursors.tobytes()
+    with pytest.raises(ValueError, match=r"^kv-canary: verify_plan_out.verify_cursors: expected a writable output "
+                                         r"array, got a read-only one"):
+        planner.plan(**case.step_kwargs())
+    assert _bytes(raw) == before and vp.verify_cursors.tobytes() == cursors
+
 _STREAM_MESSAGE = ("kv-canary: stream: expected None for host arrays (host arrays take no stream: the work runs on "
                    "the host, in the call), got {}; pass CUDA arrays to run on a stream, or drop stream=")
 
