@@ -37,8 +37,8 @@ def _cupy_kernel() -> Any:
 
 def translate(lut: Any, loc: Any, out: Any, stream_handle: int) -> Any:
     """``out[:n] = T(loc)`` (module docstring) for ``loc`` ``[n]`` int64 of the library of ``out``; returns the
-    filled ``out[:n]``. Raises ``ValueError`` past ``out``'s length (``max_step_tokens``), ``TypeError`` for a
-    ``loc`` that is not int64 or of another library."""
+    filled ``out[:n]`` (``loc`` of another array library is viewed zero-copy). Raises ``ValueError`` past
+    ``out``'s length (``max_step_tokens``), ``TypeError`` for a ``loc`` that is not int64."""
     n, cap = int(loc.shape[0]), int(out.shape[0])
     if n > cap:
         raise fail(ValueError, f"out_cache_loc: expected at most max_step_tokens = {cap} tokens, got {n}")
@@ -50,9 +50,8 @@ def translate(lut: Any, loc: Any, out: Any, stream_handle: int) -> Any:
     module = type(out).__module__.split(".")[0]
     if module == "torch":
         torch = __import__("torch")
-        if type(loc).__module__.split(".")[0] != "torch":
-            raise fail(TypeError, f"out_cache_loc: expected a torch tensor like the manager's arrays, got "
-                                  f"{type(loc).__name__}")
+        if not isinstance(loc, torch.Tensor):  # another library's device array: a zero-copy view of it
+            loc = torch.as_tensor(loc, device=out.device)
         on_device = out.is_cuda
         with torch.cuda.stream(torch.cuda.ExternalStream(stream_handle, device=out.device)) if on_device else \
                 nullcontext():
@@ -62,10 +61,9 @@ def translate(lut: Any, loc: Any, out: Any, stream_handle: int) -> Any:
             out.copy_(torch.where(loc < 0, loc, torch.where(loc < size, out, big)))
     elif module == "cupy":
         cupy = __import__("cupy")
-        if not isinstance(loc, cupy.ndarray):
-            raise fail(TypeError, f"out_cache_loc: expected a CuPy array like the manager's arrays, got "
-                                  f"{type(loc).__name__}")
         with cupy.cuda.ExternalStream(stream_handle):
+            if not isinstance(loc, cupy.ndarray):  # another library's device array: a zero-copy view of it
+                loc = cupy.asarray(loc)
             _cupy_kernel()(lut, size, loc, out)
     elif isinstance(out, np.ndarray):
         loc = np.asarray(loc)

@@ -56,8 +56,8 @@ def _slot_range_rows(got):
     return sorted(v.slot for vs in got for v in vs if v.reasons & FailReason.SLOT_RANGE)
 
 
-def _check_swa_translation(xp, device):
-    m, got = _manager(xp, device, groups=("swa",))
+def _check_swa_translation(xp, device, **kw):
+    m, got = _manager(xp, device, groups=("swa",), **kw)
     _step(m, xp)
     before = _records(m, "swa")
     loc = xp.asarray(np.array([16, -1, 100], np.int64))  # a stored token, one skipped, one past the mapping
@@ -76,12 +76,12 @@ def test_swa_slots_keep_minus_one_and_report_a_slot_past_the_mapping():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lib", ["cupy", "torch"])
+@pytest.mark.parametrize("lib", ["cupy", "torch", "torch_library"])
 def test_swa_slots_on_the_gpu(lib):
     from helpers.gpu_guard import backend_or_skip
 
     backend_or_skip("cupy")
-    if lib == "torch":
+    if lib.startswith("torch"):
         torch = pytest.importorskip("torch")
         if not torch.cuda.is_available():
             pytest.skip("needs torch with CUDA")
@@ -90,7 +90,7 @@ def test_swa_slots_on_the_gpu(lib):
             @staticmethod
             def asarray(a):
                 return torch.as_tensor(a, device="cuda:0")
-        _check_swa_translation(T, 0)
+        _check_swa_translation(T, 0, **({"library": "torch"} if lib == "torch_library" else {}))
     else:
         import cupy
 
