@@ -375,14 +375,23 @@ class CanaryManager:
         sel = self._select(groups)
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and self._is_capturing(handle)
-        bs = int(req_pool_indices.shape[0])  # an attribute read: no DLPack export inside a capture
+        try:
+            bs = int(req_pool_indices.shape[0])  # an attribute read: no DLPack export inside a capture
+        except (AttributeError, IndexError, TypeError):
+            raise fail(TypeError, f"req_pool_indices: expected a [bs] int64 array, got {type(req_pool_indices).__name__}"
+                                  f"{' of shape ' + str(tuple(req_pool_indices.shape)) if hasattr(req_pool_indices, 'shape') else ''}"
+                       ) from None
         # Checked before the step opens: a refused call leaves no step behind (a retry, or an after_kv_store
         # that writes with the last step's plan, would otherwise follow).
         if bs > self.max_batch_size:
             raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {self.max_batch_size}, "
                                    f"got {bs}")
         if not capturing:
-            n_ids = 0 if request_ids is None else len(request_ids)
+            try:
+                n_ids = 0 if request_ids is None else len(request_ids)
+            except TypeError:
+                raise fail(TypeError, f"request_ids: expected a list of bs = {bs} request ids (None for padding "
+                                      f"rows), got {type(request_ids).__name__}") from None
             if n_ids != bs:
                 raise fail(ValueError, f"request_ids: expected one id per batch row (bs = {bs}), got {n_ids}")
             self._begin(request_ids, groups, handle, defer_scatter=self._eager is not None)
@@ -600,10 +609,14 @@ class CanaryManager:
             # chain, position and KV checks.
             live, retired = pool.live.get, pool.retired.get
             q = np.zeros(bs, dtype=np.int64)
-            for i, rid in enumerate(ids):
-                r = live(rid) or retired(rid)
-                if r is not None:
-                    q[i] = r.row
+            try:
+                for i, rid in enumerate(ids):
+                    r = live(rid) or retired(rid)
+                    if r is not None:
+                        q[i] = r.row
+            except TypeError:  # before the step opens: a refused call leaves none
+                raise fail(TypeError, f"request_ids[{i}]: expected a hashable request id (or None), got "
+                                      f"{type(ids[i]).__name__}") from None
             held = pool.batch_rows(ids)  # accept_batch's rows for these ids: the same array (see _batch_rows)
             if held is not None and np.array_equal(held, q):
                 q = held
@@ -744,6 +757,9 @@ class CanaryManager:
             return self.groups
         if isinstance(groups, str):
             groups = [groups]
+        elif not isinstance(groups, (list, tuple)):
+            raise fail(TypeError, f"groups: expected a list of group names among {sorted(self._by_name)}, got "
+                                  f"{type(groups).__name__}")
         out = []
         for name in groups:
             g = self._by_name.get(name)

@@ -20,6 +20,15 @@ _SEQUENCES = (list, tuple)
 TOKEN_MAX = (1 << 31) - 1  # the pool is int32: a token id is in [0, 2**31) (-1 there means "no expected token")
 
 
+def _check_id(request_id: Any) -> None:
+    """A request id is a dict key here: ``TypeError`` naming it for an unhashable one."""
+    try:
+        hash(request_id)
+    except TypeError:
+        raise fail(TypeError, f"request_id: expected a hashable engine request id (an int, a str, ...), got "
+                              f"{type(request_id).__name__} {request_id!r}") from None
+
+
 def host_token_array(tokens: Any, name: str) -> np.ndarray:
     """Host token ids as a ``[k]`` int64 array, checked: integers (no float, bool or string is converted), one
     dimension (a single int is one token; ``None`` none), each in ``[0, 2**31)``, the pool's int32 range (a value
@@ -95,6 +104,7 @@ class RequestPool:
         self._batch_state: tuple | None = None  # (version after it, its rows, their counts, the largest count)
 
     def add(self, request_id: Hashable, tokens: Any) -> None:
+        _check_id(request_id)
         if request_id is None:
             raise fail(ValueError, "request_id: expected an engine request id, got None (None marks padding rows)")
         if request_id in self.live:
@@ -119,12 +129,17 @@ class RequestPool:
         self._append(request_id, req, tokens, "prompt_token_ids")
 
     def accept(self, request_id: Hashable, tokens: Any) -> None:
-        req = self.live.get(request_id)
+        try:
+            req = self.live.get(request_id)
+        except TypeError:
+            _check_id(request_id)
+            raise
         if req is None:
             raise fail(KeyError, f"request_id: expected a running request (add_request first), got {request_id!r}")
         self._append(request_id, req, self._host_tokens(tokens, "token_ids"), "token_ids")
 
     def finish(self, request_id: Hashable) -> None:
+        _check_id(request_id)
         req = self.live.pop(request_id, None)
         if req is None:
             raise fail(KeyError, f"request_id: expected a running request, got {request_id!r}")
@@ -174,7 +189,11 @@ class RequestPool:
             for i, rid in enumerate(request_ids):
                 if rid is None:  # a padding row: pool row 0, which no update writes
                     continue
-                req = live(rid)
+                try:
+                    req = live(rid)
+                except TypeError:
+                    raise fail(TypeError, f"request_ids[{i}]: expected a hashable request id (or None), got "
+                                          f"{type(rid).__name__}") from None
                 if req is None:
                     raise fail(KeyError, f"request_ids[{i}]: expected a running request (add_request first), got "
                                          f"{rid!r}")

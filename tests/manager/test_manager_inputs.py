@@ -183,3 +183,34 @@ def test_accept_tokens_batch_checks_token_ids():
     m.accept_tokens_batch(["a"], [7])
     assert int(m.requests.counts[m.requests.live["a"].row]) == 2
     m.close()
+
+
+def test_wrong_kinds_of_step_arguments_are_kv_canary_errors_and_leave_no_step_open():
+    m = CanaryManager(_groups()[0], max_batch_size=8)
+    m.add_request("A", [1, 2, 3])
+    one = dict(prefix_lens=np.zeros(1, np.int64), extend_seq_lens=np.array([3], np.int64))
+    calls = [
+        (lambda: m.before_forward(req_pool_indices=[1], request_ids=["A"], **one),
+         r"req_pool_indices: expected a \[bs\] int64 array, got list"),
+        (lambda: m.before_forward(req_pool_indices=None, request_ids=["A"], **one),
+         r"req_pool_indices: expected a \[bs\] int64 array, got NoneType"),
+        (lambda: m.before_forward(req_pool_indices=np.array(1), request_ids=["A"], **one),
+         r"req_pool_indices: expected a \[bs\] int64 array, got ndarray of shape \(\)"),
+        (lambda: m.before_forward(req_pool_indices=np.array([1]), request_ids=[["A"]], **one),
+         r"request_ids\[0\]: expected a hashable request id \(or None\), got list"),
+        (lambda: m.before_forward(req_pool_indices=np.array([1]), request_ids=(x for x in ["A"]), **one),
+         r"request_ids: expected a list of bs = 1 request ids \(None for padding rows\), got generator"),
+        (lambda: m.before_forward(req_pool_indices=np.array([1]), request_ids=["A"], groups=5, **one),
+         r"groups: expected a list of group names among \['full'\], got int"),
+        (lambda: m.add_request(["x"], [1]), r"request_id: expected a hashable engine request id"),
+        (lambda: m.accept_tokens(["A"], [1]), r"request_id: expected a hashable engine request id"),
+        (lambda: m.finish_request({}), r"request_id: expected a hashable engine request id"),
+        (lambda: m.accept_tokens_batch([["A"]], [1]), r"request_ids\[0\]: expected a hashable request id"),
+    ]
+    for call, words in calls:
+        with pytest.raises(TypeError, match="^kv-canary: " + words):
+            call()
+    m.before_forward(req_pool_indices=np.array([1], np.int64), request_ids=["A"], **one)  # no step left open
+    m.after_kv_store(out_cache_loc=np.array([16, 17, 18], np.int64), input_ids=np.array([1, 2, 3], np.int64),
+                     positions=np.array([0, 1, 2], np.int64))
+    m.close()
