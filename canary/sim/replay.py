@@ -314,8 +314,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary, problems = _replay(args, console, Progress, (TextColumn("{task.description}"), BarColumn(),
                                                                MofNCompleteColumn(), TimeElapsedColumn()))
-    except (BackendUnavailableError, ValueError, TypeError, OSError, MemoryError) as exc:
-        # MemoryError: sizes inside the int32 range can still ask for more than the host has.
+    except MemoryError as exc:  # sizes inside the int32 range can still ask for more than the host has
+        console.print(f"error: kv-canary replay: the replay's arrays do not fit in memory ({exc}): lower "
+                      f"--max-batch-size (now {args.max_batch_size}), --kv-pool-tokens ({args.kv_pool_tokens}), "
+                      f"--verify-capacity or --num-layers ({args.num_layers})", markup=False, highlight=False,
+                      soft_wrap=True)
+        return 2
+    except (BackendUnavailableError, ValueError, TypeError, OSError) as exc:
         console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
     for line in problems[:MAX_SHOWN_MISMATCHES]:

@@ -56,8 +56,12 @@ def load_trace(trace: str | Path = "conv", max_requests: int = 0) -> Trace:
     name = str(trace)
     bundled = {**BUNDLED_TRACES, **{v: v for v in BUNDLED_TRACES.values()}}
     source = resources.files("canary.data").joinpath(bundled[name]) if name in bundled else Path(trace)
-    with source.open("r", newline="") as f:
-        rows = list(csv.reader(f))
+    try:
+        with source.open("r", newline="") as f:
+            rows = list(csv.reader(f))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"kv-canary: trace {name}: expected a UTF-8 CSV text file, got undecodable bytes ({exc.reason} "
+                         f"at byte {exc.start})") from None
     if not rows:
         raise ValueError(f"kv-canary: trace {name}: expected a header row, got an empty file")
     header = [h.strip() for h in rows[0]]
@@ -68,6 +72,8 @@ def load_trace(trace: str | Path = "conv", max_requests: int = 0) -> Trace:
             f"kv-canary: trace {name}: expected columns TIMESTAMP, ContextTokens, GeneratedTokens, got {header}"
         ) from None
     body = [r for r in rows[1:] if r]
+    if not body:
+        raise ValueError(f"kv-canary: trace {name}: expected at least one request row after the header, got none")
     stamps = []
     sizes = np.zeros((len(body), 2), dtype=np.int64)
     for i, r in enumerate(body):

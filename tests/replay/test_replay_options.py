@@ -74,6 +74,19 @@ def test_malformed_trace_is_a_setup_error(capsys, tmp_path):
     assert "(data row 2)" in out
 
 
+
+@pytest.mark.parametrize("content, words", [
+    (b"TIMESTAMP,ContextTokens,GeneratedTokens\n", "expected at least one request row after the header, got none"),
+    (b"TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n\xff\xfe,4,5\n", "expected a UTF-8 CSV text file, got "
+                                                                       "undecodable bytes"),
+])
+def test_an_empty_or_binary_trace_is_a_setup_error(capsys, tmp_path, content, words):
+    path = tmp_path / "t.csv"
+    path.write_bytes(content)
+    assert cli.main(["replay", "--trace", str(path)]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("error: kv-canary: trace ") and words in out, out
+
 @pytest.mark.parametrize("value", ["kv-flip", "nope@3", "kv-flip@x", "kv-flip@-1"])
 def test_inject(capsys, value):
     msg = refused(capsys, "--inject", value)
@@ -133,3 +146,16 @@ def test_json_written_in_the_current_directory(capsys, tmp_path, monkeypatch):
     assert cli.main(["replay", "--max-requests", "2", "--json", "s.json"]) == 0
     assert (tmp_path / "s.json").is_file()
     capsys.readouterr()
+
+
+def test_sizes_the_host_cannot_hold_name_the_options(capsys, monkeypatch):
+    import canary.sim.replay as replay
+
+    def too_big(*args, **kwargs):
+        raise MemoryError("Unable to allocate 4.00 TiB")
+
+    monkeypatch.setattr(replay, "_replay", too_big)
+    assert cli.main(["replay", "--max-batch-size", "2147483647"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("error: kv-canary replay: the replay's arrays do not fit in memory (Unable to allocate 4.00 "
+                          "TiB): lower --max-batch-size (now 2147483647), --kv-pool-tokens (131072)"), out
