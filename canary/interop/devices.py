@@ -89,12 +89,12 @@ def allocator(device: Any, library: str | None = None) -> Callable[[int, Any], A
     if ordinal is None:
         if library is not None:
             raise fail(ValueError, f"library: expected None with device='cpu' (host arrays are NumPy), got {library!r}")
-        return lambda n, dt: np.zeros(n, dtype=dt)
+        return _sized(lambda n, dt: np.zeros(n, dtype=dt), device)
     makers = {"cupy": _cupy_empty, "numba": _numba_empty, "torch": _torch_empty}
     order = (library,) if library is not None else ("cupy", "numba")
     for lib in order:
         try:
-            return makers[lib](ordinal, device)
+            return _sized(makers[lib](ordinal, device), device)
         except ImportError:
             continue
     if library is None:
@@ -103,6 +103,18 @@ def allocator(device: Any, library: str | None = None) -> Callable[[int, Any], A
     hint = INSTALL.get(library, "pip install torch")
     raise BackendUnavailableError(f"kv-canary: library: expected an installed {library} for library={library!r}, "
                                   f"got none: {hint}")
+
+
+def _sized(empty: Callable[[int, Any], Any], device: Any) -> Callable[[int, Any], Any]:
+    """``empty`` whose failures to allocate (a size past what the library or the device can hold) are kv-canary
+    errors that give the size, not the library's own."""
+    def sized(n: int, dt: Any) -> Any:
+        try:
+            return empty(n, dt)
+        except (ValueError, MemoryError, OverflowError) as exc:
+            raise fail(ValueError, f"size: expected {n} elements of {np.dtype(dt).name} to fit on device {device!r}, "
+                                   f"got an allocation failure ({exc})") from None
+    return sized
 
 
 def zero_fill(obj: Any) -> None:

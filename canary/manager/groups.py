@@ -96,7 +96,10 @@ def check_groups(groups: Any) -> list[KVGroup]:
     """The groups list, checked: at least one, each a :class:`KVGroup`, unique names, one ``req_to_token`` shape."""
     if isinstance(groups, KVGroup):
         groups = [groups]
-    groups = list(groups)
+    try:
+        groups = list(groups)
+    except TypeError:
+        raise fail(TypeError, f"groups: expected a KVGroup or a list of KVGroups, got {type(groups).__name__}") from None
     if not groups:
         raise fail(ValueError, "groups: expected at least one KVGroup, got none")
     names = set()
@@ -112,6 +115,13 @@ def check_groups(groups: Any) -> list[KVGroup]:
             value = getattr(g, attr)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
                 raise fail(ValueError, f"groups[{i}].{attr}: expected an int >= 1, got {value!r}")
+        if not isinstance(g.layer_sources, (list, tuple)):
+            raise fail(TypeError, f"groups[{i}].layer_sources: expected a list of per-layer source lists (one a "
+                                  f"layer), got {type(g.layer_sources).__name__}")
+        shape = tuple(as_view(g.req_to_token, f"groups[{i}].req_to_token").shape)
+        if len(shape) != 2:
+            raise fail(ValueError, f"groups[{i}].req_to_token: expected a [max_reqs, max_seq_len] int32 array, got "
+                                   f"shape {shape}")
     shapes = {tuple(as_view(g.req_to_token, f"{g.name}.req_to_token").shape) for g in groups}
     max_cols = {s[1] for s in shapes if len(s) == 2}
     if len(max_cols) > 1:

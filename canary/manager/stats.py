@@ -45,6 +45,9 @@ class PrometheusMetrics:
         except ImportError as exc:
             raise fail(ImportError, "metrics: expected prometheus_client for Prometheus metrics: pip install "
                                     "'kv-canary[prometheus]'") from exc
+        if registry is not True and not hasattr(registry, "register"):
+            raise fail(TypeError, f"metrics: expected None, True (the default registry) or a prometheus_client "
+                                  f"CollectorRegistry, got {type(registry).__name__}")
         kw = {} if registry is True else {"registry": registry}
         self.violations = pc.Counter("kv_canary_violations_total", "KV slots found corrupted (first sightings)",
                                      ["group", "reason"], **kw)

@@ -28,11 +28,14 @@ SKIP_SEED = -(1 << 63)
 MISSING_SLOT = -(1 << 62)
 
 
+INT32_MAX = (1 << 31) - 1
+
+
 def _capacity(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise fail(TypeError, f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    if int(value) < 0:
-        raise fail(ValueError, f"{name}: expected >= 0, got {value}")
+    if not 0 <= int(value) <= INT32_MAX:  # the plan's counters (verify_num_valid, write_num_valid_reqs) are int32
+        raise fail(ValueError, f"{name}: expected an int in [0, 2**31 - 1], got {value}")
     return int(value)
 
 

@@ -75,9 +75,12 @@ _LAYOUT = ("page_size", "num_bytes_per_token", "read_bytes", "row_stride_bytes",
 
 def rotation_mode(mode: Any, name: str = "mode") -> RealKVMode:
     """``mode`` as a :class:`RealKVMode` the rotation can use (PARTIAL or ALL); ``ValueError`` naming ``name``."""
-    m = RealKVMode.coerce(mode)
-    if m == RealKVMode.NONE:
-        raise fail(ValueError, f"{name}: expected 'partial' or 'all' (the rotation hashes KV bytes), got NONE")
+    try:
+        m = RealKVMode.coerce(mode)
+    except (ValueError, TypeError):
+        m = None
+    if m is None or m == RealKVMode.NONE:
+        raise fail(ValueError, f"{name}: expected 'partial' or 'all' (the rotation hashes KV bytes), got {mode!r}")
     return m
 
 

@@ -222,7 +222,11 @@ def real_kv(sources: Sequence[Any] = (), mode: Any = RealKVMode.ALL) -> RealKV:
     if any(hasattr(sources, a) for a in ("__array_interface__", "__cuda_array_interface__", "__dlpack__")):
         raise fail(TypeError, f"real_kv_sources: expected a sequence of sources such as [(array, page_size, "
                               f"num_bytes_per_token)], got one {type(sources).__name__} (wrap it in a list of tuples)")
-    items = list(sources)
+    try:
+        items = list(sources)
+    except TypeError:
+        raise fail(TypeError, f"real_kv_sources: expected a sequence of sources such as [(array, page_size, "
+                              f"num_bytes_per_token)] (an empty one for none), got {type(sources).__name__}") from None
     if len(items) > MAX_SOURCES:
         raise fail(ValueError, f"real_kv_sources: expected at most {MAX_SOURCES} sources, got {len(items)}")
     built = []

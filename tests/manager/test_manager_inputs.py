@@ -214,3 +214,41 @@ def test_wrong_kinds_of_step_arguments_are_kv_canary_errors_and_leave_no_step_op
     m.after_kv_store(out_cache_loc=np.array([16, 17, 18], np.int64), input_ids=np.array([1, 2, 3], np.int64),
                      positions=np.array([0, 1, 2], np.int64))
     m.close()
+
+
+def test_wrong_constructor_arguments_are_kv_canary_errors_naming_them():
+    from canary import CanaryRecords, CanaryState, VerifyPlan, WritePlan
+
+    g = _groups()[0]
+    layer = [(np.zeros((64, 64), np.uint8), 1, 64)]
+    for call, exc, words in [
+        (lambda: CanaryManager(None, max_batch_size=8), TypeError,
+         r"groups: expected a KVGroup or a list of KVGroups, got NoneType"),
+        (lambda: CanaryManager(KVGroup(name="f", req_to_token=R2T, num_slots=64, verify_capacity=8,
+                                       real_kv_sources=None), max_batch_size=8), TypeError,
+         r"real_kv_sources: expected a sequence of sources"),
+        (lambda: CanaryRecords(CanaryState.allocate(num_slots=64), 5), TypeError,
+         r"real_kv_sources: expected a sequence of sources"),
+        (lambda: CanaryManager(KVGroup(name="f", req_to_token=np.zeros(4, np.int32), num_slots=64, verify_capacity=8),
+                               max_batch_size=8), ValueError,
+         r"groups\[0\].req_to_token: expected a \[max_reqs, max_seq_len\] int32 array, got shape \(4,\)"),
+        (lambda: CanaryManager(KVGroup(name="f", req_to_token=R2T, num_slots=64, verify_capacity=8, layer_sources=5),
+                               max_batch_size=8), TypeError,
+         r"groups\[0\].layer_sources: expected a list of per-layer source lists"),
+        (lambda: CanaryManager(KVGroup(name="f", req_to_token=R2T, num_slots=64, verify_capacity=8,
+                                       layer_sources=[layer, layer], layer_real_kv_mode="bogus"), max_batch_size=8),
+         ValueError, r"groups\[0\].layer_real_kv_mode: expected 'partial' or 'all'.*got 'bogus'"),
+        (lambda: VerifyPlan.allocate(verify_capacity=2**62), ValueError,
+         r"verify_capacity: expected an int in \[0, 2\*\*31 - 1\], got 4611686018427387904"),
+        (lambda: WritePlan.allocate(write_req_capacity=2**31), ValueError,
+         r"write_req_capacity: expected an int in \[0, 2\*\*31 - 1\]"),
+        (lambda: CanaryState.allocate(num_slots=2**63), ValueError,
+         r"size: expected \d+ elements of uint8 to fit on device 'cpu', got an allocation failure"),
+        (lambda: CanaryManager(g, max_batch_size=2**62), ValueError, r"size: expected \d+ elements of int64"),
+    ]:
+        with pytest.raises(exc, match="^kv-canary: " + words):
+            call()
+    pytest.importorskip("prometheus_client")
+    with pytest.raises(TypeError, match=r"^kv-canary: metrics: expected None, True \(the default registry\) or a "
+                                        r"prometheus_client CollectorRegistry, got int"):
+        CanaryManager(g, max_batch_size=8, metrics=5)
