@@ -261,8 +261,8 @@ def scatter_expected_tokens(
     starts = go.vec(column_starts, "column_starts", INT64, length=bs)
     if isinstance(column_offset, bool) or not isinstance(column_offset, (int, np.integer)):
         raise fail(TypeError, f"column_offset: expected an int, got {type(column_offset).__name__}")
-    if not -(1 << 63) <= int(column_offset) < (1 << 63):
-        raise fail(ValueError, f"column_offset: expected an int64, got {column_offset}")
+    if not -(1 << 62) <= int(column_offset) <= (1 << 62):  # as the planner's offset: column sums stay in int64
+        raise fail(ValueError, f"column_offset: expected an int in [-2**62, 2**62], got {column_offset}")
     device = check_same_device([pool, rpi, tok, offs, starts])
     written = Spans(spans([pool]), device)
     for v in (rpi, tok, offs, starts):

@@ -431,6 +431,8 @@ def test_scatter_validation():
         ({"token_offsets": _a(0)}, ValueError, "token_offsets: expected length >= bs \\+ 1 = 2, got 1"),
         ({"column_starts": _a(0, 1)}, ValueError, "column_starts: expected length 1, got 2"),
         ({"column_offset": 1.5}, TypeError, "column_offset: expected an int, got float"),
+        ({"column_offset": 2**62 + 1}, ValueError, r"column_offset: expected an int in \[-2\*\*62, 2\*\*62\], got "
+                                                   r"4611686018427387905"),
         ({"backend": "cupy"}, ValueError, r"backend: expected a backend for the records arrays in host memory \('reference' or 'auto'\), got 'cupy'"),
     ]:
         with pytest.raises(exc, match="kv-canary: " + msg):
