@@ -205,7 +205,7 @@ class CanaryPlanner:
         # Host outputs' NumPy arrays: a caller may clear their writeable flag after binding, and the reference
         # would then fail half-way through a plan; plan() reads the flags first (a few attribute reads).
         self._host_outputs = tuple(
-            (v.name, v.host) for f in _OUTPUT_FIELDS + ("verify_cursors",)
+            (v.name, v.host, v.host.shape, v.host.strides) for f in _OUTPUT_FIELDS + ("verify_cursors",)
             if (v := getattr(static, f)) is not None and v.device_id < 0 and v.host is not None
         )
 
@@ -311,11 +311,15 @@ class CanaryPlanner:
             self._bound.launch(hit.launch, go.handle)  # the same step buffers as a checked call: no views again
             self.last_step = hit.launch
             return None
-        for name, arr in self._host_outputs:
+        for name, arr, shape, strides in self._host_outputs:
             if not arr.flags.writeable:
                 raise fail(ValueError, f"{name}: expected a writable output array, got a read-only "
                                        f"one (its writeable flag was cleared after the planner was bound); set "
                                        f"flags.writeable = True again, or bind writable buffers")
+            if arr.shape != shape or arr.strides != strides:
+                raise fail(ValueError, f"{name}: expected the shape {shape} and strides {strides} it was bound with, "
+                                       f"got {arr.shape} and {arr.strides} (reshaped in place after binding); bind "
+                                       f"the planner again")
         step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens, go,
                           expected_token_pool_indices)
         self._bound.launch(step, go.handle)

@@ -56,6 +56,17 @@ def test_cursors_made_read_only_after_binding():
         planner.plan(**case.step_kwargs())
     assert _bytes(raw) == before and vp.verify_cursors.tobytes() == cursors
 
+
+def test_output_reshaped_in_place_after_binding():
+    case, static, raw = _setup()
+    planner = CanaryPlanner(**static)
+    raw["write_offsets"].shape = (1, raw["write_offsets"].shape[0])  # the same memory, another shape
+    before = _bytes(raw)
+    with pytest.raises(ValueError, match=r"^kv-canary: write_plan_out.write_offsets: expected the shape \(5,\) and "
+                                         r"strides \(8,\) it was bound with, got \(1, 5\)"):
+        planner.plan(**case.step_kwargs())
+    assert _bytes(raw) == before
+
 _STREAM_MESSAGE = ("kv-canary: stream: expected None for host arrays (host arrays take no stream: the work runs on "
                    "the host, in the call), got {}; pass CUDA arrays to run on a stream, or drop stream=")
 
