@@ -302,6 +302,8 @@ class CanaryPlanner:
         bits, naming the first offending batch row (recomputed on the host from the inputs), else returns the
         status.
         """
+        if check is not False and check is not True and not isinstance(check, np.bool_):
+            raise fail(TypeError, f"check: expected a bool, got {type(check).__name__} {check!r}")
         s = self.static
         go = CallViews(s.device_id, stream, s.verify_slot_indices.owner, s.output_spans, self._step_views)
         objs = (req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens,

@@ -93,7 +93,11 @@ class VerifyPlan:
 
     def read_status(self) -> PlanStatus:
         """Copy ``status`` to the host (a sync for device arrays) and decode it."""
-        return PlanStatus(int(to_host(self.status)[0]))
+        try:
+            return PlanStatus(int(to_host(self.status)[0]))
+        except (IndexError, TypeError, ValueError, AttributeError):
+            raise fail(TypeError, f"status: expected a [1] int32 array (the plan's status word), got "
+                                  f"{type(self.status).__name__}") from None
 
     def check(self) -> PlanStatus:
         """Sync, then raise :class:`CanaryInputError` if the last plan flagged an input fault.

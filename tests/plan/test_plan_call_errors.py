@@ -67,6 +67,24 @@ def test_output_reshaped_in_place_after_binding():
         planner.plan(**case.step_kwargs())
     assert _bytes(raw) == before
 
+
+@pytest.mark.parametrize("check", [np.array([1, 2]), "no", 1, None])
+def test_check_must_be_a_bool(check):
+    case, static, raw = _setup()
+    before = _bytes(raw)
+    with pytest.raises(TypeError, match=r"^kv-canary: check: expected a bool, got "):
+        CanaryPlanner(**static).plan(**case.step_kwargs(), check=check)
+    assert _bytes(raw) == before
+
+
+@pytest.mark.parametrize("status", [[], None, [1]])
+def test_verify_plan_check_with_a_status_that_is_no_array(status):
+    import dataclasses
+
+    case, static, raw = _setup()
+    with pytest.raises(TypeError, match=r"^kv-canary: status: expected a \[1\] int32 array"):
+        dataclasses.replace(static["verify_plan_out"], status=status).check()
+
 _STREAM_MESSAGE = ("kv-canary: stream: expected None for host arrays (host arrays take no stream: the work runs on "
                    "the host, in the call), got {}; pass CUDA arrays to run on a stream, or drop stream=")
 
