@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import enum
+import functools
+import inspect
+from typing import Any, Callable
 
 
 class PlanStatus(enum.IntFlag):
@@ -49,6 +52,43 @@ class BackendUnavailableError(ImportError):
 def fail(exc_type: type[Exception], message: str) -> Exception:
     """Build an exception whose message carries the library prefix every user-facing error has."""
     return exc_type(f"kv-canary: {message}")
+
+
+def worded(owner: str, method: bool = False) -> Callable:
+    """Decorate a public call so that Python's own argument errors (a signature that does not bind) are worded as
+    this library's, naming the call and its choices. Free for a call that binds: the call is made as is, and only
+    a ``TypeError`` raised by the binding itself (no frame below the call's) is looked at again."""
+    def wrap(fn: Callable) -> Callable:
+        params = [p for p in inspect.signature(fn).parameters.values()][1 if method else 0:]
+        positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        keywords = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                                                 p.KEYWORD_ONLY)]
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except TypeError as exc:
+                if exc.__traceback__ is None or exc.__traceback__.tb_next is not None:
+                    raise  # raised inside the call: not a binding error
+                given = args[1:] if method else args
+                if len(given) > len(positional):
+                    expected = (f"at most {len(positional)} positional argument(s) ({', '.join(positional)}), the "
+                                f"rest by keyword" if positional else "keyword arguments only")
+                    raise fail(TypeError, f"{owner}: expected {expected}, got {len(given)} positional "
+                                          f"argument(s)") from None
+                named = set(positional[:len(given)]) | set(kwargs)
+                for key in kwargs:
+                    if key not in keywords:
+                        raise fail(TypeError, f"{owner}: unexpected keyword argument {key!r}; expected one of: "
+                                              f"{', '.join(keywords)}") from None
+                for key in required:
+                    if key not in named:
+                        raise fail(TypeError, f"{owner}: missing required argument {key!r}") from None
+                raise
+        return call
+    return wrap
 
 
 def check_keywords(owner: str, args: tuple, given, accepted, required) -> None:

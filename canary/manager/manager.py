@@ -15,7 +15,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from ..errors import INPUT_ERROR_BITS, PlanStatus, fail
+from ..errors import INPUT_ERROR_BITS, PlanStatus, fail, worded
 from ..interop.adapter import HOST, as_view, identity
 from ..interop.cudart import H2D, OnDevice, runtime
 from ..interop.devices import allocator, cuda_ordinal
@@ -91,6 +91,7 @@ class CanaryManager:
     :class:`~canary.BackendUnavailableError` when the device's libraries are missing.
     """
 
+    @worded("CanaryManager", method=True)
     def __init__(self, groups: KVGroup | Sequence[KVGroup], *, max_batch_size: int, device: Any = "cpu",
                  library: str | None = None, backend: str = "auto", on_violation: str | Callable = "log",
                  ring_capacity: int = 256, max_requests: int | None = None, max_step_tokens: int | None = None,

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
-from ..errors import PlanStatus, check_keywords, fail
+from ..errors import PlanStatus, check_keywords, fail, worded
 from ..interop.adapter import ArrayView, as_view, check_same_device, check_view
 from ..interop.callviews import CallViews, Reuse, fingerprint
 from ..interop.hostcopy import part_to_host, to_host
@@ -278,6 +278,7 @@ class CanaryPlanner:
                 raise fail(ValueError, f"{v.name}: expected the plan's device ({where}), got {v.where}")
         return StepArgs(views[0], views[1], views[2], vl, bs, q)
 
+    @worded("CanaryPlanner.plan", method=True)
     def plan(
         self,
         *,
@@ -415,6 +416,7 @@ def _one_shot_planner(static: StaticArgs, backend: str) -> CanaryPlanner:
     return CanaryPlanner._from_static(static, *hit)
 
 
+@worded("launch_canary_plan_kernels")
 def launch_canary_plan_kernels(
     *,
     verify_plan_out: VerifyPlan,

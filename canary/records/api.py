@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
-from ..errors import fail
+from ..errors import fail, worded
 from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check_view
 from ..interop.overlap import Spans, spans
 from ..interop.streams import launch_stream
@@ -216,6 +216,7 @@ class CanaryRecords:
         return self.state.drain()
 
 
+@worded("scatter_expected_tokens")
 def scatter_expected_tokens(
     *,
     req_to_verify_expected_tokens: Any,

@@ -132,3 +132,27 @@ def test_missing_keyword_and_positional_arguments_to_the_planner():
         CanaryPlanner(static["verify_plan_out"])
     assert str(info.value) == (f"kv-canary: CanaryPlanner: expected keyword arguments only ({_ACCEPTED}), got 1 "
                                f"positional argument(s)")
+
+
+def test_signature_errors_are_worded_with_the_choices():
+    """Python's own errors for a call that does not bind name an internal function and no choices: the public
+    calls word them (CanaryPlanner and KVGroup did already)."""
+    from canary import CanaryManager, KVGroup, scatter_expected_tokens
+
+    case, static, raw = _setup()
+    planner = CanaryPlanner(**static)
+    group = KVGroup(name="f", req_to_token=np.zeros((4, 8), np.int32), num_slots=16, verify_capacity=8)
+    for call, words in [
+        (lambda: launch_canary_plan_kernels(**static, **case.step_kwargs(), bogus=1),
+         r"launch_canary_plan_kernels: unexpected keyword argument 'bogus'; expected one of: verify_plan_out, "),
+        (lambda: launch_canary_plan_kernels(**static), r"launch_canary_plan_kernels: missing required argument "
+                                                       r"'req_pool_indices'"),
+        (lambda: planner.plan(*case.step_kwargs().values()), r"CanaryPlanner.plan: expected keyword arguments only, "
+                                                             r"got \d positional argument\(s\)"),
+        (lambda: scatter_expected_tokens(1, 2), r"scatter_expected_tokens: expected keyword arguments only"),
+        (lambda: CanaryManager([group]), r"CanaryManager: missing required argument 'max_batch_size'"),
+        (lambda: CanaryManager([group], 8), r"CanaryManager: expected at most 1 positional argument\(s\) \(groups\), "
+                                            r"the rest by keyword, got 2"),
+    ]:
+        with pytest.raises(TypeError, match="^kv-canary: " + words):
+            call()
