@@ -224,3 +224,19 @@ def test_fold_rejects_out_of_range_slots(paged):
     kv = real_kv([(paged, 3, 32)])
     with pytest.raises(ValueError, match=r"slots: expected values in \[0, 12\)"):
         fold(kv, [12])
+
+
+@pytest.mark.parametrize("field, value", [("rows", 4096), ("row_stride_bytes", 1 << 20), ("row_bytes", 4096),
+                                          ("ptr", 8)])
+def test_a_real_kv_source_that_does_not_describe_its_array_is_refused(field, value):
+    """A RealKVSource's fields bound the kernels' reads: one edited to describe more than its array (rows past the
+    array's) read past it on the host. real_kv rebuilds it from its array and refuses a mismatch."""
+    import dataclasses
+
+    from canary import CanaryRecords, CanaryState, real_kv, real_kv_source
+
+    src = real_kv_source(np.zeros((4, 64), np.uint8), page_size=1, num_bytes_per_token=64)
+    with pytest.raises(ValueError, match=rf"^kv-canary: real_kv_sources\[0\]: expected a RealKVSource that describes "
+                                         rf"its array .*{field}={value}"):
+        CanaryRecords(CanaryState.allocate(num_slots=4096), real_kv([dataclasses.replace(src, **{field: value})]))
+    CanaryRecords(CanaryState.allocate(num_slots=4), real_kv([src]))  # the genuine one binds
