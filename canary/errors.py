@@ -72,20 +72,17 @@ def worded(owner: str, method: bool = False) -> Callable:
             except TypeError as exc:
                 if exc.__traceback__ is None or exc.__traceback__.tb_next is not None:
                     raise  # raised inside the call: not a binding error
-                given = args[1:] if method else args
-                if len(given) > len(positional):
-                    expected = (f"at most {len(positional)} positional argument(s) ({', '.join(positional)}), the "
-                                f"rest by keyword" if positional else "keyword arguments only")
-                    raise fail(TypeError, f"{owner}: expected {expected}, got {len(given)} positional "
-                                          f"argument(s)") from None
-                named = set(positional[:len(given)]) | set(kwargs)
-                for key in kwargs:
-                    if key not in keywords:
-                        raise fail(TypeError, f"{owner}: unexpected keyword argument {key!r}; expected one of: "
-                                              f"{', '.join(keywords)}") from None
-                for key in required:
-                    if key not in named:
-                        raise fail(TypeError, f"{owner}: missing required argument {key!r}") from None
+                given, named = (args[1:] if method else args), kwargs
+                if positional:  # the positional ones count as named; too many is this call's own error
+                    if len(given) > len(positional):
+                        raise fail(TypeError, f"{owner}: expected at most {len(positional)} positional argument(s) "
+                                              f"({', '.join(positional)}), the rest by keyword, got {len(given)}"
+                                   ) from None
+                    given, named = (), {**dict.fromkeys(positional[:len(given)]), **kwargs}
+                try:
+                    check_keywords(owner, given, named, keywords, required)
+                except TypeError as worded_exc:
+                    raise worded_exc from None
                 raise
         return call
     return wrap

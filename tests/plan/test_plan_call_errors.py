@@ -146,12 +146,14 @@ def test_signature_errors_are_worded_with_the_choices():
     for call, words in [
         (lambda: launch_canary_plan_kernels(**static, **case.step_kwargs(), bogus=1),
          r"launch_canary_plan_kernels: unexpected keyword argument 'bogus'; expected one of: verify_plan_out, "),
-        (lambda: launch_canary_plan_kernels(**static), r"launch_canary_plan_kernels: missing required argument "
-                                                       r"'req_pool_indices'"),
-        (lambda: planner.plan(*case.step_kwargs().values()), r"CanaryPlanner.plan: expected keyword arguments only, "
-                                                             r"got \d positional argument\(s\)"),
-        (lambda: scatter_expected_tokens(1, 2), r"scatter_expected_tokens: expected keyword arguments only"),
-        (lambda: CanaryManager([group]), r"CanaryManager: missing required argument 'max_batch_size'"),
+        (lambda: launch_canary_plan_kernels(**static), r"launch_canary_plan_kernels: missing required keyword "
+                                                       r"argument 'req_pool_indices'"),
+        (lambda: planner.plan(*case.step_kwargs().values()), r"CanaryPlanner.plan: expected keyword arguments only "
+                                                             r"\(req_pool_indices, prefix_lens, extend_seq_lens, "
+                                                             r".*\), got \d positional argument\(s\)"),
+        (lambda: scatter_expected_tokens(1, 2), r"scatter_expected_tokens: expected keyword arguments only "
+                                                r"\(req_to_verify_expected_tokens, .*\), got 2 positional"),
+        (lambda: CanaryManager([group]), r"CanaryManager: missing required keyword argument 'max_batch_size'"),
         (lambda: CanaryManager([group], 8), r"CanaryManager: expected at most 1 positional argument\(s\) \(groups\), "
                                             r"the rest by keyword, got 2"),
     ]:
