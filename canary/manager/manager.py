@@ -201,14 +201,15 @@ class CanaryManager:
     # -- binding -------------------------------------------------------------------------------------------------
     def warmup(self) -> None:
         """Compile and load every kernel, so that the per-step calls only launch (graph-capturable)."""
+        handle, st = self._launch(None)
         for g in self.groups:
             g.planner.warmup()
             g.records.warmup()
             if g.layers is not None:
                 g.layers.warmup()
             if g.loc_scratch is not None:
-                warmup_slots(g.spec.full_to_swa_index_mapping, g.loc_scratch, self._launch(None)[0])
-        self._prepare_verifies(self._launch(None)[1])
+                warmup_slots(g.spec.full_to_swa_index_mapping, g.loc_scratch, handle)
+        self._prepare_verifies(st)
 
     def _prepare_verifies(self, stream: Any) -> None:
         # Each group's plan arrays are the manager's and never move: their verify is checked and packed once
@@ -282,7 +283,7 @@ class CanaryManager:
             if token_ids is None:
                 return
         toks = host_token_array(token_ids, "token_ids")
-        if toks.shape[0] != len(ids) or (np.ndim(token_ids) != 1 and not isinstance(token_ids, (list, tuple))):
+        if toks.shape[0] != len(ids) or getattr(token_ids, "ndim", 1) != 1:  # a list: host_token_array's 1-D check
             raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
                                    f"{tuple(np.shape(token_ids))}")
         if len(ids):
@@ -551,11 +552,14 @@ class CanaryManager:
     def _write(self, sel, out_cache_loc, input_ids, positions, out_cache_loc_by_group, st) -> None:
         # Every group's slots first (translated, or checked when given by group), then the writes: an input that
         # fails for one group fails the call before any group has written.
-        locs = []
+        locs, n = [], None
+        if out_cache_loc_by_group:  # input_ids' length, once (not 1-D: the first write refuses it, before any write)
+            ids = as_view(input_ids, "input_ids")
+            n = ids.shape[0] if len(ids.shape) == 1 else None
         for g in sel:
             loc = out_cache_loc_by_group.get(g.name) if out_cache_loc_by_group else None
             if loc is not None:
-                self._check_group_loc(g.name, loc, input_ids)
+                self._check_group_loc(g.name, loc, n)
             elif g.loc_scratch is not None:
                 loc = translate_slots(g.spec.full_to_swa_index_mapping, out_cache_loc, g.loc_scratch,
                                       0 if st is None else st.handle)
@@ -568,12 +572,13 @@ class CanaryManager:
             write_layers(g, loc, st)
 
     @staticmethod
-    def _check_group_loc(name: str, loc: Any, input_ids: Any) -> None:
-        """``out_cache_loc_by_group[name]``: ``[N]`` int64 like ``input_ids`` (the write checks the rest)."""
+    def _check_group_loc(name: str, loc: Any, n: int | None) -> None:
+        """``out_cache_loc_by_group[name]``: ``[n]`` int64, one per token of ``input_ids`` (``n``: its length,
+        ``None`` when it is not 1-D); the write checks the rest."""
         arg = f"out_cache_loc_by_group[{name!r}]"
-        view, ids = as_view(loc, arg), as_view(input_ids, "input_ids")
-        if len(view.shape) != 1 or len(ids.shape) != 1 or view.shape[0] != ids.shape[0]:
-            raise fail(ValueError, f"{arg}: expected [N] slots, one per token of input_ids ([{ids.shape[0]}]), "
+        view = as_view(loc, arg)
+        if len(view.shape) != 1 or (n is not None and view.shape[0] != n):
+            raise fail(ValueError, f"{arg}: expected [N] slots, one per token of input_ids ([{n}]), "
                                    f"got shape {tuple(view.shape)}")
         if view.dtype != np.dtype(np.int64):
             raise fail(TypeError, f"{arg}: expected int64 slots, got dtype {view.dtype}")

@@ -236,15 +236,12 @@ def real_kv(sources: Sequence[Any] = (), mode: Any = RealKVMode.ALL) -> RealKV:
             # Its fields are trusted by the kernels (rows bound every read): rebuilt from its array, they must agree.
             again = real_kv_source(item.owner, page_size=item.page_size, num_bytes_per_token=item.num_bytes_per_token,
                                    read_bytes=item.read_bytes, name=name)
-            fields = ("ptr", "rows", "row_bytes", "row_stride_bytes", "device_id")
-            if any(getattr(again, f) != getattr(item, f) for f in fields):
+            diff = [f for f in ("ptr", "rows", "row_bytes", "row_stride_bytes", "device_id")
+                    if getattr(again, f) != getattr(item, f)]
+            if diff:
                 raise fail(ValueError, f"{name}: expected a RealKVSource that describes its array (as real_kv_source "
-                                       f"makes it), got one with "
-                                       + ", ".join(f"{f}={getattr(item, f)}" for f in fields if getattr(again, f)
-                                                   != getattr(item, f))
-                                       + " where its array gives "
-                                       + ", ".join(f"{f}={getattr(again, f)}" for f in fields if getattr(again, f)
-                                                   != getattr(item, f)))
+                                       f"makes it), got one with {', '.join(f'{f}={getattr(item, f)}' for f in diff)} "
+                                       f"where its array gives {', '.join(f'{f}={getattr(again, f)}' for f in diff)}")
             built.append(item)
         elif isinstance(item, dict):
             unknown = set(item) - {"array", "page_size", "num_bytes_per_token", "read_bytes"}
