@@ -5,7 +5,8 @@ and the replay application (``canary.sim``) is imported only by the ``kv-canary`
 
 Planning (SPEC 3, ``canary.plan``): :class:`CanaryPlanner`, :func:`launch_canary_plan_kernels`,
 :class:`VerifyPlan`, :class:`WritePlan`, :data:`SKIP_SEED` (a write seed meaning "skip this padding row's
-tokens"), :data:`MISSING_SLOT` (a verify slot meaning "this in-window position's SWA mapping was cleared").
+tokens"), :data:`MISSING_SLOT` (a verify slot meaning "this in-window position has no real slot": a 0 in its
+``req_to_token`` row, or its SWA mapping cleared).
 The canary records (SPEC 4, ``docs/records.md``, ``canary.records``):
 :class:`CanaryState`, :class:`CanaryRecords` (write / verify / drain), :func:`real_kv` / :func:`real_kv_source`
 (real KV bytes to hash), :class:`CanaryLayers` / :class:`LayerTable` / :func:`layer_kv` (the layer rotation:

@@ -23,8 +23,8 @@
 // Seed of a padding row whose tokens sit among the step's tokens (padding_rows_carry_tokens): the canary write
 // skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
 #define CANARY_SKIP_SEED (-0x7fffffffffffffffLL - 1)
-// Verify slot of an entry whose real slot (> 0) maps to 0: an SWA page freed inside the window, which verify
-// must report, not skip as padding (canary/plan/plans.py MISSING_SLOT). -2^62: no int32 req_to_token value.
+// Verify slot of an entry of an active row whose slot is the padding slot (a req_to_token 0, or a real slot whose
+// SWA page was freed inside the window), which verify must report, not skip as padding (canary/plan/plans.py MISSING_SLOT). -2^62: no int32 req_to_token value.
 #define CANARY_MISSING_SLOT (-0x4000000000000000LL)
 // The per-row lengths cannot be trusted: no verify entry is written.
 #define CANARY_NO_ENTRIES \
@@ -294,10 +294,18 @@ __device__ __forceinline__ i64 next_head(i64 head, i64 cap, i64 requests) {
     return next >= requests ? next - requests : next;
 }
 
-// Where row r's run starts in its window [lo, lo + len) (SPEC 3.7): its cursor's offset, or 0 for a cursor
-// outside the window.
-__device__ __forceinline__ i64 run_in_window(i64 cur, i64 lo, i64 len) {
+// A row's cursor as an offset in its window [lo, lo + len) (SPEC 3.7), 0 for a cursor outside the window.
+__device__ __forceinline__ i64 cursor_offset(i64 cur, i64 lo, i64 len) {
     return cur >= lo && cur < lo + len ? cur - lo : 0;
+}
+
+// Where row r's run starts in its window, given its cursor's offset: the walk goes down the window a block at a
+// time, so the run of `take` entries ends where the last one began (at the window's end for a cursor outside
+// it), and positions appended at the end wait behind the walk instead of outrunning it. 0 <= take <= len: one
+// addition wraps.
+__device__ __forceinline__ i64 run_start(i64 offset, i64 take, i64 len) {
+    const i64 run = offset - take;
+    return run < 0 ? run + len : run;
 }
 
 // A sampled step's table (SPEC 3.7) is built in two rounds over the rows, each thread owning rows x, x + THREADS,
@@ -311,7 +319,7 @@ __device__ __forceinline__ i64 run_in_window(i64 cur, i64 lo, i64 len) {
 //
 // rank_rows stores lo, len and, as stand-ins until sample_rows, rank in base[r] (sample_rows rebuilds base from
 // rp and pdelta: base - pdelta = rp * r2t_row_stride) and rp in rank[r] (what the cursor update needs); pdelta
-// already includes the run. rp, pdelta and rank are stored for rows with entries only (the others are never
+// already includes the cursor's offset (sample_rows turns it into the run once the take is known). rp, pdelta and rank are stored for rows with entries only (the others are never
 // emitted from nor advanced). BATCH tiles' loads are issued together and ranked by one block scan. head_raw gets
 // cursors[0] as read here, before anyone writes it. Returns the number of rows with entries. Ends on a barrier:
 // every cursor read of this block is done, and every read of off[r + 1] before sample_rows rewrites off.
@@ -345,7 +353,7 @@ __device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t, i64& h
                 t.len[r] = len[k];
                 t.base[r] = excl[k] + carry;
                 if (len[k] > 0) {
-                    t.pdelta[r] = pd[k] + run_in_window(cur[k], lo, len[k]);
+                    t.pdelta[r] = pd[k] + cursor_offset(cur[k], lo, len[k]);
                     t.rank[r] = rp[k];
                 }
             }
@@ -412,14 +420,14 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
     const Split sp = split_of(p, total, requests, head_raw);
     const i64 cap = sp.cap, head = sp.head;
     for (i64 r0 = threadIdx.x; r0 < p.bs; r0 += (i64)THREADS * BATCH) {
-        i64 m[BATCH], off[BATCH], len[BATCH], pd[BATCH], rp[BATCH];
+        i64 m[BATCH], off[BATCH], len[BATCH], pd[BATCH], rp[BATCH], lo[BATCH];
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
             const i64 r = r0 + (i64)k * THREADS;
-            m[k] = 0; off[k] = 0; len[k] = 0; pd[k] = 0; rp[k] = 0;
+            m[k] = 0; off[k] = 0; len[k] = 0; pd[k] = 0; rp[k] = 0; lo[k] = 0;
             if (r < p.bs) {
                 m[k] = t.base[r]; off[k] = t.off[r]; len[k] = t.len[r];
-                if (len[k] > 0) { pd[k] = t.pdelta[r]; rp[k] = t.rank[r]; }
+                if (len[k] > 0) { pd[k] = t.pdelta[r]; rp[k] = t.rank[r]; lo[k] = t.lo[r]; }
             }
         }
 #pragma unroll
@@ -427,16 +435,12 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
             const i64 r = r0 + (i64)k * THREADS;
             if (r >= p.bs) continue;
             const i64 first = first_entry(sp, m[k], off[k]);
-            bool takes = len[k] > 0;
-            if (cap < requests) {
-                const i64 d = m[k] >= head ? m[k] - head : m[k] - head + requests;
-                takes = takes && d < cap;
-            }
-            if (len[k] > 0) {
-                const i64 pdelta = pd[k] + off[k] - first;  // pdelta was relative to off[r]
+            if (len[k] > 0) {  // pd = lo - off[r] + the cursor's offset (rank_rows)
+                const i64 take = first_entry(sp, m[k] + 1, off[k] + len[k]) - first;
+                const i64 pdelta = lo[k] + run_start(pd[k] + off[k] - lo[k], take, len[k]) - first;
                 t.pdelta[r] = pdelta;
                 t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
-                if (takes) p.cursors[rp[k]] = (i64)(-0x7fffffffffffffffLL - 1);
+                if (take > 0) p.cursors[rp[k]] = (i64)(-0x7fffffffffffffffLL - 1);
             }
             t.off[r] = first;
         }
@@ -500,8 +504,9 @@ __device__ __forceinline__ i64 sample_rows_at_once(const PlanParams& p, RowTable
         const i64 lo = len[k] > 0 ? pd[k] + o0[k] : 0;
         t.lo[r] = lo;
         t.len[r] = len[k];
-        if (len[k] > 0) {
-            const i64 pdelta = lo + run_in_window(cur[k], lo, len[k]) - first;
+        if (len[k] > 0) {  // the take from the next row's first entry in closed form (no neighbour to wait for)
+            const i64 take = first_entry(sp, excl[k] + 1, o0[k] + len[k]) - first;
+            const i64 pdelta = lo + run_start(cursor_offset(cur[k], lo, len[k]), take, len[k]) - first;
             t.pdelta[r] = pdelta;
             t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
             t.rank[r] = rp[k];
@@ -527,17 +532,13 @@ __device__ __forceinline__ void reset_cursors(const PlanParams& p, const RowTabl
         p.cursors[0] = next_head(rotation_head(p.cursors[0], requests), cap, requests);
 }
 
-// advance_cursor, after the reset: raise row r's cursor past its run. A request row in two batch rows (an engine
-// fault) keeps the larger new cursor, whatever the order of the atomics. run < len and take <= len (SPEC 3.7): one
-// subtraction wraps (a 64-bit modulo here, rows deep per lane of the fused launch's warp 0, cost 0.5 us of a
-// bs=256 sampled step, run 43).
+// advance_cursor, after the reset: row r's cursor to where its run began (lo + run = pdelta + first), where the
+// next run ends (SPEC 3.7). A request row in two batch rows (an engine fault) keeps the larger new cursor,
+// whatever the order of the atomics.
 __device__ __forceinline__ void advance_cursor(const PlanParams& p, const RowTable& t, i64 r) {
-    const i64 n = t.off[r + 1] - t.off[r];
-    if (n > 0) {
-        const i64 lo = t.lo[r], len = t.len[r], run = t.pdelta[r] + t.off[r] - lo;
-        const i64 next = run + n >= len ? run + n - len : run + n;
-        atomicMax(reinterpret_cast<long long*>(p.cursors + t.rank[r]), (long long)(lo + next));
-    }
+    const i64 first = t.off[r];
+    if (t.off[r + 1] > first)
+        atomicMax(reinterpret_cast<long long*>(p.cursors + t.rank[r]), (long long)(t.pdelta[r] + first));
 }
 
 // Both halves with one block (the fused launch's extra block).
@@ -630,7 +631,7 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, Row
             else if (pos[k] > 0) prev = translate<HAS_LUT>((i64)p.req_to_token[idx[k] - 1], p.lut, p.lut_len, bad);
             // The sentinel only in the stored slot: the lane to the right took slot[k] as its predecessor,
             // which keeps the plain translation (an evicted predecessor skips the chain check).
-            p.slots[i] = (HAS_LUT && raw[k] > 0 && slot[k] == 0) ? CANARY_MISSING_SLOT : slot[k];
+            p.slots[i] = (raw[k] == 0 || (HAS_LUT && raw[k] > 0 && slot[k] == 0)) ? CANARY_MISSING_SLOT : slot[k];
             p.prevs[i] = prev;
             p.positions[i] = pos[k];
             p.expected[i] = HAS_POOL ? tok[k] : -1;
@@ -792,7 +793,7 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
         lo[k] = f.len - f.vcount;
         flags |= f.flags;
         const i64 cur = cnt[k] > 0 ? p.cursors[rp[k]] : 0;  // a row with entries is trusted: 0 < rp < max_reqs
-        run[k] = cnt[k] > 0 ? run_in_window(cur, lo[k], cnt[k]) : 0;
+        run[k] = cnt[k] > 0 ? cursor_offset(cur, lo[k], cnt[k]) : 0;  // the run itself once the take is known
         sums[2] += cnt[k];
         sums[3] += cnt[k] > 0 ? 1 : 0;
     }
@@ -854,15 +855,15 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
         t.rank[r] = 0;  // the request row of a row that takes entries, else 0 (move_cursors reads only this)
         if (cnt[k] > 0) {
             const i64 take = first_entry(sp, rank[k] + 1, voff[k] + cnt[k]) - first;
-            const i64 pdelta = lo[k] + run[k] - first;
+            const i64 start = run_start(run[k], take, cnt[k]);
+            const i64 pdelta = lo[k] + start - first;
             t.pdelta[r] = pdelta;
             t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
             t.lo[r] = lo[k];
             t.len[r] = cnt[k];
-            const i64 nx = run[k] + take;  // run < L and take <= L: one subtraction wraps
-            if (take > 0) {
+            if (take > 0) {  // the next run ends where this one begins
                 t.rank[r] = rp[k];
-                atomicMax(next + rp[k], (u64)(lo[k] + (nx >= cnt[k] ? nx - cnt[k] : nx)) + 1);
+                atomicMax(next + rp[k], (u64)(lo[k] + start) + 1);
             }
         }
     }

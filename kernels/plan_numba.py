@@ -71,8 +71,8 @@ INT64_MIN = -(1 << 63)
 # Seed of a padding row whose tokens sit among the step's tokens (padding_rows_carry_tokens): the canary write
 # skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
 CANARY_SKIP_SEED = -(1 << 63)
-# Verify slot of an entry whose real slot (> 0) maps to 0: an SWA page freed inside the window, which verify
-# must report, not skip as padding (canary/plan/plans.py MISSING_SLOT). -2^62: no int32 req_to_token value.
+# Verify slot of an entry of an active row whose slot is the padding slot (a req_to_token 0, or a real slot whose
+# SWA page was freed inside the window), which verify must report, not skip as padding (canary/plan/plans.py MISSING_SLOT). -2^62: no int32 req_to_token value.
 CANARY_MISSING_SLOT = -(1 << 62)
 # The per-row lengths cannot be trusted: no verify entry is written.
 CANARY_NO_ENTRIES = CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN | CANARY_BAD_EXTEND_LEN
@@ -395,9 +395,23 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return q
 
     @cuda.jit(device=True)
+    def first_entry(cap, requests, total, head, by_double, inv, m, off):
+        """plan.cu's ``first_entry``: the first output entry of a row with m rows with entries and ``off`` entries
+        (unsampled) before it; with (m + 1, off + its length), the next row's, which gives the row's take."""
+        if by_double:  # one entry each, the rest in proportion to len - 1 (the running sum rounded)
+            return m + floor_div((cap - requests) * (off - m), total - requests, inv)
+        if cap >= requests:
+            return m + (cap - requests) * (off - m) // (total - requests)
+        if head + cap <= requests:  # the requests of ranks [head, head + cap) take one entry each
+            return min(max(m - head, int64(0)), cap)
+        # ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
+        return min(m, head + cap - requests) + max(m - head, int64(0))
+
+    @cuda.jit(device=True)
     def sample_rows(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, total, requests):
         """plan.cu's ``sample_rows``: the row table becomes a sampled step's (off[r] = the row's first output
-        entry; base / pdelta start the row at its cursor). Each thread rewrites only its own rows."""
+        entry; base / pdelta start the row at its run, which ends where its cursor says the last run began).
+        Each thread rewrites only its own rows."""
         cap = verify_capacity
         head = rotation_head(cursors, requests) if cap < requests else int64(0)
         by_double = cap >= requests and cap - requests < (int64(1) << 50)
@@ -405,20 +419,17 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         r = int64(cuda.threadIdx.x)
         while r < bs:
             m = tab[t0 + 7 * tn + r]
-            if by_double:  # one entry each, the rest in proportion to len - 1 (the running sum rounded)
-                first = m + floor_div((cap - requests) * (tab[t0 + r] - m), total - requests, inv)
-            elif cap >= requests:
-                first = m + (cap - requests) * (tab[t0 + r] - m) // (total - requests)
-            elif head + cap <= requests:  # the requests of ranks [head, head + cap) take one entry each
-                first = min(max(m - head, int64(0)), cap)
-            else:  # ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
-                first = min(m, head + cap - requests) + max(m - head, int64(0))
+            off = tab[t0 + r]
+            first = first_entry(cap, requests, total, head, by_double, inv, m, off)
             ln = tab[t0 + 6 * tn + r]
             if ln > 0:  # a row with entries is trusted: 0 < rp < max_reqs
+                take = first_entry(cap, requests, total, head, by_double, inv, m + 1, off + ln) - first
                 lo = tab[t0 + 5 * tn + r]
                 at = cursors[req_pool_indices[r]]
-                run = at - lo if (at >= lo and at < lo + ln) else int64(0)
-                shift = tab[t0 + r] - first + run  # base and pdelta were relative to off[r] and lo
+                run = (at - lo if (at >= lo and at < lo + ln) else int64(0)) - take
+                if run < 0:  # take <= ln: one addition wraps
+                    run += ln
+                shift = off - first + run  # base and pdelta were relative to off[r] and lo
                 tab[t0 + tn + r] += shift
                 tab[t0 + 2 * tn + r] += shift
             tab[t0 + r] = first
@@ -444,13 +455,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
     def advance_cursor(req_pool_indices, cursors, tab, t0, tn, r):
         """plan.cu's ``advance_cursor`` (after the reset): a request row in two batch rows keeps the larger new
         cursor, whatever the order of the atomics."""
-        take = tab[t0 + r + 1] - tab[t0 + r]
-        if take > 0:
-            lo = tab[t0 + 5 * tn + r]
-            ln = tab[t0 + 6 * tn + r]
-            run = tab[t0 + 2 * tn + r] + tab[t0 + r] - lo
-            nxt = run + take  # run < ln and take <= ln: one subtraction wraps (a 64-bit modulo is a subroutine)
-            cuda.atomic.max(cursors, req_pool_indices[r], lo + (nxt - ln if nxt >= ln else nxt))
+        if tab[t0 + r + 1] > tab[t0 + r]:  # the next run ends where this one began: lo + run = pdelta + first
+            cuda.atomic.max(cursors, req_pool_indices[r], tab[t0 + 2 * tn + r] + tab[t0 + r])
 
     @cuda.jit(device=True)
     def update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests):
@@ -549,7 +555,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                     slot, b1 = translate(raw[k], lut, lut_len)
                     prev, b2 = translate(praw[k], lut, lut_len)  # -1 (no predecessor) passes through
                     bad |= b1 | b2
-                    if HAS_LUT and raw[k] > 0 and slot == 0:
+                    if raw[k] == 0 or (HAS_LUT and raw[k] > 0 and slot == 0):
                         slot = int64(CANARY_MISSING_SLOT)  # the predecessor (prev) keeps its plain translation
                     slots[i] = slot
                     prevs[i] = prev

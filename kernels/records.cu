@@ -434,7 +434,9 @@ extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const
         const u64 ep = (u64)p.verify_expected_positions[i];
         const u64 et = (u64)p.verify_expected_tokens[i];
         if (slot < 0 || slot >= st.num_slots) {
-            append_row(st, (u64)slot, ep, 0, et, 0, 0, slot == MISSING_SLOT ? FAIL_MISSING : FAIL_SLOT_RANGE);
+            // A MISSING row's expected_aux is the entry's predecessor slot: nothing is read, and it names the request
+            if (slot == MISSING_SLOT) append_row(st, (u64)slot, ep, 0, et, 0, (u64)p.verify_prev_slot_indices[i], FAIL_MISSING);
+            else append_row(st, (u64)slot, ep, 0, et, 0, 0, FAIL_SLOT_RANGE);
             continue;
         }
         const i64 prev = p.verify_prev_slot_indices[i];

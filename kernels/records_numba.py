@@ -505,9 +505,11 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                 ep = uint64(verify_expected_positions[i])
                 et = uint64(verify_expected_tokens[i])
                 if slot < 0 or slot >= num_slots:
-                    reason = FAIL_MISSING if slot == MISSING_SLOT else FAIL_SLOT_RANGE
+                    # A MISSING row's expected_aux is the entry's predecessor slot (it names the request)
+                    missing = slot == MISSING_SLOT
                     append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), ep, U0, et,
-                               U0, U0, uint64(reason))
+                               U0, uint64(verify_prev_slot_indices[i]) if missing else U0,
+                               uint64(FAIL_MISSING if missing else FAIL_SLOT_RANGE))
                 else:
                     prev = verify_prev_slot_indices[i]
                     at = slot * slot_stride_words

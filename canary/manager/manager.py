@@ -903,7 +903,9 @@ class CanaryManager:
                     if metrics:
                         metrics.dropped.labels(group=name).inc(report.dropped)
                 for viol in report:
-                    key = (name, int(viol.kernel), viol.slot, viol.position, int(viol.reasons))
+                    # A MISSING row's slot names no request (MISSING_SLOT); its predecessor slot does, so that
+                    # another request losing the same position is a new record, not a repeat
+                    key = (name, int(viol.kernel), viol.slot, viol.position, int(viol.reasons), viol.predecessor_slot)
                     made = self._dedup.see(key, rec.index, lambda: self._record(g, viol, rec, rpi))
                     if made is None:
                         st.repeats += 1
@@ -949,7 +951,9 @@ class CanaryManager:
     def _holders(self, g: BoundGroup, v, rec: _StepRecord, rpi: np.ndarray | None
                  ) -> tuple[tuple[Hashable, int], ...]:
         """Requests whose ``req_to_token`` row maps ``v.position`` to ``v.slot`` now: the step's batch rows, then
-        running requests by their last row. Reads one column of the table (a sync, on the error path only)."""
+        running requests by their last row. A MISSING row (no real slot at the position) names the requests whose
+        position has no real slot now (a 0, or a real slot mapped to 0) and, when the row has a predecessor slot,
+        whose previous position maps to it. Reads a column or two of the table (a sync, on the error path only)."""
         p = v.position
         r2t = g.spec.req_to_token
         max_reqs, max_seq_len = as_view(r2t, "req_to_token").shape
@@ -963,16 +967,29 @@ class CanaryManager:
                        if rid not in in_batch and req.last_req_pool_index]
         if not candidates:
             return ()
-        column = np.asarray(to_host(r2t[:, p])).astype(np.int64)
         lut = g.spec.full_to_swa_index_mapping
+        lut_len = None if lut is None else as_view(lut, "lut").shape[0]
+
+        def translate(raw: int) -> int:
+            if lut is None or raw < 0:
+                return raw
+            return int(np.asarray(to_host(lut[raw:raw + 1]))[0]) if raw < lut_len else -1
+
+        column = np.asarray(to_host(r2t[:, p])).astype(np.int64)
+        prev = v.predecessor_slot
+        missing = prev is not None
+        before = np.asarray(to_host(r2t[:, p - 1])).astype(np.int64) if missing and prev > 0 and p > 0 else None
         out = []
         for rid, rp in candidates:
             if not 0 < rp < max_reqs:
                 continue
-            slot = int(column[rp])
-            if lut is not None and 0 <= slot:
-                slot = int(np.asarray(to_host(lut[slot:slot + 1]))[0]) if slot < as_view(lut, "lut").shape[0] else -1
-            if slot == v.slot and (rid, p) not in out:
+            raw = int(column[rp])
+            if missing:
+                hit = (raw == 0 or (raw > 0 and translate(raw) == 0)) and (
+                    before is None or translate(int(before[rp])) == prev)
+            else:
+                hit = translate(raw) == v.slot
+            if hit and (rid, p) not in out:
                 out.append((rid, p))
         return tuple(out)
 

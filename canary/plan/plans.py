@@ -22,10 +22,18 @@ WRITE_FIELDS = ("write_offsets", "write_seed_slot_indices", "write_num_valid_req
 # padding_rows_carry_tokens=True, SPEC 3.2): the canary write skips the row's entries. INT64_MIN, because every
 # other negative seed already means "chain from the anchor" and can come from req_to_token (int32) itself.
 SKIP_SEED = -(1 << 63)
-# verify_slot_indices of an entry whose raw slot is a real one (> 0) but whose full-to-SWA mapping is 0: the SWA
-# page of a position the window still needs was freed (SPEC 3.2). Verify reports it (FailReason.MISSING) instead
-# of skipping it as padding. -2**62: req_to_token is int32, and a LUT would have to hold this very value.
+# verify_slot_indices of an entry of an active row whose slot is the padding slot 0: its req_to_token value is 0
+# (the row cleared or never filled while still read), or a real slot whose full-to-SWA mapping is 0 (the SWA page
+# of a position the window still needs was freed). SPEC 3.2. Verify reports it (FailReason.MISSING) instead of
+# skipping it as padding. -2**62: req_to_token is int32, and a LUT would have to hold this very value.
 MISSING_SLOT = -(1 << 62)
+
+
+def mark_missing(raw: np.ndarray, slot: np.ndarray) -> np.ndarray:
+    """The verify slots of entries with req_to_token values ``raw`` and translations ``slot`` (``raw`` itself
+    without a LUT): ``MISSING_SLOT`` where the position has no real slot (``raw == 0``, or ``raw > 0`` mapped to
+    0), ``slot`` elsewhere (SPEC 3.2, "cleared mappings")."""
+    return np.where((raw == 0) | ((raw > 0) & (slot == 0)), np.int64(MISSING_SLOT), slot)
 
 
 INT32_MAX = (1 << 31) - 1

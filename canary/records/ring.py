@@ -42,7 +42,8 @@ RING_FIELDS = (
     "stored_token",  # write: the token written; verify: the token read from the slot
     "expected_token",  # write: the expected-token assert (-1: none); verify: the plan's expected token (-1: none)
     "stored_chain_hash",  # write: the prev_hash written; verify: the prev_hash read from the slot
-    "expected_aux",  # write: the expected position (-1: none); verify: the expected chain hash (0: not checked)
+    "expected_aux",  # write: the expected position (-1: none); verify: the expected chain hash (0: not checked),
+                     # or in a MISSING row the entry's predecessor slot (the request's slot at position - 1)
     "fail_reasons",  # FailReason bits
 )
 RING_ROW_WORDS = len(RING_FIELDS)
@@ -66,7 +67,8 @@ class FailReason(enum.IntFlag):
     WRITE_POSITION = 16  # write: positions[i] != expected_positions[i], or != previous + 1 (chain-position check)
     VERIFY_TOKEN = 32  # verify: stored token != the plan's expected token (when that is not -1, check on)
     SLOT_RANGE = 64  # a slot (or verify's prev_slot) outside the canary buffer: nothing read or written there
-    MISSING = 128  # verify: the plan's slot is MISSING_SLOT, an in-window position whose SWA mapping was cleared
+    MISSING = 128  # verify: the plan's slot is MISSING_SLOT, an in-window position with no real slot (a 0 in its
+                   # req_to_token row, or its SWA mapping cleared); the row's expected_aux: its predecessor slot
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -187,8 +189,20 @@ class Violation:
 
     @property
     def expected_chain_hash(self) -> int | None:
-        """Verify rows: the ``prev_hash`` the slot should hold (``None`` for write rows or when not checked)."""
-        return self.expected_aux if self.kernel == KernelTag.VERIFY and self.expected_aux != 0 else None
+        """Verify rows: the ``prev_hash`` the slot should hold (``None`` for write rows, MISSING rows or when not
+        checked)."""
+        if self.kernel != KernelTag.VERIFY or self.expected_aux == 0 or FailReason.MISSING in self.reasons:
+            return None
+        return self.expected_aux
+
+    @property
+    def predecessor_slot(self) -> int | None:
+        """MISSING rows: the entry's predecessor slot (its ``verify_prev_slot_indices``, -1 at position 0), the
+        request's own slot at ``position - 1``, which names the request (the row's slot names none); ``None``
+        for other rows."""
+        if self.kernel != KernelTag.VERIFY or FailReason.MISSING not in self.reasons:
+            return None
+        return self.expected_aux
 
     @property
     def expected_position(self) -> int | None:
@@ -207,6 +221,8 @@ class Violation:
         if self.kernel == KernelTag.WRITE:
             if self.expected_aux != -1:
                 parts.append(f"expected pos {self.expected_aux}")
+        elif FailReason.MISSING in self.reasons:
+            parts.append(f"prev slot {self.expected_aux}")
         elif FailReason.CHAIN in self.reasons:  # the chain hashes only mean something when they disagree
             parts.append(f"prev_hash {self.stored_chain_hash & 0xFFFF_FFFF_FFFF_FFFF:#018x}")
             if self.expected_aux != 0:

@@ -34,6 +34,7 @@ import numpy as np
 
 from canary import MISSING_SLOT, PlanStatus, VerifyPlan, to_host
 from canary.backends.reference.plan import translate
+from canary.plan.plans import mark_missing
 
 from .scheduler import Step
 
@@ -150,7 +151,7 @@ class Coverage:
             return np.zeros(len(r), dtype=bool), r, p
         raw = np.take(self.r2t.reshape(-1), r * self.r2t.shape[1] + p).astype(np.int64)
         slot, _ = translate(raw, self.lut)
-        slot = np.where((raw > 0) & (slot == 0), MISSING_SLOT, slot)  # as the planner writes a cleared mapping
+        slot = mark_missing(raw, slot)  # as the planner writes a position without a real slot
         entry_slots = to_host(plan.verify_slot_indices)[:nv]
         return _member(slot, p, entry_slots, to_host(plan.verify_expected_positions)[:nv]), r, p
 

@@ -80,6 +80,15 @@ class Fault:
         return ", ".join(parts)
 
 
+def _window_too_small(kv: EngineKV, f: Fault) -> bool:
+    """Kinds that corrupt a mid-window position (neither the window's first nor the write's seed) need a
+    sliding window of at least 4 positions; a smaller one can never apply them."""
+    if 0 < kv.window < 4:
+        f.needs = "--swa-window >= 4 (or none)"
+        return True
+    return False
+
+
 def _candidates(d: StepData, taken: set[int]) -> list[int]:
     """Batch rows whose request keeps running after this step and that no earlier fault touched."""
     req = d.step.request_ids
@@ -87,6 +96,8 @@ def _candidates(d: StepData, taken: set[int]) -> list[int]:
 
 
 def _kv_flip(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    if _window_too_small(kv, f):
+        return False
     for i in _candidates(d, taken):
         end = int(d.prefix[i] + d.extend[i])
         lo = window_start(end, kv.window)
@@ -101,6 +112,8 @@ def _kv_flip(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
 
 
 def _kv_flip_last(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    if _window_too_small(kv, f):
+        return False
     # The rotation reaches the last layer within layer_dwell * num_layers steps: pick a request running that long.
     if kv.num_layers < 2:
         f.needs = "--num-layers >= 2"
@@ -186,6 +199,8 @@ def _stale_row(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
 
 
 def _zero_kv(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    if _window_too_small(kv, f):
+        return False
     for i in _candidates(d, taken):
         end = int(d.prefix[i] + d.extend[i])
         lo = window_start(end, kv.window)
@@ -211,6 +226,8 @@ def _zero_kv(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
 
 
 def _swa_evict(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    if _window_too_small(kv, f):
+        return False
     if kv.lut is None:
         f.needs = "--swa-window"
         return False

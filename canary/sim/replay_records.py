@@ -39,12 +39,13 @@ def violation_requests(violations: list[Violation], step: Step, r2t: np.ndarray,
     inside = (pos >= 0) & (pos < r2t.shape[1])
     raw = r2t[step.req_pool_indices[:n][None, :], np.clip(pos, 0, r2t.shape[1] - 1)[:, None]].astype(np.int64)
     cand = raw if lut is None else lut[raw]
-    # A MISSING row names no slot: its request is one whose real slot at that position maps to nothing although
-    # its verify window holds the position (elsewhere a 0 mapping is a legitimate eviction).
+    # A MISSING row names no slot: its request is one whose slot at that position is the padding slot (a 0 in its
+    # row, or a real slot mapped to nothing) although its verify window holds the position (elsewhere a 0 mapping
+    # is a legitimate eviction).
     prefix = step.prefix_lens[:n][None, :]
     needed = (pos[:, None] < prefix) & (pos[:, None] >= (np.maximum(prefix - window, 0) if window else 0))
     missing = (slot == MISSING_SLOT)[:, None]
-    match = np.where(missing, (raw > 0) & (cand == 0) & needed, cand == slot[:, None]) & inside[:, None]
+    match = np.where(missing, ((raw == 0) | ((raw > 0) & (cand == 0))) & needed, cand == slot[:, None]) & inside[:, None]
     return np.where(match.any(axis=1), step.request_ids[match.argmax(axis=1)], -1)
 
 

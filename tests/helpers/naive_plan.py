@@ -24,8 +24,8 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     - ``verify_num_valid = min(total, C)`` whatever the status;
     - with ``case.padding_rows_carry_tokens``, a padding row with ``E > 0`` counts ``E`` write entries and gets
       the seed SKIP_SEED, unless ``E > max_seq_len`` (flagged BAD_EXTEND_LEN, wlen 0, seed -1): SPEC 3.2, 3.4;
-    - an entry whose raw slot is > 0 and translates to 0 (an SWA page freed inside the window) gets the slot
-      MISSING_SLOT; its successor's prev and the seeds keep the 0 (SPEC 3.2);
+    - an entry whose raw slot is 0 (a cleared row), or > 0 and translates to 0 (an SWA page freed inside the
+      window), gets the slot MISSING_SLOT; its successor's prev and the seeds keep the 0 (SPEC 3.2);
     - ``on_overflow="sample"`` (SPEC 3.7): ``total > C`` sets SAMPLED (whatever else is set); the entries and the
       cursors (``outputs["verify_cursors"]``, advanced in the returned copy) only when no row is untrusted.
     - with ``case.pool_indices`` (``expected_token_pool_indices``), an active row reads pool row
@@ -108,7 +108,7 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             rp = int(case.req_pool_indices[r])
             raw = read_slot(rp, p)
             slot = T(raw)
-            if raw > 0 and slot == 0:
+            if raw == 0 or (raw > 0 and slot == 0):  # no real slot where the window needs one
                 slot = MISSING_SLOT
             prev = T(read_slot(rp, p - 1)) if p > 0 else -1
             expected = -1
@@ -178,11 +178,12 @@ def _sample(case, entries: list[tuple[int, int]], C: int, cursors: np.ndarray) -
         window = rows[r]
         rp = int(case.req_pool_indices[r])
         at = int(cursors[rp])
-        run = window.index(at) if at in window else 0
+        # The run ends where the last one began (a cursor outside the window: at the window's end)
+        run = ((window.index(at) if at in window else 0) - take[r]) % len(window)
         for j in range(take[r]):
             chosen.append((r, window[(run + j) % len(window)]))
         if take[r]:
-            cand = window[(run + take[r]) % len(window)]
+            cand = window[run]
             new_cursor[rp] = max(new_cursor.get(rp, cand), cand)
     for rp, c in new_cursor.items():
         cursors[rp] = c

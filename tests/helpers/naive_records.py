@@ -167,7 +167,7 @@ def verify(st: NaiveState, *, slots, exp_tokens, exp_positions, prev_slots, num_
         st.slot_runs[1] += 1
         ep, et, prev = exp_positions[i], exp_tokens[i], prev_slots[i]
         if slot == MISSING_SLOT:  # reported, never read
-            st.append([tag, slot, ep, 0, et, 0, 0, 128])
+            st.append([tag, slot, ep, 0, et, 0, prev, 128])  # expected_aux: the predecessor, naming the request
             continue
         if not 0 < slot < num_slots:
             st.append([tag, slot, ep, 0, et, 0, 0, 64])

@@ -370,11 +370,12 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("swa_missing_seed", [(1, 6, 2), (3, 2, 1)], lut=_lut_without(106, 301), W=3,
                   notes="the last window entry is MISSING_SLOT, the seed T(r2t[1,5]) stays 0; rp 3 p=0 too"))
     add(make_case("swa_missing_raw_zero", [(1, 6, 1), (0, 3, 1)], r2t=_with(std_r2t(), {(1, 4): 0}),
-                  lut=_lut_without(0), W=3, notes="a raw 0 is padding, not a cleared mapping: slot 0"))
+                  lut=_lut_without(0), W=3, notes="a raw 0 in an active row's window: no real slot, MISSING_SLOT too; the "
+                        "padding row reads nothing"))
     add(make_case("swa_missing_lut_without_swa", [(1, 3, 1)], lut=_lut_without(102), notes="W = 0 with a LUT: "
                   "every position is needed, p=1 is MISSING_SLOT"))
     add(make_case("swa_missing_no_lut", [(1, 4, 1)], r2t=_with(std_r2t(), {(1, 2): 0, (1, 3): 0}),
-                  notes="no LUT: nothing maps to 0 but a raw 0, which stays padding"))
+                  notes="no LUT: a raw 0 inside the window is MISSING_SLOT (p=2, 3); p=3's and p=4's prevs keep 0"))
     add(make_case("swa_missing_overflow", [(1, 6, 1)], lut=lut_freed, W=3, C=2, expect_status=OVERFLOW,
                   notes="entries not written, nothing else changes"))
 
@@ -577,12 +578,15 @@ def hand_cases() -> list[PlanCase]:
     add(_big_batch("big_batch_5000", 5000, seed=5000))
     add(_big_batch("big_batch_4097_swa_pool", 4097, seed=4097, W=5, pool=True, off=1))
 
-    # Every overflow case above runs as SGLang's skip; its twin samples (SPEC 3.7).
+    # Every overflow case above runs as SGLang's skip; its twin samples (SPEC 3.7). A twin whose sample reads an
+    # entry the skip never reads sets that entry's bits too.
+    read_by_sample = {"bad_slot_overflow_no_seed": BAD_SLOT}  # rp 1 takes its window's end, p=2: prev r2t[1,1] bad
     for c in list(cases):
         if c.expect_status is not None and c.expect_status & OVERFLOW:
             cases[cases.index(c)] = c.replace(on_overflow="skip")
             if c.verify_capacity > 0:
-                add(c.replace(name=c.name + "_sampled", expect_status=(c.expect_status & ~OVERFLOW) | SAMPLED,
+                add(c.replace(name=c.name + "_sampled",
+                              expect_status=(c.expect_status & ~OVERFLOW) | SAMPLED | read_by_sample.get(c.name, 0),
                               notes="on_overflow='sample': " + c.notes))
     cases.extend(sampled_hand_cases())
     return cases

@@ -32,7 +32,7 @@ from helpers.plan_cases import (
 from hypothesis import HealthCheck, given, settings
 from helpers.naive_plan import naive_plan
 
-from canary import CanaryPlanner, PlanStatus
+from canary import MISSING_SLOT, CanaryPlanner, PlanStatus
 
 P64, P32 = POISON.i64, POISON.i32
 HAND = hand_cases()
@@ -191,14 +191,16 @@ def test_padding_rows_with_garbage():
 
 
 def test_negative_raw_slots_pass_the_lut_unchanged():
-    # r2t[1,0] = -1, r2t[1,2] = -7, r2t[2,1] = -123456, r2t[3,0] = 0; rows (1,3,1) (2,2,1) (3,1,1)
+    # r2t[1,0] = -1, r2t[1,2] = -7, r2t[2,1] = -123456, r2t[3,0] = 0; rows (1,3,1) (2,2,1) (3,1,1). The raw 0
+    # is the padding slot inside rp 3's window: MISSING_SLOT as an entry, whatever the LUT maps 0 to; the seed
+    # translates it as ever.
     o = out_of("negative_raw_slots_lut")
-    assert o["verify_slot_indices"].tolist() == [-1, 10102, -7, 10201, -123456, 10000]
+    assert o["verify_slot_indices"].tolist() == [-1, 10102, -7, 10201, -123456, MISSING_SLOT]
     assert o["verify_prev_slot_indices"].tolist() == [-1, -1, 10102, -1, 10201, -1]
     assert o["write_seed_slot_indices"].tolist()[:3] == [-7, -123456, 10000]
     assert o["status"][0] == 0
     o = out_of("negative_raw_slots_nolut")
-    assert o["verify_slot_indices"].tolist() == [-1, 102, -7, 201, -123456, 0]
+    assert o["verify_slot_indices"].tolist() == [-1, 102, -7, 201, -123456, MISSING_SLOT]
 
 
 def test_expected_tokens():

@@ -147,3 +147,38 @@ def test_decode_growth_stays_within_the_current_k(layout, steps):
         k = sweep_bound(lengths, cap)
         assert int(run.max()) <= k - 1, (int(run.max()), k)
         prefix = np.where(active, prefix + 1, prefix)
+
+
+@hypothesis.settings(max_examples=150, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(layout=layouts(), steps=st.integers(1, 200))
+def test_decode_growth_is_swept_within_three_passes(layout, steps):
+    """SPEC 3.7, growing windows: with ``C >= n`` every request appends one token per step (``g = 1 <= t``), and
+    a position present in a window of ``L`` positions is verified within ``3 * ceil(L / t)`` steps, ``t`` the
+    request's smallest take meanwhile. (A walk going up the window, as before, never wrapped when it advanced no
+    faster than the window grew: with ``C = n`` a request's first positions waited as long as it ran.)"""
+    rpi, prefix, window, cap, cursors = layout
+    active = rpi != 0
+    hypothesis.assume(cap >= int(active.sum()))  # C >= n on every step: empty windows grow too
+    seq = 40 + steps + 2
+    rig = Rig(seq=seq, cap=cap, bs=len(rpi), window=window, cursors=cursors)
+    run = np.zeros((MAX_REQS, seq), dtype=np.int64)  # consecutive steps unverified, per (request row, position)
+    started = np.zeros((MAX_REQS, seq), dtype=np.int64)  # the window's length when that run began
+    least = np.full(MAX_REQS, 1 << 40, dtype=np.int64)  # each request's smallest take so far
+    for _ in range(steps):
+        lengths = _lengths(rpi, prefix, window)
+        status, rows, pos = rig.step(rpi, prefix)
+        for i in np.flatnonzero(active & (lengths > 0)):
+            r, hi = int(rpi[i]), int(prefix[i])
+            lo = hi - int(lengths[i])
+            run[r, :lo] = 0  # left the window: nothing more to verify there
+            fresh = run[r, lo:hi] == 0
+            started[r, lo:hi][fresh] = lengths[i]
+            run[r, lo:hi] += 1
+            if status & PlanStatus.SAMPLED:
+                least[r] = min(least[r], int((rows == r).sum()))
+        run[rows, pos] = 0
+        t = np.maximum(least, 1)[:, None]
+        bound = 3 * -(-started // t)
+        waiting = run > 0
+        assert (run[waiting] <= bound[waiting]).all(), (int(run.max()), int(bound[waiting].min()))
+        prefix = np.where(active, prefix + 1, prefix)

@@ -336,18 +336,21 @@ def test_real_kv_hand_cases_fail_reasons(name):
 
 def test_missing_slot_hand_case_rows():
     """helpers/records_cases.py's verify_missing_slot, row by row: a MISSING_SLOT entry is processed (counted),
-    reads nothing and reports MISSING with the plan's position and token; its neighbours verify clean."""
+    reads nothing and reports MISSING with the plan's position and token, and its predecessor slot (the
+    request's own, which names it) as expected_aux; its neighbours verify clean."""
     case = next(c for c in cc.hand_cases() if c.name == "verify_missing_slot")
     run = cc.run_case(case, "reference", lambda a: a.copy(), np.asarray)
     (_, _, _, written), (_, w0, w1, rows) = run.launches
     assert written.shape[0] == 0 and (w0, w1) == (0, 2)
     tag = encode_tag(KernelTag.VERIFY, 3)
-    assert rows.tolist() == [[tag, MISSING_SLOT, 1, 0, 11, 0, 0, int(F.MISSING)],
+    assert rows.tolist() == [[tag, MISSING_SLOT, 1, 0, 11, 0, 1, int(F.MISSING)],
                              [tag, MISSING_SLOT, 5, 0, -1, 0, 0, int(F.MISSING)]]
     assert [(int(r[1]), F(int(r[7]))) for r in rows] == case.expect
     assert run.slot_runs.tolist() == [5 + 4, 7 + 5]  # initial counters 5, 7; entries 0-2, 4, 5 processed
     v = decode_row(rows[0])
     assert v.reasons == F.MISSING and v.reason_names == ("MISSING",) and v.slot == MISSING_SLOT
+    assert v.predecessor_slot == 1 and v.expected_chain_hash is None
+    assert decode_row(rows[1]).predecessor_slot == 0  # its predecessor maps to nothing either
 
 
 @pytest.mark.parametrize("name", ["real_kv_zero_bytes_partial", "real_kv_zero_bytes_all"])

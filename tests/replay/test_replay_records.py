@@ -176,6 +176,15 @@ def test_swa_evict_needs_a_sliding_window(tmp_path, capsys):
     assert "FAULT swa-evict@20: not applied (needs --swa-window)" in text
 
 
+@pytest.mark.parametrize("kind", ["kv-flip", "zero-kv", "swa-evict"])
+def test_mid_window_kinds_need_a_window_of_four(tmp_path, capsys, kind):
+    """A window of 3 has no position that is neither its first nor the write's seed: never applied, says why."""
+    rc, s = _replay(tmp_path, "--inject", f"{kind}@5", "--swa-window", "3")
+    (f,) = s["canary"]["faults"]
+    assert rc == 1 and f["applied_step"] is None and f["what"] == "not applied (needs --swa-window >= 4 (or none))"
+    assert f"FAULT {kind}@5: not applied (needs --swa-window >= 4 (or none))" in capsys.readouterr().out
+
+
 def test_kv_flip_last_needs_layers_and_names_the_layer(tmp_path, capsys):
     """Without --num-layers >= 2 nothing reads the last layer: never applied, says why. With 4 layers the
     rotation finds it within 4 steps, in the layer-3 rows only (the main verify reads layer 0)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import PlanStatus
-from ...plan.plans import MISSING_SLOT, SKIP_SEED
+from ...plan.plans import SKIP_SEED, mark_missing
 from ...plan.rows import row_checks
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 
@@ -51,10 +51,9 @@ def _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, per_e
     at = per_entry(rpi * stride) + pos
     raw = np.take(flat, at).astype(np.int64)
     slot, bad_slot = translate(raw, lut)
-    if lut is not None:
-        # A real slot mapped to 0: its SWA page was freed inside the window. Left as 0, verify would skip it as
-        # padding; predecessors and seeds keep the 0 (outside the window, eviction is legitimate).
-        slot = np.where((raw > 0) & (slot == 0), np.int64(MISSING_SLOT), slot)
+    # A position the window needs whose slot is the padding slot (a cleared row, a freed SWA page): left as 0,
+    # verify would skip it. Predecessors and seeds keep the 0 (outside the window, eviction is legitimate).
+    slot = mark_missing(raw, slot)
     # The predecessor of an entry whose column follows the previous entry's is that entry's slot, already read;
     # only the others (each row's first entry, a sampled window's wrap) read req_to_token again.
     has_prev = pos > 0
@@ -114,13 +113,15 @@ def sampled_entries(count: np.ndarray, start: np.ndarray, rpi: np.ndarray, curso
     rp = rpi[taking]
     lo, length, k = start[taking], count[taking], take[taking]
     at = cursors[rp]
-    run = np.where((at >= lo) & (at < lo + length), at - lo, 0)  # a cursor outside the window restarts it
+    # The walk goes down the window a block at a time: this run ends where the last one began (a cursor outside
+    # the window restarts the walk at the window's end), so that positions appended at the end wait behind it.
+    run = (np.where((at >= lo) & (at < lo + length), at - lo, 0) - k) % length
     row = np.repeat(np.flatnonzero(taking), k)
     j = np.arange(cap, dtype=np.int64) - np.repeat(first[taking], k)
     pos = np.repeat(lo, k) + (np.repeat(run, k) + j) % np.repeat(length, k)
     # A request row listed twice in one batch (an engine fault) keeps the larger of its new cursors.
     cursors[rp] = np.iinfo(np.int64).min
-    np.maximum.at(cursors, rp, lo + (run + k) % length)
+    np.maximum.at(cursors, rp, lo + run)
     return row, pos
 
 

@@ -169,7 +169,8 @@ def verify(
     missing = slot == MISSING_SLOT  # the position has no SWA slot at all (SPEC 3.2): nothing is read
     bits = np.where(slot_ok, 0, np.where(missing, int(FailReason.MISSING), int(FailReason.SLOT_RANGE))).astype(_I64)
     chain_checked = slot_ok & (prev_in | prev_none)
-    expected_link = np.where(chain_checked, link, 0)
+    # A MISSING row's expected_aux is the entry's predecessor slot: the request's own slot, which names it
+    expected_link = np.where(chain_checked, link, np.where(missing, prev, 0))
     bits |= np.where(chain_checked & (rec[:, PREV_HASH] != link), int(FailReason.CHAIN), 0)
     bits |= np.where(slot_ok & prev_bad, int(FailReason.SLOT_RANGE), 0)
     bits |= np.where(slot_ok & (rec[:, POSITION] != exp_pos), int(FailReason.POSITION), 0)
