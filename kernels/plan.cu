@@ -382,9 +382,9 @@ __device__ __forceinline__ i64 floor_div(i64 a, i64 b, double inv_b) {
 // and the rotation head (cursors[0] as read, if in [0, requests)).
 struct Split {
     i64 cap, requests, total, head;
-    bool by_double;  // cap >= requests: first = rank + floor((cap - requests) * (off - rank) / (total - requests)),
-    double inv;      // off - rank <= total - requests, so the quotient is at most cap - requests (floor_div's bound
-};                   // when cap - requests < 2^50); the products are < 2^62 (refused at bind otherwise)
+    i64 spare;   // cap >= requests: first = rank + floor(spare * (off - rank) / (total - requests)), spare = cap -
+    double inv;  // requests (0 otherwise); off - rank <= total - requests, so the quotient is at most spare < 2^31
+};               // (capacities are int32), within floor_div's 2^50; the products are < 2^62 (refused at bind otherwise)
 
 __device__ __forceinline__ Split split_of(const PlanParams& p, i64 total, i64 requests, i64 head_raw) {
     Split s;
@@ -392,23 +392,24 @@ __device__ __forceinline__ Split split_of(const PlanParams& p, i64 total, i64 re
     s.requests = requests;
     s.total = total;
     s.head = s.cap < requests ? rotation_head(head_raw, requests) : 0;
-    s.by_double = s.cap >= requests && s.cap - requests < (1LL << 50);
-    s.inv = s.by_double ? 1.0 / (double)(total - requests) : 0.0;
+    s.spare = s.cap >= requests ? s.cap - requests : 0;
+    s.inv = 1.0 / (double)(total - requests);  // total >= requests; inf when equal, then only with cap < requests
     return s;
 }
 
 // first[r] of SPEC 3.7: the first output entry of a row with m rows with entries before it and `off` entries
 // (unsampled) before it. Also first[r + 1] when called with (m + 1, off + L[r]), which is how a side block finds a
 // row's take without its neighbour.
+// Branch-free: both rules are computed and one is selected, so that a row's two calls (its first entry and its
+// next row's) are independent chains the scheduler interleaves (branches around them serialized the two).
 __device__ __forceinline__ i64 first_entry(const Split& s, i64 m, i64 off) {
-    if (s.cap >= s.requests) {  // one entry each, the rest in proportion to len - 1 (the running sum rounded)
-        const i64 a = (s.cap - s.requests) * (off - m), b = s.total - s.requests;
-        return m + (s.by_double ? floor_div(a, b, s.inv) : a / b);
-    }
-    if (s.head + s.cap <= s.requests)  // the requests of ranks [head, head + cap) take one entry each
-        return min(max(m - s.head, (i64)0), s.cap);
-    // ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
-    return min(m, s.head + s.cap - s.requests) + max(m - s.head, (i64)0);
+    // cap >= requests: one entry each, the rest in proportion to len - 1 (the running sum rounded)
+    const i64 share = m + floor_div(s.spare * (off - m), s.total - s.requests, s.inv);
+    // cap < requests: the requests of ranks [head, head + cap) take one entry each, or, when the range wraps,
+    // ranks [head, requests) and [0, head + cap - requests)
+    const i64 after = max(m - s.head, (i64)0);
+    const i64 turn = s.head + s.cap <= s.requests ? min(after, s.cap) : min(m, s.head + s.cap - s.requests) + after;
+    return s.cap >= s.requests ? share : turn;
 }
 
 // The second round (see rank_rows), in the two-pass rows kernel without side blocks (its block 0 is then the
