@@ -20,7 +20,9 @@ request reads an all-zero canary record and all-zero KV bytes. Its slot comes fr
 handed out, taken out of the pool for good. ``swa-evict`` is an SWA page freed while the window still needs it:
 the plan gives that position ``MISSING_SLOT`` and verify reports ``MISSING``. It needs a sliding window
 (``--swa-window``): without one there is no LUT to clear, and the fault is never applied (``not applied (needs
---swa-window)``), which fails the run like any fault never applied.
+--swa-window)``), which fails the run like any fault never applied. ``kv-flip``, ``kv-flip-last``, ``zero-kv``
+and ``swa-evict`` corrupt a mid-window position (neither the window's first nor the write's seed), so a sliding
+window of fewer than 4 positions can never apply them (``not applied (needs --swa-window >= 4 (or none))``).
 
 ``spec-reject`` and ``row-recycle`` leave self-consistent records (chain, positions and real KV agree): only the
 expected-token pool sees them. ``spec-reject`` is speculative decoding's rejected draft left in the KV: the
