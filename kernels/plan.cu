@@ -24,7 +24,8 @@
 // skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
 #define CANARY_SKIP_SEED (-0x7fffffffffffffffLL - 1)
 // Verify slot of an entry of an active row whose slot is the padding slot (a req_to_token 0, or a real slot whose
-// SWA page was freed inside the window), which verify must report, not skip as padding (canary/plan/plans.py MISSING_SLOT). -2^62: no int32 req_to_token value.
+// SWA page was freed inside the window), which verify must report, not skip as padding (canary/plan/plans.py
+// MISSING_SLOT). -2^62: no int32 req_to_token value.
 #define CANARY_MISSING_SLOT (-0x4000000000000000LL)
 // The per-row lengths cannot be trusted: no verify entry is written.
 #define CANARY_NO_ENTRIES \
@@ -317,11 +318,11 @@ __device__ __forceinline__ i64 run_start(i64 offset, i64 take, i64 len) {
 // trips at bs=4096. Now the cursor loads are issued right behind req_pool_indices, before the rank scan, so their
 // round trip hides behind it, and the reset is done from registers in sample_rows.
 //
-// rank_rows stores lo, len and, as stand-ins until sample_rows, rank in base[r] (sample_rows rebuilds base from
-// rp and pdelta: base - pdelta = rp * r2t_row_stride) and rp in rank[r] (what the cursor update needs); pdelta
-// already includes the cursor's offset (sample_rows turns it into the run once the take is known). rp, pdelta and rank are stored for rows with entries only (the others are never
-// emitted from nor advanced). BATCH tiles' loads are issued together and ranked by one block scan. head_raw gets
-// cursors[0] as read here, before anyone writes it. Returns the number of rows with entries. Ends on a barrier:
+// rank_rows stores lo, len and, as stand-ins until sample_rows, rank in base[r], rp in rank[r] (what the cursor
+// update needs) and the cursor's offset in its window in pdelta[r] (sample_rows turns it into the run once the
+// take is known, and rebuilds pdelta and base). rp, pdelta and rank are stored for rows with entries only (the
+// others are never emitted from nor advanced). BATCH tiles' loads are issued together and ranked by one block
+// scan. head_raw gets cursors[0] as read here, before anyone writes it. Returns the number of rows with entries. Ends on a barrier:
 // every cursor read of this block is done, and every read of off[r + 1] before sample_rows rewrites off.
 template <int THREADS, int BATCH>
 __device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t, i64& head_raw) {
@@ -353,7 +354,7 @@ __device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t, i64& h
                 t.len[r] = len[k];
                 t.base[r] = excl[k] + carry;
                 if (len[k] > 0) {
-                    t.pdelta[r] = pd[k] + cursor_offset(cur[k], lo, len[k]);
+                    t.pdelta[r] = cursor_offset(cur[k], lo, len[k]);
                     t.rank[r] = rp[k];
                 }
             }
@@ -436,9 +437,9 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
             const i64 r = r0 + (i64)k * THREADS;
             if (r >= p.bs) continue;
             const i64 first = first_entry(sp, m[k], off[k]);
-            if (len[k] > 0) {  // pd = lo - off[r] + the cursor's offset (rank_rows)
+            if (len[k] > 0) {  // pd: the cursor's offset (rank_rows)
                 const i64 take = first_entry(sp, m[k] + 1, off[k] + len[k]) - first;
-                const i64 pdelta = lo[k] + run_start(pd[k] + off[k] - lo[k], take, len[k]) - first;
+                const i64 pdelta = lo[k] + run_start(pd[k], take, len[k]) - first;
                 t.pdelta[r] = pdelta;
                 t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
                 if (take > 0) p.cursors[rp[k]] = (i64)(-0x7fffffffffffffffLL - 1);
@@ -780,7 +781,7 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
     if (r0 >= bs) return;  // uniform: the tile lies past the batch (the grid is sized from R, not bs)
     __shared__ int s_flags;
     if (threadIdx.x == 0) s_flags = 0;
-    i64 rp[BATCH], lo[BATCH], cnt[BATCH], run[BATCH], voff[BATCH], rank[BATCH];
+    i64 rp[BATCH], lo[BATCH], cnt[BATCH], offset[BATCH], voff[BATCH], rank[BATCH];
     const i64 head_raw = p.cursors[0];
     int flags = 0;
     i64 sums[4] = {0, 0, 0, 0};  // verify entries and rows with entries before the tile; both in the batch
@@ -794,7 +795,7 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
         lo[k] = f.len - f.vcount;
         flags |= f.flags;
         const i64 cur = cnt[k] > 0 ? p.cursors[rp[k]] : 0;  // a row with entries is trusted: 0 < rp < max_reqs
-        run[k] = cnt[k] > 0 ? cursor_offset(cur, lo[k], cnt[k]) : 0;  // the run itself once the take is known
+        offset[k] = cnt[k] > 0 ? cursor_offset(cur, lo[k], cnt[k]) : 0;  // the run, once the take is known
         sums[2] += cnt[k];
         sums[3] += cnt[k] > 0 ? 1 : 0;
     }
@@ -856,7 +857,7 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
         t.rank[r] = 0;  // the request row of a row that takes entries, else 0 (move_cursors reads only this)
         if (cnt[k] > 0) {
             const i64 take = first_entry(sp, rank[k] + 1, voff[k] + cnt[k]) - first;
-            const i64 start = run_start(run[k], take, cnt[k]);
+            const i64 start = run_start(offset[k], take, cnt[k]);
             const i64 pdelta = lo[k] + start - first;
             t.pdelta[r] = pdelta;
             t.base[r] = rp[k] * p.r2t_row_stride + pdelta;

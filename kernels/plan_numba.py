@@ -72,7 +72,8 @@ INT64_MIN = -(1 << 63)
 # skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
 CANARY_SKIP_SEED = -(1 << 63)
 # Verify slot of an entry of an active row whose slot is the padding slot (a req_to_token 0, or a real slot whose
-# SWA page was freed inside the window), which verify must report, not skip as padding (canary/plan/plans.py MISSING_SLOT). -2^62: no int32 req_to_token value.
+# SWA page was freed inside the window), which verify must report, not skip as padding (canary/plan/plans.py
+# MISSING_SLOT). -2^62: no int32 req_to_token value.
 CANARY_MISSING_SLOT = -(1 << 62)
 # The per-row lengths cannot be trusted: no verify entry is written.
 CANARY_NO_ENTRIES = CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN | CANARY_BAD_EXTEND_LEN
@@ -395,13 +396,12 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return q
 
     @cuda.jit(device=True)
-    def first_entry(cap, requests, total, head, by_double, inv, m, off):
+    def first_entry(cap, requests, total, head, inv, m, off):
         """plan.cu's ``first_entry``: the first output entry of a row with m rows with entries and ``off`` entries
-        (unsampled) before it; with (m + 1, off + its length), the next row's, which gives the row's take."""
-        if by_double:  # one entry each, the rest in proportion to len - 1 (the running sum rounded)
+        (unsampled) before it; with (m + 1, off + its length), the next row's, which gives the row's take. The
+        quotient is at most cap - requests < 2^31 (capacities are int32), within floor_div's bound."""
+        if cap >= requests:  # one entry each, the rest in proportion to len - 1 (the running sum rounded)
             return m + floor_div((cap - requests) * (off - m), total - requests, inv)
-        if cap >= requests:
-            return m + (cap - requests) * (off - m) // (total - requests)
         if head + cap <= requests:  # the requests of ranks [head, head + cap) take one entry each
             return min(max(m - head, int64(0)), cap)
         # ... and the range wraps: ranks [head, requests) and [0, head + cap - requests)
@@ -414,16 +414,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         Each thread rewrites only its own rows."""
         cap = verify_capacity
         head = rotation_head(cursors, requests) if cap < requests else int64(0)
-        by_double = cap >= requests and cap - requests < (int64(1) << 50)
-        inv = 1.0 / float64(total - requests) if by_double else 0.0
+        inv = 1.0 / float64(total - requests) if cap >= requests else 0.0
         r = int64(cuda.threadIdx.x)
         while r < bs:
             m = tab[t0 + 7 * tn + r]
             off = tab[t0 + r]
-            first = first_entry(cap, requests, total, head, by_double, inv, m, off)
+            first = first_entry(cap, requests, total, head, inv, m, off)
             ln = tab[t0 + 6 * tn + r]
             if ln > 0:  # a row with entries is trusted: 0 < rp < max_reqs
-                take = first_entry(cap, requests, total, head, by_double, inv, m + 1, off + ln) - first
+                take = first_entry(cap, requests, total, head, inv, m + 1, off + ln) - first
                 lo = tab[t0 + 5 * tn + r]
                 at = cursors[req_pool_indices[r]]
                 run = (at - lo if (at >= lo and at < lo + ln) else int64(0)) - take

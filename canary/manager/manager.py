@@ -20,6 +20,7 @@ from ..interop.adapter import HOST, as_view, identity
 from ..interop.cudart import H2D, OnDevice, runtime
 from ..interop.devices import allocator, cuda_ordinal
 from ..interop.hostcopy import to_host
+from ..plan.plans import MISSING_SLOT, mark_missing
 from ..interop.streams import LaunchStream, is_capturing, launch_stream, library_of
 from ..records.ring import KernelTag, decode
 from .groups import BoundGroup, KVGroup, bind_group, check_groups
@@ -985,7 +986,7 @@ class CanaryManager:
                 continue
             raw = int(column[rp])
             if missing:
-                hit = (raw == 0 or (raw > 0 and translate(raw) == 0)) and (
+                hit = int(mark_missing(raw, translate(raw))) == MISSING_SLOT and (
                     before is None or translate(int(before[rp])) == prev)
             else:
                 hit = translate(raw) == v.slot

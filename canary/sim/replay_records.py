@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from canary import MISSING_SLOT, KernelTag, Violation
+from canary.plan.plans import mark_missing
 
 from .coverage import Coverage
 from .engine import EngineKV, StepLog
@@ -45,7 +46,8 @@ def violation_requests(violations: list[Violation], step: Step, r2t: np.ndarray,
     prefix = step.prefix_lens[:n][None, :]
     needed = (pos[:, None] < prefix) & (pos[:, None] >= (np.maximum(prefix - window, 0) if window else 0))
     missing = (slot == MISSING_SLOT)[:, None]
-    match = np.where(missing, ((raw == 0) | ((raw > 0) & (cand == 0))) & needed, cand == slot[:, None]) & inside[:, None]
+    no_slot = mark_missing(raw, cand) == MISSING_SLOT
+    match = np.where(missing, no_slot & needed, cand == slot[:, None]) & inside[:, None]
     return np.where(match.any(axis=1), step.request_ids[match.argmax(axis=1)], -1)
 
 

@@ -64,7 +64,8 @@ def _decode(e: Engine, rows: dict[str, int], n: int):
 
 
 def _evict(e: Engine, row: int, prefix: int) -> None:
-    e.lut[e.r2t[row, :prefix - W].astype(np.int64)] = 0  # the positions the window left (it is [prefix - W, prefix)): legitimate
+    # The positions the window (now [prefix - W, prefix)) has left: a legitimate eviction
+    e.lut[e.r2t[row, :prefix - W].astype(np.int64)] = 0
 
 
 def test_swa_pages_freed_in_two_requests_at_one_position_are_two_reports():

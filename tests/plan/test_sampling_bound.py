@@ -49,9 +49,9 @@ class Rig:
 
 
 @st.composite
-def layouts(draw, max_prefix: int = 40):
-    """A batch of distinct request rows (some with an empty window) among padding rows, a window, a capacity
-    that samples, and any starting cursors."""
+def layouts(draw, max_prefix: int = 40, windows: tuple[int, ...] = (0, 0, 1, 2, 3, 8, 17)):
+    """A batch of distinct request rows (some with an empty window) among padding rows, a window (one of
+    ``windows``), a capacity that samples, and any starting cursors."""
     n_req = draw(st.integers(1, MAX_REQS - 1))
     rows = draw(st.permutations(range(1, MAX_REQS)))[:n_req]
     prefix = draw(st.lists(st.integers(0, max_prefix), min_size=n_req, max_size=n_req))
@@ -60,7 +60,7 @@ def layouts(draw, max_prefix: int = 40):
     for at in sorted(pads, reverse=True):
         rpi.insert(at, 0)
         pl.insert(at, draw(st.integers(-5, 10 ** 6)))  # a padding row's P is garbage, never read
-    window = draw(st.sampled_from([0, 0, 1, 2, 3, 8, 17]))
+    window = draw(st.sampled_from(windows))
     rpi, pl = np.array(rpi, dtype=np.int64), np.array(pl, dtype=np.int64)
     total = int(_lengths(rpi, pl, window).sum())
     hypothesis.assume(total >= 2)
@@ -125,7 +125,7 @@ def test_a_stable_layout_is_swept_within_k_steps(layout):
 
 
 @hypothesis.settings(max_examples=100, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
-@hypothesis.given(layout=layouts(), steps=st.integers(1, 150))
+@hypothesis.given(layout=layouts(windows=(0,)), steps=st.integers(1, 150))
 def test_decode_growth_stays_within_the_current_k(layout, steps):
     """Every request appends one token per step, windows that do not slide. A token's staleness (consecutive
     steps asked and unverified) never reaches the ``K`` of the current step's layout: the figure docs/replay.md
@@ -133,7 +133,6 @@ def test_decode_growth_stays_within_the_current_k(layout, steps):
     A sliding window, a layout that moves, can exceed it by a step or two while it moves, from some starting
     cursors: the growing-window bound of the next test covers it.)"""
     rpi, prefix, window, cap, cursors = layout
-    hypothesis.assume(window == 0)
     seq = 40 + steps + 2
     rig = Rig(seq=seq, cap=cap, bs=len(rpi), window=window, cursors=cursors)
     active = rpi != 0
@@ -182,8 +181,8 @@ def test_growing_windows_are_swept_within_the_bound(layout, steps, g):
                 least[r] = min(least[r], int((rows == r).sum()))
         run[rows, pos] = 0
         t = np.maximum(least, 1)[:, None]
-        wrap = -(-started // t)
-        bound = wrap + -(-(started + g * wrap) // t)
+        wrap = ceil_div(started, t)
+        bound = wrap + ceil_div(started + g * wrap, t)
         waiting = run > 0
         assert (run[waiting] <= bound[waiting]).all(), (int(run.max()), int(bound[waiting].min()))
         prefix = np.where(active, prefix + g, prefix)
