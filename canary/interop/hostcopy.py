@@ -24,6 +24,8 @@ def to_host(obj: Any) -> np.ndarray:
         return np.from_dlpack(obj)
     if module in ("jax", "jaxlib"):
         return np.asarray(obj)
+    if not hasattr(obj, "__cuda_array_interface__") and dev is None:
+        return np.asarray(obj)  # a host object (a list, a scalar): no GPU library to ask, and none needed
     try:
         import cupy
 

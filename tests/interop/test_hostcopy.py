@@ -39,6 +39,24 @@ class CopyToHost:
         return self._a.copy()
 
 
+
+@pytest.mark.parametrize("obj, want", [([1, 2], np.array([1, 2])), (7, np.array(7)), ([], np.array([]))])
+def test_host_objects_come_back_as_numpy_without_asking_a_gpu_library(obj, want, monkeypatch):
+    """A list or a scalar is host data: no CuPy or Numba import (a fresh install has neither: ``check()`` on such
+    a status raised ModuleNotFoundError instead of its kv-canary error)."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_gpu_libraries(name, *args, **kwargs):
+        if name.split(".")[0] in ("cupy", "numba"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_gpu_libraries)
+    got = to_host(obj)
+    assert isinstance(got, np.ndarray) and np.array_equal(got, want)
+
 def test_numpy_is_returned_as_is():
     a = np.arange(5, dtype=np.int64)
     assert to_host(a) is a  # already host memory: no copy

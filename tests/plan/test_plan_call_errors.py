@@ -79,7 +79,7 @@ def test_check_must_be_a_bool(check):
 
 @pytest.mark.parametrize("status", [[], None, "OK"])
 def test_verify_plan_check_with_a_status_that_is_no_array(status):
-    """(A list [1] is read as the status 1 where CuPy is installed, and refused without it: not asserted.)"""
+    """(A list [1] is host data, read as the status 1 with or without a GPU library installed.)"""
     import dataclasses
 
     case, static, raw = _setup()
