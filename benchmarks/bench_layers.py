@@ -28,7 +28,7 @@ import cupy  # noqa: E402
 from bench_plan import git_commit, gpu_info  # noqa: E402
 
 from canary import CanaryLayers, CanaryRecords, CanaryState, VerifyPlan, WritePlan, real_kv  # noqa: E402
-from canary.records.realkv import fold  # noqa: E402
+from canary.contract.realkv import fold  # noqa: E402
 
 
 def graph_time_us(launch, stream, replays: int, repeats: int) -> float:

@@ -118,7 +118,7 @@ def workloads(rng: np.random.Generator, quick: bool) -> list[Inputs]:
 
 def trace_steps(count: int) -> list[Inputs]:
     """Real step shapes: the bundled conversation trace through the scheduler, ``count`` steps spread evenly."""
-    from canary.sim.scheduler import Scheduler, default_buckets, load_trace
+    from canary.replay.scheduler import Scheduler, default_buckets, load_trace
 
     sched = Scheduler(load_trace("conv", 300), max_batch_size=64, pad_buckets=default_buckets(64), seed=0)
     steps = []

@@ -203,7 +203,7 @@ EMULATE_SCATTER = False
 
 def _scatter(args, token_type=ctypes.c_int64) -> None:
     """kernels/records.cu's scatter on host memory (the expected-token pool is host memory here)."""
-    from canary.backends.records_layout import SCATTER_FIELDS
+    from canary.contract.records_layout import SCATTER_FIELDS
 
     raw = np.ctypeslib.as_array((ctypes.c_uint64 * len(SCATTER_FIELDS)).from_address(args[0].address))
     w = {k: int(v) for k, v in zip(SCATTER_FIELDS, raw)}
@@ -230,7 +230,7 @@ def _scatter(args, token_type=ctypes.c_int64) -> None:
 def _append(args, token_type) -> None:
     """kernels/records.cu's canary_append_tokens on host memory: row r's token into pool row q[r] at column
     valid[r], valid[r] advanced."""
-    from canary.backends.records_layout import APPEND_FIELDS
+    from canary.contract.records_layout import APPEND_FIELDS
 
     raw = np.ctypeslib.as_array((ctypes.c_uint64 * len(APPEND_FIELDS)).from_address(args[0].address))
     w = {k: int(v) for k, v in zip(APPEND_FIELDS, raw)}
@@ -286,8 +286,8 @@ def _bump_counter(name: str, args) -> None:
     """What the manager's health check reads: the kernel's launch counter, one more per launch."""
     at = _COUNTER_AT.get(name)
     if at is None:
-        from canary.backends.records_layout import VERIFY_FIELDS, WRITE_FIELDS
-        from canary.records.ring import KernelTag
+        from canary.contract.records_layout import VERIFY_FIELDS, WRITE_FIELDS
+        from canary.contract.ring import KernelTag
 
         fields, tag = (WRITE_FIELDS, KernelTag.WRITE) if name == "canary_write" else (VERIFY_FIELDS, KernelTag.VERIFY)
         at = _COUNTER_AT[name] = (fields.index("kernel_run_counter"), tag.counter_index)

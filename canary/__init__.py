@@ -1,7 +1,7 @@
 """kv-canary: GPU planning kernels that detect KV-cache corruption in LLM serving engines.
 
 ``import canary`` imports NumPy only; the CuPy and Numba backends import their libraries when first used,
-and the replay application (``canary.sim``) is imported only by the ``kv-canary`` command.
+and the replay application (``canary.replay``) is imported only by the ``kv-canary`` command.
 
 Planning (SPEC 3, ``canary.plan``): :class:`CanaryPlanner`, :func:`launch_canary_plan_kernels`,
 :class:`VerifyPlan`, :class:`WritePlan`, :data:`SKIP_SEED` (a write seed meaning "skip this padding row's
@@ -23,15 +23,15 @@ from .errors import BackendUnavailableError, CanaryInputError, PlanStatus
 from .interop.hostcopy import to_host
 from .manager import CanaryHealthError, CanaryManager, CanaryViolationError, KVGroup, SlotViolation
 from .plan.planner import CanaryPlanner, launch_canary_plan_kernels
-from .plan.plans import MISSING_SLOT, SKIP_SEED, VerifyPlan, WritePlan
+from .contract.plans import MISSING_SLOT, SKIP_SEED, VerifyPlan, WritePlan
 from .records.api import CanaryRecords, scatter_expected_tokens
-from .records.hashes import mix3, splitmix64
+from .contract.hashes import mix3, splitmix64
 from .records.layers import CanaryLayers, LayerTable, layer_kv
-from .records.realkv import RealKV, RealKVMode, real_kv, real_kv_source
-from .records.ring import (
+from .contract.realkv import RealKV, RealKVMode, real_kv, real_kv_source
+from .contract.ring import (
     DEFAULT_CHECK_FLAGS, CheckFlags, FailReason, Health, KernelTag, RingReport, Violation,
 )
-from .records.state import CanaryState
+from .contract.state import CanaryState
 
 __all__ = [
     "DEFAULT_CHECK_FLAGS",

@@ -1,3 +1,3 @@
-from .sim.cli import main
+from .replay.cli import main
 
 raise SystemExit(main())

@@ -21,10 +21,10 @@
 #define CANARY_BAD_EXTEND_LEN 32
 #define CANARY_SAMPLED 64   // total > capacity, on_overflow="sample": capacity entries verified (SPEC 3.7)
 // Seed of a padding row whose tokens sit among the step's tokens (padding_rows_carry_tokens): the canary write
-// skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
+// skips its entries (canary/contract/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
 #define CANARY_SKIP_SEED (-0x7fffffffffffffffLL - 1)
 // Verify slot of an entry of an active row whose slot is the padding slot (a req_to_token 0, or a real slot whose
-// SWA page was freed inside the window), which verify must report, not skip as padding (canary/plan/plans.py
+// SWA page was freed inside the window), which verify must report, not skip as padding (canary/contract/plans.py
 // MISSING_SLOT). -2^62: no int32 req_to_token value.
 #define CANARY_MISSING_SLOT (-0x4000000000000000LL)
 // The per-row lengths cannot be trusted: no verify entry is written.
@@ -59,7 +59,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 // One by-value kernel parameter; every field is 8 bytes, so the host packs it as an array of uint64 words in
-// this order (canary/backends/plan_layout.py PARAM_FIELDS) and updates only the per-step words per call.
+// this order (canary/contract/plan_layout.py PARAM_FIELDS) and updates only the per-step words per call.
 struct PlanParams {
     const i64* req_pool_indices;
     const i64* prefix_lens;

@@ -23,7 +23,7 @@ Same kernels, same structure, same names as plan.cu, so a reader finds each piec
 
 All three kernels take the same arguments: the fields of plan.cu's ``PlanParams``, in its order
 (``PARAMS``; one ``SIGNATURE``). Grids are sized from verify_capacity by the caller, never from data
-(``canary/backends/plan_layout.py`` ``entry_grid``: occupancy-bounded, as plan.cu's host side).
+(``canary/contract/plan_layout.py`` ``entry_grid``: occupancy-bounded, as plan.cu's host side).
 
 Deliberate differences from plan.cu (speed structure only; the outputs are the same bytes):
 
@@ -69,10 +69,10 @@ CANARY_BAD_EXTEND_LEN = 32
 CANARY_SAMPLED = 64  # total > capacity, on_overflow="sample": capacity entries verified (SPEC 3.7)
 INT64_MIN = -(1 << 63)
 # Seed of a padding row whose tokens sit among the step's tokens (padding_rows_carry_tokens): the canary write
-# skips its entries (canary/plan/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
+# skips its entries (canary/contract/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
 CANARY_SKIP_SEED = -(1 << 63)
 # Verify slot of an entry of an active row whose slot is the padding slot (a req_to_token 0, or a real slot whose
-# SWA page was freed inside the window), which verify must report, not skip as padding (canary/plan/plans.py
+# SWA page was freed inside the window), which verify must report, not skip as padding (canary/contract/plans.py
 # MISSING_SLOT). -2^62: no int32 req_to_token value.
 CANARY_MISSING_SLOT = -(1 << 62)
 # The per-row lengths cannot be trusted: no verify entry is written.

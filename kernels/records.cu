@@ -2,7 +2,7 @@
 // Numba twin: records_numba.py. NumPy reference: canary/backends/reference/records.py.
 //
 // Every launch takes ONE by-value parameter struct whose fields are all 8 bytes, so the host packs it as an
-// array of uint64 words (canary/backends/records_layout.py lists the fields; a CI test pins the order) and
+// array of uint64 words (canary/contract/records_layout.py lists the fields; a CI test pins the order) and
 // rewrites only the per-call words. Counts that change per step (write_num_valid_reqs, verify_num_valid,
 // enable, check_flags) are read on the device and grids depend only on capacities, so a captured CUDA graph
 // stays right after the caller refills its buffers in place.
@@ -41,9 +41,9 @@ typedef unsigned long long u64;
 #define ANCHOR_LINK 0x5E7FAE23A9A1B71CULL // CHAIN_TAG | (G_KEY mod FIELD_P): link(-1)
 #define NOT_A_LINK 0ULL
 // A request whose seed is INT64_MIN writes nothing: a padding row whose tokens sit among the step's tokens
-// (planner bound with padding_rows_carry_tokens; canary/plan/plans.py SKIP_SEED). Its slots may be stale.
+// (planner bound with padding_rows_carry_tokens; canary/contract/plans.py SKIP_SEED). Its slots may be stale.
 #define SKIP_SEED (-0x7fffffffffffffffLL - 1)
-// A verify slot of -2^62 is a position the window needs whose SWA mapping was cleared (canary/plan/plans.py
+// A verify slot of -2^62 is a position the window needs whose SWA mapping was cleared (canary/contract/plans.py
 // MISSING_SLOT): reported FAIL_MISSING, nothing read.
 #define MISSING_SLOT (-0x4000000000000000LL)
 

@@ -52,9 +52,9 @@ CHECK_WRITE_POSITION_CHAIN = 1
 CHECK_VERIFY_TOKEN = 2
 
 # A request whose seed is INT64_MIN writes nothing: a padding row whose tokens sit among the step's tokens
-# (planner bound with padding_rows_carry_tokens; canary/plan/plans.py SKIP_SEED). Its slots may be stale.
+# (planner bound with padding_rows_carry_tokens; canary/contract/plans.py SKIP_SEED). Its slots may be stale.
 SKIP_SEED = np.int64(-(1 << 63))
-# A verify slot of -2^62 is a position the window needs whose SWA mapping was cleared (canary/plan/plans.py
+# A verify slot of -2^62 is a position the window needs whose SWA mapping was cleared (canary/contract/plans.py
 # MISSING_SLOT): reported FAIL_MISSING, nothing read.
 MISSING_SLOT = -(1 << 62)
 

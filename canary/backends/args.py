@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..interop.adapter import ArrayView
-from ..plan.plans import VerifyViews, WriteViews
+from ..contract.plans import VerifyViews, WriteViews
 
 
 @dataclass(frozen=True)

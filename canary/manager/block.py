@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..records.ring import RING_ROW_WORDS
+from ..contract.ring import RING_ROW_WORDS
 
 _HEAD = 5  # counters [2] + [2], status
 

@@ -11,10 +11,10 @@ import numpy as np
 from ..errors import check_keywords, fail
 from ..interop.adapter import as_view
 from ..plan.planner import CanaryPlanner
-from ..plan.plans import VerifyPlan, WritePlan
+from ..contract.plans import VerifyPlan, WritePlan
 from ..records.api import CanaryRecords
-from ..records.realkv import RealKVMode, real_kv
-from ..records.state import CanaryState
+from ..contract.realkv import RealKVMode, real_kv
+from ..contract.state import CanaryState
 from .layers import bind_layers
 
 

@@ -20,9 +20,9 @@ from ..interop.adapter import HOST, as_view, identity
 from ..interop.cudart import H2D, OnDevice, runtime
 from ..interop.devices import allocator, cuda_ordinal
 from ..interop.hostcopy import to_host
-from ..plan.plans import MISSING_SLOT, mark_missing
+from ..contract.plans import MISSING_SLOT, mark_missing
 from ..interop.streams import LaunchStream, is_capturing, launch_stream, library_of
-from ..records.ring import KernelTag, decode
+from ..contract.ring import KernelTag, decode
 from .groups import BoundGroup, KVGroup, bind_group, check_groups
 from .layers import verify_layers, write_layers
 from .pool import RequestPool, RowTokens, host_token_array

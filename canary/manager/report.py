@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from ..records.ring import FailReason, KernelTag, Violation
+from ..contract.ring import FailReason, KernelTag, Violation
 
 log = logging.getLogger("kv_canary")
 

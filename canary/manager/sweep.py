@@ -26,7 +26,7 @@ from ..errors import fail
 from ..interop.adapter import as_view
 from ..interop.cudart import H2D, OnDevice, runtime
 from ..interop.hostcopy import to_host
-from ..plan.plans import VerifyPlan
+from ..contract.plans import VerifyPlan
 from .groups import BoundGroup
 
 SLOT, TOKEN, POSITION, PREV = range(4)

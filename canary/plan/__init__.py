@@ -1,2 +1,2 @@
-"""Planning (SPEC 3): the plan buffers (:mod:`.plans`), the planner and SGLang's one-shot entry point
-(:mod:`.planner`), and the per-row rules shared with the reference (:mod:`.rows`)."""
+"""Planning's front object (SPEC 3): the planner and SGLang's one-shot entry point (:mod:`.planner`). The plan
+buffers and the per-row rules are the contract's (:mod:`canary.contract.plans`, :mod:`canary.contract.rows`)."""

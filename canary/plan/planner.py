@@ -15,11 +15,11 @@ from ..interop.adapter import ArrayView, as_view, check_same_device, check_view
 from ..interop.callviews import CallViews, Reuse, fingerprint
 from ..interop.hostcopy import part_to_host, to_host
 from ..interop.overlap import Spans, check_disjoint, spans
-from .plans import (
+from ..contract.plans import (
     INT64, VERIFY_ENTRY_FIELDS, VERIFY_SCALAR_FIELDS, WRITE_FIELDS, VerifyPlan, WritePlan, raise_for_status,
     view_verify_plan, view_write_plan,
 )
-from .rows import bad_slot_rows, first_bad_row, row_checks
+from ..contract.rows import bad_slot_rows, first_bad_row, row_checks
 
 
 # The bound of the int arguments that enter the plan's int64 index arithmetic: positions (< 2**31) plus or minus
@@ -160,7 +160,7 @@ class CanaryPlanner:
       padding tokens lie past ``write_offsets[bs]``). ``True`` (a fixed-shape batch that keeps finished
       requests' rows in place, anywhere in the batch, tokens and all): a padding row's ``E`` tokens sit at its
       place in batch order, so ``write_offsets`` counts them and the row's seed is
-      :data:`~canary.plan.plans.SKIP_SEED`, which makes the canary write skip them. The wrong choice shifts
+      :data:`~canary.contract.plans.SKIP_SEED`, which makes the canary write skip them. The wrong choice shifts
       every later row's tokens: the canary then reports violations on a clean run.
     - ``verify_capacity``: optional; must equal ``C`` when given.
     - ``max_batch_size``: largest ``bs`` accepted (default ``R``); sizes the planner's scratch.

@@ -1,7 +1,5 @@
-"""The canary records (SPEC 4): the per-slot records that write and verify keep beside the KV cache.
-
-:mod:`.api` launches write / verify / scatter (:class:`~canary.CanaryRecords`, ``scatter_expected_tokens``),
-:mod:`.state` holds the device state (canary buffer, violation ring, counters, flags), :mod:`.ring` defines
-the record and ring formats and decodes violations, :mod:`.realkv` says which KV bytes a record hashes, and
-:mod:`.hashes` defines the hash functions.
+"""The canary records' front objects (SPEC 4): :mod:`.api` launches write / verify / scatter
+(:class:`~canary.CanaryRecords`, ``scatter_expected_tokens``) and :mod:`.layers` the layer rotation
+(:class:`~canary.CanaryLayers`). The formats they read and write (state, ring, real-KV sources, hashes) are the
+contract's: :mod:`canary.contract`.
 """

@@ -1,6 +1,6 @@
 """Host entry points of the canary write and verify kernels and of the expected-token scatter (SPEC 4).
 
-:class:`CanaryRecords` binds a :class:`~canary.records.state.CanaryState` and a :class:`~canary.records.realkv.RealKV` once, then
+:class:`CanaryRecords` binds a :class:`~canary.contract.state.CanaryState` and a :class:`~canary.contract.realkv.RealKV` once, then
 launches per step: :meth:`CanaryRecords.write` after the step's KV stores, :meth:`CanaryRecords.verify` on a verify
 plan, :meth:`CanaryRecords.drain` to read violations. Every argument is validated on the host before any launch
 (``kv-canary:`` messages naming the argument, expected and actual values; no silent casts). Semantics:
@@ -22,11 +22,11 @@ from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check
 from ..interop.overlap import Spans, spans
 from ..interop.streams import launch_stream
 from ..interop.callviews import CallViews, Reuse, fingerprint
-from ..plan.plans import INT32, INT64, VerifyPlan, WritePlan, view_verify_plan, view_write_plan
-from .realkv import RealKV
-from .realkv import real_kv as make_real_kv
-from .ring import KernelTag, RingReport, encode_tag
-from .state import CanaryState, bind_state
+from ..contract.plans import INT32, INT64, VerifyPlan, WritePlan, view_verify_plan, view_write_plan
+from ..contract.realkv import RealKV
+from ..contract.realkv import real_kv as make_real_kv
+from ..contract.ring import KernelTag, RingReport, encode_tag
+from ..contract.state import CanaryState, bind_state
 
 
 

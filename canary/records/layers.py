@@ -38,9 +38,9 @@ from ..interop.callviews import CallViews
 from ..interop.devices import allocator, on_device_of
 from ..interop.hostcopy import to_host
 from ..interop.overlap import Spans, check_disjoint, spans
-from ..plan.plans import INT32, INT64, VerifyPlan, WritePlan, view_verify_plan, view_write_plan
-from .realkv import RealKV, RealKVMode, real_kv
-from .ring import MAX_LAYERS, encode_layer_tag
+from ..contract.plans import INT32, INT64, VerifyPlan, WritePlan, view_verify_plan, view_write_plan
+from ..contract.realkv import RealKV, RealKVMode, real_kv
+from ..contract.ring import MAX_LAYERS, encode_layer_tag
 
 CURSOR_WORDS = 2  # layer_cursor: [layer, steps spent on it]
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from canary import CanaryRecords, CanaryState, VerifyPlan, WritePlan
 from canary.interop.hostcopy import to_host
-from canary.plan.plans import MISSING_SLOT, SKIP_SEED
+from canary.contract.plans import MISSING_SLOT, SKIP_SEED
 from canary.records.layers import CanaryLayers, LayerTable
 
 RING = 512

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from canary import MISSING_SLOT, VerifyPlan, WritePlan
-from canary.records.hashes import ANCHOR_LINK
-from canary.records.realkv import RealKVMode, real_kv
-from canary.records.ring import RING_ROW_WORDS, CheckFlags, FailReason
-from canary.records.state import CanaryState
+from canary.contract.hashes import ANCHOR_LINK
+from canary.contract.realkv import RealKVMode, real_kv
+from canary.contract.ring import RING_ROW_WORDS, CheckFlags, FailReason
+from canary.contract.state import CanaryState
 from canary import CanaryRecords, scatter_expected_tokens
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -472,7 +472,7 @@ def _flip(sources: list, flips: list[tuple[int, int, int]]) -> list:
 
 def _real_kv_flip(case: CanaryCase, written_sources: list) -> CanaryCase:
     """Records as a write over ``written_sources`` would leave them, then a verify over changed sources."""
-    from canary.records.realkv import fold
+    from canary.contract.realkv import fold
 
     kv = real_kv(written_sources, case.mode)
     slots = np.arange(1, case.num_slots, dtype=np.int64)

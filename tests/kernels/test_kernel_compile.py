@@ -41,7 +41,7 @@ def test_plan_cu_compiles_every_specialization(arch):
 
 def test_plan_params_layout_matches_the_cuda_struct():
     """The CuPy backend packs PlanParams word by word: its field list must be the struct's, in order."""
-    from canary.backends.plan_layout import CONSTANTS, PARAM_FIELDS
+    from canary.contract.plan_layout import CONSTANTS, PARAM_FIELDS
 
     src = cuda_source("plan")
     body = src[src.index("struct PlanParams {"):]
@@ -113,9 +113,9 @@ def _struct_fields(src: str, name: str, nested: dict) -> tuple:
 def test_canary_params_layout_matches_the_cuda_structs():
     """The CuPy backend packs records.cu's structs word by word: the field lists must be the structs', in order,
     and every field 8 bytes (a pointer, i64 or u64; nested structs of those)."""
-    from canary.backends import records_layout as L
-    from canary.records.hashes import ANCHOR_LINK
-    from canary.records.ring import CheckFlags, FailReason
+    from canary.contract import records_layout as L
+    from canary.contract.hashes import ANCHOR_LINK
+    from canary.contract.ring import CheckFlags, FailReason
 
     src = cuda_source("records")
     state = _struct_fields(src, "StateParams", {})
@@ -139,7 +139,7 @@ def test_canary_params_layout_matches_the_cuda_structs():
         if flag:
             assert re.search(rf"#define CHECK_{flag.name} {int(flag)}\b", src), flag
     assert f"#define ANCHOR_LINK 0x{ANCHOR_LINK & 0xFFFFFFFFFFFFFFFF:016X}ULL" in src
-    from canary.records import hashes
+    from canary.contract import hashes
 
     for name in ("FIELD_P", "CHAIN_TAG", "CHAIN_MUL", "G_KEY"):
         assert re.search(rf"#define {name} 0x{getattr(hashes, name):016X}ULL\b", src), name
@@ -199,7 +199,7 @@ def test_missing_slot_is_the_same_everywhere():
 def test_fused_grid_adds_one_cursor_block_to_a_sampling_planner():
     """plan.cu fused_sampled: the last block of a sampling planner's fused grid emits nothing and spins until the
     emitting blocks have counted in, so the grid must fit on the device at once (one wave)."""
-    from canary.backends.plan_layout import ENTRY_THREADS, ITEMS, entry_grid, fused_grid
+    from canary.contract.plan_layout import ENTRY_THREADS, ITEMS, entry_grid, fused_grid
 
     per_block = ENTRY_THREADS * ITEMS
     for cap in (1, per_block, per_block + 1, 65536, 10**9):
@@ -213,7 +213,7 @@ def test_fused_grid_adds_one_cursor_block_to_a_sampling_planner():
 def test_rows_grid_adds_side_blocks_to_a_sampling_planner_when_they_fit():
     """plan.cu side_rows: a sampling planner's two-pass rows launch has one side block a tile of SIDE_ROWS rows of
     the batch capacity, up to one wave of the device (each reads every row), else one block."""
-    from canary.backends.plan_layout import SIDE_ROWS, rows_grid, scratch_words, side_tiles
+    from canary.contract.plan_layout import SIDE_ROWS, rows_grid, scratch_words, side_tiles
 
     assert rows_grid(4096, 132, 1, sample=False) == 1
     assert rows_grid(1, 132, 1, sample=True) == 2

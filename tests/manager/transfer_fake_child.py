@@ -32,7 +32,7 @@ import cupy  # noqa: E402 - the fake
 
 from canary import CanaryManager, FailReason, KVGroup  # noqa: E402
 from canary.interop.devices import allocator  # noqa: E402
-from canary.records.ring import KernelTag, append_rows, encode_tag  # noqa: E402
+from canary.contract.ring import KernelTag, append_rows, encode_tag  # noqa: E402
 
 ROWS, SEQ = 4, 16
 r2t_host = np.arange(ROWS * SEQ, dtype=np.int32).reshape(ROWS, SEQ)

@@ -89,7 +89,7 @@ def test_simulator_mode():
 def test_kernel_arguments_are_plan_cu_params():
     """The twin's kernels take PlanParams' fields in plan.cu's order (pinned against the source by
     tests/kernels/test_kernel_compile.py)."""
-    from canary.backends.plan_layout import PARAM_FIELDS
+    from canary.contract.plan_layout import PARAM_FIELDS
 
     assert nb.plan_numba.PARAM_FIELDS == PARAM_FIELDS
 

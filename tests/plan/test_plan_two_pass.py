@@ -115,7 +115,7 @@ def test_hostile_step_sequences(seed, side_blocks):
     import cupy
 
     from canary import CanaryPlanner, LaunchConfig
-    from canary.backends.plan_layout import SCRATCH_TABLE, TABLE_ARRAYS
+    from canary.contract.plan_layout import SCRATCH_TABLE, TABLE_ARRAYS
     from helpers.plan_cases import make_plans, to_xp
 
     rng = np.random.default_rng(seed)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from canary import CanaryPlanner, PlanStatus, VerifyPlan, WritePlan
-from canary.sim.coverage import sweep_bound  # K of SPEC 3.7, the bound the replay reports
+from canary.replay.coverage import sweep_bound  # K of SPEC 3.7, the bound the replay reports
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from helpers.naive_records import M64
 from helpers.naive_records import splitmix64 as _splitmix64_py  # the independent pure-Python definition
 
-from canary.records import hashes
+from canary.contract import hashes
 
 from helpers.hash_vectors import CHAIN_ANCHOR_LINK, CHAIN_LINK_VECTORS, MIX3_VECTORS, MULMOD_VECTORS, SPLITMIX64_VECTORS
 from helpers.naive_records import chain_link as _chain_link_py

@@ -15,8 +15,8 @@ from canary import CanaryRecords, CanaryState, FailReason, KernelTag, VerifyPlan
 from canary.backends.reference.layers import owner_search
 from canary.backends.sources import cuda_source
 from canary.records.layers import CanaryLayers, LayerTable, layer_kv
-from canary.records.realkv import fold, real_kv
-from canary.records.ring import decode_row, encode_layer_tag
+from canary.contract.realkv import fold, real_kv
+from canary.contract.ring import decode_row, encode_layer_tag
 
 SUITE = Path(__file__).resolve().parent / "layers_sim_suite.py"
 NB = 32
@@ -221,7 +221,7 @@ def _struct_fields(src: str, name: str) -> tuple:
 
 
 def test_layer_params_layout_matches_the_cuda_struct():
-    from canary.backends.layers_layout import CONSTANTS, LAYER_FIELDS
+    from canary.contract.layers_layout import CONSTANTS, LAYER_FIELDS
 
     src = cuda_source("records")
     assert _struct_fields(src, "LayerParams") == LAYER_FIELDS

@@ -8,7 +8,7 @@ from helpers import naive_records as naive
 from helpers.hash_vectors import FOLD_SLOT, REAL_KV_FOLD_VECTORS, fold_vector_sources
 from helpers.naive_records import splitmix64 as _sm  # the oracle's pure-Python definition
 
-from canary.records.realkv import MAX_SOURCES, RealKVMode, fold, real_kv, real_kv_source
+from canary.contract.realkv import MAX_SOURCES, RealKVMode, fold, real_kv, real_kv_source
 
 def _fold_py(token_bytes_per_source: list[bytes]) -> int:
     """SPEC 4 by hand: per source, acc = s(acc ^ word) over little-endian words; combine acc = s(acc ^ h); then

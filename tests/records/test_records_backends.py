@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from canary import SKIP_SEED
-from canary.records.realkv import RealKVMode
+from canary.contract.realkv import RealKVMode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 BACKENDS = ["cupy", "numba"]
@@ -281,8 +281,8 @@ def _verify_args(rng, num_slots, n=24):
 def test_drain_decodes_gpu_rows(backend):
     """Allocate on the GPU, detect a wrong token, drain into readable records, and the ring is reset."""
     from canary import VerifyPlan, WritePlan
-    from canary.records.ring import FailReason, KernelTag
-    from canary.records.state import CanaryState
+    from canary.contract.ring import FailReason, KernelTag
+    from canary.contract.state import CanaryState
     from canary import CanaryRecords
 
     cupy = _cupy()
@@ -331,7 +331,7 @@ def _on(device: int, a):
 
 
 def test_engine_clean_replay_on_gpu(backend):
-    from canary.sim.engine import Engine
+    from canary.replay.engine import Engine
 
     cupy = _cupy()
     e = Engine(requests=60, xp=cupy, backend=backend)
@@ -345,8 +345,8 @@ def test_engine_clean_replay_on_gpu(backend):
 
 @pytest.mark.parametrize("kind", ["kv-flip", "overwrite", "position", "token", "stale-row"])
 def test_engine_detects_each_fault_on_gpu(backend, kind):
-    from canary.sim.engine import Engine
-    from canary.sim.faults import Fault, Injector
+    from canary.replay.engine import Engine
+    from canary.replay.faults import Fault, Injector
 
     cupy = _cupy()
     e = Engine(requests=40, xp=cupy, backend=backend)

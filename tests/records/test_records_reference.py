@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from canary import MISSING_SLOT, SKIP_SEED, VerifyPlan, WritePlan
 from canary.backends.reference import records as reference_canary
-from canary.sim.engine import Engine
+from canary.replay.engine import Engine
 from canary.errors import BackendUnavailableError
-from canary.sim.faults import Fault, Injector
-from canary.records.hashes import ANCHOR_LINK, link
-from canary.records.realkv import RealKVMode, real_kv
-from canary.records.ring import CheckFlags, FailReason, KernelTag, decode_row, encode_tag
-from canary.records.state import CanaryState, bind_state
+from canary.replay.faults import Fault, Injector
+from canary.contract.hashes import ANCHOR_LINK, link
+from canary.contract.realkv import RealKVMode, real_kv
+from canary.contract.ring import CheckFlags, FailReason, KernelTag, decode_row, encode_tag
+from canary.contract.state import CanaryState, bind_state
 from canary import CanaryRecords, scatter_expected_tokens
 
 F = FailReason
@@ -494,7 +494,7 @@ def test_kvcanary_binding_validation():
 # End to end over the replay scheduler.
 
 
-def _rows_of(log):
+def rows_of(log):
     return [(v.kernel, v.slot, v.position, v.reasons) for v in log.report]
 
 
@@ -541,7 +541,7 @@ def test_fault_spec_reject_is_seen_by_the_pool_only():
     next verify reports VERIFY_TOKEN at its position, nothing else (the chain is self-consistent)."""
     f, log, nxt = _inject(Engine(requests=40), "spec-reject")
     assert log.report.total == 0 and f.written_token != f.expected_token
-    assert _rows_of(nxt) == [(KernelTag.VERIFY, f.slot, f.position, F.VERIFY_TOKEN)]
+    assert rows_of(nxt) == [(KernelTag.VERIFY, f.slot, f.position, F.VERIFY_TOKEN)]
 
 
 @pytest.mark.parametrize("pool_by_request", [True, False])
@@ -550,7 +550,7 @@ def test_fault_row_recycle_needs_the_pool_keyed_by_request(pool_by_request):
     verify reports VERIFY_TOKEN on the recycled positions; keyed by the row, the other request's tokens are in
     that pool row too, and nothing fires (the blind spot expected_token_pool_indices closes)."""
     f, _, nxt = _inject(Engine(requests=40, pool_by_request=pool_by_request), "row-recycle")
-    rows = _rows_of(nxt)
+    rows = rows_of(nxt)
     if not pool_by_request:
         assert rows == []
         return
@@ -559,7 +559,7 @@ def test_fault_row_recycle_needs_the_pool_keyed_by_request(pool_by_request):
 
 def test_fault_flipped_kv_byte():
     f, _, nxt = _inject(Engine(requests=40), "kv-flip")
-    assert _rows_of(nxt) == [(KernelTag.VERIFY, f.slot, f.position, F.REAL_KV)]
+    assert rows_of(nxt) == [(KernelTag.VERIFY, f.slot, f.position, F.REAL_KV)]
 
 
 def test_fault_slot_overwritten_by_another_request():
@@ -580,7 +580,7 @@ def test_fault_wrong_position():
     assert f.written_position == q + 1
     assert [(v.kernel, v.slot, v.position, v.reasons, v.expected_aux) for v in log.report] == [
         (KernelTag.WRITE, slot, q + 1, F.WRITE_POSITION, q)]
-    assert (KernelTag.VERIFY, slot, q, F.POSITION) in _rows_of(nxt)
+    assert (KernelTag.VERIFY, slot, q, F.POSITION) in rows_of(nxt)
 
 
 def test_fault_wrong_token_with_expected_token_pool():

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from canary.records.ring import DEFAULT_CHECK_FLAGS, RING_FIELDS, CheckFlags, FailReason, KernelTag, Violation, append_rows, decode, encode_tag
-from canary.records.state import CanaryState, bind_state
+from canary.contract.ring import DEFAULT_CHECK_FLAGS, RING_FIELDS, CheckFlags, FailReason, KernelTag, Violation, append_rows, decode, encode_tag
+from canary.contract.state import CanaryState, bind_state
 
 
 def _rows(k: int, start: int = 0) -> np.ndarray:

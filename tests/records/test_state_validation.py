@@ -9,7 +9,7 @@ import pytest
 
 from canary import CanaryState, CheckFlags, CanaryRecords, VerifyPlan, WritePlan, real_kv
 from canary.interop.adapter import as_view, check_view
-from canary.records.state import bind_state
+from canary.contract.state import bind_state
 
 
 def test_state_is_frozen():

@@ -1,4 +1,4 @@
-"""Verify coverage of ``kv-canary replay --canary`` (:mod:`canary.sim.coverage`): exact values on runs small
+"""Verify coverage of ``kv-canary replay --canary`` (:mod:`canary.replay.coverage`): exact values on runs small
 enough to work out by hand, and the relations that hold on a real trace."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from canary import PlanStatus, VerifyPlan
-from canary.sim import cli
-from canary.sim.coverage import SAMPLED, Coverage
-from canary.sim.engine import Engine
-from canary.sim.faults import Fault, Injector
-from canary.sim.scheduler import Step
+from canary.replay import cli
+from canary.replay.coverage import SAMPLED, Coverage
+from canary.replay.engine import Engine
+from canary.replay.faults import Fault, Injector
+from canary.replay.scheduler import Step
 
 KEYS = {"unverified_steps", "sampled_steps", "verified_fraction", "max_staleness_steps", "cached_token_steps",
         "verified_token_steps"}

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import canary.manager.groups
-import canary.sim.replay
-from canary.sim import cli
-from canary.sim.scheduler import Scheduler, default_buckets, load_trace
+import canary.replay.replay
+from canary.replay import cli
+from canary.replay.scheduler import Scheduler, default_buckets, load_trace
 
 
 def run_checked(sched: Scheduler) -> dict:
@@ -181,7 +181,7 @@ def test_cli_replay_counts_overflow_steps(tmp_path):
 
 
 def test_check_every_catches_a_write_into_the_untouched_region(monkeypatch, capsys):
-    real = canary.sim.replay.CanaryPlanner
+    real = canary.replay.replay.CanaryPlanner
 
     class Scribbler(real):
         """Plans correctly, then writes past ``verify_num_valid``, where a plan must not write."""
@@ -196,7 +196,7 @@ def test_check_every_catches_a_write_into_the_untouched_region(monkeypatch, caps
         made.append(backend)  # the replay builds the planner under test first, then the reference
         return (Scribbler if len(made) == 1 else real)(backend=backend, **kw)
 
-    monkeypatch.setattr(canary.sim.replay, "CanaryPlanner", factory)
+    monkeypatch.setattr(canary.replay.replay, "CanaryPlanner", factory)
     monkeypatch.setattr(canary.manager.groups, "CanaryPlanner", factory)  # the manager's planner, built first
     assert cli.main(["replay", "--backend", "reference", "--max-requests", "10", "--check-every", "5"]) == 1
     text = capsys.readouterr().out

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from canary.sim import cli
-from canary.sim.replay import INT32_MAX
+from canary.replay import cli
+from canary.replay.replay import INT32_MAX
 
 
 def refused(capsys, *argv: str) -> str:
@@ -149,7 +149,7 @@ def test_json_written_in_the_current_directory(capsys, tmp_path, monkeypatch):
 
 
 def test_sizes_the_host_cannot_hold_name_the_options(capsys, monkeypatch):
-    import canary.sim.replay as replay
+    import canary.replay.replay as replay
 
     def too_big(*args, **kwargs):
         raise MemoryError("Unable to allocate 4.00 TiB")

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from helpers import naive_records as naive
 
-import canary.sim.engine
-import canary.sim.replay
-import canary.sim.replay_manager
-from canary.sim import cli
-from canary.sim.engine import _splitmix64, kv_bytes, token_of
-from canary.sim.faults import KINDS
+import canary.replay.engine
+import canary.replay.replay
+import canary.replay.replay_manager
+from canary.replay import cli
+from canary.replay.engine import _splitmix64, kv_bytes, token_of
+from canary.replay.faults import KINDS
 from canary import splitmix64  # the public hash
 
 M64 = (1 << 64) - 1
@@ -62,7 +62,7 @@ def test_token_of_vectorized():
 
 
 def test_kv_bytes_are_little_endian_splitmix64_words_of_the_key():
-    """canary/sim/engine.py: token (r, p) has the key ``(r << 24 | p) * 16``; its 96 KV bytes are the 12 words
+    """canary/replay/engine.py: token (r, p) has the key ``(r << 24 | p) * 16``; its 96 KV bytes are the 12 words
     ``splitmix64(key + j)``, j = 0..11, each as 8 little-endian bytes (K: words 0-3, V: words 4-11)."""
     pairs = [(1, 3), (2, 4), (0, 0), (300, 65535)]
     got = kv_bytes(np.array([r for r, _ in pairs]), np.array([p for _, p in pairs]))
@@ -215,7 +215,7 @@ def test_a_fault_never_applied_fails_the_run(tmp_path, capsys):
 
 
 def test_a_clean_run_with_violations_fails(tmp_path, monkeypatch, capsys):
-    real = canary.sim.replay_manager.ManagerReplay.run
+    real = canary.replay.replay_manager.ManagerReplay.run
 
     def run(self, step, *args, **kw):  # a stray kernel flips every V byte after step 10
         log = real(self, step, *args, **kw)
@@ -223,7 +223,7 @@ def test_a_clean_run_with_violations_fails(tmp_path, monkeypatch, capsys):
             self.kv.v ^= 1
         return log
 
-    monkeypatch.setattr(canary.sim.replay_manager.ManagerReplay, "run", run)
+    monkeypatch.setattr(canary.replay.replay_manager.ManagerReplay, "run", run)
     rc, s = _replay(tmp_path, "--canary", "--max-requests", "8")  # every later step reports: keep the run short
     text = capsys.readouterr().out
     c = s["canary"]
@@ -244,16 +244,16 @@ def test_bad_inject_values(capsys, value):
 
 @pytest.mark.parametrize("asked", [["--canary"], ["--inject", "kv-flip@3"], ["--canary", "--inject", "token@3"]])
 def test_canary_on_numba_arrays_needs_cupy(monkeypatch, capsys, asked):
-    monkeypatch.setattr(canary.sim.replay, "_placement", lambda backend: "numba")
+    monkeypatch.setattr(canary.replay.replay, "_placement", lambda backend: "numba")
     assert cli.main(["replay", "--max-requests", "2", *asked]) == 2
     named = "--inject" if "--inject" in asked else "--canary"  # the message names the argument that asked for it
     assert f"kv-canary: {named}: expected CuPy" in capsys.readouterr().out
 
 
 def test_numba_arrays_alone_plan_only(monkeypatch, capsys):
-    monkeypatch.setattr(canary.sim.replay, "_placement", lambda backend: "numba")
-    host_arrays = canary.sim.replay._Arrays
-    monkeypatch.setattr(canary.sim.replay, "_Arrays", lambda kind: host_arrays("host"))  # no GPU here
+    monkeypatch.setattr(canary.replay.replay, "_placement", lambda backend: "numba")
+    host_arrays = canary.replay.replay._Arrays
+    monkeypatch.setattr(canary.replay.replay, "_Arrays", lambda kind: host_arrays("host"))  # no GPU here
     assert cli.main(["replay", "--max-requests", "2"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
     assert "Numba device arrays only (no CuPy): planning only, as with --plan-only" in out

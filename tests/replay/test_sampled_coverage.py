@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from canary.sim import cli
-from canary.sim.faults import KINDS
+from canary.replay import cli
+from canary.replay.faults import KINDS
 
 TRACES = ("conv", "code")
 

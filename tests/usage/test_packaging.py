@@ -32,7 +32,7 @@ def test_installed_wheel_finds_its_kernels(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, timeout=600)
     probe = (
-        "import canary, canary.backends.sources as b, canary.sim.scheduler as s\n"
+        "import canary, canary.backends.sources as b, canary.replay.scheduler as s\n"
         "assert canary.__file__.startswith(%r), canary.__file__\n"
         "assert 'extern \"C\" __global__' in b.cuda_source('plan')\n"
         "assert b.kernels_dir().joinpath('plan_numba.py').is_file()\n"

@@ -6,10 +6,10 @@ launches once on the caller's stream: graph-capturable after :meth:`Bound.warmup
 """
 from __future__ import annotations
 
-from ...records.ring import KernelTag, encode_tag
-from ...records.state import StateViews
+from ...contract.ring import KernelTag, encode_tag
+from ...contract.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
-from ..layers_layout import LAYER_FIELDS, LAYER_THREADS, layer_grid
+from ...contract.layers_layout import LAYER_FIELDS, LAYER_THREADS, layer_grid
 from . import OnDevice, Params, Streams, cupy, load_functions
 from .records import real_kv_words, state_words
 

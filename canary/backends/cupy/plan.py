@@ -10,7 +10,7 @@ host sync, so the call can be captured in a CUDA graph.
 from __future__ import annotations
 
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
-from ..plan_layout import (ENTRY_THREADS, FUSED_MAX_BS, PARAM_FIELDS, ROWS_THREADS, entry_grid, fused_grid, rows_grid,
+from ...contract.plan_layout import (ENTRY_THREADS, FUSED_MAX_BS, PARAM_FIELDS, ROWS_THREADS, entry_grid, fused_grid, rows_grid,
                            scratch_words)
 from . import Params, Streams, cupy, load_functions
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...records.realkv import RealKV
-from ...records.ring import KernelTag, encode_tag
-from ...records.state import StateViews
+from ...contract.realkv import RealKV
+from ...contract.ring import KernelTag, encode_tag
+from ...contract.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
-from ..records_layout import (
+from ...contract.records_layout import (
     APPEND_FIELDS, MAX_SOURCES, REAL_KV_FIELDS, SCATTER_FIELDS, SCATTER_THREADS, VERIFY_FIELDS, VERIFY_THREADS,
     WRITE_FIELDS, WRITE_THREADS, verify_grid, write_grid,
 )

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...records.ring import KernelTag, encode_tag
-from ...records.state import StateViews
+from ...contract.ring import KernelTag, encode_tag
+from ...contract.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
-from ..layers_layout import layer_grid
+from ...contract.layers_layout import layer_grid
 from . import ON_DEVICE as _ON_DEVICE
 from . import SIMULATOR
 from .records import BLOCKS_PER_SM, SIMULATOR_THREADS, Bound as RecordsBound, _flat_words

@@ -26,7 +26,7 @@ import warnings
 import numpy as np
 
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
-from ..plan_layout import entry_grid
+from ...contract.plan_layout import entry_grid
 from ..sources import numba_kernels
 from . import ON_DEVICE, SIMULATOR, PerformanceWarning, cuda, device_array, flat_len
 

@@ -15,11 +15,11 @@ import warnings
 import numpy as np
 
 from ...interop.memview import host_view
-from ...records.realkv import RealKV
-from ...records.ring import KernelTag, encode_tag
-from ...records.state import StateViews
+from ...contract.realkv import RealKV
+from ...contract.ring import KernelTag, encode_tag
+from ...contract.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
-from ..records_layout import MAX_SOURCES, verify_grid, write_grid
+from ...contract.records_layout import MAX_SOURCES, verify_grid, write_grid
 from ..sources import numba_kernels
 from . import ON_DEVICE, SIMULATOR, PerformanceWarning, cuda, device_array
 

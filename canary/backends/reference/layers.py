@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...plan.plans import SKIP_SEED
-from ...records.realkv import fold
-from ...records.ring import TOKEN, FailReason, KernelTag, KIND_BITS, append_rows
-from ...records.state import StateViews
+from ...contract.plans import SKIP_SEED
+from ...contract.realkv import fold
+from ...contract.ring import TOKEN, FailReason, KernelTag, KIND_BITS, append_rows
+from ...contract.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
 from .records import _gather_fields, _rows
 
@@ -76,7 +76,7 @@ def write_layers(state: StateViews, *, layer_hashes: np.ndarray, layer_cursor: n
 def verify_layer(state: StateViews, *, layer_hashes: np.ndarray, layer_cursor: np.ndarray, layers, tag: int,
                  verify_slot_indices: np.ndarray, verify_expected_tokens: np.ndarray,
                  verify_expected_positions: np.ndarray, verify_num_valid: np.ndarray, enable: np.ndarray) -> None:
-    """One ``verify_layer`` launch (docs/records.md 10.3); ``tag``: :func:`canary.records.ring.encode_layer_tag`'s."""
+    """One ``verify_layer`` launch (docs/records.md 10.3); ``tag``: :func:`canary.contract.ring.encode_layer_tag`'s."""
     ci = KernelTag.VERIFY_LAYER.counter_index
     state.host("kernel_run_counter")[ci] += 1
     if int(enable[0]) == 0:

@@ -8,28 +8,12 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import PlanStatus
-from ...plan.plans import SKIP_SEED, mark_missing
-from ...plan.rows import row_checks
+from ...contract.plans import SKIP_SEED, mark_missing, translate
+from ...contract.rows import row_checks
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 
 NAME = "reference"
 ON_DEVICE = False
-
-
-def translate(raw: np.ndarray, lut: np.ndarray | None) -> tuple[np.ndarray, bool]:
-    """``T`` of SPEC 3.2 on int64 ``raw``: negatives pass, else ``lut[x]``; ``x >= len(lut)`` gives -1.
-
-    Returns the translated values and whether any value was out of the LUT's range (``BAD_SLOT``).
-    """
-    if lut is None:
-        return raw, False
-    out = raw.copy()
-    nonneg = raw >= 0
-    bad = nonneg & (raw >= lut.shape[0])
-    ok = nonneg & ~bad
-    out[ok] = lut[raw[ok]]
-    out[bad] = -1
-    return out, bool(bad.any())
 
 
 def _flat_rows(a: np.ndarray) -> tuple[np.ndarray, int]:

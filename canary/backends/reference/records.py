@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...plan.plans import MISSING_SLOT, SKIP_SEED
-from ...records.hashes import ANCHOR_LINK, MASK64, chain_step_u64, chain_values
-from ...records.realkv import RealKV, _rows_of, fold
-from ...records.state import StateViews
+from ...contract.plans import MISSING_SLOT, SKIP_SEED
+from ...contract.hashes import ANCHOR_LINK, MASK64, chain_step_u64, chain_values
+from ...contract.realkv import RealKV, rows_of, fold
+from ...contract.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
-from ...records.ring import (
+from ...contract.ring import (
     POSITION,
     PREV_HASH,
     REAL_KV_HASH,
@@ -58,7 +58,7 @@ def _rows(tag: int, *cols: np.ndarray) -> np.ndarray:
 
 def _gather_fields(fields: np.ndarray, slots: np.ndarray, ok: np.ndarray) -> np.ndarray:
     """``fields[slots]`` where ``ok``, zeros elsewhere (never reads out of bounds)."""
-    rec = _rows_of(fields, np.where(ok, slots, 0))
+    rec = rows_of(fields, np.where(ok, slots, 0))
     rec[~ok] = 0
     return rec
 
@@ -87,7 +87,7 @@ def _links(fields: np.ndarray, num_slots: int, slot: np.ndarray, slot_ok: np.nda
     inside = (p > 0) & (p < num_slots)
     anchor = np.uint64(ANCHOR_LINK & MASK64)
     if inside.any():
-        link[other] = np.where(inside, _link_of(_rows_of(fields, np.where(inside, p, 0))), anchor)
+        link[other] = np.where(inside, _link_of(rows_of(fields, np.where(inside, p, 0))), anchor)
     else:
         link[other] = anchor
     return link.view(_I64)
@@ -136,7 +136,7 @@ def verify(
     all_ok = int(slot.min()) > 0 and int(slot.max()) < num_slots
     if all_ok:
         slot_ok = np.ones(count, dtype=bool)
-        rec = _rows_of(fields, slot)
+        rec = rows_of(fields, slot)
     else:
         slot_ok = (slot > 0) & (slot < num_slots)
         rec = _gather_fields(fields, slot, slot_ok)

@@ -39,6 +39,22 @@ def mark_missing(raw: np.ndarray, slot: np.ndarray) -> np.ndarray:
 INT32_MAX = (1 << 31) - 1
 
 
+def translate(raw: np.ndarray, lut: np.ndarray | None) -> tuple[np.ndarray, bool]:
+    """``T`` of SPEC 3.2 on int64 ``raw``: negatives pass, else ``lut[x]``; ``x >= len(lut)`` gives -1.
+
+    Returns the translated values and whether any value was out of the LUT's range (``BAD_SLOT``).
+    """
+    if lut is None:
+        return raw, False
+    out = raw.copy()
+    nonneg = raw >= 0
+    bad = nonneg & (raw >= lut.shape[0])
+    ok = nonneg & ~bad
+    out[ok] = lut[raw[ok]]
+    out[bad] = -1
+    return out, bool(bad.any())
+
+
 def _capacity(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise fail(TypeError, f"{name}: expected an int, got {type(value).__name__} {value!r}")

@@ -1,6 +1,6 @@
 """``kv-canary replay --canary`` / ``--inject``: the canary end to end on every replayed step, and its report.
 
-:class:`CanaryReplay` wraps an :class:`canary.sim.engine.EngineKV` and an :class:`canary.sim.faults.Injector`. The ring is
+:class:`CanaryReplay` wraps an :class:`canary.replay.engine.EngineKV` and an :class:`canary.replay.faults.Injector`. The ring is
 drained after every step: one sync per step, and each violation's detection step is then exact.
 
 Attribution: a violation found at step ``t`` belongs to the fault applied last (at a step ``<= t``) that either
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from canary import MISSING_SLOT, KernelTag, Violation
-from canary.plan.plans import mark_missing
+from canary.contract.plans import mark_missing
 
 from .coverage import Coverage
 from .engine import EngineKV, StepLog

@@ -1,6 +1,6 @@
 """``kv-canary replay``: drive a planner with a real serving trace, step by step, and summarize the run.
 
-Each step of :class:`canary.sim.scheduler.Scheduler` is planned by the chosen backend. The replay checks every
+Each step of :class:`canary.replay.scheduler.Scheduler` is planned by the chosen backend. The replay checks every
 step against what the scheduler knows (``status``, ``enable`` and ``verify_num_valid`` must match the step's
 entry count), and every ``--check-every`` steps it also builds the plan with the NumPy reference into a
 second set of buffers and compares all output buffers byte for byte. Both sets are poisoned with the same
@@ -11,9 +11,9 @@ and the reference keeps its own, planning every sampled step as well, so that th
 Plan time is host wall time around ``planner.plan``. On the GPU backends the clock stops after a stream
 sync, so it is launch overhead plus device time plus the sync's latency (not the device time alone).
 
-``--canary`` also runs the canary end to end on every step (:mod:`canary.sim.replay_records`) and measures
-what the plans left unverified (:mod:`canary.sim.coverage`), and ``--inject
-KIND@STEP`` corrupts the simulated engine at a step (:mod:`canary.sim.faults`) to show that the canary detects it.
+``--canary`` also runs the canary end to end on every step (:mod:`canary.replay.replay_records`) and measures
+what the plans left unverified (:mod:`canary.replay.coverage`), and ``--inject
+KIND@STEP`` corrupts the simulated engine at a step (:mod:`canary.replay.faults`) to show that the canary detects it.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The canary records' device state: :class:`CanaryState` (caller-owned arrays), its validated views
 (:class:`StateViews`, :func:`bind_state`), and the host operations on it (drain, health, check flags).
 
-Layouts and the ring format: :mod:`canary.records.ring`.
+Layouts and the ring format: :mod:`canary.contract.ring`.
 """
 from __future__ import annotations
 

@@ -279,7 +279,7 @@ def _flat_words(src: RealKVSource, nwords: int) -> np.ndarray | None:
                                            strides=(src.num_bytes_per_token, 8), writeable=False)
 
 
-def _rows_of(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def rows_of(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``a[rows]`` for in-range ``rows``: ``np.take`` is several times faster on packed rows, indexing on strided
     ones (measured on the replay's K and V sources)."""
     if a.strides[-1] == a.itemsize and a.strides[0] == a.itemsize * a.shape[-1]:
@@ -298,7 +298,7 @@ def _fold_words(acc: np.ndarray, tmp: np.ndarray, flat: np.ndarray | None, view:
     One row gather per slot (a slot's words share a cache line; gathering word by word misses it once per word),
     and ``out=`` keeps the hash's temporaries out of the allocator."""
     if flat is not None:
-        words = _rows_of(flat, slots)
+        words = rows_of(flat, slots)
     else:
         words = view[slots // page_size, slots % page_size]
     for w in range(nwords):

@@ -1,4 +1,4 @@
-"""Fault injectors for the simulated engine (:mod:`canary.sim.engine`): the corruptions the canary must catch.
+"""Fault injectors for the simulated engine (:mod:`canary.replay.engine`): the corruptions the canary must catch.
 
 Ten kinds, each a hook on one step (``KIND@STEP`` on the command line):
 

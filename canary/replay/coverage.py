@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 
 from canary import MISSING_SLOT, PlanStatus, VerifyPlan, to_host
-from canary.backends.reference.plan import translate
-from canary.plan.plans import mark_missing
+from canary.contract.plans import mark_missing, translate
 
 from .scheduler import Step
 

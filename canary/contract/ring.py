@@ -16,7 +16,7 @@ Layouts (the contract the reference and the CUDA / Numba twins share, see ``docs
 - ``check_flags`` ``[1]`` int32, :class:`CheckFlags`: optional checks read by every launch on the device, so
   they can be toggled without re-capturing a CUDA graph.
 
-:class:`~canary.records.state.CanaryState` holds the caller's arrays; its ``drain`` decodes the ring with
+:class:`~canary.contract.state.CanaryState` holds the caller's arrays; its ``drain`` decodes the ring with
 :func:`decode`.
 """
 from __future__ import annotations

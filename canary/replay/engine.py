@@ -1,10 +1,10 @@
 """A simulated serving engine around the canary: the end-to-end harness of the tests and of ``replay --canary``.
 
-Each step of the replay scheduler (:class:`canary.sim.scheduler.Scheduler`) is planned by a ``CanaryPlanner``; then
+Each step of the replay scheduler (:class:`canary.replay.scheduler.Scheduler`) is planned by a ``CanaryPlanner``; then
 :meth:`EngineKV.run` does what a serving engine around the canary does: scatter the step's true tokens into
 the expected-token pool, verify the plan, store the step's KV bytes into the real KV buffers, write the canary
 records, and drain the ring. Hooks run just before and just after the KV stores and the write, so that a fault
-injector (:mod:`canary.sim.faults`) can corrupt the step's entries, the KV bytes or ``req_to_token``.
+injector (:mod:`canary.replay.faults`) can corrupt the step's entries, the KV bytes or ``req_to_token``.
 
 The expected-token pool is keyed by request identity by default (``pool_by_request``): each request owns a
 pool row from its first step to its last, handed to the planner as ``expected_token_pool_indices``, so that a

@@ -1,0 +1,16 @@
+"""The contract: the bytes both sides of a kernel boundary agree on (SPEC 2-4), and nothing that launches.
+
+Floor 2 of the package (``errors`` < ``interop`` < ``contract`` < ``backends`` < ``plan`` / ``records`` <
+``manager`` < ``replay``; ``tests/usage/test_layout.py`` enforces it). Every backend and every front object
+reads these definitions; none of them is defined twice.
+
+- :mod:`.plans`: the verify and write plan buffers (:class:`VerifyPlan`, :class:`WritePlan`), their
+  sentinels (``SKIP_SEED``, ``MISSING_SLOT``) and the host rules on them (``mark_missing``, ``translate``).
+- :mod:`.rows`: the per-row input rules the planner and the reference share (SPEC 3.2).
+- :mod:`.ring`: the record and violation-ring formats, kernel tags and their decoding.
+- :mod:`.state`: the device state (canary buffer, ring, counters, flags): :class:`CanaryState`.
+- :mod:`.realkv`: which KV bytes a record hashes (:class:`RealKV`, ``real_kv``, ``real_kv_source``).
+- :mod:`.hashes`: the hash functions (SPEC 4).
+- :mod:`.plan_layout`, :mod:`.records_layout`, :mod:`.layers_layout`: the launch-parameter layouts and grid
+  rules shared with ``kernels/``.
+"""
