@@ -22,6 +22,25 @@ BACKENDS = ("reference", "cupy", "numba")
 FAMILIES = ("plan", "records")
 
 
+OPTIONAL_FAMILIES = ("report",)  # families a backend may lack: the manager falls back to host copies
+
+
+def optional(name: str, family: str):
+    """Backend ``name``'s module of an optional family (``OPTIONAL_FAMILIES``), or ``None`` when it has none.
+
+    ``"report"``: the manager's step report written by a kernel into pinned memory (CuPy's ``kernels/report.cu``);
+    without one the manager copies the report out itself.
+    """
+    if family not in OPTIONAL_FAMILIES:
+        raise fail(ValueError, f"family: expected one of {', '.join(OPTIONAL_FAMILIES)}, got {family!r}")
+    try:
+        return load(name, family)
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}.{family}":
+            raise
+        return None
+
+
 def _numba_simulator() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 

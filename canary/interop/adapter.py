@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import BackendUnavailableError, fail
+from .libs import library_of
 from .streams import is_capturing
 
 HOST = -1  # device_id of host memory
@@ -57,7 +58,7 @@ def _dlpack_device(obj: Any) -> tuple[int, int] | None:
 
 
 def _is_jax(obj: Any) -> bool:
-    return type(obj).__module__.split(".")[0] in ("jax", "jaxlib")
+    return library_of(obj) in ("jax", "jaxlib")
 
 
 def negative_strides(name: str, strides: tuple[int, ...]) -> Exception:
@@ -166,7 +167,7 @@ def _declared_strides(obj: Any) -> tuple[int, ...] | None:
         if isinstance(cai, dict) and cai.get("strides") is not None:
             itemsize = np.dtype(cai["typestr"]).itemsize
             return tuple(int(s) // itemsize for s in cai["strides"])
-        if type(obj).__module__.split(".")[0] == "torch":
+        if library_of(obj) == "torch":
             return tuple(int(s) for s in obj.stride())
         strides, itemsize = getattr(obj, "strides", None), getattr(obj, "itemsize", None)
         if strides is not None and itemsize:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import BackendUnavailableError, fail
 from .libs import INSTALL
+from .libs import library_of
 
 LIBRARIES = ("cupy", "torch", "numba")
 _DEVICE_HELP = "expected 'cpu', a CUDA ordinal or 'cuda:N'"
@@ -139,7 +140,7 @@ class on_device_of:  # noqa: N801 - used as a context manager, like the librarie
 
     def __init__(self, obj: Any):
         self._guard = None
-        module = type(obj).__module__.split(".")[0]
+        module = library_of(obj)
         if module == "cupy":
             import cupy
 

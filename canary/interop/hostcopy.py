@@ -1,10 +1,13 @@
-"""Copy a (small) caller array, or part of one, to host memory with the array's own library. Used by ``check()``
-and ``check=True`` only."""
+"""Copy a (small) caller array, or part of one, to host memory with the array's own library: the status reads of
+``check()`` and ``check=True``, the manager's host-side reads and :func:`canary.to_host` (a sync for device
+arrays; never on a step's hot path)."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+
+from .libs import library_of
 
 
 def to_host(obj: Any) -> np.ndarray:
@@ -12,7 +15,7 @@ def to_host(obj: Any) -> np.ndarray:
     with its own library (a sync for device arrays, so never call this on the hot path)."""
     if isinstance(obj, np.ndarray):
         return obj
-    module = type(obj).__module__.split(".")[0]
+    module = library_of(obj)
     if module == "torch":
         return obj.detach().cpu().numpy()
     if module == "cupy":

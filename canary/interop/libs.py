@@ -1,5 +1,8 @@
-"""The optional array libraries: how to install each, and importing CuPy with that hint when it is missing."""
+"""The optional array libraries: which one owns an array, how to install each, and importing CuPy with that hint
+when it is missing."""
 from __future__ import annotations
+
+from typing import Any
 
 from ..errors import BackendUnavailableError
 
@@ -16,3 +19,15 @@ def import_cupy():
     except ImportError as exc:
         raise BackendUnavailableError(f"kv-canary: backend 'cupy' needs CuPy: {INSTALL['cupy']}") from exc
     return cupy
+
+
+_LIBRARY_OF: dict[type, str] = {}  # array type -> the top-level name of its module, decided once per type
+
+
+def library_of(obj: Any) -> str:
+    """``"cupy"``, ``"torch"``, ``"numpy"``, ...: the top-level module of ``obj``'s type."""
+    t = type(obj)
+    lib = _LIBRARY_OF.get(t)
+    if lib is None:
+        lib = _LIBRARY_OF[t] = t.__module__.split(".")[0]
+    return lib

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..errors import fail
 from .cudart import runtime
+from .libs import library_of
 
 
 def stream_handle(stream: Any) -> int:
@@ -53,18 +54,6 @@ def _capturing_elsewhere(owner_lib: str, device_id: int) -> str | None:
         if ptr not in (0, 1, 2) and is_capturing(ptr):
             return "cupy"
     return None
-
-
-_LIBRARY_OF: dict[type, str] = {}  # array type -> the top-level name of its module, decided once per type
-
-
-def library_of(obj: Any) -> str:
-    """``"cupy"``, ``"torch"``, ``"numpy"``, ...: the top-level module of ``obj``'s type."""
-    t = type(obj)
-    lib = _LIBRARY_OF.get(t)
-    if lib is None:
-        lib = _LIBRARY_OF[t] = t.__module__.split(".")[0]
-    return lib
 
 
 def current_stream(owner: Any, device_id: int) -> int:

@@ -14,13 +14,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..contract.ring import RING_ROW_WORDS
+from ..interop.libs import library_of
 
 _HEAD = 5  # counters [2] + [2], status
 
 
 def _int32(words: Any) -> Any:
     """The first int32 of a ``[1]`` int64 array (the low half of the word: CUDA and x86 are little-endian)."""
-    if type(words).__module__.split(".")[0] == "torch":
+    if library_of(words) == "torch":
         return words.view(__import__("torch").int32)[:1]
     return words.view(np.int32)[:1]
 

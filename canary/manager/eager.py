@@ -29,6 +29,7 @@ from ..interop.adapter import fast_device_view
 from ..interop.callviews import fingerprint
 from ..interop.cudart import OnDevice, on_device
 from ..interop.streams import LaunchStream
+from ..interop.libs import library_of
 
 MAX_GRAPHS = 8  # per call site: each keeps its step arrays alive
 
@@ -153,7 +154,7 @@ def _one_library(objs: tuple, st: LaunchStream) -> str | None:
     for o in objs:
         if o is None:
             continue
-        name = type(o).__module__.split(".")[0]
+        name = library_of(o)
         if lib is None:
             lib = name
         elif name != lib:

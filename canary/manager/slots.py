@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import fail
+from ..interop.libs import library_of
 
 OUT_OF_MAPPING = 1 << 62  # no pool has this many slots (the write's slot_range check reports it)
 
@@ -47,7 +48,7 @@ def translate(lut: Any, loc: Any, out: Any, stream_handle: int) -> Any:
         raise fail(TypeError, f"out_cache_loc: expected int64 slots, got dtype {dtype or type(loc).__name__}")
     out = out[:n]
     size = int(lut.shape[0])
-    module = type(out).__module__.split(".")[0]
+    module = library_of(out)
     if module == "torch":
         torch = __import__("torch")
         if not isinstance(loc, torch.Tensor):  # another library's device array: a zero-copy view of it
@@ -79,7 +80,7 @@ def translate(lut: Any, loc: Any, out: Any, stream_handle: int) -> Any:
 
 def warmup(lut: Any, out: Any, stream_handle: int) -> None:
     """Compile and load what :func:`translate` launches (CuPy's kernel), so that a step only launches it."""
-    if type(out).__module__.split(".")[0] == "cupy":
+    if library_of(out) == "cupy":
         cupy = __import__("cupy")
         with cupy.cuda.ExternalStream(stream_handle):
             translate(lut, cupy.full(1, -1, dtype=cupy.int64), out, stream_handle)

@@ -27,6 +27,7 @@ from ..interop.adapter import as_view
 from ..interop.cudart import H2D, OnDevice, runtime
 from ..interop.hostcopy import to_host
 from ..contract.plans import VerifyPlan
+from ..interop.libs import library_of
 from .groups import BoundGroup
 
 SLOT, TOKEN, POSITION, PREV = range(4)
@@ -136,7 +137,7 @@ class GroupSweep:
 
 
 def _is_torch(array: Any) -> bool:
-    return type(array).__module__.split(".")[0] == "torch"
+    return library_of(array) == "torch"
 
 
 class HostSweepStager:

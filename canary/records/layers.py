@@ -41,6 +41,7 @@ from ..interop.overlap import Spans, check_disjoint, spans
 from ..contract.plans import INT32, INT64, VerifyPlan, WritePlan, view_verify_plan, view_write_plan
 from ..contract.realkv import RealKV, RealKVMode, real_kv
 from ..contract.ring import MAX_LAYERS, encode_layer_tag
+from ..interop.libs import library_of
 
 CURSOR_WORDS = 2  # layer_cursor: [layer, steps spent on it]
 
@@ -211,7 +212,7 @@ class CanaryLayers:
                                      (src.rows - 1) * src.row_stride_bytes + src.row_bytes)
         if table is None:
             device = "cpu" if sv.device_id == HOST else sv.device_id
-            library = None if sv.device_id == HOST else type(records.state.canary_buffer).__module__.split(".")[0]
+            library = None if sv.device_id == HOST else library_of(records.state.canary_buffer)
             table = LayerTable.allocate(sv.num_slots, kv.num_layers, device=device,
                                         library=library if library in ("cupy", "torch", "numba") else None)
         if not isinstance(table, LayerTable):
