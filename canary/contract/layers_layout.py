@@ -1,7 +1,7 @@
 """records.cu's ``LayerParams`` word by word (the layer rotation's kernels), and their launch shape.
 
 Like :mod:`.records_layout`: every field is 8 bytes, so the CuPy backend packs the struct as uint64 words in
-this order; ``tests/records/test_layers_kernels.py`` pins the list (and the constants) against the CUDA source.
+this order; ``tests/records/test_layers.py`` pins the list (and the constants) against the CUDA source.
 """
 from __future__ import annotations
 

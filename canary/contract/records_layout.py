@@ -1,7 +1,7 @@
 """The canary kernels' by-value parameter structs, word by word (``kernels/records.cu``), and launch shapes.
 
 records.cu's ``WriteParams`` / ``VerifyParams`` / ``ScatterParams`` have only 8-byte fields, so the CuPy
-backend packs each as a uint64 word array in the order below; ``tests/records/test_kernel_compile.py`` pins these
+backend packs each as a uint64 word array in the order below; ``tests/kernels/test_kernel_compile.py`` pins these
 lists (and the constants) against the CUDA source.
 """
 from __future__ import annotations
