@@ -1,7 +1,7 @@
 """Eager steps that repeat the last step's arrays, launched as one CUDA graph each (issue 13's host budget).
 
 A kernel launch costs the H200 host about 5 us, a CUDA-graph launch about 2.4 us whatever its kernels
-(``benchmarks/bench_driver.py``, docs/gpu-runs.md runs 51-52). An engine that keeps static step buffers (as
+(``benchmarks/bench_driver.py``, docs/history/gpu-runs-log.md runs 51-52). An engine that keeps static step buffers (as
 engines ready for CUDA graphs do, running eagerly at the batch sizes they did not capture) passes the same array
 objects every step, only their contents change. For such a step the manager's launches in
 :meth:`~CanaryManager.before_forward` (the scatter of the tokens accepted since the last step, each group's plan,
