@@ -8,21 +8,25 @@ import sys
 
 from canary import __version__
 
-from . import replay
+from . import options, replay
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kv-canary", description="KV-cache corruption canary: planning kernels.")
+    parser = argparse.ArgumentParser(
+        prog="kv-canary",
+        description="kv-canary, a KV-cache corruption canary: replays a serving trace through a simulated "
+        "engine with the canary on every step (docs/replay.md).")
     parser.add_argument("--version", action="version", version=f"kv-canary {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = commands.add_parser(
         "replay",
-        help="replay a serving trace through a scheduler simulator and the planner",
+        help="replay a serving trace through a scheduler simulator and the canary",
         description="Replay a request trace through a continuous-batching scheduler simulator (paged KV pool, "
-        "chunked prefill, CUDA-graph padding) and build the canary plan of every step.",
+        "chunked prefill, CUDA-graph padding) whose engine runs the canary through CanaryManager on every step "
+        "(--plan-only: the plans alone), and report what it verified and detected.",
     )
-    replay.add_arguments(p)
-    p.set_defaults(func=replay.run, check=functools.partial(replay.check_arguments, p))
+    options.add_arguments(p)
+    p.set_defaults(func=replay.run, check=functools.partial(options.check_arguments, p))
     return parser
 
 

@@ -1,4 +1,5 @@
-"""A simulated serving engine around the canary: the end-to-end harness of the tests and of ``replay --canary``.
+"""A simulated serving engine around the canary: the end-to-end harness of the tests, and the KV side of
+``kv-canary replay`` (:mod:`canary.replay.replay_manager`, where a :class:`canary.CanaryManager` owns the canary).
 
 Each step of the replay scheduler (:class:`canary.replay.scheduler.Scheduler`) is planned by a ``CanaryPlanner``; then
 :meth:`EngineKV.run` does what a serving engine around the canary does: scatter the step's true tokens into

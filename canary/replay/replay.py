@@ -11,9 +11,11 @@ and the reference keeps its own, planning every sampled step as well, so that th
 Plan time is host wall time around ``planner.plan``. On the GPU backends the clock stops after a stream
 sync, so it is launch overhead plus device time plus the sync's latency (not the device time alone).
 
-``--canary`` also runs the canary end to end on every step (:mod:`canary.replay.replay_records`) and measures
-what the plans left unverified (:mod:`canary.replay.coverage`), and ``--inject
-KIND@STEP`` corrupts the simulated engine at a step (:mod:`canary.replay.faults`) to show that the canary detects it.
+Unless ``--plan-only``, the canary runs end to end on every step, the simulated engine a client of
+:class:`canary.CanaryManager` (:mod:`canary.replay.replay_manager`, whose ``before_forward`` does the plan), and
+the replay measures what the plans left unverified (:mod:`canary.replay.coverage`); ``--inject KIND@STEP``
+corrupts the simulated engine at a step (:mod:`canary.replay.faults`) to show that the canary detects it. The
+options are parsed and checked in :mod:`canary.replay.options`, the tables built in :mod:`canary.replay.report`.
 """
 from __future__ import annotations
 
@@ -23,144 +25,18 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from canary import BackendUnavailableError, CanaryPlanner, PlanStatus, VerifyPlan, WritePlan, to_host
 
-from .faults import KINDS, parse_inject
 from .replay_manager import ManagerReplay
-from .replay_records import fault_lines, fault_table, manager_table, table_rows
-from .scheduler import BUNDLED_TRACES, Scheduler, default_buckets, load_trace
+from .report import fault_lines, fault_table, manager_table, summary_table
+from .scheduler import Scheduler, default_buckets, load_trace
 
 MAX_SHOWN_MISMATCHES = 5
-
-
-# Every size below counts slots, rows or tokens of int32-indexed tables (req_to_token holds int32 slots; the
-# plans' counters are int32), so none may pass the int32 range.
-INT32_MAX = (1 << 31) - 1
-
-
-def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in ``[low, high]``; argparse prefixes its message with the option's name."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"expected an integer <= {high} (the int32 range), got {value}")
-        return value
-
-    return parse
-
-
-_count, _size = _integer(0), _integer(1, INT32_MAX)
-_count32 = _integer(0, INT32_MAX)
-
-
-def _trace(text: str) -> str:
-    """An argparse type: a bundled trace name, or a readable file (its content is checked at set-up)."""
-    if text in BUNDLED_TRACES or text in BUNDLED_TRACES.values():
-        return text
-    path = Path(text)
-    want = f"{', '.join(BUNDLED_TRACES)} or a trace CSV file"
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (no such file)")
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (not a file)")
-    if not os.access(path, os.R_OK):
-        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (not readable)")
-    return text
-
-
-def _json_path(text: str) -> str:
-    """An argparse type: a file path that can be written, checked now so that a long run cannot fail at its end."""
-    path = Path(text)
-    want = "a file path in an existing, writable directory"
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (a directory)")
-    folder = path.parent
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (no directory {str(folder)!r})")
-    target = path if path.exists() else folder
-    if not os.access(target, os.W_OK):
-        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} ({str(target)!r} is not writable)")
-    return text
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", type=_trace, default="conv", metavar="PATH|conv|code",
-                   help="trace CSV (columns TIMESTAMP, ContextTokens, GeneratedTokens), or a bundled Azure 2023 "
-                   "trace: conv (default) or code")
-    p.add_argument("--max-requests", type=_count, default=300, metavar="N",
-                   help="replay the first N requests; 0 = all (default 300)")
-    p.add_argument("--max-batch-size", type=_size, default=64, metavar="N",
-                   help="running requests per step (default 64)")
-    p.add_argument("--kv-pool-tokens", type=_size, default=1 << 17, metavar="N",
-                   help="full KV pool size in tokens, at least 2 pages (default 131072)")
-    p.add_argument("--verify-capacity", type=_count32, default=None, metavar="N",
-                   help="verify entries per plan; 0 = 60%% of the KV pool, rounded down to 1024 (default)")
-    p.add_argument("--verify-budget", type=_count32, default=None, metavar="N",
-                   help="the same as --verify-capacity: verify entries per plan; a step asking more verifies a "
-                   "rotating sample of N (or nothing with --on-overflow skip), so it trades verify cost for "
-                   "staleness (see the canary's coverage rows)")
-    p.add_argument("--on-overflow", choices=("sample", "skip"), default="sample",
-                   help="a step whose verify entries exceed the capacity: sample = verify a rotating sample of "
-                   "capacity entries (default, SPEC 3.7); skip = verify nothing (SGLang's behaviour)")
-    p.add_argument("--chunk-size", type=_size, default=2048, metavar="N",
-                   help="prefill tokens per request per step (default 2048)")
-    p.add_argument("--token-budget", type=_count32, default=0, metavar="N",
-                   help="tokens per step, decodes first; 0 = no limit (default)")
-    p.add_argument("--page-size", type=_size, default=16, metavar="N", help="KV page size in tokens (default 16)")
-    p.add_argument("--swa-window", type=_count32, default=0, metavar="W",
-                   help="plan a sliding-window group of window W through a full-to-SWA LUT; 0 = full attention")
-    p.add_argument("--no-pad", dest="pad", action="store_false",
-                   help="do not pad batches to CUDA-graph sizes (1, 2, 4, ..., max batch size)")
-    p.add_argument("--backend", default="auto", choices=("auto", "reference", "cupy", "numba"),
-                   help="planner backend; auto = a GPU backend if a GPU is present, else reference (default)")
-    p.add_argument("--seed", type=_count, default=0, metavar="N", help="seed of every random choice (default 0)")
-    p.add_argument("--check-every", type=_count, default=0, metavar="N",
-                   help="every N steps also plan with the reference backend and compare all output buffers "
-                   "byte for byte; 0 = never (default)")
-    p.add_argument("--plan-only", action="store_true",
-                   help="only plan every step (no canary, no CanaryManager): the planner's checks alone")
-    p.add_argument("--canary", action="store_true",
-                   help="accepted for compatibility, does nothing: the canary runs through CanaryManager by default")
-    p.add_argument("--inject", action="append", type=parse_inject, default=[], metavar="KIND@STEP",
-                   help=f"inject a fault at STEP (or the first later step where it applies); KIND: {', '.join(KINDS)}; "
-                   "repeatable; not with --plan-only")
-    p.add_argument("--num-layers", type=_size, default=1, metavar="L",
-                   help="KV layers of the simulated model; L >= 2 turns on the layer rotation (docs/integration.md "
-                   "5c; default 1: layer 0 only, as SGLang)")
-    p.add_argument("--layer-dwell", type=_size, default=1, metavar="D",
-                   help="steps each layer stays under the rotation's cursor (with --num-layers; use the sampling "
-                   "bound when the verify samples: docs/integration.md 5c; default 1)")
-    p.add_argument("--json", type=_json_path, metavar="PATH",
-                   help="also write the summary as JSON to PATH (its directory must exist)")
-
-
-def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The constraints between options, after parsing; ``p.error`` exits 2 like argparse's own checks."""
-    if args.kv_pool_tokens < 2 * args.page_size:
-        # Page 0 is reserved for the padding slot: a pool needs one more page to hold anything.
-        p.error(f"argument --kv-pool-tokens: expected at least 2 pages of --page-size {args.page_size} "
-                f"({2 * args.page_size} tokens), got {args.kv_pool_tokens}")
-    cap, budget = args.verify_capacity, args.verify_budget
-    if cap is not None and budget is not None and cap != budget:
-        p.error(f"argument --verify-budget: expected the value of --verify-capacity ({cap}) when both are given, "
-                f"got {budget}")
-    if args.plan_only and args.inject:
-        p.error("argument --inject: expected the canary, got --plan-only (a fault needs the canary to be caught)")
-    # One value from here on: the budget is another name for the capacity.
-    args.verify_capacity = budget if budget is not None else cap or 0
 
 
 class _Arrays:
@@ -308,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
     except ImportError:
-        print("kv-canary replay needs rich for its output: pip install 'kv-canary[cli]'", file=sys.stderr)
+        print("kv-canary replay needs rich for its output: python -m pip install rich (or, in the checkout, "
+              "python -m pip install \".[cli]\")", file=sys.stderr)
         return 2
     console = Console()
     try:
@@ -335,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"VIOLATION {line}", markup=False, highlight=False)
         if c["unattributed_violations"] > len(c["first_unattributed"]):
             console.print(f"... and {c['unattributed_violations'] - len(c['first_unattributed'])} more", markup=False)
-    console.print(_table(summary, Table))
+    console.print(summary_table(summary, Table))
     if c is not None:
         console.print(manager_table(c["manager"], Table))
     if c is not None and c["faults"]:
@@ -363,10 +240,9 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
     kind = _placement(args.backend)
     want_canary = not args.plan_only
     if want_canary and kind == "numba":  # refused before numba is imported, or any work done
-        if args.canary or args.inject:
-            asked = "--inject" if args.inject else "--canary"  # the argument that asked for the canary
+        if args.inject:
             raise BackendUnavailableError(
-                f"kv-canary: {asked}: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
+                "kv-canary: --inject: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
                 "[cuda12]), got Numba device arrays only (CuPy is missing or sees no GPU)")
         console.print("kv-canary replay: Numba device arrays only (no CuPy): planning only, as with --plan-only",
                       markup=False, highlight=False)
@@ -434,7 +310,7 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
                 planner.plan(**inputs)
             else:  # the manager plans (and verifies) with the pool rows and valid lengths it keeps by request
                 session.before_forward(step, inputs)
-                valid, q = session.pool_inputs(step.bs)
+                valid, q = session.manager.staged_expected_tokens(step.bs)
             arrays.sync()
             times_us.append((time.perf_counter_ns() - t0) / 1e3)
 
@@ -452,7 +328,7 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
                 problems += _diff(step.index, _buffers(plans), _buffers(ref_plans))
                 checked += 1
             if session is not None:
-                session.run(step, plans, req_to_token=dev_r2t, lut=dev_lut)
+                session.run(step, req_to_token=dev_r2t, lut=dev_lut)
             overflow += step.verify_entries > cap  # what the scheduler knows; the plan's status is checked above
             verify.append(step.verify_entries)
             write.append(step.write_entries)
@@ -502,32 +378,3 @@ def _canary(args, sched: Scheduler, arrays: _Arrays, dev_r2t: Any, dev_lut: Any,
     return ManagerReplay(sched, xp=arrays.xp, device=device, backend=args.backend, faults=args.inject,
                          req_to_token=dev_r2t, lut=dev_lut, verify_capacity=cap, on_overflow=args.on_overflow,
                          num_layers=args.num_layers, layer_dwell=args.layer_dwell)
-
-
-def _table(s: dict, Table) -> Any:
-    t = Table(title=f"kv-canary replay: {s['trace']}, backend {s['backend']}")
-    for col in ("metric", "value / p50", "p99", "max"):
-        t.add_column(col, justify="left" if col == "metric" else "right")
-
-    def dist(v, f):
-        return f.format(v["p50"]), f.format(v["p99"]), f.format(v["max"])
-
-    bs = s["batch_size"]
-    t.add_row("steps", str(s["steps"]))
-    t.add_row("requests finished", f"{s['requests_finished']} / {s['requests']}")
-    t.add_row("batch size, mean (active / padded)", f"{bs['mean_active']:.1f} / {bs['mean_padded']:.1f}")
-    t.add_row("verify entries / step", *dist(s["verify_entries_per_step"], "{:.0f}"))
-    t.add_row("write entries / step", *dist(s["write_entries_per_step"], "{:.0f}"))
-    # Steps above the capacity: each verified a sample, or (skip) nothing.
-    what = "sampled" if s["on_overflow"] == "sample" else "overflow"
-    t.add_row(f"{what} steps (capacity {s['verify_capacity']})", str(s["overflow_steps"]))
-    # With the canary the manager's before_forward is timed: the plan and the verify.
-    what = "before_forward (plan + verify)" if "canary" in s else "plan time"
-    t.add_row(f"{what} / step (us)", *dist(s["plan_time_us"], "{:.1f}"))
-    t.add_row("steps checked vs reference", str(s["checked_steps"]))
-    t.add_row("mismatches", str(s["mismatches"]))
-    if "canary" in s:
-        for row in table_rows(s["canary"]):
-            t.add_row(*row)
-    t.add_row("wall time (s)", f"{s['wall_time_s']:.1f}")
-    return t

@@ -8,11 +8,19 @@ the expected-token pool (keyed by request id), the plans and the canary state; t
 plans for its checks (status against the scheduler, ``--check-every`` against the reference planner) and
 attributes the manager's :class:`canary.SlotViolation` records to the injected faults.
 
-The replay flushes the manager after every step (one sync per step, as the ``EngineKV`` path drained its ring):
-an engine never needs to, but it makes each violation's step exact and lets the attribution read
-``req_to_token`` as the step left it. The manager writes without the write-time token / position asserts
-(an engine has no truth to assert against beyond what it fed the forward), so ``position`` and ``token`` faults
-are caught by the next verify (``POSITION``, ``VERIFY_TOKEN``) rather than by the same step's write.
+The replay flushes the manager after every step (one sync per step): an engine never needs to, but it makes
+each violation's step exact and lets the attribution read ``req_to_token`` as the step left it. The manager
+writes without the write-time token / position asserts (an engine has no truth to assert against beyond what it
+fed the forward), so ``position`` and ``token`` faults are caught by the next verify (``POSITION``,
+``VERIFY_TOKEN``) rather than by the same step's write.
+
+Attribution: a violation found at step ``t`` belongs to the fault applied last (at a step ``<= t``) that either
+made its slot wrong (``Fault.slots``) or involves the request it was found in (``Fault.requests``, or one of the
+manager's holders of the slot). The request of a violation is the active request whose ``req_to_token`` entry
+at the violation's position maps to its slot; a verify row's position is the one the plan expects, so a
+corrupted slot is found in the request that reads it, and chain violations that a fault causes at the next slot
+of the same request are attributed too. Violations of no fault are *unattributed* (in a clean run, every
+violation is).
 """
 from __future__ import annotations
 
@@ -21,20 +29,45 @@ from typing import Any
 
 import numpy as np
 
-from canary import CanaryManager, KVGroup, to_host
+from canary import MISSING_SLOT, CanaryManager, KernelTag, KVGroup, SlotViolation, Violation
+from canary.contract.plans import mark_missing
 
 from .coverage import Coverage
 from .engine import K_BYTES, V_BYTES, V_READ, EngineKV, token_of
 from .faults import Fault, Injector
-from .replay_records import MAX_SHOWN_VIOLATIONS, CanaryReplay, violation_requests
 from .scheduler import Scheduler, Step
 
 RING_CAPACITY = 4096
+MAX_SHOWN_VIOLATIONS = 5
 
 
-class ManagerReplay(CanaryReplay):
+def violation_requests(violations: list[Violation], step: Step, r2t: np.ndarray, lut: np.ndarray | None,
+                       window: int = 0) -> np.ndarray:
+    """Trace request id of each violation (-1: in no active request), vectorized over violations x rows.
+    ``window``: the sliding window, which tells a MISSING row's request from those whose position was evicted."""
+    n = step.num_active
+    if not violations or not n:
+        return np.full(len(violations), -1, dtype=np.int64)
+    slot = np.array([v.slot for v in violations], dtype=np.int64)
+    pos = np.array([v.position for v in violations], dtype=np.int64)
+    inside = (pos >= 0) & (pos < r2t.shape[1])
+    raw = r2t[step.req_pool_indices[:n][None, :], np.clip(pos, 0, r2t.shape[1] - 1)[:, None]].astype(np.int64)
+    cand = raw if lut is None else lut[raw]
+    # A MISSING row names no slot: its request is one whose slot at that position is the padding slot (a 0 in its
+    # row, or a real slot mapped to nothing) although its verify window holds the position (elsewhere a 0 mapping
+    # is a legitimate eviction).
+    prefix = step.prefix_lens[:n][None, :]
+    needed = (pos[:, None] < prefix) & (pos[:, None] >= (np.maximum(prefix - window, 0) if window else 0))
+    missing = (slot == MISSING_SLOT)[:, None]
+    no_slot = mark_missing(raw, cand) == MISSING_SLOT
+    match = np.where(missing, no_slot & needed, cand == slot[:, None]) & inside[:, None]
+    return np.where(match.any(axis=1), step.request_ids[match.argmax(axis=1)], -1)
+
+
+class ManagerReplay:
     """The canary side of a replay through a :class:`CanaryManager`: :meth:`before_forward` plans and verifies a
-    step (the replay then checks the manager's plans), :meth:`finish_step` stores the KV and writes the records."""
+    step (the replay then checks the manager's plans), :meth:`run` stores the KV and writes the records, and
+    :meth:`summary` reports the run."""
 
     def __init__(self, sched: Scheduler, *, xp: Any, device: Any, backend: str, faults: list[Fault],
                  req_to_token: Any, lut: Any, verify_capacity: int, on_overflow: str, num_layers: int = 1,
@@ -46,14 +79,12 @@ class ManagerReplay(CanaryReplay):
         self.kv.pool_by_request = True  # what the faults must assume: the manager keys its pool by request
         self.injector = Injector(list(faults))
         self.faults = self.injector.faults
-        self.total = self.dropped = 0
-        self.unattributed: list = []
+        self.total = 0
+        self.unattributed: list[tuple[int, Violation]] = []
         self.unattributed_count = 0
-        self.by_fault: list[list] = [[] for _ in self.faults]
+        self.by_fault: list[list[tuple[int, Violation]]] = [[] for _ in self.faults]
         self.times_us: list[float] = []
         self.coverage = Coverage(self.kv.r2t, self.kv.lut, self.kv.window)
-        self.xp = xp
-        self.r2t_dev, self.lut_dev = req_to_token, lut
         self.name = "swa" if self.kv.window else "full"
         ps = sched.page_size
         step_tokens = sched.max_batch_size * sched.chunk_size
@@ -69,8 +100,8 @@ class ManagerReplay(CanaryReplay):
             ring_capacity=RING_CAPACITY, max_step_tokens=max(4096, step_tokens))
         self.manager.warmup()
         self.group = self.manager.groups[0]
+        self.admitted: set[int] = set()  # requests given to add_request (a finished one is never scheduled again)
         self._step: Step | None = None
-        self._t0 = 0
         self.context = sched.trace.context_tokens
 
     # -- what the replay reads -----------------------------------------------------------------------------------
@@ -82,28 +113,24 @@ class ManagerReplay(CanaryReplay):
     def pool(self) -> Any:
         return self.manager.pool_array
 
-    def pool_inputs(self, bs: int) -> tuple[np.ndarray, np.ndarray]:
-        """The step's valid lengths and pool rows as the manager staged them (host copies, for the reference)."""
-        return to_host(self.manager._valid[:bs]), to_host(self.manager._q[:bs])
-
     # -- the engine's calls ----------------------------------------------------------------------------------------
     def before_forward(self, step: Step, inputs: dict) -> None:
         """Admit new requests, then ``before_forward``: the manager plans and verifies the step."""
         self._step = step
         n = step.num_active
         ids = step.request_ids[:n].tolist()
-        live = self.manager.requests.live
         for req in ids:
-            if req not in live:  # its first step
+            if req not in self.admitted:  # its first step
+                self.admitted.add(req)
                 self.manager.add_request(req, token_of(req, np.arange(int(self.context[req]))))
         ids += [None] * (step.bs - n)
-        self._t0 = perf_counter_ns()
         self.manager.before_forward(req_pool_indices=inputs["req_pool_indices"], prefix_lens=inputs["prefix_lens"],
                                     extend_seq_lens=inputs["extend_seq_lens"], request_ids=ids)
 
-    def run(self, step: Step, plans, *, req_to_token: Any, lut: Any):
+    def run(self, step: Step, *, req_to_token: Any, lut: Any) -> None:
         """The rest of the step after the plan: KV stores and ``after_kv_store``, sampled tokens, finished
-        requests; then the step's report (flushed) is attributed."""
+        requests; then the step's report (flushed) is attributed. ``req_to_token`` / ``lut``: the tables the
+        planner read (device copies on the GPU)."""
         self.coverage.add(step, self.group.verify_plan)  # before the faults' hooks edit req_to_token
         kv, inj = self.kv, self.injector
         t0 = perf_counter_ns()
@@ -135,8 +162,8 @@ class ManagerReplay(CanaryReplay):
         self.manager.flush()
         self.times_us.append((perf_counter_ns() - t0) / 1e3)
 
-    def _collect(self, new: list) -> None:
-        """``on_violation``: attribute each new record to a fault (faults.py's rule, on the manager's records)."""
+    def _collect(self, new: list[SlotViolation]) -> None:
+        """``on_violation``: attribute each new record to a fault (the rule of the module docstring)."""
         step = self._step
         owners = violation_requests([v.raw for v in new], step, self.kv.r2t, self.kv.lut, self.kv.window)
         self.total += len(new)
@@ -149,7 +176,7 @@ class ManagerReplay(CanaryReplay):
             else:
                 self.by_fault[k].append((v.first_step, v.raw))
 
-    def _fault_of_record(self, v, req: int) -> int | None:
+    def _fault_of_record(self, v: SlotViolation, req: int) -> int | None:
         k = self._fault_of(v.raw, req, v.first_step)
         if k is not None:
             return k
@@ -159,16 +186,70 @@ class ManagerReplay(CanaryReplay):
                 return k
         return None
 
-    def summary(self) -> dict:
-        st = self.manager.stats()
-        self.dropped = st["ring_dropped"]
-        out = super().summary()
-        out["drain_every_steps"] = 1
-        out["ring_capacity"] = RING_CAPACITY
-        out["violations"] = self.total  # new SlotViolation records; repeats are in manager.repeated_sightings
-        out["manager"] = st
-        return out
+    def _fault_of(self, v: Violation, req: int, index: int) -> int | None:
+        best = None
+        for k, f in enumerate(self.faults):
+            mine = f.applied and f.applied_step <= index and (v.slot in f.slots or req in f.requests)
+            if mine and (best is None or f.applied_step >= self.faults[best].applied_step):
+                best = k
+        return best
 
     @property
-    def health_state(self):
-        return self.group.state
+    def failed(self) -> bool:
+        """Exit-status rule: a clean run with violations, or an injected fault never detected."""
+        if not self.faults:
+            return self.total > 0
+        return any(not hits for hits in self.by_fault)
+
+    def summary(self) -> dict:
+        """The ``canary`` object of the replay's summary (docs/replay.md lists its keys)."""
+        st = self.manager.stats()
+        h = self.group.state.health()
+        faults = []
+        for f, hits in zip(self.faults, self.by_fault):
+            first = hits[0][0] if hits else None
+            at_first = [v for s, v in hits if s == first]
+            faults.append({
+                "kind": f.kind,
+                "requested_step": f.requested_step,
+                "applied_step": f.applied_step,
+                "first_violation_step": first,
+                "steps_to_detection": None if first is None else first - f.applied_step,
+                "detected": bool(hits),
+                "kernels": _names({_kernel(v) for v in at_first}),
+                "reasons": _names({n for v in at_first for n in v.reason_names}),
+                "violations": len(hits),
+                "all_reasons": _names({n for _, v in hits for n in v.reason_names}),
+                "slot": f.slot,
+                "position": f.position,
+                "requests": list(f.requests),
+                "what": f.describe(),
+            })
+        times = np.array(self.times_us or [0.0])
+        return {
+            "drain_every_steps": 1,
+            "ring_capacity": RING_CAPACITY,
+            "real_kv_mode": self.kv.real_kv.mode.name,
+            "num_layers": self.kv.num_layers,
+            "violations": self.total,  # new SlotViolation records; repeats are in manager.repeated_sightings
+            "dropped": st["ring_dropped"],
+            "unattributed_violations": self.unattributed_count,
+            "first_unattributed": [f"step {s}: {v}" for s, v in self.unattributed],
+            "health": {"write_slots": h.write_slots, "verify_slots": h.verify_slots,
+                       "write_launches": h.write_launches, "verify_launches": h.verify_launches},
+            "time_us": {"p50": float(np.percentile(times, 50)), "p99": float(np.percentile(times, 99)),
+                        "max": float(times.max())},
+            **self.coverage.summary(),
+            "faults": faults,
+            "failed": self.failed,
+            "manager": st,
+        }
+
+
+def _kernel(v: Violation) -> str:
+    return v.kernel.name.lower() if isinstance(v.kernel, KernelTag) else f"kind{v.kernel}"
+
+
+def _names(items: set[str]) -> list[str]:
+    order = {"write": 0, "verify": 1}
+    return sorted(items, key=lambda s: (order.get(s, 2), s))

@@ -1,4 +1,4 @@
-"""Verify coverage of ``kv-canary replay --canary`` (:mod:`canary.replay.coverage`): exact values on runs small
+"""Verify coverage of ``kv-canary replay`` (:mod:`canary.replay.coverage`): exact values on runs small
 enough to work out by hand, and the relations that hold on a real trace."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ KEYS = {"unverified_steps", "sampled_steps", "verified_fraction", "max_staleness
 
 def _coverage(tmp_path, *extra: str) -> tuple[int, dict]:
     out = tmp_path / "summary.json"
-    rc = cli.main(["replay", "--backend", "reference", "--canary", *extra, "--json", str(out)])
+    rc = cli.main(["replay", "--backend", "reference", *extra, "--json", str(out)])
     return rc, json.loads(out.read_text())
 
 

@@ -206,7 +206,7 @@ def test_check_every_catches_a_write_into_the_untouched_region(monkeypatch, caps
 def test_replay_without_rich(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "rich.console", None)
     assert cli.main(["replay", "--max-requests", "1"]) == 2
-    assert "pip install 'kv-canary[cli]'" in capsys.readouterr().err
+    assert 'python -m pip install ".[cli]"' in capsys.readouterr().err
 
 
 def test_cli_errors(capsys):

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from canary.replay import cli
-from canary.replay.replay import INT32_MAX
+from canary.replay.options import INT32_MAX
 
 
 def refused(capsys, *argv: str) -> str:

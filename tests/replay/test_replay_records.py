@@ -1,4 +1,4 @@
-"""``kv-canary replay --canary`` / ``--inject``: the canary end to end over the replay (host, reference backend)."""
+"""``kv-canary replay`` and ``--inject``: the canary end to end over the replay (host, reference backend)."""
 from __future__ import annotations
 
 import json
@@ -77,7 +77,7 @@ def test_kv_bytes_are_little_endian_splitmix64_words_of_the_key():
 
 
 def test_clean_canary_run(tmp_path, capsys):
-    rc, s = _replay(tmp_path, "--canary", "--check-every", "5")
+    rc, s = _replay(tmp_path, "--check-every", "5")
     text = capsys.readouterr().out
     assert rc == 0, text
     c = s["canary"]
@@ -92,7 +92,7 @@ def test_clean_canary_run(tmp_path, capsys):
 
 
 def test_clean_canary_run_sliding_window(tmp_path):
-    rc, s = _replay(tmp_path, "--canary", "--swa-window", "128", "--check-every", "7")
+    rc, s = _replay(tmp_path, "--swa-window", "128", "--check-every", "7")
     assert rc == 0 and s["canary"]["violations"] == 0 and s["mismatches"] == 0
 
 
@@ -224,7 +224,7 @@ def test_a_clean_run_with_violations_fails(tmp_path, monkeypatch, capsys):
         return log
 
     monkeypatch.setattr(canary.replay.replay_manager.ManagerReplay, "run", run)
-    rc, s = _replay(tmp_path, "--canary", "--max-requests", "8")  # every later step reports: keep the run short
+    rc, s = _replay(tmp_path, "--max-requests", "8")  # every later step reports: keep the run short
     text = capsys.readouterr().out
     c = s["canary"]
     assert rc == 1 and c["failed"] and c["violations"] == c["unattributed_violations"] + c["dropped"] > 0
@@ -242,12 +242,18 @@ def test_bad_inject_values(capsys, value):
     assert f"got {value!r}" in err
 
 
-@pytest.mark.parametrize("asked", [["--canary"], ["--inject", "kv-flip@3"], ["--canary", "--inject", "token@3"]])
-def test_canary_on_numba_arrays_needs_cupy(monkeypatch, capsys, asked):
+def test_no_canary_flag(capsys):
+    # The canary always runs (--plan-only turns it off): the old no-op --canary is an unknown argument now.
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["replay", "--canary"])
+    assert exc.value.code == 2 and "unrecognized arguments: --canary" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fault", ["kv-flip@3", "token@3"])
+def test_inject_on_numba_arrays_needs_cupy(monkeypatch, capsys, fault):
     monkeypatch.setattr(canary.replay.replay, "_placement", lambda backend: "numba")
-    assert cli.main(["replay", "--max-requests", "2", *asked]) == 2
-    named = "--inject" if "--inject" in asked else "--canary"  # the message names the argument that asked for it
-    assert f"kv-canary: {named}: expected CuPy" in capsys.readouterr().out
+    assert cli.main(["replay", "--max-requests", "2", "--inject", fault]) == 2
+    assert "kv-canary: --inject: expected CuPy" in capsys.readouterr().out
 
 
 def test_numba_arrays_alone_plan_only(monkeypatch, capsys):

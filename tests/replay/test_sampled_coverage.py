@@ -25,7 +25,7 @@ def test_defaults_leave_no_step_unverified(tmp_path, trace):
     """The replay's defaults (300 requests, capacity 77824): the steps above the capacity are sampled, none is
     unverified, and no token waits longer than the largest sweep bound of a sampled step (measured: conv 1 of 2,
     code 2 of 2)."""
-    rc, s = _replay(tmp_path, "--canary", "--trace", trace)
+    rc, s = _replay(tmp_path, "--trace", trace)
     c = s["canary"]
     assert rc == 0 and s["on_overflow"] == "sample" and s["mismatches"] == 0 and c["violations"] == 0
     assert c["unverified_steps"] == 0 and c["sampled_steps"] == s["overflow_steps"] > 0
@@ -39,7 +39,7 @@ SMALL = ("--max-requests", "40", "--verify-budget", "1024")
 @pytest.mark.parametrize("trace", TRACES)
 def test_a_small_budget_samples_and_verifies_every_step(tmp_path, trace):
     """``--check-every 1``: the reference planner, with its own cursors, agrees byte for byte on every step."""
-    rc, s = _replay(tmp_path, "--canary", "--trace", trace, *SMALL, "--check-every", "1")
+    rc, s = _replay(tmp_path, "--trace", trace, *SMALL, "--check-every", "1")
     c = s["canary"]
     assert rc == 0 and s["mismatches"] == 0 and s["checked_steps"] == s["steps"] and c["violations"] == 0
     assert c["unverified_steps"] == 0 and c["sampled_steps"] == s["overflow_steps"] > s["steps"] // 2
@@ -48,7 +48,7 @@ def test_a_small_budget_samples_and_verifies_every_step(tmp_path, trace):
 
 @pytest.mark.parametrize("trace", TRACES)
 def test_skip_leaves_the_same_steps_unverified(tmp_path, trace):
-    rc, s = _replay(tmp_path, "--canary", "--trace", trace, *SMALL, "--on-overflow", "skip", "--check-every", "5")
+    rc, s = _replay(tmp_path, "--trace", trace, *SMALL, "--on-overflow", "skip", "--check-every", "5")
     c = s["canary"]
     assert rc == 0 and s["mismatches"] == 0 and s["on_overflow"] == "skip"
     assert c["unverified_steps"] == s["overflow_steps"] > 0 and c["sampled_steps"] == 0

@@ -1,0 +1,131 @@
+"""The options of ``kv-canary replay``: each checked as it is parsed (argparse types), then the constraints
+between them (:func:`check_arguments`), all before any work."""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from .faults import KINDS, parse_inject
+from .scheduler import BUNDLED_TRACES
+
+# Every size below counts slots, rows or tokens of int32-indexed tables (req_to_token holds int32 slots; the
+# plans' counters are int32), so none may pass the int32 range.
+INT32_MAX = (1 << 31) - 1
+
+
+def _integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[low, high]``; argparse prefixes its message with the option's name."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {high} (the int32 range), got {value}")
+        return value
+
+    return parse
+
+
+_count, _size = _integer(0), _integer(1, INT32_MAX)
+_count32 = _integer(0, INT32_MAX)
+
+
+def _trace(text: str) -> str:
+    """An argparse type: a bundled trace name, or a readable file (its content is checked at set-up)."""
+    if text in BUNDLED_TRACES or text in BUNDLED_TRACES.values():
+        return text
+    path = Path(text)
+    want = f"{', '.join(BUNDLED_TRACES)} or a trace CSV file"
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (no such file)")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (not a file)")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (not readable)")
+    return text
+
+
+def _json_path(text: str) -> str:
+    """An argparse type: a file path that can be written, checked now so that a long run cannot fail at its end."""
+    path = Path(text)
+    want = "a file path in an existing, writable directory"
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (a directory)")
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (no directory {str(folder)!r})")
+    target = path if path.exists() else folder
+    if not os.access(target, os.W_OK):
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} ({str(target)!r} is not writable)")
+    return text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=_trace, default="conv", metavar="PATH|conv|code",
+                   help="trace CSV (columns TIMESTAMP, ContextTokens, GeneratedTokens), or a bundled Azure 2023 "
+                   "trace: conv (default) or code")
+    p.add_argument("--max-requests", type=_count, default=300, metavar="N",
+                   help="replay the first N requests; 0 = all (default 300)")
+    p.add_argument("--max-batch-size", type=_size, default=64, metavar="N",
+                   help="running requests per step (default 64)")
+    p.add_argument("--kv-pool-tokens", type=_size, default=1 << 17, metavar="N",
+                   help="full KV pool size in tokens, at least 2 pages (default 131072)")
+    p.add_argument("--verify-capacity", type=_count32, default=None, metavar="N",
+                   help="verify entries per plan; 0 = 60%% of the KV pool, rounded down to 1024 (default)")
+    p.add_argument("--verify-budget", type=_count32, default=None, metavar="N",
+                   help="the same as --verify-capacity: verify entries per plan; a step asking more verifies a "
+                   "rotating sample of N (or nothing with --on-overflow skip), so it trades verify cost for "
+                   "staleness (see the canary's coverage rows)")
+    p.add_argument("--on-overflow", choices=("sample", "skip"), default="sample",
+                   help="a step whose verify entries exceed the capacity: sample = verify a rotating sample of "
+                   "capacity entries (default, SPEC 3.7); skip = verify nothing (SGLang's behaviour)")
+    p.add_argument("--chunk-size", type=_size, default=2048, metavar="N",
+                   help="prefill tokens per request per step (default 2048)")
+    p.add_argument("--token-budget", type=_count32, default=0, metavar="N",
+                   help="tokens per step, decodes first; 0 = no limit (default)")
+    p.add_argument("--page-size", type=_size, default=16, metavar="N", help="KV page size in tokens (default 16)")
+    p.add_argument("--swa-window", type=_count32, default=0, metavar="W",
+                   help="plan a sliding-window group of window W through a full-to-SWA LUT; 0 = full attention")
+    p.add_argument("--no-pad", dest="pad", action="store_false",
+                   help="do not pad batches to CUDA-graph sizes (1, 2, 4, ..., max batch size)")
+    p.add_argument("--backend", default="auto", choices=("auto", "reference", "cupy", "numba"),
+                   help="planner backend; auto = a GPU backend if a GPU is present, else reference (default)")
+    p.add_argument("--seed", type=_count, default=0, metavar="N", help="seed of every random choice (default 0)")
+    p.add_argument("--check-every", type=_count, default=0, metavar="N",
+                   help="every N steps also plan with the reference backend and compare all output buffers "
+                   "byte for byte; 0 = never (default)")
+    p.add_argument("--plan-only", action="store_true",
+                   help="only plan every step (no canary, no CanaryManager): the planner's checks alone")
+    p.add_argument("--inject", action="append", type=parse_inject, default=[], metavar="KIND@STEP",
+                   help=f"inject a fault at STEP (or the first later step where it applies); KIND: {', '.join(KINDS)}; "
+                   "repeatable; not with --plan-only")
+    p.add_argument("--num-layers", type=_size, default=1, metavar="L",
+                   help="KV layers of the simulated model; L >= 2 turns on the layer rotation (docs/integration.md "
+                   "5c; default 1: layer 0 only, as SGLang)")
+    p.add_argument("--layer-dwell", type=_size, default=1, metavar="D",
+                   help="steps each layer stays under the rotation's cursor (with --num-layers; use the sampling "
+                   "bound when the verify samples: docs/integration.md 5c; default 1)")
+    p.add_argument("--json", type=_json_path, metavar="PATH",
+                   help="also write the summary as JSON to PATH (its directory must exist)")
+
+
+def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The constraints between options, after parsing; ``p.error`` exits 2 like argparse's own checks."""
+    if args.kv_pool_tokens < 2 * args.page_size:
+        # Page 0 is reserved for the padding slot: a pool needs one more page to hold anything.
+        p.error(f"argument --kv-pool-tokens: expected at least 2 pages of --page-size {args.page_size} "
+                f"({2 * args.page_size} tokens), got {args.kv_pool_tokens}")
+    cap, budget = args.verify_capacity, args.verify_budget
+    if cap is not None and budget is not None and cap != budget:
+        p.error(f"argument --verify-budget: expected the value of --verify-capacity ({cap}) when both are given, "
+                f"got {budget}")
+    if args.plan_only and args.inject:
+        p.error("argument --inject: expected the canary, got --plan-only (a fault needs the canary to be caught)")
+    # One value from here on: the budget is another name for the capacity.
+    args.verify_capacity = budget if budget is not None else cap or 0
