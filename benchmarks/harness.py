@@ -63,6 +63,11 @@ class Timing:
         q = statistics.quantiles(s, n=4, method="inclusive") if len(s) > 1 else [s[0]] * 3
         return cls(statistics.median(s), s[0], s[-1], q[0], q[2], len(s), unit)
 
+    def seconds(self) -> "Timing":
+        """The same timing in seconds (from us)."""
+        f = 1e-6
+        return Timing(self.median * f, self.min * f, self.max * f, self.q1 * f, self.q3 * f, self.rounds, "s")
+
     def spread(self) -> dict:
         return {"min": self.min, "max": self.max, "q1": self.q1, "q3": self.q3, "rounds": self.rounds}
 
@@ -204,8 +209,12 @@ def gpu_info(dry: bool) -> dict:
         return {"name": v[0], "driver": v[1], "clocks_mhz": {"sm": num(v[2]), "mem": num(v[3]),
                                                              "max_sm": num(v[4]), "max_mem": num(v[5])}}
     except (OSError, IndexError, subprocess.SubprocessError):
-        name = cupy().cuda.runtime.getDeviceProperties(0)["name"]
-        return {"name": name.decode() if isinstance(name, bytes) else name, "driver": None, "clocks_mhz": None}
+        try:
+            name = cupy().cuda.runtime.getDeviceProperties(0)["name"]
+            name = name.decode() if isinstance(name, bytes) else str(name)
+        except Exception:  # noqa: BLE001 - no readable GPU (bench_host --fake)
+            name = None
+        return {"name": name, "driver": None, "clocks_mhz": None}
 
 
 def _table(section: str) -> list[list[str]]:
