@@ -226,7 +226,7 @@ def _table(section: str) -> list[list[str]]:
         raise LookupError(f"kv-canary: docs/performance.md has no '## {section}' section")
     rows = [[c.strip().strip("`") for c in line.strip().strip("|").split("|")]
             for line in m.group(1).splitlines() if line.startswith("|")]
-    return [r for r in rows[2:]]  # past the header and its rule
+    return rows[2:]  # past the header and its rule
 
 
 def targets() -> dict[str, tuple[str, float, str]]:
