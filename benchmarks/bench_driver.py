@@ -1,32 +1,25 @@
-"""Host cost of the CUDA calls the manager's eager step is made of, one by one, on a GPU (issue 13).
+"""Driver / host overhead: the host cost of the CUDA calls the manager's eager step is made of, one by one.
 
-What each way of making a call costs the host thread (median over ``--repeats`` calls, us; the stream is synced
-outside the clock every 64 calls so queues never fill): a kernel launch through CuPy's ``Function`` (one packed
+What each way of making a call costs the host thread (harness.host_time: median over ``--rounds`` calls, us,
+the stream synced outside the clock after each): a kernel launch through CuPy's ``Function`` (one packed
 argument, as the backends launch), through ``cuda.bindings``' ``cuLaunchKernel`` with a prepacked parameter
 array, and through ``ctypes`` on ``libcuda``; device-to-host and host-to-device copies of pinned memory, a
 memset, an event record and query, a capture query and a current-device query through ``cuda.bindings`` and
 through CuPy's runtime module. Then the manager's own step (``bench_manager.build``), its sections timed by
-wrapping each method with a clock (``--sections``).
+wrapping each method with a clock. ``--dry``: the sections only, on host arrays. Writes
+benchmarks/results/driver.json.
 
-    python benchmarks/bench_driver.py [--repeats 2000] [--json FILE]
+    python benchmarks/bench_driver.py [--rounds 2000] [--sections-only] [--dry]
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import cupy as cp  # noqa: E402
+import harness
 
 SRC = r"""
 struct P { unsigned long long w[40]; };
@@ -40,21 +33,11 @@ def timed(fn, repeats: int, sync) -> float:
     except Exception as exc:  # noqa: BLE001 - a call this version lacks: recorded as NaN
         print("  failed:", type(exc).__name__, exc)
         return float("nan")
-    for _ in range(50):
-        fn()
-    sync()
-    out = []
-    for i in range(repeats):
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append(time.perf_counter_ns() - t0)
-        if i % 64 == 63:
-            sync()
-    sync()
-    return statistics.median(out) / 1e3
+    return harness.host_time(fn, check=None, sync=sync, rounds=repeats, warmup=50).median
 
 
 def primitives(repeats: int) -> dict[str, float]:
+    cp = harness.cupy()
     from cuda.bindings import driver, runtime
     from cupy_backends.cuda.api import runtime as cprt
 
@@ -160,17 +143,19 @@ def primitives(repeats: int) -> dict[str, float]:
     return res
 
 
-def sections(repeats: int, bs: int, context: int) -> dict[str, float]:
+def sections(cp, repeats: int, bs: int, context: int, device=0) -> dict[str, float]:
     """The manager's step with each named method wrapped by a clock: total us per step spent inside each."""
     from bench_manager import build
 
     from canary.manager import manager as mm
 
-    m, ids, before, after = build(cp, bs, context)
+    m, ids, before, after = build(cp, bs, context, device=device)
     acc: dict[str, int] = {}
 
     def wrap(owner, name, label):
-        orig = getattr(owner, name)
+        orig = getattr(owner, name, None)
+        if orig is None:  # a host manager has no transfer object
+            return
 
         def inner(*a, **k):
             t0 = time.perf_counter_ns()
@@ -192,7 +177,7 @@ def sections(repeats: int, bs: int, context: int) -> dict[str, float]:
     if m._eager is not None:
         wrap(m._eager, "launch", "eager graph lookup + launch (x2)")
         wrap(m._eager, "observe", "eager graph observe / capture")
-    stream = cp.cuda.get_current_stream()
+    sync = cp.cuda.get_current_stream().synchronize if hasattr(cp, "cuda") else (lambda: None)
     total = []
     for i in range(repeats + 50):
         if i == 50:
@@ -202,7 +187,7 @@ def sections(repeats: int, bs: int, context: int) -> dict[str, float]:
         m.after_kv_store(**after)
         if i >= 50:
             total.append(time.perf_counter_ns() - t0)
-        stream.synchronize()
+        sync()
     out = {k: v / repeats / 1e3 for k, v in sorted(acc.items(), key=lambda kv: -kv[1])}
     out["STEP total (median)"] = statistics.median(total) / 1e3
     if m._eager is not None:
@@ -212,24 +197,26 @@ def sections(repeats: int, bs: int, context: int) -> dict[str, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=2000)
+    ap = harness.parser(__doc__)
     ap.add_argument("--sections-only", action="store_true", help="skip the primitives")
-    ap.add_argument("--json")
     args = ap.parse_args()
-    out = {"primitives": {} if args.sections_only else primitives(args.repeats)}
-    for name, us in out["primitives"].items():
-        print(f"{name:55} {us:8.2f}")
-    for bs, ctx in ((1, 4096), (256, 2048)):
-        key = f"manager bs{bs} sections"
-        out[key] = sections(min(args.repeats, 500), bs, ctx)
-        print(f"--- {key} (us per step, wrappers included)")
-        for name, us in out[key].items():
-            print(f"{name:55} {us:8.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    return 0
+    bench = harness.Bench("driver", args, "host time per call: perf_counter_ns around each call, the stream synced "
+                          "outside the clock, 50 warm-up calls, median of 2000 calls; sections: wrapped methods' "
+                          "total per step over 500 steps")
+    repeats = bench.rounds(2000)
+    if not (args.sections_only or bench.dry):
+        for name, us in primitives(repeats).items():
+            if name.startswith("  ("):  # a call's return code, not a time
+                bench.extra[name.strip(" ()")] = us
+            else:
+                bench.figure(f"driver {name}", None if us != us else us, error="call failed" if us != us else None)
+    workloads = ((1, 32), (4, 16)) if bench.dry else ((1, 4096), (256, 2048))
+    for bs, ctx in workloads:
+        for name, us in sections(bench.xp, min(repeats, 500), bs, ctx, bench.device).items():
+            unit = "replays" if name.startswith("graph replays") else "us"
+            bench.figure(f"manager bs{bs} section: {name}", us, unit, bs=bs, context=ctx)
+    return bench.finish()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
-"""Eager host time of the per-step calls (issues 13 and 14): the manager's step, records verify + write, plan.
+"""Manager host time: eager host time of the per-step calls, the manager's step, records verify + write, plan.
 
 What the engine's host thread pays per call, launches included, device time excluded (the stream is synced
-outside the clock after each call): median over ``--repeats`` calls, us.
+outside the clock after each call): median over ``--rounds`` calls, us.
 
 - ``manager bsN``: ``before_forward`` + ``after_kv_store`` of a decode step (one full-attention group, one
   real-KV source), bs = 1 (ctx 4096) and bs = 256 (ctx 2048), the report of the step before decoded inside
@@ -11,38 +11,36 @@ outside the clock after each call): median over ``--repeats`` calls, us.
 - ``records bsN``: ``CanaryRecords.verify`` + ``CanaryRecords.write`` of a decode step;
 - ``plan bsN``: ``CanaryPlanner.plan`` with the expected-token pool (as the manager binds it), bs = 1, 8, 64, 256.
 
-``--fake``: no GPU needed: a NumPy-backed stand-in for CuPy and the CUDA runtime (``benchmarks/fakecuda.py``)
+``--fake``: no GPU needed: a NumPy-backed stand-in for CuPy and the CUDA runtime (``tests/helpers/fakecuda.py``)
 whose launches do nothing, so the numbers are the pure Python host path (a proxy: compare before / after in
 one run; timed in this thread's CPU time, less the stand-in's emulation of the kernels), with the driver calls a
 GPU would pay counted per call.
-``--profile NAME``: cProfile of one row. ``--split``: the manager rows' calls timed one by one too. ``--direct``:
-the manager without its eager CUDA graphs.
+``--profile NAME``: cProfile of one row (printed; no result written). ``--split``: the manager rows' calls timed
+one by one too. ``--direct``: the manager without its eager CUDA graphs. ``--dry``: host arrays (the reference
+backend), tiny workloads. Writes benchmarks/results/host.json (``--fake``: host-fake.json).
 
-    python benchmarks/bench_host.py [--repeats 300] [--fake] [--only manager] [--direct] [--profile "manager bs1"]
+    python benchmarks/bench_host.py [--rounds 300] [--fake] [--only manager] [--direct] [--profile "manager bs1"]
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness
 
 MANAGER = {"bs1": (1, 4096), "bs256": (256, 2048)}  # (bs, context per request)
-PLAN_BS = (1, 8, 64, 256)
+PLAN_BS = [1, 8, 64, 256]
+RECORDS = [(1, 4096), (256, 2048)]  # (bs, context per request)
 
 
-MANAGER_KW: dict = {}  # --direct: {"eager_graphs": False}
+MANAGER_KW: dict = {}  # --direct: {"eager_graphs": False}; --dry: {"device": "cpu"}
+DEVICE: dict = {"device": 0}  # --dry: "cpu"
 SPLIT: dict = {}  # --split: {"clock": the clock, "parts": [(accept ns, before_forward ns, after_kv_store ns)]}
 
 
@@ -94,8 +92,8 @@ def planner_case(cp, bs: int, context: int = 64):
     max_reqs, max_seq = bs + 1, context + 1
     r2t = cp.asarray(np.arange(max_reqs * max_seq, dtype=np.int32).reshape(max_reqs, max_seq))
     pool = cp.zeros((2 * max_reqs, max_seq + 1), dtype=np.int32)
-    vp = VerifyPlan.allocate(verify_capacity=bs * context, device=0, max_reqs=max_reqs)
-    wp = WritePlan.allocate(write_req_capacity=bs, device=0)
+    vp = VerifyPlan.allocate(verify_capacity=bs * context, max_reqs=max_reqs, **DEVICE)
+    wp = WritePlan.allocate(write_req_capacity=bs, **DEVICE)
     p = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, req_to_token=r2t, req_to_verify_expected_tokens=pool,
                       max_batch_size=bs)
     p.warmup()
@@ -114,7 +112,7 @@ def records_case(cp, bs: int, context: int):
     p.plan(**step)
     slots = (bs + 1) * (context + 1)
     k = cp.zeros((slots, 256), dtype=np.uint8)
-    state = CanaryState.allocate(num_slots=slots, ring_capacity=256, device=0)
+    state = CanaryState.allocate(num_slots=slots, ring_capacity=256, **DEVICE)
     rec = CanaryRecords(state, [(k, 1, 256)])
     rec.warmup()
     a = cp.asarray
@@ -137,7 +135,7 @@ def cases(cp, only: list[str] | None):
                 out[f"manager {name}{' +tokens ' + tokens if tokens else ''}"] = \
                     lambda bs=bs, ctx=ctx, t=tokens: manager_case(cp, bs, ctx, t)
     if want("records"):
-        for bs, ctx in ((1, 4096), (256, 2048)):
+        for bs, ctx in RECORDS:
             out[f"records bs{bs}"] = lambda bs=bs, ctx=ctx: (records_case(cp, bs, ctx), None, None)
     if want("plan"):
         for bs in PLAN_BS:
@@ -148,36 +146,12 @@ def cases(cp, only: list[str] | None):
     return out
 
 
-def measure(call, after, sync, repeats: int, counts=None, clock=time.perf_counter_ns) -> tuple[float, dict]:
-    for _ in range(20):
-        call()
-        sync()
-        if after:
-            after()
-    times = []
-    before = dict(counts) if counts is not None else {}
-    for _ in range(repeats):
-        t0 = clock()
-        call()
-        times.append((clock() - t0) / 1e3)
-        sync()  # outside the clock: each call starts with an idle GPU
-        if after:
-            after()
-    per_call = {}
-    if counts is not None:
-        per_call = {k: round((v - before.get(k, 0)) / repeats, 2) for k, v in counts.items()
-                    if v - before.get(k, 0)}
-    return statistics.median(times), per_call
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=300)
-    ap.add_argument("--fake", action="store_true", help="no GPU: fake CuPy and CUDA runtime (benchmarks/fakecuda.py)")
+    ap = harness.parser(__doc__)
+    ap.add_argument("--fake", action="store_true", help="no GPU: fake CuPy and CUDA runtime (tests/helpers/fakecuda.py)")
     ap.add_argument("--only", nargs="+", choices=["manager", "records", "plan"])
     ap.add_argument("--profile", help="cProfile this row (e.g. 'manager bs1') instead of timing every row")
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--split", action="store_true", help="manager rows: also each call's median (accept, "
                     "before_forward, after_kv_store)")
     ap.add_argument("--direct", action="store_true", help="the manager with eager_graphs=False (every launch direct)")
@@ -186,21 +160,29 @@ def main() -> int:
         MANAGER_KW["eager_graphs"] = False
     clock = time.perf_counter_ns
     counts = None
-    if args.fake:
+    if args.fake and not args.dry:
+        sys.path.insert(0, str(harness.ROOT / "tests" / "helpers"))
         import fakecuda
 
         fakecuda.install()
         counts = fakecuda.COUNTS
-        # this thread's CPU time, less the stand-in's emulation of the kernels (the GPU's time, not ours)
+        # this thread's CPU time (on a shared machine, time descheduled is not the code's), less the stand-in's
+        # emulation of the kernels (the GPU's time, not ours)
         clock = lambda: time.thread_time_ns() - fakecuda.EMULATED_NS  # noqa: E731
+    bench = harness.Bench("host-fake" if args.fake and not args.dry else "host", args,
+                          "host time per call: perf_counter_ns around each call (--fake: thread CPU time less the "
+                          "stand-in's kernel emulation), the stream synced outside the clock, 20 warm-up calls, "
+                          "median of 300 calls")
+    if bench.dry:
+        MANAGER.update({"bs1": (1, 32), "bs256": (4, 16)})
+        PLAN_BS[:] = [1, 4]
+        RECORDS[:] = [(1, 32), (4, 16)]
+        MANAGER_KW["device"] = DEVICE["device"] = "cpu"
     if args.split:
         SPLIT["clock"] = clock
-    import cupy as cp
-
-    def sync():
-        cp.cuda.Device().synchronize()
-
-    rows = []
+    cp = bench.xp
+    sync = (lambda: None) if bench.dry else (lambda: cp.cuda.Device().synchronize())
+    rounds = bench.rounds(300)
     for name, make in cases(cp, args.only).items():
         if args.profile and name != args.profile:
             continue
@@ -209,10 +191,10 @@ def main() -> int:
             continue
         call, after, close = made
         if args.profile:
-            measure(call, after, sync, 50)
+            harness.host_time(call, check=None, sync=sync, after=after, rounds=50)
             prof = cProfile.Profile()
             prof.enable()
-            for _ in range(args.repeats):
+            for _ in range(rounds):
                 call()
                 sync()
                 if after:
@@ -223,21 +205,21 @@ def main() -> int:
                 pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
                 print(out.getvalue())
             return 0
-        # --fake: this thread's CPU time (on a shared machine, time spent descheduled is not the code's)
         SPLIT["parts"] = []
-        us, per_call = measure(call, after, sync, args.repeats, counts, clock)
-        row = {"call": name, "host_us": us, "driver_calls": per_call}
+        before = dict(counts) if counts is not None else {}
+        # The calls check themselves: on_violation="raise", and the kernels' results are the GPU benchmarks'.
+        row = bench.attempt(name, lambda: harness.host_time(call, check=None, sync=sync, after=after,
+                                                            rounds=rounds, clock=clock, warmup=2 if bench.dry else 20))
+        if counts is not None:
+            row["driver_calls"] = {k: round((v - before.get(k, 0)) / (rounds + 20), 2) for k, v in counts.items()
+                                   if v - before.get(k, 0)}
         if SPLIT["parts"]:
             parts = SPLIT["parts"][20:]  # past the warm-up calls
             row["split_us"] = {k: round(statistics.median(p[i] for p in parts) / 1e3, 1)
                                for i, k in enumerate(("accept", "before_forward", "after_kv_store"))}
-        rows.append(row)
-        print(f"{name:22} {us:8.1f} us   {json.dumps(row.get('split_us', per_call))}", flush=True)
         if close:
             close()
-    if args.json:
-        Path(args.json).write_text(json.dumps({"fake": args.fake, "repeats": args.repeats, "rows": rows}, indent=2))
-    return 0
+    return bench.finish()
 
 
 if __name__ == "__main__":

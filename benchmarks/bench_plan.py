@@ -1,45 +1,31 @@
-"""Build, check and time every plan implementation on the GPU in one run (method: docs/performance.md).
+"""Plan kernels (SPEC 3): build, check and time every plan implementation in one run (docs/performance.md).
 
-    python benchmarks/bench_plan.py [--quick] [--out benchmarks/results]
+    python benchmarks/bench_plan.py [--quick] [--impls cupy,cupy_two_pass,numba,torch] [--dry]
 
-For each workload and implementation: correctness first (poisoned outputs, all 10 buffers byte for byte
-against the NumPy reference), then eager wall time per call through the planner (host overhead included:
-N calls, one sync at the end) and device time per plan in CUDA-graph replay (a graph of several plans over
-independent buffer sets, so one plan's data is not still in L2 when it comes round again; CUDA events around
-many replays; median of repeats). Each figure sits beside its floor (minimum bytes over the measured
-device-to-device copy bandwidth) and SPEC 5's anchors. Results: JSON under --out (commit, GPU, clocks).
+For each workload and implementation: the 10 output buffers of one call, on poisoned outputs, checked byte for
+byte against the NumPy reference; then device time per plan in CUDA-graph replay (a graph of ``--sets`` plans
+over independent buffer sets, so that one plan's data is not in L2 when its turn comes round) and eager wall
+time per call (host overhead included: N calls, one sync). Each figure sits beside its floor (the fewest bytes
+over the measured copy bandwidth), SGLang's anchor and its target (docs/performance.md). Every workload's
+capacity holds all its entries, so no plan samples (the sampled step: bench_sampled.py).
+Writes benchmarks/results/plan.json.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import cupy  # noqa: E402
+import harness
 
 from canary import CanaryPlanner, LaunchConfig, VerifyPlan, WritePlan  # noqa: E402
 from canary.backends.reference.plan import plan_arrays  # noqa: E402
-from canary.interop.callviews import CallViews  # noqa: E402
 
 OUTPUTS = (
     "verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
     "verify_num_valid", "enable", "status", "write_offsets", "write_seed_slot_indices", "write_num_valid_reqs",
 )
-# SPEC 5: SGLang's planner on one H200, device time per plan in CUDA-graph replay (us), by workload.
-SGLANG_ANCHORS_US = {"bs1": 6.8, "bs256_decode": 23.0, "bs4096": 112.0, "swa_bs256": 41.0}
-TARGETS_US = {"bs1": 4.0, "bs256_decode": 9.0, "bs4096": 30.0, "swa_bs256": 20.0}
 
 
 @dataclass
@@ -94,7 +80,8 @@ def paged_lut(rng, num_slots: int) -> np.ndarray:
     return swa_pages[s // PAGE] * PAGE + s % PAGE
 
 
-def workloads(rng: np.random.Generator, quick: bool) -> list[Inputs]:
+def workloads(rng: np.random.Generator, quick: bool, dry: bool = False) -> list[Inputs]:
+    """The six workloads of docs/performance.md (``quick``: two of them; ``dry``: the same names, tiny)."""
     def batch(name, bs, p_lo, p_hi, e_lo, e_hi, C, W=0):
         P = rng.integers(p_lo, p_hi + 1, size=bs).astype(np.int64)
         E = rng.integers(e_lo, e_hi + 1, size=bs).astype(np.int64)
@@ -103,6 +90,9 @@ def workloads(rng: np.random.Generator, quick: bool) -> list[Inputs]:
         lut = paged_lut(rng, num_slots) if W else None
         return Inputs(name, r2t, rpi, P, E, C, lut, W)
 
+    if dry:
+        return [batch("bs1", 1, 8, 32, 1, 1, C=64), batch("bs8_decode", 8, 16, 64, 1, 1, C=8 * 64),
+                batch("bs32_prefill", 4, 0, 32, 1, 16, C=4 * 32), batch("swa_bs256", 4, 16, 64, 1, 1, C=4 * 16, W=16)]
     out = [
         batch("bs1", 1, 64, 256, 1, 1, C=4096),
         batch("bs8_decode", 8, 512, 4096, 1, 1, C=8 * 4096),
@@ -116,11 +106,11 @@ def workloads(rng: np.random.Generator, quick: bool) -> list[Inputs]:
     return out
 
 
-def trace_steps(count: int) -> list[Inputs]:
+def trace_steps(count: int, requests: int = 300) -> list[Inputs]:
     """Real step shapes: the bundled conversation trace through the scheduler, ``count`` steps spread evenly."""
     from canary.replay.scheduler import Scheduler, default_buckets, load_trace
 
-    sched = Scheduler(load_trace("conv", 300), max_batch_size=64, pad_buckets=default_buckets(64), seed=0)
+    sched = Scheduler(load_trace("conv", requests), max_batch_size=64, pad_buckets=default_buckets(64), seed=0)
     steps = []
     for st in sched.steps():
         steps.append(Inputs(f"trace{st.index}", st.req_to_token.copy(), st.req_pool_indices.copy(),
@@ -149,17 +139,19 @@ def poisoned(inp: Inputs) -> dict[str, np.ndarray]:
     return out
 
 
-class Bound:
-    """One implementation bound to its own device copy of one workload."""
 
-    def __init__(self, impl: str, inp: Inputs):
-        self.impl, self.inp = impl, inp
-        self.dev = {k: cupy.asarray(v) for k, v in (("req_to_token", inp.req_to_token),
-                    ("req_pool_indices", inp.req_pool_indices), ("prefix_lens", inp.prefix_lens),
-                    ("extend_seq_lens", inp.extend_seq_lens))}
-        self.lut = None if inp.lut is None else cupy.asarray(inp.lut)
-        self.out = {k: cupy.asarray(v) for k, v in poisoned(inp).items()}
+class Bound:
+    """One implementation bound to its own copy of one workload (``xp``: CuPy, or NumPy for the reference)."""
+
+    def __init__(self, impl: str, inp: Inputs, xp):
+        self.impl, self.inp, self.xp = impl, inp, xp
+        a = xp.asarray
+        self.dev = {k: a(getattr(inp, k)) for k in ("req_to_token", "req_pool_indices", "prefix_lens",
+                                                    "extend_seq_lens")}
+        self.lut = None if inp.lut is None else a(inp.lut)
+        self.out = {k: a(v) for k, v in poisoned(inp).items()}
         self.step = {k: self.dev[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")}
+        self.capturable = impl != "torch"  # its host sync sizes the intermediates: no graph
         if impl == "torch":
             import torch
 
@@ -174,13 +166,13 @@ class Bound:
                            extend_seq_lens=t["extend_seq_lens"], req_to_token=t["req_to_token"],
                            swa_window_size=inp.swa_window_size, full_to_swa_index_mapping=tl, out=to)
 
-            self.call, self.capturable = call, False
+            self.call = call
             return
-        backend = "cupy" if impl.startswith("cupy") else "numba"
+        backend = {"cupy_two_pass": "cupy"}.get(impl, impl)
         two_pass = impl == "cupy_two_pass"  # the scan + per-entry binary search shape of SGLang's planner
-        # Every workload's capacity holds all its entries: the cursors are bound (on_overflow="sample", the
-        # default) but never read, so the timings are those of the plain plan.
-        self.cursors = cupy.zeros(inp.req_to_token.shape[0], dtype=cupy.int64)
+        # The cursors are bound (on_overflow="sample", the default) but never read: every capacity holds its
+        # workload's entries, so the timings are those of the plain plan.
+        self.cursors = xp.zeros(inp.req_to_token.shape[0], dtype=xp.int64)
         self.planner = CanaryPlanner(
             backend=backend, launch_config=LaunchConfig(fused_max_bs=-1 if two_pass else None),
             verify_plan_out=VerifyPlan(**{k: self.out[k] for k in OUTPUTS[:7]}, verify_cursors=self.cursors),
@@ -190,193 +182,98 @@ class Bound:
         )
         self.planner.warmup()
         self.call = lambda stream=None: self.planner.plan(**self.step, stream=stream)
-        self.capturable = True
 
     def outputs(self) -> dict[str, np.ndarray]:
-        return {k: cupy.asnumpy(v) for k, v in self.out.items()}
+        return {k: np.asarray(v.get() if hasattr(v, "get") else v) for k, v in self.out.items()}
 
 
-def check(b: Bound, want: dict[str, np.ndarray]) -> str | None:
+def check(b: Bound, want: dict[str, np.ndarray], sync) -> str | None:
+    """One call on poisoned outputs against the reference's: the first difference, or ``None``."""
     b.call()
-    cupy.cuda.Device().synchronize()
+    sync()
     got = b.outputs()
     for k in OUTPUTS:
         if got[k].shape != want[k].shape or not np.array_equal(got[k], want[k]):
             bad = np.flatnonzero(got[k] != want[k]) if got[k].shape == want[k].shape else [-1]
-            return f"{k} differs (first index {int(bad[0])}: got {got[k].flat[bad[0]]}, want {want[k].flat[bad[0]]})"
+            return f"{b.inp.name}: {k} differs (first index {int(bad[0])})"
     return None
 
 
-def eager_us(bs_list: list[Bound], calls: int) -> float:
-    for b in bs_list:
+def eager_us(bound: list[Bound], calls: int, sync, rounds: int) -> harness.Timing:
+    """Wall time per call, host overhead included: ``calls`` calls of each bound plan, one sync."""
+    for b in bound:
         b.call()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(5):
+    sync()
+    samples = []
+    for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(calls):
-            for b in bs_list:
+            for b in bound:
                 b.call()
-        cupy.cuda.Device().synchronize()
-        times.append((time.perf_counter() - t0) / (calls * len(bs_list)) * 1e6)
-    return float(np.median(times))
-
-
-def graph_us(bs_list: list[Bound], replays: int) -> float:
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        for b in bs_list:
-            b.call(stream=stream)
-        stream.synchronize()
-        stream.begin_capture()
-        for b in bs_list:
-            b.call(stream=stream)
-        graph = stream.end_capture()
-        graph.upload(stream)
-        for _ in range(3):
-            graph.launch(stream)
-        stream.synchronize()
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        times = []
-        for _ in range(7):
-            start.record(stream)
-            for _ in range(replays):
-                graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / (replays * len(bs_list)))
-    return float(np.median(times))
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    n = 1 << 30
-    a, b = cupy.empty(n, cupy.uint8), cupy.empty(n, cupy.uint8)
-    a.fill(1)
-    for _ in range(3):
-        b[...] = a
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record()
-    for _ in range(20):
-        b[...] = a
-    stop.record()
-    stop.synchronize()
-    return 2 * n * 20 / (cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-
-
-def host_breakdown(inp: Inputs) -> dict[str, float]:
-    """Where an eager CuPy call spends its host time (bs = 1): the whole call, then its parts."""
-    b = Bound("cupy", inp)
-    p = b.planner
-    n = 2000
-    for _ in range(50):
-        b.call()
-    res = {}
-    t0 = time.perf_counter()
-    for _ in range(n):
-        b.call()
-    res["plan_call_us"] = (time.perf_counter() - t0) / n * 1e6
-    handle = cupy.cuda.get_current_stream().ptr
-    st = p.static
-
-    def views(h):  # what plan() does before its checks: the launch stream and the step-view cache
-        return CallViews(st.device_id, h, st.verify_slot_indices.owner, st.output_spans, p._step_views)
-
-    t0 = time.perf_counter()
-    for _ in range(n):
-        p._step(b.step["req_pool_indices"], b.step["prefix_lens"], b.step["extend_seq_lens"], None, views(handle))
-    res["views_and_checks_us"] = (time.perf_counter() - t0) / n * 1e6
-    step = p._step(b.step["req_pool_indices"], b.step["prefix_lens"], b.step["extend_seq_lens"], None, views(handle))
-    t0 = time.perf_counter()
-    for _ in range(n):
-        p._bound.launch(step, handle)
-    res["launch_us"] = (time.perf_counter() - t0) / n * 1e6
-    cupy.cuda.Device().synchronize()
-    return res
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return os.environ.get("KV_CANARY_COMMIT", "unknown")
-
-
-def gpu_info() -> dict:
-    q = "name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw"
-    try:
-        line = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
-                              text=True).stdout.strip().splitlines()[0]
-        return dict(zip(q.split(","), [x.strip() for x in line.split(",")]))
-    except Exception as exc:  # pragma: no cover
-        return {"error": str(exc)}
+        sync()
+        samples.append((time.perf_counter() - t0) / (calls * len(bound)) * 1e6)
+    return harness.Timing.of(samples)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="two workloads, fewer repeats")
     ap.add_argument("--impls", default="cupy,cupy_two_pass,numba,torch")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--sets", type=int, default=4, help="independent buffer sets per graph (L2 rotation)")
     args = ap.parse_args()
+    bench = harness.Bench("plan", args, "device time per plan: CUDA-graph replay of --sets plans on independent "
+                          "buffers, CUDA events around 50 replays, median of 7 rounds; eager: wall time of 200 "
+                          "calls (50 past 1M entries) and one sync, median of 5 rounds")
+    xp, dry = bench.xp, bench.dry
+    sync = (lambda: None) if dry else (lambda: xp.cuda.Device().synchronize())
+    impls = ["reference"] if dry else args.impls.split(",")
     rng = np.random.default_rng(2026)
-    impls = args.impls.split(",")
-    bw = copy_bandwidth()
-    print(f"copy bandwidth (read + write): {bw / 1e12:.2f} TB/s", flush=True)
-    rows = []
-    groups = [[w] for w in workloads(rng, args.quick)]
-    groups.append(trace_steps(8 if args.quick else 32))
+    groups = [[w] for w in workloads(rng, args.quick, dry)]
+    groups.append(trace_steps(2, 20) if dry else trace_steps(8 if args.quick else 32))
     for group in groups:
         name = group[0].name if len(group) == 1 else "trace_mix"
         entries = sum(w.entries for w in group) / len(group)
-        floor_us = sum(w.min_bytes() for w in group) / len(group) / bw * 1e6
+        min_bytes = sum(w.min_bytes() for w in group) / len(group)
         wants = [reference(w) for w in group]
         for impl in impls:
-            row = dict(workload=name, impl=impl, bs=group[0].bs, entries=entries, floor_us=floor_us,
-                       min_bytes=sum(w.min_bytes() for w in group) / len(group),
-                       anchor_sglang_us=SGLANG_ANCHORS_US.get(name), target_us=TARGETS_US.get(name))
-            sets = None
-            try:
-                sets = [[Bound(impl, w) for w in group] for _ in range(max(1, args.sets if len(group) == 1 else 1))]
-                for s in sets[:1]:
-                    for b, want in zip(s, wants):
-                        err = check(b, want)
-                        if err:
-                            raise AssertionError(f"{b.inp.name}: {err}")
-                row["correct"] = True
-                flat = [b for s in sets for b in s]
-                calls = 20 if args.quick else (200 if entries < 1e6 else 50)
-                row["eager_us"] = eager_us(flat[: len(group)], calls)
-                if flat[0].capturable:
-                    row["graph_us"] = graph_us(flat, 10 if args.quick else 50)
-                    row["graph_vs_floor"] = row["graph_us"] / floor_us
-            except Exception as exc:  # record and go on: one broken implementation must not hide the rest
-                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            sets = None
-            cupy.get_default_memory_pool().free_all_blocks()
-    breakdown = host_breakdown(workloads(np.random.default_rng(1), True)[0])
-    result = dict(commit=git_commit(), gpu=gpu_info(), date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                  python=platform.python_version(), cupy=cupy.__version__, numpy=np.__version__,
-                  copy_bandwidth_Bps=bw, host_breakdown_bs1=breakdown, rows=rows)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    gpu = result["gpu"].get("name", "gpu").replace(" ", "-")
-    path = out_dir / f"plan-{time.strftime('%Y%m%d-%H%M%S')}-{gpu}-{result['commit'][:8]}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {path}")
-    print(f"host breakdown (bs=1, cupy): {breakdown}")
-    print(f"{'workload':14} {'impl':14} {'entries':>9} {'floor':>7} {'graph':>8} {'eager':>8} {'SGLang':>7} {'target':>7}")
-    for r in rows:
-        g = r.get("graph_us")
-        print(f"{r['workload']:14} {r['impl']:14} {r['entries']:9.0f} {r['floor_us']:7.1f} "
-              f"{(f'{g:8.1f}' if g else '       -')} {r.get('eager_us', float('nan')):8.1f} "
-              f"{(r['anchor_sglang_us'] or float('nan')):7.1f} {(r['target_us'] or float('nan')):7.1f}"
-              f"{'  ERROR ' + r['error'] if 'error' in r else ''}")
-    return 0
+            sets: list[list[Bound]] = []
+
+            def build():
+                sets.extend([Bound(impl, w, xp) for w in group]
+                            for _ in range(max(1, args.sets if len(group) == 1 else 1)))
+
+            def checked():
+                build()
+                problem = next((e for b, want in zip(sets[0], wants) if (e := check(b, want, sync))), None)
+                checks.append(problem)
+                return problem
+
+            checks: list[str | None] = []
+            flat = lambda: [b for s in sets for b in s]  # noqa: E731
+            common = dict(key=f"plan.{name}", floor=bench.floor_us(min_bytes), impl=impl, bs=group[0].bs,
+                          entries=entries, min_bytes=min_bytes)
+            big = entries >= 1e6
+            if impl != "torch":
+                bench.attempt(f"plan {name} {impl} graph", lambda: harness.device_time(
+                    lambda s: [b.call(stream=s) for b in flat()], check=checked, dry=dry,
+                    rounds=bench.rounds(7), replays=10 if args.quick or dry else 50,
+                    calls_per_replay=len(flat())), **common)
+
+            def eager():
+                if not checks:  # torch: no graph (its host sync sizes the intermediates), so its check is here
+                    harness.require(checked)
+                return eager_us(flat()[: len(group)], 2 if dry else 20 if args.quick else 50 if big else 200, sync,
+                                bench.rounds(5))
+
+            if checks and checks[0]:
+                bench.figure(f"plan {name} {impl} eager", None, error=f"check failed: {checks[0]}", impl=impl)
+            else:
+                bench.attempt(f"plan {name} {impl} eager", eager, **dict(common, key=None, anchor=None))
+            sets.clear()
+            if not dry:
+                xp.get_default_memory_pool().free_all_blocks()
+    return bench.finish()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,31 +1,23 @@
-"""Time the NumPy reference planner on the host (no GPU, no CuPy): one step of ``--bs`` full-length decode rows.
+"""The NumPy reference planner on the host (no GPU, no CuPy): one step of ``--bs`` full-length decode rows.
 
-    python benchmarks/bench_reference.py [--bs 256] [--seq-len 4096] [--repeats 5] [--budget-s 5.0]
+    python benchmarks/bench_reference.py [--bs 256] [--seq-len 4096] [--rounds 5] [--dry]
 
-The default workload is 256 rows of 4096 cached tokens (2**20 verify entries), the size the reference is expected
-to plan in well under ``--budget-s`` seconds on one CPU core (it is the host fallback and the tests' oracle).
-Each repeat plans the same step through ``CanaryPlanner.plan`` into fresh poisoned outputs; the first repeat's
-outputs are checked (verify entries and write seeds, read off ``req_to_token``) before anything is timed. Prints
-one JSON object: the workload, per-repeat seconds, min / median, entries per second, the budget and whether the
-median is within it. The exit status is 0 when the check passes, else 1 (a slow run still exits 0: judging a
-timing is the reader's, not a test's).
+The default workload is 256 rows of 4096 cached tokens (2**20 verify entries), which the reference (the host
+fallback and the tests' oracle) must plan within its target (docs/performance.md, ``reference.plan``) on one CPU
+core. Each round plans the same step through ``CanaryPlanner.plan`` into fresh poisoned outputs; the outputs are
+checked (verify entries and write seeds, read off ``req_to_token``) before anything is timed. Writes
+benchmarks/results/reference.json; the exit status is 1 when the check fails (a slow run still exits 0: judging
+a timing is the reader's, not a test's).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import platform
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from canary import CanaryPlanner, VerifyPlan, WritePlan  # noqa: E402
+from canary import CanaryPlanner, VerifyPlan, WritePlan
 
 POISON64 = 0x5A5A5A5A5A5A5A5A
 
@@ -81,38 +73,41 @@ def check(w: dict, vp: VerifyPlan, wp: WritePlan) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--bs", type=int, default=256, help="batch rows (default 256)")
     ap.add_argument("--seq-len", type=int, default=4096, help="cached tokens per row (default 4096)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed plans (default 5)")
-    ap.add_argument("--budget-s", type=float, default=5.0, help="the median a healthy host stays under (default 5)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
+    bench = harness.Bench("reference", args, "host time per plan: perf_counter_ns around one CanaryPlanner.plan "
+                          "into fresh poisoned outputs, median of 5 rounds")
+    if bench.dry:
+        args.bs, args.seq_len = 3, 40
     w = workload(args.bs, args.seq_len, args.seed)
     entries = args.bs * args.seq_len
-    seconds, error = [], None
-    for i in range(max(1, args.repeats)):
-        vp, wp = plans(args.bs, entries)
-        planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, req_to_token=w["req_to_token"])
-        step = {k: w[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")}
-        t0 = time.perf_counter()
-        planner.plan(**step)
-        seconds.append(time.perf_counter() - t0)
-        if i == 0:
-            error = check(w, vp, wp)
-            if error:
-                break
-    median = statistics.median(seconds)
-    result = dict(
-        benchmark="reference_plan", bs=args.bs, seq_len=args.seq_len, entries=entries, repeats=len(seconds),
-        seconds=[round(s, 6) for s in seconds], min_s=round(min(seconds), 6), median_s=round(median, 6),
-        entries_per_s=round(entries / median), budget_s=args.budget_s, within_budget=median < args.budget_s,
-        correct=error is None, error=error, python=platform.python_version(), numpy=np.__version__,
-        machine=platform.machine(), date=time.strftime("%Y-%m-%d %H:%M:%S"),
-    )
-    print(json.dumps(result))
-    return 0 if error is None else 1
+    step = {k: w[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")}
+    fresh = {}
+
+    def setup():  # fresh poisoned outputs before each timed plan, outside the clock
+        fresh["vp"], fresh["wp"] = plans(args.bs, entries)
+        fresh["planner"] = CanaryPlanner(verify_plan_out=fresh["vp"], write_plan_out=fresh["wp"],
+                                         req_to_token=w["req_to_token"])
+
+    def checked():
+        setup()
+        fresh["planner"].plan(**step)
+        problem = check(w, fresh["vp"], fresh["wp"])
+        setup()
+        return problem
+
+    row = bench.attempt(f"reference plan bs={args.bs} x {args.seq_len}", lambda: harness.host_time(
+        lambda: fresh["planner"].plan(**step), check=checked, sync=lambda: None, after=setup,
+        rounds=bench.rounds(5), warmup=0).seconds(), "s", key="reference.plan", bs=args.bs, seq_len=args.seq_len,
+        entries=entries)
+    if row["value"] is not None:
+        row["entries_per_s"] = round(entries / row["value"])
+    bench.extra.update(python=platform.python_version(), numpy=np.__version__, machine=platform.machine())
+    return bench.finish()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

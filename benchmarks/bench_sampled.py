@@ -10,26 +10,16 @@ the graph at every replay, as in serving).
 A second full twin verifies, in the sampled workload's own rows, as many entries a row as the sampled step
 takes (``sampled_takes``): the same batch, the same entries a row, everything but the sampling itself.
 
-Usage: ``python benchmarks/bench_sampled.py [--backends cupy,numba] [--out DIR]``; prints a table and writes
-``benchmarks/results/sampled-<gpu>-<time>.json``.
+Usage: ``python benchmarks/bench_sampled.py [--backends cupy,numba] [--dry]``; writes
+benchmarks/results/sampled.json (the ratio sampled / full beside its target, docs/performance.md).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
-from pathlib import Path
-
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness
+from bench_plan import paged_lut, paged_table
 
-import cupy  # noqa: E402
-
-from bench_plan import git_commit, gpu_info, graph_us, paged_lut, paged_table  # noqa: E402
 from canary import CanaryPlanner, PlanStatus, VerifyPlan, WritePlan  # noqa: E402
 from canary.backends.reference.plan import plan_arrays  # noqa: E402
 
@@ -59,16 +49,17 @@ def sampled_takes(w):
     return np.diff(first)
 
 
-def pairs(rng):
+def pairs(rng, dry: bool = False):
     """(name, sampled workload, full workload of C entries, full workload of the sampled takes). The first full
     twin has rows of C / bs entries each (no warp pass straddles two rows in decode); the second verifies, in
     the sampled workload's own rows and tables, exactly as many entries a row as the sampled step takes, so that
     the two differ only by what sampling adds."""
     out = []
-    for name, bs, lo, hi, C, W in [("bs256_decode", 256, 512, 4096, 1 << 16, 0),
-                                   ("bs4096", 4096, 256, 1024, 1 << 20, 0),
-                                   ("swa_bs256", 256, 4096, 32768, 1 << 16, 4096),
-                                   ("bs8_tiny_budget", 8, 512, 4096, 64, 0)]:
+    shapes = [("bs256_decode", 256, 512, 4096, 1 << 16, 0), ("bs4096", 4096, 256, 1024, 1 << 20, 0),
+              ("swa_bs256", 256, 4096, 32768, 1 << 16, 4096), ("bs8_tiny_budget", 8, 512, 4096, 64, 0)]
+    if dry:
+        shapes = [("bs256_decode", 8, 32, 128, 64, 0), ("swa_bs256", 8, 64, 256, 64, 32)]
+    for name, bs, lo, hi, C, W in shapes:
         sampled = batch(rng, bs, lo, hi, C, W)
         per_row = C // bs
         full = batch(rng, bs, per_row, per_row, C, W)  # the same configuration (LUT included), C entries
@@ -99,71 +90,69 @@ def reference(w, cursors):
 
 
 class Bound:
-    def __init__(self, backend, w):
-        self.w = w
+    def __init__(self, backend, w, xp, device):
+        self.w, self.xp = w, xp
         bs = len(w["rpi"])
-        self.vp = VerifyPlan.allocate(verify_capacity=w["C"], device=0, max_reqs=w["r2t"].shape[0])
-        self.wp = WritePlan.allocate(write_req_capacity=bs, device=0)
-        self.dev = {k: cupy.asarray(w[k]) for k in ("r2t", "rpi", "P", "E")}
+        self.vp = VerifyPlan.allocate(verify_capacity=w["C"], device=device, max_reqs=w["r2t"].shape[0])
+        self.wp = WritePlan.allocate(write_req_capacity=bs, device=device)
+        self.dev = {k: xp.asarray(w[k]) for k in ("r2t", "rpi", "P", "E")}
         self.planner = CanaryPlanner(backend=backend, verify_plan_out=self.vp, write_plan_out=self.wp,
                                      req_to_token=self.dev["r2t"], swa_window_size=w["W"],
-                                     full_to_swa_index_mapping=None if w["lut"] is None else cupy.asarray(w["lut"]))
+                                     full_to_swa_index_mapping=None if w["lut"] is None else xp.asarray(w["lut"]))
         self.planner.warmup()
 
     def call(self, stream=None):
         self.planner.plan(req_pool_indices=self.dev["rpi"], prefix_lens=self.dev["P"], extend_seq_lens=self.dev["E"],
                           stream=stream)
 
-    def check(self) -> str | None:
+    def host(self, a) -> np.ndarray:
+        return np.asarray(a.get() if hasattr(a, "get") else a)
+
+    def check(self, want_sampled: bool) -> str | None:
+        """One eager call from zeroed cursors on poisoned outputs against the reference, cursors and the
+        SAMPLED status bit included."""
         cursors = np.zeros(self.w["r2t"].shape[0], np.int64)
         for k, v in poisoned(self.w).items():
-            getattr(self.vp if k in FIELDS[:7] else self.wp, k)[...] = cupy.asarray(v)
+            getattr(self.vp if k in FIELDS[:7] else self.wp, k)[...] = self.xp.asarray(v)
         self.vp.verify_cursors[...] = 0
         want = reference(self.w, cursors)
         self.call()
-        cupy.cuda.Device().synchronize()
+        if hasattr(self.xp, "cuda"):
+            self.xp.cuda.Device().synchronize()
         for k, v in want.items():
-            got = cupy.asnumpy(getattr(self.vp if k in FIELDS[:7] else self.wp, k))
-            if not np.array_equal(got, v):
+            if not np.array_equal(self.host(getattr(self.vp if k in FIELDS[:7] else self.wp, k)), v):
                 return f"{k} differs"
-        if not np.array_equal(cupy.asnumpy(self.vp.verify_cursors), cursors):
+        if not np.array_equal(self.host(self.vp.verify_cursors), cursors):
             return "verify_cursors differ"
+        status = int(self.host(self.vp.status)[0])
+        if bool(status & PlanStatus.SAMPLED) != want_sampled:
+            return f"status {status}: SAMPLED bit expected {int(want_sampled)}"
         return None
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--backends", default="cupy,numba")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
+    bench = harness.Bench("sampled", args, "device time per plan: CUDA-graph replay (the cursors advance at every "
+                          "replay), CUDA events around 200 replays, median of 7 rounds")
+    backends = ["reference"] if bench.dry else args.backends.split(",")
     rng = np.random.default_rng(0)
-    rows, ok = [], True
-    for name, sampled, full, same_takes in pairs(rng):
-        for backend in args.backends.split(","):
+    for name, sampled, full, same_takes in pairs(rng, bench.dry):
+        for backend in backends:
             res = {}
             for kind, w in (("sampled", sampled), ("full", full), ("full_takes", same_takes)):
-                b = Bound(backend, w)
-                err = b.check()
-                status = int(cupy.asnumpy(b.vp.status)[0])
-                want_bit = PlanStatus.SAMPLED if kind == "sampled" else 0
-                if err or (status & PlanStatus.SAMPLED) != want_bit:
-                    ok = False
-                    print(f"CHECK FAILED {name} {backend} {kind}: {err or f'status {status}'}")
-                res[kind] = graph_us([b], 200)
-                res[f"{kind}_entries"] = int((np.minimum(w["P"], w["W"]) if w["W"] else w["P"]).sum())
-            rows.append(dict(workload=name, backend=backend, capacity=sampled["C"], **res))
-            print(f"{name:16} {backend:6} C={sampled['C']:8d} sampled {res['sampled']:7.1f} us "
-                  f"({res['sampled_entries']} entries)  full {res['full']:7.1f} us  ratio "
-                  f"{res['sampled'] / res['full']:.2f}  full of the takes {res['full_takes']:7.1f} us  ratio "
-                  f"{res['sampled'] / res['full_takes']:.2f}")
-    info = gpu_info()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"sampled-{info.get('name', 'gpu').replace(' ', '_')}-{time.strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps(dict(commit=git_commit(), gpu=info, checks_ok=ok, rows=rows), indent=1))
-    print(f"wrote {path}")
-    return 0 if ok else 1
+                b = Bound(backend, w, bench.xp, bench.device)
+                entries = int((np.minimum(w["P"], w["W"]) if w["W"] else w["P"]).sum())
+                res[kind] = bench.attempt(f"sampled {name} {backend} {kind}", lambda: harness.device_time(
+                    b.call, check=lambda: b.check(kind == "sampled"), dry=bench.dry, rounds=bench.rounds(7),
+                    replays=200), backend=backend, capacity=int(sampled["C"]), entries=entries)["value"]
+            for twin in ("full", "full_takes"):
+                if res["sampled"] is not None and res[twin] is not None:
+                    bench.figure(f"sampled {name} {backend} sampled/{twin}", res["sampled"] / res[twin], "x",
+                                 key="sampled.ratio" if twin == "full" else None, backend=backend)
+    return bench.finish()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

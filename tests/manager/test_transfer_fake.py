@@ -1,5 +1,5 @@
 """The manager's CUDA transfer path (report block, copies, memsets, staging) without a GPU: on the NumPy stand-in
-for CuPy and the CUDA runtime of benchmarks/fakecuda.py, in a child process (transfer_fake_child.py)."""
+for CuPy and the CUDA runtime of tests/helpers/fakecuda.py, in a child process (transfer_fake_child.py)."""
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,4 @@
-"""The manager's CUDA transfer path on benchmarks/fakecuda.py (host memory posing as a device), in its own
+"""The manager's CUDA transfer path on tests/helpers/fakecuda.py (host memory posing as a device), in its own
 process: the fake CuPy must not meet the test session's imports. Run by ``test_transfer_fake.py``.
 
 ``python transfer_fake_child.py kernel|copy``: the step's report written by the report kernel into the pinned
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 sys.path.insert(0, str(ROOT))
 
 import fakecuda  # noqa: E402

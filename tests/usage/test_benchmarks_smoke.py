@@ -1,0 +1,109 @@
+"""Every benchmark in benchmarks/ runs in its dry mode (no GPU, tiny host workloads) and writes a result that
+follows benchmarks/harness.py's schema; a new ``bench_*.py`` is covered by being there. The timings of a dry run
+are not tested (they are not results): its argument parsing, its check and the writer are."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+SCRIPTS = sorted(BENCH.glob("bench_*.py"))
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass looks its module up there
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+harness = _load("harness")
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory):
+    """Each script's dry run (in parallel: each is a fresh interpreter): name -> (process, its result or None)."""
+    out = tmp_path_factory.mktemp("results")
+
+    def run(script: Path):
+        proc = subprocess.run([sys.executable, str(script), "--dry", "--out", str(out)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        return script.stem, proc
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        done = dict(pool.map(run, SCRIPTS))
+    results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    return done, results
+
+
+def test_every_benchmark_is_found():
+    assert len(SCRIPTS) >= 8, [s.name for s in SCRIPTS]
+
+
+@pytest.mark.parametrize("script", [s.stem for s in SCRIPTS])
+def test_dry_run_writes_a_valid_result(dry_runs, script):
+    done, results = dry_runs
+    proc = done[script]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    written = [r for r in results.values() if script == f"bench_{r['benchmark']}"]
+    assert len(written) == 1, sorted(results)
+    result = written[0]
+    harness.validate(result)
+    assert result["dry"] is True and result["gpu"]["name"] is None and result["method"].startswith("dry run")
+    assert all(f["error"] is None for f in result["figures"]), [f for f in result["figures"] if f["error"]]
+
+
+def test_the_committed_results_follow_the_schema():
+    names = {f"bench_{p.stem}" for p in (BENCH / "results").glob("*.json") if not p.stem.startswith("replay-")}
+    assert names <= {s.stem for s in SCRIPTS}, names
+    for path in (BENCH / "results").glob("*.json"):
+        if not path.stem.startswith("replay-"):
+            harness.validate(json.loads(path.read_text()))
+
+
+def test_validate_refuses_a_figure_without_a_value():
+    bad = {"schema": harness.SCHEMA, "benchmark": "x", "commit": "c", "date": "d", "dry": True,
+           "gpu": {"name": None, "driver": None, "clocks_mhz": None}, "method": "m", "extra": {},
+           "figures": [dict.fromkeys(("name", "value", "unit", "key", "floor", "anchor", "target", "spread",
+                                      "error"), None) | {"name": "f", "unit": "us"}]}
+    with pytest.raises(ValueError, match="no value and no error"):
+        harness.validate(bad)
+
+
+def test_one_set_of_targets_read_from_performance_md():
+    t = harness.targets()
+    assert t["plan.bs256_decode"] == ("<=", 7.0, "us") and t["plan.bs4096"] == ("<=", 30.0, "us")
+    assert t["plan.swa_bs256"] == ("<=", 15.0, "us") and t["plan.bs1"] == ("<=", 3.5, "us")
+    assert t["sampled.ratio"] == ("<=", 1.15, "x") and t["records.hash_bandwidth"] == (">=", 0.6, "fraction")
+    assert harness.anchors()["plan.bs256_decode"] == 22.5
+    for script in SCRIPTS:  # no benchmark states a target of its own
+        assert "TARGET" not in script.read_text(), script.name
+
+
+def test_the_reference_check_catches_a_wrong_plan():
+    bench = _load("bench_reference")
+    w = bench.workload(2, 8, seed=3)
+    vp, wp = bench.plans(2, 16)
+    assert bench.check(w, vp, wp) == "status: expected 0, got 1515870810"  # still poisoned: nothing planned
+    bench.CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, req_to_token=w["req_to_token"]).plan(
+        **{k: w[k] for k in ("req_pool_indices", "prefix_lens", "extend_seq_lens")})
+    assert bench.check(w, vp, wp) is None
+    vp.verify_prev_slot_indices[9] += 1
+    assert bench.check(w, vp, wp) == "verify_prev_slot_indices: differs from req_to_token at 9"
+
+
+@pytest.mark.parametrize("name", ["profile_target", "plot", "torch_planner"])
+def test_the_other_scripts_compile(name):
+    compile((BENCH / f"{name}.py").read_text(), name, "exec")

@@ -1,0 +1,12 @@
+# Every benchmark in benchmarks/ on the GPU machine, one after another (they share the GPU), each writing
+# benchmarks/results/<benchmark>.json, a log per benchmark in OUTDIR and a line "bench_NAME rc=N" each.
+# Copy benchmarks/results/ back and commit it. Usage: bash tools/gpu_bench.sh OUTDIR [NAME ...]
+# (NAME: plan, records, ...; default: every benchmarks/bench_*.py).
+out=${1:-/tmp/bench}; shift; mkdir -p "$out"
+. tools/gpu_env.sh
+rc=0
+for name in ${*:-$(cd benchmarks && ls bench_*.py | sed 's/^bench_//; s/\.py$//')}; do
+  timeout 900 python3 "benchmarks/bench_$name.py" > "$out/bench_$name.log" 2>&1; r=$?
+  echo "bench_$name rc=$r"; [ $r -eq 0 ] || rc=1
+done
+exit $rc
