@@ -133,7 +133,7 @@ NO_GPU = pytest.StashKey[int]()  # GPU tests deselected because no GPU is visibl
 DESELECTED = pytest.StashKey[dict]()  # marker -> tests of it deselected by the -m expression
 DEFAULT_MARKEXPR = "not sim and not slow"  # pyproject.toml's addopts
 OPT_IN = {  # markers that pyproject.toml's addopts deselect, and how to run their tests
-    "sim": "`pytest -m sim` runs them, needs .[sim]",
+    "sim": "`pytest -m sim` runs them and the Numba-simulator suites (*_sim_suite.py), needs .[sim]",
     "slow": "`pytest -m slow` runs them",
 }
 
