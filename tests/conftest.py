@@ -21,13 +21,33 @@ Hypothesis: the profile ``ci`` (loaded here, before any test module is imported,
 it) derandomizes every Hypothesis test: each run draws the same examples, so a failure replays on the next run
 and on another machine. ``pytest --hypothesis-profile=explore`` draws fresh random examples instead (for a
 local bug hunt; pin what it finds as a hand case).
+
+Shared fixtures:
+
+- ``backend`` (str): the kernel backend a test runs on, one test id per backend: ``reference`` (no mark),
+  ``cupy`` and ``numba`` (marked ``gpu``); in a simulator process (``--numba-sim``, below) ``numba`` is marked
+  ``sim`` instead and runs on the Numba CUDA simulator with host arrays. A module narrows the set with a
+  ``BACKENDS`` list (e.g. ``["cupy", "numba"]``) and names its kernel family with ``BACKEND_FAMILY``
+  (``"plan"``, the default, or ``"records"``). A backend whose library does not load skips the test with its
+  ``kv-canary:`` reason (a failure under ``KV_CANARY_REQUIRE_GPU=1``). A test that parametrizes ``backend``
+  itself keeps its own values.
+- ``xp`` (module): the array module of the ``backend``'s arrays: ``numpy`` for ``reference`` (and for
+  ``numba`` in the simulator), ``cupy`` for ``cupy`` and ``numba`` device arrays (skips without CuPy). A test
+  that parametrizes ``xp`` itself keeps its own values.
+
+Numba simulator (``helpers/sim_plugin.py``): the ``*_sim_suite.py`` files run under ``NUMBA_ENABLE_CUDASIM=1``,
+which numba reads once per process. ``pytest --numba-sim`` (or the variable set) makes this process the
+simulator and collects them directly; any other run with a ``-m`` that can select ``sim`` collects each of
+their tests as its own id and runs them in one child ``pytest --numba-sim``, each proxy reporting its own
+test's outcome (``pytest -m sim tests/numba_sim -k NAME`` runs one). The default run starts no child.
 """
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
-from helpers import gpu_guard
+from helpers import gpu_guard, sim_plugin
 
 try:
     from hypothesis import settings as _hypothesis_settings
@@ -50,8 +70,55 @@ def has_gpu() -> bool:
         return False
 
 
+def pytest_addoption(parser):
+    sim_plugin.addoption(parser)  # --numba-sim
+
+
 def pytest_configure(config):
+    sim_plugin.configure(config)  # first: --numba-sim sets NUMBA_ENABLE_CUDASIM, which the GPU check refuses
     gpu_guard.check_session()  # KV_CANARY_REQUIRE_GPU=1: a usable GPU stack, or a UsageError
+
+
+ALL_BACKENDS = ("reference", "cupy", "numba")
+
+
+def _backend_param(config, name: str):
+    if name == "reference":
+        return pytest.param(name, id=name)
+    mark = pytest.mark.sim if name == "numba" and sim_plugin.simulator_mode(config) else pytest.mark.gpu
+    return pytest.param(name, marks=mark, id=name)
+
+
+def _parametrized_by_the_test(metafunc, argname: str) -> bool:
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", ())
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if argname in names:
+            return True
+    return False
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames and not _parametrized_by_the_test(metafunc, "backend"):
+        names = getattr(metafunc.module, "BACKENDS", ALL_BACKENDS)
+        metafunc.parametrize("backend", [_backend_param(metafunc.config, n) for n in names], indirect=True)
+
+
+@pytest.fixture
+def backend(request):
+    """The backend's name (module docstring); skips when its library does not load."""
+    name = request.param
+    if name != "reference":
+        gpu_guard.backend_or_skip(name, getattr(request.module, "BACKEND_FAMILY", "plan"))
+    return name
+
+
+@pytest.fixture
+def xp(request, backend):
+    """The array module of ``backend``'s arrays: numpy (reference, the simulator) or cupy."""
+    if backend == "reference" or (backend == "numba" and sim_plugin.simulator_mode(request.config)):
+        return np
+    return pytest.importorskip("cupy")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -66,7 +133,7 @@ NO_GPU = pytest.StashKey[int]()  # GPU tests deselected because no GPU is visibl
 DESELECTED = pytest.StashKey[dict]()  # marker -> tests of it deselected by the -m expression
 DEFAULT_MARKEXPR = "not sim and not slow"  # pyproject.toml's addopts
 OPT_IN = {  # markers that pyproject.toml's addopts deselect, and how to run their tests
-    "sim": "`pytest -m sim` runs them, needs .[sim]",
+    "sim": "`pytest -m sim` runs them and the Numba-simulator suites (*_sim_suite.py), needs .[sim]",
     "slow": "`pytest -m slow` runs them",
 }
 

@@ -133,13 +133,13 @@ def fail_environment_skip(report) -> None:
     report.longrepr = f"{ENV}=1: this test may not skip for a missing GPU stack; it skipped with: {reason}"
 
 
-def backend_or_skip(backend: str) -> None:
-    """Skip the calling test when the ``backend``'s library cannot be loaded (its ``kv-canary:`` reason, which
-    :func:`fail_environment_skip` turns into a failure in a GPU run)."""
+def backend_or_skip(backend: str, family: str = "plan") -> None:
+    """Skip the calling test when the ``backend``'s library (its ``family`` module, "plan" or "records") cannot
+    be loaded (its ``kv-canary:`` reason, which :func:`fail_environment_skip` turns into a failure in a GPU run)."""
     from canary import BackendUnavailableError
     from canary.backends import load
 
     try:
-        load(backend)
+        load(backend, family)
     except BackendUnavailableError as exc:
         pytest.skip(str(exc))

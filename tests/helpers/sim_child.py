@@ -1,7 +1,10 @@
 """Run a Numba-simulator suite in a child process.
 
 ``NUMBA_ENABLE_CUDASIM`` is read when numba is first imported, and a test process may have imported it before
-(tests/numba_sim/test_numba_sim.py says why), so a simulator suite runs in its own interpreter.
+(tests/helpers/sim_plugin.py says why), so a simulator suite runs in its own interpreter.
+
+Superseded by tests/helpers/sim_plugin.py, which collects every ``*_sim_suite.py`` test as its own id; kept
+only while tests/manager/test_manager_sim.py and test_sweep.py's ``test_sweep_simulator_suite`` still call it.
 """
 from __future__ import annotations
 

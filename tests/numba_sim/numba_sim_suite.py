@@ -1,12 +1,11 @@
 """The Numba kernels under the CUDA simulator, byte for byte against the NumPy reference (CI has no GPU).
 
-Not collected by a plain ``pytest`` (the name does not match ``test_*.py``): ``tests/numba_sim/test_numba_sim.py``
-runs it in a child ``python -m pytest`` with ``NUMBA_ENABLE_CUDASIM=1`` (the variable must be set before numba
-is first imported, which a shared pytest process cannot guarantee). To run it by hand::
+Each test is its own id under ``pytest -m sim``: ``tests/helpers/sim_plugin.py`` runs them in a process with
+``NUMBA_ENABLE_CUDASIM=1`` (numba reads it once, at its first import). One test::
 
-    NUMBA_ENABLE_CUDASIM=1 python -m pytest -q -m sim tests/numba_sim/numba_sim_suite.py
+    python -m pytest -q -m sim tests/numba_sim -k test_simulator_mode
 
-(``-m sim``: pyproject.toml's ``addopts`` deselect the ``sim`` tests otherwise.)
+or in this process: ``python -m pytest -q -m sim --numba-sim tests/numba_sim/numba_sim_suite.py``.
 
 The simulator runs one Python thread per CUDA thread, so the backend binds small blocks there
 (``LaunchConfig(simulator_threads="gpu")``: same code, more rows per thread, more grid-stride
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 
 if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-    pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (tests/numba_sim/test_numba_sim.py does)", allow_module_level=True)
+    pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (tests/helpers/sim_plugin.py does)", allow_module_level=True)
 
 from helpers.plan_cases import (  # noqa: E402
     BUFFERS, OUTPUTS, POISON, POISON_ALT, RULE_KNOBS, PlanCase, assert_same, expected_outputs, hand_case, hand_cases, make_plans,

@@ -1,15 +1,10 @@
 """The Numba backend in CI, where there is no GPU.
 
-How the simulator suite runs (``tests/numba_sim/numba_sim_suite.py``): numba reads ``NUMBA_ENABLE_CUDASIM`` once, when
-``numba.cuda`` is first imported, and a plain ``pytest`` from the repository root (the README's command) may
-import numba earlier without it (this file's PTX check does, and so may any other test). So
-``test_simulator_suite`` starts a child ``python -m pytest tests/numba_sim/numba_sim_suite.py`` with
-``NUMBA_ENABLE_CUDASIM=1`` and fails with the child's report if any simulator test fails. The suite file is
-not collected by the parent (its name does not match ``test_*.py``). Both carry the ``sim`` marker, which
-pyproject.toml's ``addopts`` deselect: ``pytest -m sim`` runs the simulator (about two minutes on 2 cores; the
-child is told ``-m sim`` too).
+The simulator suite (``tests/numba_sim/numba_sim_suite.py``) needs ``NUMBA_ENABLE_CUDASIM=1`` before numba is
+first imported, and this file's PTX checks need the real numba-cuda: ``tests/helpers/sim_plugin.py`` runs the
+suite's tests in a simulator process, each as its own test id, under ``pytest -m sim``.
 
-The other tests run in this process: the backend's install guards (numpy >= 2.5, numba-cuda missing), that
+The tests here: the backend's install guards (numpy >= 2.5, numba-cuda missing), that
 ``import canary`` stays free of numba, and an NVVM compile of every kernel for sm_90 (the simulator runs the
 kernels as Python; this catches Numba typing errors, which it cannot). The compile tests skip only when libNVVM
 or libdevice is missing, decided by a probe that compiles nothing (``nvvm`` fixture); once it passes, any
@@ -29,12 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.sim_child import run_simulator_suite
 
 from canary import BackendUnavailableError
 
 ROOT = Path(__file__).resolve().parents[2]
-SUITE = Path(__file__).resolve().parent / "numba_sim_suite.py"
 IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None  # does not import numba
 INSTALL_HINT = "pip install 'kv-canary[numba]'"  # the library's own message
@@ -44,18 +37,6 @@ NO_NUMBA_CUDA = "needs numba-cuda: pip install -e '.[sim]'"
 def _numpy_too_new() -> bool:
     major, minor = (int(re.match(r"\d+", p).group()) for p in np.__version__.split(".")[:2])
     return (major, minor) >= (2, 5)
-
-
-@pytest.mark.sim
-@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason=NO_NUMBA_CUDA)
-@pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
-def test_simulator_suite():
-    run = run_simulator_suite(SUITE, timeout=1800)
-    assert run.returncode == 0, f"simulator suite failed (rc {run.returncode}, {run.seconds:.0f} s):\n{run.report}"
-    passed = re.search(r"(\d+) passed", run.summary)
-    # A suite that skipped itself wholesale (e.g. the env var did not reach it) must not pass silently.
-    assert passed and int(passed.group(1)) >= 100, f"simulator suite ran too few tests: {run.summary!r}\n{run.report}"
-    print(f"numba simulator suite: {run.summary} ({run.seconds:.0f} s)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

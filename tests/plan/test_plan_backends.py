@@ -10,7 +10,6 @@ os.environ.setdefault("JAX_ENABLE_X64", "1")  # int64 arrays, not silently int32
 import numpy as np
 import pytest
 
-from helpers.gpu_guard import backend_or_skip
 from helpers.plan_cases import (
     GPU_RANDOM_KNOBS,
     OUTPUTS, POISON, POISON_ALT, PlanCase, assert_same, expected_outputs, hand_cases, make_plans, poisoned_outputs,
@@ -18,13 +17,7 @@ from helpers.plan_cases import (
 )
 
 pytestmark = pytest.mark.gpu
-BACKENDS = ["cupy", "numba"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    backend_or_skip(request.param)
-    return request.param
+BACKENDS = ["cupy", "numba"]  # the shared ``backend`` fixture (tests/conftest.py) runs these
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""The layer rotation's Numba twin against the NumPy reference, in the CUDA simulator (run by
-tests/records/test_layers.py's ``test_numba_twin_in_the_simulator`` in a child process: not collected otherwise)."""
+"""The layer rotation's Numba twin against the NumPy reference, in the CUDA simulator. Each test is its own id
+under ``pytest -m sim`` (tests/helpers/sim_plugin.py runs it in a simulator process); in this process:
+``python -m pytest -q -m sim --numba-sim tests/records/layers_sim_suite.py``."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
@@ -11,6 +13,8 @@ from helpers import layer_cases as lc
 from canary.backends.args import LaunchConfig
 
 pytestmark = [pytest.mark.sim,
+              pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None,
+                                 reason="needs numba-cuda: pip install -e '.[sim]'"),
               pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1", reason="needs the CUDA simulator")]
 
 

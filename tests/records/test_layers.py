@@ -1,5 +1,6 @@
 """The layer rotation (canary/records/layers.py, docs/records.md 10): the reference by hand, argument errors, the
-CUDA struct layout, the Numba twin in the simulator (a child suite) and the GPU twins (``gpu``)."""
+CUDA struct layout, the GPU twins (``gpu``); the Numba twin in the simulator is
+``layers_sim_suite.py`` (its own test ids under ``pytest -m sim``, tests/helpers/sim_plugin.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import layer_cases as lc
-from helpers.sim_child import run_simulator_suite
 
 from canary import CanaryRecords, CanaryState, FailReason, KernelTag, VerifyPlan, WritePlan
 from canary.backends.reference.layers import owner_search
@@ -18,7 +18,6 @@ from canary.records.layers import CanaryLayers, LayerTable, layer_kv
 from canary.contract.realkv import fold, real_kv
 from canary.contract.ring import decode_row, encode_layer_tag
 
-SUITE = Path(__file__).resolve().parent / "layers_sim_suite.py"
 NB = 32
 
 
@@ -252,17 +251,6 @@ def test_layer_kernels_compile():
 
     cubin = Program(cuda_source("records"), "c++", ProgramOptions(arch="sm_90", std="c++17")).compile("cubin").code
     assert b"canary_write_layers" in cubin and b"canary_verify_layer" in cubin
-
-
-# -- the Numba twin in the simulator -------------------------------------------------------------------------------
-
-@pytest.mark.sim
-@pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda: pip install -e '.[sim]'")
-def test_numba_twin_in_the_simulator():
-    run = run_simulator_suite(SUITE, timeout=1200)
-    assert run.returncode == 0, f"layer simulator suite failed:\n{run.report}"
-    passed = re.search(r"(\d+) passed", run.summary)
-    assert passed and int(passed.group(1)) >= 30, run.summary
 
 
 # -- the GPU twins -------------------------------------------------------------------------------------------------

@@ -16,19 +16,8 @@ from canary import SKIP_SEED
 from canary.contract.realkv import RealKVMode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-BACKENDS = ["cupy", "numba"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    from canary import BackendUnavailableError
-    from canary.backends import load
-
-    try:
-        load(request.param, "records")
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))
-    return request.param
+BACKENDS = ["cupy", "numba"]  # the shared ``backend`` fixture (tests/conftest.py) runs these
+BACKEND_FAMILY = "records"
 
 
 def _cupy():
