@@ -1,7 +1,7 @@
 """The manager's report block: every group's violation ring, ring write index, run counters and plan status in
 one device allocation, so that a step's report reaches the host in one piece (the report kernel's mailbox slot,
 or one device-to-host copy) and the write indexes are cleared at once (a copy and a memset per array would cost
-a driver call each, on every step; canary/manager/transfer.py).
+a driver call each, on every step; canary/manager/mailbox.py).
 
 Layout (int64 words): ``[0, G)`` the ``G`` groups' ring write indexes (an int32 in each word's low half, the
 rest never written), then per group ``slot_run_counter`` [2], ``kernel_run_counter`` [2], the plan's ``status``

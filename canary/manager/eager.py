@@ -55,15 +55,15 @@ class EagerGraphs:
 
     def launch(self, site: str, key: tuple, objs: tuple, st: LaunchStream) -> Any:
         """Replay the graph of ``(site, key)`` for ``objs`` on ``st`` and return what its capture returned, or
-        ``_MISS``."""
+        ``MISS``."""
         e = self._graphs.get((site, key))
         if e is None or e.handle != st.handle:
-            return _MISS
+            return MISS
         for a, b in zip(objs, e.objs):
             if a is not b:
-                return _MISS
+                return MISS
         if fingerprint(objs) != e.prints:
-            return _MISS
+            return MISS
         # the graph was instantiated in this device's context
         on_device(self.rt, self.ordinal, self.rt.graph_launch, e.graph, st.handle)
         self.replays += 1
@@ -141,10 +141,10 @@ class EagerGraphs:
 
 class _Miss:
     def __repr__(self) -> str:
-        return "_MISS"
+        return "MISS"
 
 
-_MISS = _Miss()
+MISS = _Miss()
 
 
 def _one_library(objs: tuple, st: LaunchStream) -> str | None:

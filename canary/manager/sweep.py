@@ -159,11 +159,11 @@ class CudaSweepStager:
     ``depth`` steps ahead of the GPU)."""
 
     def __init__(self, ordinal: int, sweeps: Sequence[GroupSweep], depth: int = 3):
-        from .transfer import _Pinned
+        from .transfer import Pinned
 
         self.ordinal, self.rt = ordinal, runtime()
         with OnDevice(self.rt, ordinal):
-            self.bufs = {s.name: [_Pinned(8 * (1 + 4 * s.budget)) for _ in range(depth)] for s in sweeps}
+            self.bufs = {s.name: [Pinned(8 * (1 + 4 * s.budget)) for _ in range(depth)] for s in sweeps}
         self.next = {s.name: 0 for s in sweeps}
         self.ptrs = {s.name: as_view(s.block, f"{s.name}.sweep_plan").ptr for s in sweeps}
 

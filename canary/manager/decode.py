@@ -1,0 +1,278 @@
+"""The manager's step reports, read back: decoded from the report block's words (canary/manager/block.py),
+deduplicated, counted (stats, metrics, health) and dispatched to the manager's ``on_violation``.
+
+One :class:`ReportDecoder` per manager. Its per-step path (:meth:`ReportDecoder.handle_reports`, from the
+manager's ``poll``) takes each queued report whose words have reached the host from the mailbox
+(canary/manager/mailbox.py), decodes it and releases it; a quiet report (no ring row, no status bit the stats
+count) of a one-group manager without metrics decodes its counters only.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable, Hashable
+
+import numpy as np
+
+from ..errors import INPUT_ERROR_BITS, PlanStatus
+from ..interop.adapter import as_view
+from ..interop.hostcopy import to_host
+from ..contract.plans import MISSING_SLOT, mark_missing
+from ..contract.ring import KernelTag, decode
+from .block import ReportBlock
+from .groups import BoundGroup
+from .report import CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, kernel_name, log, \
+    log_violations, overflow_line
+from .stats import Stats
+
+# Plain ints for the per-step decode (enum arithmetic costs a microsecond a use there)
+_SAMPLED, _INPUT_ERRORS = int(PlanStatus.SAMPLED), int(INPUT_ERROR_BITS)
+_WRITE_COUNTER, _VERIFY_COUNTER = KernelTag.WRITE.counter_index, KernelTag.VERIFY.counter_index
+_QUIET_MASK = _SAMPLED | _INPUT_ERRORS  # status bits a decode counts or logs: a report without them is quiet
+_NONE: tuple = ()  # a quiet report's new violations
+
+
+class ReportDecoder:
+    """The reports of ``groups`` (bound over ``block``), queued in ``pending`` (``(step record, mailbox token)``
+    pairs, oldest first; the step machine appends them) and read through ``mailbox``.
+
+    ``stats_``: the manager's :class:`Stats`; ``metrics``: its ``PrometheusMetrics`` or ``None``; ``requests``:
+    its ``RequestPool`` (who holds a reported slot); ``sweep``: its ``Sweeper`` (a swept entry's prefixes);
+    ``on_violation``, ``log_limit``, ``stats_every``, ``health_steps``, ``forget_after``: the manager's arguments.
+    """
+
+    def __init__(self, groups: list[BoundGroup], block: ReportBlock, *, pending, mailbox, stats_: Stats,
+                 metrics: Any, requests, sweep, on_violation: str | Callable, log_limit: int, stats_every: int,
+                 health_steps: int, forget_after: int):
+        self.groups, self.block, self.pending, self.mailbox = groups, block, pending, mailbox
+        self.stats_, self.metrics, self.requests, self.sweep = stats_, metrics, requests, sweep
+        self.on_violation, self.log_limit = on_violation, log_limit
+        self.stats_every, self.health_steps = stats_every, health_steps
+        g = len(groups)  # the block words a step's decode reads first (block.py): the write indexes, then the heads
+        self._head_words = np.array(list(range(g)) + [h + k for h in block.heads for k in range(5)], np.int64)
+        assert g > 1 or self._head_words.tolist() == list(range(6))
+        self.dedup = Deduplicator(int(forget_after))
+        self.stalled = {g.name: 0 for g in groups}
+        self.last_counters = {g.name: (0, 0) for g in groups}
+        self.last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
+        self._one_group = groups[0].name if len(groups) == 1 else None  # decode's quiet path
+
+    def stats(self) -> dict[str, Any]:
+        """The manager's :meth:`~canary.CanaryManager.stats`."""
+        out = self.stats_.as_dict(self.requests.protected_tokens())
+        if self.sweep:
+            out.update(self.sweep.stats())
+        return out
+
+    def handle_reports(self, wait: bool) -> None:
+        """Decode every queued report that has reached the host, oldest first (``wait``: every queued one,
+        waiting for each), then dispatch what they found."""
+        new: list[SlotViolation] = []
+        dropped, last_step = 0, None
+        pending, transfer = self.pending, self.mailbox
+        while pending:
+            rec, token = pending[0]
+            got = transfer.take(token)
+            if got is None:
+                if not wait:
+                    break
+                transfer.wait(token)
+                got = transfer.read(token)
+            pending.popleft()
+            words, rpi = got
+            try:
+                found, lost = self.decode(rec, words, rpi)
+            finally:
+                transfer.release(token)  # the words (and rows) stay the buffer's until here
+            if found:
+                new += found
+            dropped += lost
+            last_step = rec.index
+        if last_step is None:
+            return
+        if self.dedup.open:
+            self.dedup.expire(last_step)
+        if new or dropped or self.stats_every:
+            self.dispatch(new, dropped, last_step)
+
+    def note_rows(self, rec, rpi: np.ndarray) -> None:
+        # Each request's last req_to_token row (for holders). A decode step repeats the last batch: nothing to do
+        # (add_request / finish_request forget the last batch, so a new request under an old id is noted). The
+        # rows are compared as bytes and the ids by identity first (the intake hands a repeated batch the same tuple).
+        raw = rpi.tobytes()
+        last = self.last_rows
+        if last is not None and last[1] == raw and (last[0] is rec.request_ids or last[0] == rec.request_ids):
+            return
+        live, retired = self.requests.live.get, self.requests.retired.get
+        for rid, rp in zip(rec.request_ids, rpi.tolist()):
+            if rp:
+                req = live(rid) or retired(rid)
+                if req is not None:
+                    req.last_req_pool_index = rp
+        self.last_rows = (rec.request_ids, raw)
+
+    def decode(self, rec, words: np.ndarray, rpi: np.ndarray | None) -> tuple[list[SlotViolation], int]:
+        """The new violations and the ring rows dropped of step ``rec`` (a ``StepRecord``: canary/manager/steps.py),
+        from its report's ``words`` and its ``req_pool_indices`` ``rpi`` (``None``: not that step's)."""
+        # Read straight from the block's words (canary/manager/block.py): a step with no ring rows decodes its
+        # counters and statuses only.
+        st = self.stats_
+        st.decoded_steps += 1
+        if rpi is not None:
+            self.note_rows(rec, rpi)
+        metrics = self.metrics
+        name = self._one_group
+        if name is not None and metrics is None:
+            # One group, no metrics: a quiet report (no ring row, no status bit the stats count) needs its counters
+            # only. [write index, slot counters [2], kernel counters [2], status] (block.py).
+            vals = words[:6].tolist()
+            if not vals[0] & 0xFFFFFFFF and not vals[5] & _QUIET_MASK:
+                st.written[name], st.verified[name] = vals[1 + _WRITE_COUNTER], vals[1 + _VERIFY_COUNTER]
+                now = (vals[3 + _WRITE_COUNTER], vals[3 + _VERIFY_COUNTER])
+                if name in rec.groups:
+                    before = self.last_counters[name]
+                    stalled = 0 if now[0] > before[0] and now[1] > before[1] else self.stalled[name] + 1
+                    self.stalled[name] = stalled
+                    if stalled >= self.health_steps:
+                        self.health_failed(name, stalled, rec.index)
+                self.last_counters[name] = now
+                return _NONE, 0
+        new, dropped = [], 0
+        block = self.block
+        n_groups = len(self.groups)
+        # The ring write indexes [G], then each group's head: slot counters [2], kernel counters [2], the plan's
+        # status, in one conversion (one group's are contiguous: a slice).
+        vals = (words[:n_groups + 5] if n_groups == 1 else words[self._head_words]).tolist()
+        for i, g in enumerate(self.groups):
+            name = g.name
+            head = vals[n_groups + 5 * i:n_groups + 5 * i + 5]
+            st.written[name], st.verified[name] = head[_WRITE_COUNTER], head[_VERIFY_COUNTER]
+            now = (head[2 + _WRITE_COUNTER], head[2 + _VERIFY_COUNTER])
+            status = head[4] & 0xFFFFFFFF  # the int32 in the word's low half (bits, all below 2^31)
+            if name in rec.groups:
+                before = self.last_counters[name]
+                ran = now[0] > before[0] and now[1] > before[1]
+                self.stalled[name] = 0 if ran else self.stalled[name] + 1
+                if status & _SAMPLED:
+                    st.sampled_steps[name] += 1
+                if status & _INPUT_ERRORS:
+                    st.input_error_steps[name] += 1
+                    bits = PlanStatus(status)
+                    log.warning(f"kv-canary: plan input error group={name} step={rec.index} status={status} "
+                                f"({'|'.join(b.name for b in PlanStatus if b and b in bits)}): that step verified "
+                                f"nothing")
+            self.last_counters[name] = now
+            index = vals[i] & 0xFFFFFFFF  # the ring's int32 write index, read as its uint32 count
+            if index:
+                ring = words[block.rings[i]].reshape(block.ring_capacity, -1)
+                report = decode(ring, index)
+                if report.dropped:
+                    dropped += report.dropped
+                    st.dropped += report.dropped
+                    log.warning(overflow_line(name, rec.index, report.dropped, report.capacity))
+                    if metrics:
+                        metrics.dropped.labels(group=name).inc(report.dropped)
+                for viol in report:
+                    # A MISSING row's slot names no request (MISSING_SLOT); its predecessor slot does, so that
+                    # another request losing the same position is a new record, not a repeat
+                    key = (name, int(viol.kernel), viol.slot, viol.position, int(viol.reasons), viol.predecessor_slot)
+                    made = self.dedup.see(key, rec.index, lambda: self.record(g, viol, rec, rpi))
+                    if made is None:
+                        st.repeats += 1
+                    else:
+                        new.append(made)
+            if metrics:
+                metrics.verified.labels(group=name).inc(max(0, st.verified[name] - getattr(g, "_m_verified", 0)))
+                metrics.written.labels(group=name).inc(max(0, st.written[name] - getattr(g, "_m_written", 0)))
+                g._m_verified, g._m_written = st.verified[name], st.written[name]
+                if name in rec.groups and status & _SAMPLED:
+                    metrics.sampled.labels(group=name).inc()
+        for name, n in self.stalled.items():
+            if n >= self.health_steps:
+                self.health_failed(name, n, rec.index)
+        for viol in new:
+            for reason in viol.reason_names or ("NONE",):
+                st.violations[reason] = st.violations.get(reason, 0) + 1
+                if metrics:
+                    metrics.violations.labels(group=viol.group, reason=reason).inc()
+        if metrics:
+            metrics.steps.inc()
+            metrics.protected.set(self.requests.protected_tokens())
+        return new, dropped
+
+    @staticmethod
+    def health_failed(name: str, n: int, step: int) -> None:
+        raise CanaryHealthError(
+            f"kv-canary: health: expected the kernels of group {name!r} to run every scheduled step, got launch "
+            f"counters unchanged for {n} consecutive steps (up to step {step}): the canary calls are no longer "
+            f"launched (a CUDA graph captured without them, or a stream mix-up)")
+
+    def record(self, g: BoundGroup, v, rec, rpi: np.ndarray | None) -> SlotViolation:
+        sw = self.sweep.sweeps.get(g.name)
+        kernel = "sweep" if sw is not None and v.launch_tag == sw.tag else kernel_name(v)
+        if v.layer is not None:
+            kernel = "verify"  # the layer rotation's verify_layer: the row names its layer
+        return SlotViolation(group=g.name, kernel=kernel, slot=v.slot, position=v.position, reasons=v.reasons,
+                             requests=self.holders(g, v, rec, rpi), first_step=rec.index, last_step=rec.index,
+                             count=1, stored_token=v.stored_token, expected_token=v.expected_token, raw=v,
+                             steps=[rec.index], prefixes=self.sweep.holders(g.name, v.slot, v.position),
+                             layer=v.layer)
+
+    def holders(self, g: BoundGroup, v, rec, rpi: np.ndarray | None) -> tuple[tuple[Hashable, int], ...]:
+        """Requests whose ``req_to_token`` row maps ``v.position`` to ``v.slot`` now: the step's batch rows, then
+        running requests by their last row. A MISSING row (no real slot at the position) names the requests whose
+        position has no real slot now (a 0, or a real slot mapped to 0) and, when the row has a predecessor slot,
+        whose previous position maps to it. Reads a column or two of the table (a sync, on the error path only)."""
+        p = v.position
+        r2t = g.spec.req_to_token
+        max_reqs, max_seq_len = as_view(r2t, "req_to_token").shape
+        if not 0 <= p < max_seq_len:
+            return ()
+        candidates: list[tuple[Hashable, int]] = []
+        if rpi is not None:
+            candidates += [(rid, int(rp)) for rid, rp in zip(rec.request_ids, rpi.tolist()) if rid is not None and rp]
+        in_batch = {rid for rid, _ in candidates}
+        candidates += [(rid, req.last_req_pool_index) for rid, req in self.requests.live.items()
+                       if rid not in in_batch and req.last_req_pool_index]
+        if not candidates:
+            return ()
+        lut = g.spec.full_to_swa_index_mapping
+        lut_len = None if lut is None else as_view(lut, "lut").shape[0]
+
+        def translate(raw: int) -> int:
+            if lut is None or raw < 0:
+                return raw
+            return int(np.asarray(to_host(lut[raw:raw + 1]))[0]) if raw < lut_len else -1
+
+        column = np.asarray(to_host(r2t[:, p])).astype(np.int64)
+        prev = v.predecessor_slot
+        missing = prev is not None
+        before = np.asarray(to_host(r2t[:, p - 1])).astype(np.int64) if missing and prev > 0 and p > 0 else None
+        out = []
+        for rid, rp in candidates:
+            if not 0 < rp < max_reqs:
+                continue
+            raw = int(column[rp])
+            if missing:
+                hit = int(mark_missing(raw, translate(raw))) == MISSING_SLOT and (
+                    before is None or translate(int(before[rp])) == prev)
+            else:
+                hit = translate(raw) == v.slot
+            if hit and (rid, p) not in out:
+                out.append((rid, p))
+        return tuple(out)
+
+    def dispatch(self, new: list[SlotViolation], dropped: int, step: int) -> None:
+        if self.stats_every and self.stats_.decoded_steps % self.stats_every == 0:
+            logging.getLogger("kv_canary").info("kv-canary: stats " + json.dumps(self.stats(), default=str))
+        if not new and not dropped:
+            return
+        if self.on_violation == "log":
+            log_violations(new, step, self.log_limit)
+        elif self.on_violation == "raise":
+            first = new[0].line() if new else "none kept"
+            raise CanaryViolationError(
+                f"kv-canary: violations: expected none, got {len(new)} new and {dropped} dropped to ring overflow "
+                f"by step {step}; first: {first}", new, dropped, step)
+        elif new:
+            self.on_violation(new)

@@ -1,0 +1,145 @@
+"""Token intake: the request ids and expected tokens an engine hands the manager between steps, and the pool
+rows a step's batch reads them from (canary/manager/pool.py holds them).
+
+One :class:`TokenIntake` per manager: ``accept_tokens_batch``'s host ints or device token ids (queued zero-copy
+when the staging appends on the device, canary/manager/staging.py), request ids turned into one tuple object per
+repeated batch (the caches downstream compare by identity), and each step's pool rows (:meth:`TokenIntake.rows`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import fail
+from ..interop.adapter import HOST, as_view, identity
+from ..interop.hostcopy import to_host
+from .pool import RequestPool, host_token_array
+
+
+class TokenIntake:
+    """The intake of a manager over ``requests`` (its :class:`RequestPool`), ``staging`` (its host-to-device side:
+    whether it appends device token ids, read at each call), on CUDA device ``ordinal`` (``None``: host),
+    for batches of at most ``max_batch_size`` rows."""
+
+    def __init__(self, requests: RequestPool, staging, ordinal: int | None, max_batch_size: int):
+        self.requests, self.staging, self.ordinal, self.max_batch_size = requests, staging, ordinal, max_batch_size
+        self._tokens_view: tuple | None = None  # (array, identity, view) of the last device token ids
+        self._ids_cache: tuple | None = None  # (type, snapshot, tuple) of the last request ids (ids)
+        self.rows_cache: tuple | None = None  # (request ids, pool members version, pool rows) of rows
+
+    def accept_batch(self, request_ids: Any, token_ids: Any) -> None:
+        """The manager's :meth:`~canary.CanaryManager.accept_tokens_batch` (its docstring)."""
+        ids = self.ids(request_ids)
+        if token_ids is None:
+            raise fail(TypeError, f"token_ids: expected one token id per request ([{len(ids)}] host ints or a device "
+                                  f"array), got None")
+        if type(token_ids) not in (list, tuple, np.ndarray):
+            token_ids = self._device_tokens(ids, token_ids)
+            if token_ids is None:
+                return
+        toks = host_token_array(token_ids, "token_ids")
+        if toks.shape[0] != len(ids) or getattr(token_ids, "ndim", 1) != 1:  # a list: host_token_array's 1-D check
+            raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
+                                   f"{tuple(np.shape(token_ids))}")
+        if len(ids):
+            self.requests.accept_batch(ids, toks.astype(np.int64, copy=True), self._batch_rows)
+
+    def _device_tokens(self, ids: tuple, token_ids: Any) -> Any:
+        """accept_tokens_batch's arrays that are not NumPy's: device token ids are queued zero-copy when this
+        manager appends on the device (returns ``None``); otherwise returns host values for the host path (a
+        device array copied to the host: a sync, e.g. a Numba-backend manager)."""
+        ident = identity(token_ids)  # an engine's static buffer: its checked view reused while the same array
+        last = self._tokens_view
+        if ident is not None and last is not None and last[0] is token_ids and last[1] == ident:
+            view = last[2]
+        else:
+            t = type(token_ids)  # the type's attributes: an instance's __cuda_array_interface__ builds a dict
+            if not (hasattr(t, "__cuda_array_interface__") or hasattr(t, "__dlpack__")):
+                return token_ids  # a sequence of another kind: NumPy reads it
+            view = as_view(token_ids, "token_ids")
+            self._tokens_view = None
+            if view.device_id == HOST:
+                return view.host
+            if self.staging.device_append is None:
+                return to_host(token_ids)
+            if len(view.shape) != 1:
+                raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
+                                       f"{tuple(view.shape)}")
+            if view.dtype not in (np.dtype(np.int64), np.dtype(np.int32)):
+                raise fail(TypeError, f"token_ids: expected int64 or int32 device token ids, got dtype {view.dtype}")
+            if view.device_id != self.ordinal:
+                raise fail(ValueError, f"token_ids: expected host ints or an array on cuda:{self.ordinal} (the "
+                                       f"manager's device), got an array on cuda:{view.device_id}")
+            if view.shape[0] > 1 and view.strides[0] != 1:
+                raise fail(ValueError, f"token_ids: expected a contiguous device array (stride 1), got stride "
+                                       f"{view.strides[0]}")
+            if ident is not None:  # checked: the next call over the same array reuses it
+                self._tokens_view = (token_ids, ident, view)
+        if view.shape[0] != len(ids):
+            raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
+                                   f"{tuple(view.shape)}")
+        if len(ids):
+            self.requests.accept_batch(ids, None, self._batch_rows, device=(view, token_ids))
+        return None
+
+    def ids(self, request_ids: Any) -> tuple:
+        """The request ids as a tuple; the same tuple object as last call when the caller passes the same ids in a
+        list or tuple (compared with a snapshot, element by element: the caller may refill its list), so that the
+        per-batch caches downstream compare by identity."""
+        c = self._ids_cache
+        t = type(request_ids)
+        if c is not None and t is c[0] and request_ids == c[1]:
+            return c[2]
+        if request_ids is None:
+            return ()
+        if t is np.ndarray:
+            return tuple(request_ids.tolist())
+        ids = tuple(request_ids)
+        if t is list:
+            self._ids_cache = (list, list(request_ids), ids)
+        elif t is tuple:
+            self._ids_cache = (tuple, request_ids, ids)
+        return ids
+
+    def _batch_rows(self, ids: tuple) -> np.ndarray | None:
+        # The pool rows rows() holds for this batch: accept_batch adopts the same array, so that the step can tell a
+        # decode batch accepting for exactly its own rows by identity (stage_append).
+        last = self.rows_cache
+        return last[2] if last is not None and last[1] == self.requests.members and last[0] == ids else None
+
+    def rows(self, request_ids: Any) -> tuple[tuple, np.ndarray]:
+        """A step's batch: its request ids as :meth:`ids` gives them and their pool rows (``[bs]`` int64, host; the
+        same array as last call when the batch repeats with no request added or finished since). Raises
+        ``ValueError`` for more than ``max_batch_size`` ids, ``TypeError`` for an id that is not hashable."""
+        c = self._ids_cache  # ids()'s common case inline: the same ids as last call (one call less a step)
+        if c is not None and type(request_ids) is c[0] and request_ids == c[1]:
+            ids = c[2]
+        else:
+            ids = self.ids(request_ids)
+        bs = len(ids)
+        if bs > self.max_batch_size:
+            raise fail(ValueError, f"request_ids: expected at most max_batch_size = {self.max_batch_size} ids, "
+                                   f"got {bs}")
+        pool = self.requests
+        last = self.rows_cache
+        if last is not None and last[1] == pool.members and (last[0] is ids or last[0] == ids):
+            return last[0], last[2]  # the same batch, no request added or finished since: the same pool rows
+        # RequestPool.lookup inlined (a few hundred ids a step): running, else finished but not reused, else row 0
+        # (None itself is never a key), whose count is 0: an id never added has no expected tokens, only chain,
+        # position and KV checks.
+        live, retired = pool.live.get, pool.retired.get
+        q = np.zeros(bs, dtype=np.int64)
+        try:
+            for i, rid in enumerate(ids):
+                r = live(rid) or retired(rid)
+                if r is not None:
+                    q[i] = r.row
+        except TypeError:  # before the step opens: a refused call leaves none
+            raise fail(TypeError, f"request_ids[{i}]: expected a hashable request id (or None), got "
+                                  f"{type(ids[i]).__name__}") from None
+        held = pool.batch_rows(ids)  # accept_batch's rows for these ids: the same array (see _batch_rows)
+        if held is not None and np.array_equal(held, q):
+            q = held
+        self.rows_cache = (ids, pool.members, q)
+        return ids, q

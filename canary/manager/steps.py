@@ -1,0 +1,351 @@
+"""The step state machine: one step open at a time, from ``before_forward`` / ``begin_step`` to
+``after_kv_store`` / ``end_step`` (canary/manager/manager.py holds those calls and their contracts).
+
+:class:`Steps` opens a step (its :class:`StepRecord`), stages the batch's pool rows, valid lengths and queued
+tokens (through the staging, canary/manager/staging.py, the update it took queued again if never launched),
+launches each group's plan, verify and write (or replays them as one CUDA graph, canary/manager/eager.py), and
+closes the step by queueing its report (the mailbox, canary/manager/mailbox.py) in ``pending``, which the
+decoder (canary/manager/decode.py) reads. :class:`StreamResolver` resolves a call's launch stream.
+"""
+from __future__ import annotations
+
+import sys
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..errors import fail
+from ..interop.adapter import as_view
+from ..interop.streams import LaunchStream, launch_stream, library_of
+from .eager import MISS
+from .groups import BoundGroup
+from .layers import verify_layers, write_layers
+from .pool import RowTokens
+from .slots import translate as translate_slots
+
+
+class StepRecord:
+    """One step: its index, request ids, groups, batch size and ``sweep``, the groups whose sweep runs at
+    end_step (``None``: those of ``groups``). A slotted class: one is made every step."""
+
+    __slots__ = ("index", "request_ids", "groups", "bs", "sweep")
+
+    def __init__(self, index: int, request_ids: tuple, groups: tuple, bs: int):
+        self.index, self.request_ids, self.groups, self.bs, self.sweep = index, request_ids, groups, bs, None
+
+
+class StreamResolver:
+    """A call's launch stream on CUDA device ``ordinal`` (``None``: host arrays), for arrays like ``pool_array``."""
+
+    def __init__(self, ordinal: int | None, pool_array: Any):
+        self.ordinal, self.pool_array = ordinal, pool_array
+        self._streams: dict[tuple, LaunchStream] = {}  # (handle, ordered library) -> its LaunchStream
+        # resolve's common case: arrays of CuPy's, no stream given (cupy.cuda.get_current_stream)
+        self._cupy_current = (sys.modules["cupy"].cuda.get_current_stream
+                              if ordinal is not None and library_of(pool_array) == "cupy" else None)
+
+    def resolve(self, stream: Any) -> tuple[int, Any]:
+        """The launch stream, resolved once per call: ``(raw handle, what the planner and records take as their
+        stream)``; host arrays: ``(0, None)``."""
+        if self.ordinal is None:
+            if stream is not None:
+                raise fail(ValueError, "stream: expected None for a manager on device='cpu' (host arrays take no "
+                                       f"stream), got {type(stream).__name__}")
+            return 0, None
+        cupy_current = self._cupy_current
+        if stream is None and cupy_current is not None and "torch" not in sys.modules:
+            # launch_stream's answer for CuPy-owned arrays when no other library could be capturing: the current
+            # CuPy stream, ordered for CuPy arrays (the common eager call, without its generic checks)
+            handle, lib = cupy_current(self.ordinal).ptr, "cupy"
+        else:
+            handle, lib = launch_stream(self.ordinal, stream, self.pool_array)
+        st = self._streams.get((handle, lib))
+        if st is None:  # one per stream seen (a handful), not one per call
+            st = LaunchStream(handle, lib)
+            if len(self._streams) < 64:
+                self._streams[(handle, lib)] = st
+        return handle, st
+
+
+class Steps:
+    """The steps of a manager over ``groups``: ``pool_array`` and its staged rows ``q`` / lengths ``valid`` (the
+    device area the plans read), ``rows`` (the intake's :meth:`~canary.manager.intake.TokenIntake.rows`),
+    ``requests`` (the pool), ``staging`` and ``mailbox`` (the transfer's two sides, their attributes read at each
+    call), ``eager`` (``EagerGraphs`` or ``None``), ``sweep`` (the ``Sweeper``), ``stats_`` (steps counted there).
+
+    ``step``: the open step's record (``None``: none open); ``inputs``: ``(req_pool_indices view, bs)`` the step's
+    report copies; ``pending``: ``(record, mailbox token)`` of each queued report, oldest first."""
+
+    def __init__(self, groups: list[BoundGroup], *, ordinal: int | None, pool_array: Any, q: Any, valid: Any,
+                 rows: Callable, requests, staging, mailbox, eager, sweep, stats_):
+        self.groups, self.ordinal, self.pool_array, self.q, self.valid = groups, ordinal, pool_array, q, valid
+        self.rows, self.requests, self.staging, self.mailbox = rows, requests, staging, mailbox
+        self.eager, self.sweep, self.stats_ = eager, sweep, stats_
+        self.by_name = {g.name: g for g in groups}
+        self.all_names = tuple(g.name for g in groups)
+        self.step_inputs: dict[int, tuple] = {}  # bs -> (q[:bs], valid[:bs]): the same objects every step
+        # An eager step's report joins its after_kv_store graph: written by the report kernel, and no sweep between
+        self.report_in_graph = mailbox.report_launch is not None and not sweep
+        self.pending: deque = deque()
+        self.prepared = False  # prepare_verifies ran
+        self.step: StepRecord | None = None
+        self.inputs: tuple | None = None
+        self.last_staged: tuple | None = None  # (pool rows, pool version, stream) of the last staging
+        self.deferred: tuple | None = None  # (scatter, rows, tokens, copy): the staging left to before_forward
+        self.taken: list | None = None  # the pool updates that staging carries (queued again if never launched)
+        self.graph_inputs: dict[int, tuple] = {}  # bs -> the report inputs of the engine's captured graph
+        self.translates = any(g.loc_scratch is not None for g in groups)  # an SWA group translates slots
+
+    def select(self, groups: Sequence[str] | None) -> list[BoundGroup]:
+        if groups is None:
+            return self.groups
+        if isinstance(groups, str):
+            groups = [groups]
+        elif not isinstance(groups, (list, tuple)):
+            raise fail(TypeError, f"groups: expected a list of group names among {sorted(self.by_name)}, got "
+                                  f"{type(groups).__name__}")
+        out = []
+        for name in groups:
+            g = self.by_name.get(name)
+            if g is None:
+                raise fail(ValueError, f"groups: expected names among {sorted(self.by_name)}, got {name!r}")
+            out.append(g)
+        return out
+
+    def prepare_verifies(self, stream: Any) -> None:
+        # Each group's plan arrays are the manager's and never move: their verify is checked and packed once
+        # (eager: at warmup, else the first step outside a capture), then only launched.
+        self.prepared = True
+        if self.ordinal is not None:
+            for g in self.groups:
+                g.verify_launch = g.records.prepare_verify(g.verify_plan, launch_tag=g.verify_tag, stream=stream)
+
+    def begin(self, request_ids, groups, handle: int, poll: Callable, defer_scatter: bool = False) -> None:
+        """Open a step for ``request_ids`` over ``groups`` (names; ``None``: all) on stream ``handle``: ``poll``
+        (the manager's) first when reports are queued, then the batch's pool rows and queued tokens staged
+        (``defer_scatter``: the last scatter left in ``deferred`` for the caller to launch)."""
+        self.deferred = None
+        if self.step is not None:
+            raise fail(RuntimeError, f"before_forward: expected the previous step ({self.step.index}) closed by "
+                                     f"after_kv_store / end_step, got a new step first")
+        if self.pending:
+            poll()
+        ids, q = self.rows(request_ids)
+        bs = len(ids)
+        pool = self.requests
+        # Nothing to stage when the pool rows are the last staged ones and no count changed since (no token
+        # accepted, no request added or finished: no update queued either), on the same stream: the device area
+        # holds them (ordered behind the last copy). Another stream copies again: the last copy may not have run
+        # by the time that stream's plan reads the area.
+        last = self.last_staged
+        updates = pool.updates
+        if last is None or last[0] is not q or last[1] != pool.version or last[2] != handle or updates:
+            one = updates[0] if len(updates) == 1 else None
+            taken = pool.take_updates()
+            staging = self.staging
+            try:
+                if type(one) is RowTokens and one.rows is q and (
+                        one.device is not None or staging.device_append is not None):
+                    # Tokens for exactly this step's rows: appended on the device (device token ids where they
+                    # are, host ints from pinned memory), which also advances the plan's valid lengths there (no
+                    # copy when it holds these rows' lengths from before the accept).
+                    synced = last is not None and last[0] is q and last[1] == one.version and last[2] == handle
+                    self.deferred = staging.stage_device_append(q, one, handle, synced, defer_scatter)
+                elif type(one) is RowTokens and one.rows is q and staging.append is not None:
+                    # A decode batch that accepted one token a request for exactly this step's rows: the scatter
+                    # reads the plan's staged rows and valid lengths (the tokens' columns are valid - 1).
+                    self.deferred = staging.stage_append(q, one.ends, one.tokens, handle, defer_scatter)
+                else:
+                    self.deferred = staging.stage(self.pool_array, taken, self.q, self.valid, q, pool.counts[q],
+                                                  handle, defer_scatter)
+            except BaseException:
+                # Not launched (or only in part: a scatter is idempotent, and the append launches last): the next
+                # staging takes them again, from a fresh copy of the rows and lengths.
+                self.taken = taken
+                self.requeue()
+                self.last_staged = None
+                raise
+            self.taken = taken if self.deferred is not None else None
+            self.last_staged = (q, pool.version, handle)
+        names = self.all_names if groups is None else tuple(g.name for g in self.select(groups))
+        self.step = StepRecord(self.stats_.steps, ids, names, bs)
+        self.stats_.steps += 1
+
+    def recover(self, handle: int) -> None:
+        """After a before_forward that raised once its step was open: the staging it left to the call reaches the
+        pool (launched once now, else queued again), the next call stages again, and the step is dropped."""
+        d, self.deferred = self.deferred, None
+        try:
+            if d is not None:  # the staged tokens still reach the pool (it was not launched: once now)
+                try:
+                    self.staging.launch_deferred(d, handle)
+                except BaseException:
+                    self.requeue()  # still not launched: the next staging takes the update again
+                    raise
+                self.taken = None
+                self.staging.deferred_launched(d, handle)
+        finally:
+            self.last_staged = None  # the next call stages again
+            self.taken = None
+            self.abandon()
+
+    def store_groups(self, groups, sel, step: StepRecord):
+        """after_kv_store's ``(groups, sel)``: a group the step did not plan has no write plan for it (its last one
+        is another step's): the step's groups by default, and naming another is an error."""
+        if groups is None:
+            return step.groups, self.select(step.groups)
+        extra = [g.name for g in sel if g.name not in step.groups]
+        if extra:
+            raise fail(ValueError, f"groups: expected groups this step's before_forward planned "
+                                   f"({list(step.groups)}), got {extra}")
+        return groups, sel
+
+    def eager_plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st) -> None:
+        # The staging's last expected-token scatter (its row and token counts in the key) joins the graph, and so
+        # does an append's copy (its staging buffer and size in the key: a graph per buffer). It stays in
+        # self.deferred until launched, so that a call that raises first still launches it.
+        scatter = self.deferred
+        key, objs = (self.step.groups, bs, scatter), (req_pool_indices, prefix_lens, extend_seq_lens)
+        got = self.eager.launch("before", key, objs, st)
+        if got is not MISS:
+            self.deferred = self.taken = None  # launched: never again (the device append is not idempotent)
+            if scatter is not None:
+                self.staging.deferred_launched(scatter, st.handle)
+            self.inputs = got
+            return
+        if scatter is not None:
+            self.staging.launch_deferred(scatter, st.handle)
+            self.deferred = self.taken = None
+            self.staging.deferred_launched(scatter, st.handle)
+        self.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+
+        def body(stream):
+            if scatter is not None:
+                self.staging.launch_deferred(scatter, stream.handle)
+            self.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, stream)
+            return self.inputs
+
+        self.eager.observe("before", key, objs, st, self.pool_array, body)
+
+    def requeue(self) -> None:
+        # Taken updates that never launched (a staging that raised, or the launch left to before_forward,
+        # self.deferred): queued again, ahead of anything queued since.
+        if self.taken:
+            self.requests.updates[:0] = self.taken
+        self.taken = None
+
+    def abandon(self) -> None:
+        # A before_forward that raised after opening its step: the step is dropped (not counted, no report).
+        # Launches it made before the error report with the next step's snapshot, which copies the same ring.
+        self.step = None
+        self.stats_.steps -= 1
+
+    def plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st: Any) -> None:
+        qv = self.step_inputs.get(bs)
+        if qv is None:  # sliced once per batch size: the planner then reuses its views of the same objects
+            qv = self.step_inputs[bs] = (self.q[:bs], self.valid[:bs])
+        q, valid = qv
+        for g in sel:
+            g.planner.plan(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens,
+                           req_to_verify_expected_tokens_valid_lens=valid, expected_token_pool_indices=q,
+                           stream=st)
+            if g.verify_launch is not None:  # the group's own plan, checked and packed at warmup
+                g.records.launch_prepared(g.verify_launch, stream=st)
+            else:
+                g.records.verify(g.verify_plan, launch_tag=g.verify_tag, stream=st)
+            verify_layers(g, st)
+        # The report copies req_pool_indices through the planner's view of it (ordered on this stream).
+        rpi = sel[0].planner.last_step.req_pool_indices if sel else as_view(req_pool_indices, "req_pool_indices")
+        self.inputs = (rpi, bs)
+
+    def eager_write(self, sel, names, out_cache_loc, input_ids, positions, st) -> bool:
+        """The writes through a replayed graph when they may be (canary/manager/eager.py); returns whether the
+        graph also launched the step's report. The report joins the graph when nothing runs between the writes
+        and it (no sweep) and the transfer reports through its kernel; ``end`` then only records it."""
+        inputs = self.inputs
+        report = self.report_in_graph and inputs is not None
+        key = (names, inputs[0].ptr, inputs[1]) if report else (names, None, None)
+        objs = (out_cache_loc, input_ids, positions)
+        if report:
+            self.free_report_slot()  # before the graph: it holds the report's launch
+            self.mailbox.order_report(st.handle)
+        got = self.eager.launch("after", key, objs, st)
+        if got is not MISS:
+            return got
+        self.write(sel, out_cache_loc, input_ids, positions, None, st)
+
+        def body(stream):
+            self.write(sel, out_cache_loc, input_ids, positions, None, stream)
+            if report:
+                self.mailbox.report_device(inputs[0], inputs[1], stream.handle)
+            return report
+
+        self.eager.observe("after", key, objs, st, self.pool_array, body)
+        return False
+
+    def write(self, sel, out_cache_loc, input_ids, positions, out_cache_loc_by_group, st) -> None:
+        # Every group's slots first (translated, or checked when given by group), then the writes: an input that
+        # fails for one group fails the call before any group has written.
+        locs, n = [], None
+        if out_cache_loc_by_group:  # input_ids' length, once (not 1-D: the first write refuses it, before any write)
+            ids = as_view(input_ids, "input_ids")
+            n = ids.shape[0] if len(ids.shape) == 1 else None
+        for g in sel:
+            loc = out_cache_loc_by_group.get(g.name) if out_cache_loc_by_group else None
+            if loc is not None:
+                self.check_group_loc(g.name, loc, n)
+            elif g.loc_scratch is not None:
+                loc = translate_slots(g.spec.full_to_swa_index_mapping, out_cache_loc, g.loc_scratch,
+                                      0 if st is None else st.handle)
+            else:
+                loc = out_cache_loc
+            locs.append(loc)
+        for g, loc in zip(sel, locs):
+            g.records.write(g.write_plan, out_cache_loc=loc, input_ids=input_ids, positions=positions,
+                            launch_tag=g.write_tag, stream=st)
+            write_layers(g, loc, st)
+
+    @staticmethod
+    def check_group_loc(name: str, loc: Any, n: int | None) -> None:
+        """``out_cache_loc_by_group[name]``: ``[n]`` int64, one per token of ``input_ids`` (``n``: its length,
+        ``None`` when it is not 1-D); the write checks the rest."""
+        arg = f"out_cache_loc_by_group[{name!r}]"
+        view = as_view(loc, arg)
+        if len(view.shape) != 1 or (n is not None and view.shape[0] != n):
+            raise fail(ValueError, f"{arg}: expected [N] slots, one per token of input_ids ([{n}]), "
+                                   f"got shape {tuple(view.shape)}")
+        if view.dtype != np.dtype(np.int64):
+            raise fail(TypeError, f"{arg}: expected int64 slots, got dtype {view.dtype}")
+
+    def end(self, handle: int, st: Any, reported: bool = False) -> None:
+        """``reported``: the step's report kernel ran inside the replayed graph (only its host half is left)."""
+        if self.step is None:
+            raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
+        if self.sweep:
+            self.run_sweep(self.step, handle, st)
+        rpi, bs = self.inputs if self.inputs is not None else (None, 0)
+        if reported:
+            token = self.mailbox.report_host(rpi is not None, bs, handle)
+        else:
+            self.free_report_slot()
+            token = self.mailbox.snapshot(rpi, bs, handle)
+        self.pending.append((self.step, token))
+        self.step = None
+
+    def free_report_slot(self) -> None:
+        # Before a report launch: when every report slot holds an unread report (the host that many steps ahead of
+        # the GPU), the oldest is copied out of its slot (a host wait for it), to be decoded in turn.
+        if self.mailbox.full():
+            i = next(i for i, (_, t) in enumerate(self.pending) if self.mailbox.holds_slot(t))
+            self.pending[i] = (self.pending[i][0], self.mailbox.detach(self.pending[i][1]))
+
+    def run_sweep(self, rec: StepRecord, handle: int, stream: Any) -> None:
+        # Staged and launched here, after the step's writes and on the host just before the launch: a prefix
+        # registered with this step's tokens is verified after they are written, and one evicted before this call
+        # is never staged. Both are eager, outside any CUDA graph (end_step always is).
+        self.sweep.refresh(self.by_name)
+        names = rec.groups if rec.sweep is None else rec.sweep
+        for sw in self.sweep.stage(names, handle):
+            sw.group.records.verify(sw.plan, launch_tag=sw.tag, stream=stream)
+
