@@ -46,6 +46,7 @@ class ForgetsStep(Protocol):
     def forget_step(self) -> None: ...
 
 
+@runtime_checkable
 class PlanModule(Protocol):
     NAME: str  # the backend's name, as the caller spells it ("reference", "cupy", "numba")
     ON_DEVICE: bool  # False: host arrays (the reference, Numba's simulator); True: CUDA arrays
@@ -87,6 +88,7 @@ class PreparedAppend(Protocol):
     def launch(self, tokens_ptr: int, dtype: np.dtype, n: int, stream: int, /) -> None: ...
 
 
+@runtime_checkable
 class RecordsModule(Protocol):
     NAME: str
     ON_DEVICE: bool
@@ -124,6 +126,7 @@ class LayersBound(Protocol):
     def warmup(self) -> None: ...
 
 
+@runtime_checkable
 class LayersModule(Protocol):
     NAME: str
     ON_DEVICE: bool
@@ -140,6 +143,7 @@ class ReportLauncher(Protocol):
     def launch(self, rpi_ptr: int, bs: int, stream: int, /) -> None: ...
 
 
+@runtime_checkable
 class ReportModule(Protocol):
     """``ReportLaunch(device_id, **layout)``: canary/manager/transfer.py's ``report_kernel`` launcher."""
 
