@@ -1,14 +1,15 @@
-"""The backend seam: how a backend is chosen and imported (SPEC 3.5).
+"""The backend seam: how a backend is chosen, imported and checked (SPEC 3.5).
 
 Backends are grouped by library: ``reference/`` (NumPy), ``cupy/`` (CUDA C through NVRTC), ``numba/``
-(numba-cuda); each holds a ``plan`` module (the planner) and a ``records`` module (write, verify, scatter),
-plus what the two share in its ``__init__``. A ``plan`` module has ``NAME``, ``ON_DEVICE`` and
-``bind(static: StaticArgs, launch: LaunchConfig) -> Bound`` with ``Bound.launch(step: StepArgs, stream: int)``
-and ``Bound.warmup()``; a ``records`` module has ``bind(state, real_kv) -> Bound`` (``write``, ``verify``,
-``warmup``) and ``scatter(args, stream)``. ``bind`` does everything that does not change between calls;
-a launch must not allocate, compile, load modules or sync on the GPU backends. The arguments are in
-:mod:`.args`, the kernel sources are loaded by :mod:`.sources`, the launch-argument layouts shared with
-``kernels/`` are :mod:`.plan_layout` and :mod:`.records_layout`.
+(numba-cuda); each holds one module per kernel family (``FAMILIES``): ``plan`` (the planner), ``records``
+(write, verify, scatter) and ``layers`` (the layer rotation), plus what they share in its ``__init__``; a
+backend may also have a module of an optional family (``OPTIONAL_FAMILIES``: ``report``). What each family's
+module provides is a :class:`typing.Protocol` in :mod:`.protocols` (``bind`` does everything that does not
+change between calls; a launch must not allocate, compile, load modules or sync on the GPU backends);
+:func:`load` checks a module against it once, when first loaded. The front objects (``canary/plan``,
+``canary/records``) and the manager pick a backend only through :func:`resolve`, :func:`load` and
+:func:`optional`. The arguments are in :mod:`.args`, the kernel sources are loaded by :mod:`.sources`, the
+launch-argument layouts shared with ``kernels/`` are in ``canary/contract``.
 """
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ import os
 
 from ..errors import BackendUnavailableError, fail
 from ..interop.libs import INSTALL, import_cupy
+from . import protocols
 
 BACKENDS = ("reference", "cupy", "numba")
-FAMILIES = ("plan", "records")
-
-
+FAMILIES = ("plan", "records", "layers")  # every backend has one module of each
 OPTIONAL_FAMILIES = ("report",)  # families a backend may lack: the manager falls back to host copies
+
+_CHECKED: dict[str, object] = {}  # module name -> the module object checked (a module imported anew is checked again)
 
 
 def optional(name: str, family: str):
@@ -45,11 +47,34 @@ def _numba_simulator() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 
+def check(module, name: str, family: str) -> None:
+    """Raise ``TypeError`` (``kv-canary:``, naming the backend, the family and what is missing) unless ``module``
+    provides family ``family``'s protocol (:mod:`.protocols`; names only, no call is made)."""
+    lacking = protocols.missing(module, family)
+    if not lacking and "NAME" in protocols.members(protocols.PROTOCOLS[family].module) and module.NAME != name:
+        lacking = [f"NAME = {name!r} (it has {module.NAME!r})"]
+    if lacking:
+        spec = protocols.PROTOCOLS[family]
+        raise fail(TypeError, f"backend {name!r}: its {family} module {getattr(module, '__name__', module)!r} does not "
+                              f"provide canary.backends.protocols.{spec.module.__name__}: missing "
+                              f"{', '.join(lacking)}")
+
+
 def load(name: str, family: str = "plan"):
-    """Import backend ``name``'s module of a kernel family ("plan" or "records"); ``ValueError`` for unknown names."""
+    """Import backend ``name``'s module of a kernel family (``FAMILIES`` or ``OPTIONAL_FAMILIES``), checked against
+    its protocol the first time. ``ValueError`` for unknown names or families, ``TypeError`` for a module that
+    lacks part of its protocol (:func:`check`), :class:`BackendUnavailableError` when the library is missing;
+    ``ModuleNotFoundError`` for an optional family the backend has no module of (:func:`optional` says ``None``)."""
     if name not in BACKENDS:
         raise fail(ValueError, f"backend: expected one of {', '.join(('auto',) + BACKENDS)}, got {name!r}")
-    return importlib.import_module(f"{__name__}.{name}.{family}")
+    if family not in FAMILIES and family not in OPTIONAL_FAMILIES:
+        raise fail(ValueError, f"family: expected one of {', '.join(FAMILIES + OPTIONAL_FAMILIES)}, got {family!r}")
+    path = f"{__name__}.{name}.{family}"
+    module = importlib.import_module(path)
+    if _CHECKED.get(path) is not module:
+        check(module, name, family)
+        _CHECKED[path] = module
+    return module
 
 
 def _placement_message(name: str, what: str, where: str, fits: str, on_device: bool) -> str:

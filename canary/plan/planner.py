@@ -476,6 +476,6 @@ def launch_canary_plan_kernels(
             check=check,
         )
     finally:  # the cached launcher outlives the call: it must not keep this call's arrays (see above)
-        forget = getattr(planner._bound, "forget_step", None)
+        forget = getattr(planner._bound, "forget_step", None)  # backends.protocols.ForgetsStep: optional
         if forget is not None:
             forget()

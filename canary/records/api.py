@@ -87,7 +87,7 @@ class CanaryRecords:
         # Calls repeated over the same arrays on the same stream (callviews.Reuse): by plan, a few at a time
         # (the manager alternates its step's plan and its sweep's).
         self._reuse: dict = {}
-        prepare = getattr(self._bound, "prepare_write", None)
+        prepare = getattr(self._bound, "prepare_write", None)  # backends.protocols.PreparesCalls: optional
         self._prepare = (prepare, self._bound.prepare_verify) if prepare else None
 
     def warmup(self) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 import canary.backends as backends
 from canary import BackendUnavailableError
+from canary.backends.reference import layers as reference_layers
 from canary.backends.reference import plan as reference_plan
 from canary.backends.reference import records as reference_records
 
@@ -60,7 +61,8 @@ def libs(monkeypatch):
 # "auto"
 
 
-@pytest.mark.parametrize("family,module", [("plan", reference_plan), ("records", reference_records)])
+@pytest.mark.parametrize("family,module", [("plan", reference_plan), ("records", reference_records),
+                                           ("layers", reference_layers)])
 def test_auto_on_host_is_the_reference(family, module):
     assert backends.resolve("auto", -1, family) is module  # the real loader: NumPy only
 
@@ -71,7 +73,7 @@ def test_auto_on_host_tries_no_gpu_library(libs):
     assert fake.loads == [("reference", "records")] and fake.cupy_imports == 0
 
 
-@pytest.mark.parametrize("family", ["plan", "records"])
+@pytest.mark.parametrize("family", backends.FAMILIES)
 def test_auto_on_device_prefers_cupy(libs, family):
     fake = libs(cupy=True, numba=True)
     module = backends.resolve("auto", 0, family)
@@ -106,7 +108,7 @@ def test_auto_without_either_names_both_installs(libs):
 
 
 @pytest.mark.parametrize("name", ["cupy", "numba"])
-@pytest.mark.parametrize("family", ["plan", "records"])
+@pytest.mark.parametrize("family", backends.FAMILIES)
 def test_gpu_backend_on_host_is_refused_before_any_import(libs, name, family):
     fake = libs(cupy=False, numba=False)  # not even installed: the placement error comes first
     msg = (f"^kv-canary: backend: expected a backend for the {family} arrays in host memory \\('reference' or "
@@ -170,3 +172,9 @@ def test_unknown_name(device):
     with pytest.raises(ValueError, match=r"^kv-canary: backend: expected one of auto, reference, cupy, numba, got "
                                          r"'triton'$"):
         backends.resolve("triton", device)
+
+
+def test_optional_family_a_backend_lacks_is_none():
+    assert backends.optional("reference", "report") is None
+    with pytest.raises(ValueError, match=r"^kv-canary: family: expected one of report, got 'plan'$"):
+        backends.optional("reference", "plan")  # a family every backend has is load's, not optional's

@@ -15,8 +15,8 @@ from ..args import DEFAULT_LAUNCH, LaunchConfig
 from ...contract.layers_layout import layer_grid
 from . import ON_DEVICE as _ON_DEVICE
 from . import SIMULATOR
-from .records import BLOCKS_PER_SM, SIMULATOR_THREADS, Bound as RecordsBound, _flat_words
-from .records import _launch, load_kernels, records_numba
+from .records import BLOCKS_PER_SM, SIMULATOR_THREADS, Bound as RecordsBound, flat_words
+from .records import launch_kernel, load_kernels, records_numba
 
 NAME = "numba"
 ON_DEVICE = _ON_DEVICE
@@ -34,21 +34,21 @@ class Bound:
         self.views = views
         self.threads = _threads(launch)
         records = RecordsBound(state, views.kv.layers[0], launch)  # the state's word views and layer 0's kvp
-        self._arr = arr = records._arr
-        self._state_args = records._state_args
+        self._arr = arr = records.arrays
+        self._state_args = records.state_args
         kv = views.kv
-        kvp = records._kv_args[4]
+        kvp = records.kv_params
         words = []
         for layer in kv.layers:
             for src in layer.sources:
-                n = _flat_words(src.rows, src.row_stride_bytes, src.row_bytes)
+                n = flat_words(src.rows, src.row_stride_bytes, src.row_bytes)
                 words.append(arr.words(src.ptr, n, np.uint64, src.owner, None if src.bytes is None else src.bytes))
         h, c = views.layer_hashes, views.layer_cursor
         self._table_args = (kvp, kv.num_sources, tuple(words), kv.num_layers, views.dwell,
                             arr.words(h.ptr, h.shape[0] * h.shape[1], np.uint64, h.owner, h.host),
                             arr.words(c.ptr, c.shape[0], np.int32, c.owner, c.host))
         self._write_kernel, self._verify_kernel = records_numba.layer_kernels(len(words), self.threads)
-        self._sms = records._sms
+        self._sms = records.sms
 
     def warmup(self) -> None:
         load_kernels(self._arr, (self._write_kernel, self._verify_kernel))
@@ -72,13 +72,13 @@ class Bound:
         args = self._args(encode_tag(KernelTag.WRITE), write=plan, loc=out_cache_loc)
         grid = layer_grid(out_cache_loc.shape[0] * self.views.num_layers, self._sms,
                           2 if SIMULATOR else BLOCKS_PER_SM, self.threads)
-        _launch(self._arr, self._write_kernel, grid, self.threads, stream, args)
+        launch_kernel(self._arr, self._write_kernel, grid, self.threads, stream, args)
 
     def verify(self, plan, tag: int, stream: int) -> None:
         args = self._args(tag, verify=plan)
         grid = layer_grid(plan.verify_slot_indices.shape[0], self._sms, 2 if SIMULATOR else BLOCKS_PER_SM,
                           self.threads)
-        _launch(self._arr, self._verify_kernel, grid, self.threads, stream, args)
+        launch_kernel(self._arr, self._verify_kernel, grid, self.threads, stream, args)
 
 
 def bind(state: StateViews, views, launch: LaunchConfig = DEFAULT_LAUNCH) -> Bound:

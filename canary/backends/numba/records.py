@@ -24,7 +24,7 @@ from ..sources import numba_kernels
 from . import ON_DEVICE, SIMULATOR, PerformanceWarning, cuda, device_array
 
 NAME = "numba"
-__all__ = ["NAME", "ON_DEVICE", "bind", "scatter"]
+__all__ = ["NAME", "ON_DEVICE", "Bound", "bind", "scatter"]
 
 records_numba = numba_kernels("records_numba")
 
@@ -47,7 +47,7 @@ def _kernels(launch: LaunchConfig = DEFAULT_LAUNCH):
     return records_numba.canary_kernels(*_threads(launch))
 
 
-class _Arrays:
+class Arrays:
     """Numba arrays over caller memory: device arrays from pointers (no copy, no sync) on a GPU, NumPy views
     of host memory under the simulator. Per-call arrays are cached by (pointer, length, dtype)."""
 
@@ -105,11 +105,12 @@ class _Arrays:
         return s
 
 
-def _flat_words(rows: int, row_stride_bytes: int, row_bytes: int) -> int:
+def flat_words(rows: int, row_stride_bytes: int, row_bytes: int) -> int:
+    """8-byte words spanned by ``rows`` rows of ``row_bytes`` bytes, ``row_stride_bytes`` apart (a real-KV source)."""
     return 0 if rows == 0 else ((rows - 1) * row_stride_bytes + row_bytes) // 8
 
 
-def load_kernels(arr: "_Arrays", kernels) -> None:
+def load_kernels(arr: "Arrays", kernels) -> None:
     """Load compiled kernels' module on ``arr``'s device (nothing to load in the simulator)."""
     if SIMULATOR:
         return
@@ -120,11 +121,15 @@ def load_kernels(arr: "_Arrays", kernels) -> None:
 
 
 class Bound:
+    """The records kernels bound to a canary. What :mod:`.layers` builds on is public: ``arrays`` (the
+    :class:`Arrays` of the canary's device), ``state_args`` (the state's launch arguments, records_numba's order),
+    ``kv_params`` (the real-KV layout words) and ``sms`` (the SM count the grids are sized from)."""
+
     def __init__(self, state: StateViews, real_kv: RealKV, launch: LaunchConfig = DEFAULT_LAUNCH):
         self.state = state
         self.real_kv = real_kv
         self.device_id = state.device_id
-        self._arr = arr = _Arrays(state.device_id)
+        self.arrays = arr = Arrays(state.device_id)
         self._write_kernel, self._verify_kernel = _kernels(launch)[:2]
         self.write_threads, self.verify_threads, _ = _threads(launch)
         s = state
@@ -133,7 +138,7 @@ class Bound:
         canary_words = ((s.num_slots - 1) * s.slot_stride_bytes + 32) // 8
         ring_stride = s.ring_row_stride
         ring_words = 0 if s.ring_capacity == 0 else (s.ring_capacity - 1) * ring_stride + 8
-        self._state_args = (
+        self.state_args = (
             arr.words(buf.ptr, canary_words, np.uint64, buf.owner, buf.host), s.num_slots, s.slot_stride_bytes // 8,
             arr.words(s.ring.ptr, ring_words, np.uint64, s.ring.owner, s.ring.host), ring_stride, s.ring_capacity,
             arr.words(s.ring_write_index.ptr, 1, np.uint32, s.ring_write_index.owner, s.ring_write_index.host),
@@ -152,7 +157,7 @@ class Bound:
                 kvp[b + records_numba.KV_PAGE_SIZE] = src.page_size
                 kvp[b + records_numba.KV_WORDS_PER_TOKEN] = src.num_bytes_per_token // 8
                 kvp[b + records_numba.KV_READ_WORDS] = src.words(real_kv.mode)
-                n = _flat_words(src.rows, src.row_stride_bytes, src.row_bytes)
+                n = flat_words(src.rows, src.row_stride_bytes, src.row_bytes)
                 kv_arrays.append(arr.words(src.ptr, n, np.uint64, src.owner, None if src.bytes is None else src.bytes))
             else:
                 kv_arrays.append(arr.dummy(np.uint64))
@@ -162,36 +167,44 @@ class Bound:
             sms = int(arr.gpu.MULTIPROCESSOR_COUNT)
         else:
             sms = SIMULATOR_SMS
-        self._kv_args = (*kv_arrays, kvp, len(sources))
-        self._sms = sms
+        self._kv_params = kvp
+        self._kv_args = (*kv_arrays, kvp, len(sources))  # records_numba's real-KV arguments, in order
+        self.sms = sms
+
+    @property
+    def kv_params(self):
+        """The ``[MAX_SOURCES * KV_FIELDS]`` int64 layout words of the real-KV sources (a device array on a GPU)."""
+        return self._kv_params
 
     def warmup(self) -> None:
         """Load the kernels' module on the canary's device (compilation happened at bind)."""
-        load_kernels(self._arr, (self._write_kernel, self._verify_kernel))
+        load_kernels(self.arrays, (self._write_kernel, self._verify_kernel))
 
     def write(self, a: RecordWriteArgs, stream: int) -> None:
-        v = self._arr.vector
+        v = self.arrays.vector
         r_cap = a.plan.write_seed_slot_indices.shape[0]
-        args = self._state_args + (np.uint64(encode_tag(KernelTag.WRITE, a.launch_tag)),) + self._kv_args + (
+        args = self.state_args + (np.uint64(encode_tag(KernelTag.WRITE, a.launch_tag)),) + self._kv_args + (
             v(a.plan.write_offsets), v(a.plan.write_seed_slot_indices), v(a.plan.write_num_valid_reqs), r_cap, v(a.out_cache_loc),
             v(a.input_ids), v(a.positions), a.out_cache_loc.shape[0], v(a.expected_input_ids),
             v(a.expected_positions), int(a.expected_input_ids is not None), int(a.expected_positions is not None),
         )
-        grid = write_grid(r_cap, self._sms, 2 if SIMULATOR else BLOCKS_PER_SM)
-        _launch(self._arr, self._write_kernel, grid, self.write_threads, stream, args)
+        grid = write_grid(r_cap, self.sms, 2 if SIMULATOR else BLOCKS_PER_SM)
+        launch_kernel(self.arrays, self._write_kernel, grid, self.write_threads, stream, args)
 
     def verify(self, a: RecordVerifyArgs, stream: int) -> None:
-        v = self._arr.vector
+        v = self.arrays.vector
         cap = a.plan.verify_slot_indices.shape[0]
-        args = self._state_args + (np.uint64(encode_tag(KernelTag.VERIFY, a.launch_tag)),) + self._kv_args + (
+        args = self.state_args + (np.uint64(encode_tag(KernelTag.VERIFY, a.launch_tag)),) + self._kv_args + (
             v(a.plan.verify_slot_indices), v(a.plan.verify_expected_tokens), v(a.plan.verify_expected_positions),
             v(a.plan.verify_prev_slot_indices), cap, v(a.plan.verify_num_valid), v(a.plan.enable),
         )
-        grid = verify_grid(cap, self._sms, 2 if SIMULATOR else BLOCKS_PER_SM, self.verify_threads)
-        _launch(self._arr, self._verify_kernel, grid, self.verify_threads, stream, args)
+        grid = verify_grid(cap, self.sms, 2 if SIMULATOR else BLOCKS_PER_SM, self.verify_threads)
+        launch_kernel(self.arrays, self._verify_kernel, grid, self.verify_threads, stream, args)
 
 
-def _launch(arr: _Arrays, kernel, grid: int, block: int, stream: int, args: tuple) -> None:
+def launch_kernel(arr: Arrays, kernel, grid: int, block: int, stream: int, args: tuple) -> None:
+    """Launch a compiled kernel on ``arr``'s device and the raw stream handle ``stream`` (synchronously, on the
+    host, under the simulator)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PerformanceWarning)  # small grids are by design (work items per capacity)
         if SIMULATOR:
@@ -207,7 +220,7 @@ def bind(state: StateViews, real_kv: RealKV, launch: LaunchConfig = DEFAULT_LAUN
     return Bound(state, real_kv, launch)
 
 
-_SCATTER_ARRAYS: dict[int, _Arrays] = {}
+_SCATTER_ARRAYS: dict[int, Arrays] = {}
 
 
 def scatter(a: ScatterArgs, stream: int) -> None:
@@ -215,7 +228,7 @@ def scatter(a: ScatterArgs, stream: int) -> None:
     pool = a.pool
     arr = _SCATTER_ARRAYS.get(pool.device_id)
     if arr is None:
-        arr = _SCATTER_ARRAYS[pool.device_id] = _Arrays(pool.device_id)
+        arr = _SCATTER_ARRAYS[pool.device_id] = Arrays(pool.device_id)
     rows, cols = pool.shape
     row_stride = a.pool_row_stride
     flat = 0 if rows == 0 or cols == 0 else (rows - 1) * row_stride + cols
@@ -225,4 +238,4 @@ def scatter(a: ScatterArgs, stream: int) -> None:
     bs = a.req_pool_indices.shape[0]
     args = (pool_arr, rows, cols, row_stride, arr.vector(a.req_pool_indices), bs, arr.vector(a.tokens, a.tokens.dtype),
             a.tokens.shape[0], arr.vector(a.token_offsets), arr.vector(a.column_starts), np.int64(a.column_offset))
-    _launch(arr, kernel, max(bs, 1), _threads()[2], stream, args)
+    launch_kernel(arr, kernel, max(bs, 1), _threads()[2], stream, args)

@@ -13,7 +13,7 @@ from ...contract.realkv import fold
 from ...contract.ring import TOKEN, FailReason, KernelTag, KIND_BITS, append_rows
 from ...contract.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
-from .records import _gather_fields, _rows
+from .records import gather_fields, ring_rows
 
 NAME = "reference"
 ON_DEVICE = False
@@ -95,10 +95,10 @@ def verify_layer(state: StateViews, *, layer_hashes: np.ndarray, layer_cursor: n
     stored = layer_hashes[slot, layer]
     bad = np.flatnonzero(stored != fresh)
     if bad.shape[0]:
-        rec = _gather_fields(state.fields, slot[bad], np.ones(bad.shape[0], dtype=bool))
-        rows = _rows(tag | (layer << KIND_BITS), slot[bad], verify_expected_positions[live[bad]], rec[:, TOKEN],
-                     verify_expected_tokens[live[bad]], stored[bad], fresh[bad],
-                     np.full(bad.shape[0], int(FailReason.REAL_KV), dtype=_I64))
+        rec = gather_fields(state.fields, slot[bad], np.ones(bad.shape[0], dtype=bool))
+        rows = ring_rows(tag | (layer << KIND_BITS), slot[bad], verify_expected_positions[live[bad]], rec[:, TOKEN],
+                         verify_expected_tokens[live[bad]], stored[bad], fresh[bad],
+                         np.full(bad.shape[0], int(FailReason.REAL_KV), dtype=_I64))
         append_rows(state.host("ring"), state.host("ring_write_index"), rows)
 
 

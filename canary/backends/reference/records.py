@@ -47,7 +47,8 @@ def _ranges(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return starts[owner] + (np.arange(total, dtype=_I64) - first[owner]), owner
 
 
-def _rows(tag: int, *cols: np.ndarray) -> np.ndarray:
+def ring_rows(tag: int, *cols: np.ndarray) -> np.ndarray:
+    """``[n, RING_ROW_WORDS]`` int64 ring rows: word 0 ``tag``, words 1.. the ``[n]`` columns ``cols`` in order."""
     n = cols[0].shape[0]
     out = np.empty((n, RING_ROW_WORDS), dtype=_I64)
     out[:, 0] = tag
@@ -56,7 +57,7 @@ def _rows(tag: int, *cols: np.ndarray) -> np.ndarray:
     return out
 
 
-def _gather_fields(fields: np.ndarray, slots: np.ndarray, ok: np.ndarray) -> np.ndarray:
+def gather_fields(fields: np.ndarray, slots: np.ndarray, ok: np.ndarray) -> np.ndarray:
     """``fields[slots]`` where ``ok``, zeros elsewhere (never reads out of bounds)."""
     rec = rows_of(fields, np.where(ok, slots, 0))
     rec[~ok] = 0
@@ -139,7 +140,7 @@ def verify(
         rec = rows_of(fields, slot)
     else:
         slot_ok = (slot > 0) & (slot < num_slots)
-        rec = _gather_fields(fields, slot, slot_ok)
+        rec = gather_fields(fields, slot, slot_ok)
     link = _links(fields, num_slots, slot, slot_ok, rec, prev)
     check_token = CheckFlags.VERIFY_TOKEN in flags
     fresh = None
@@ -181,8 +182,8 @@ def verify(
 
     bad = np.flatnonzero(bits)
     if bad.shape[0]:
-        rows = _rows(encode_tag(KernelTag.VERIFY, launch_tag), slot[bad], exp_pos[bad], rec[bad, TOKEN],
-                     exp_tok[bad], rec[bad, PREV_HASH], expected_link[bad], bits[bad])
+        rows = ring_rows(encode_tag(KernelTag.VERIFY, launch_tag), slot[bad], exp_pos[bad], rec[bad, TOKEN],
+                         exp_tok[bad], rec[bad, PREV_HASH], expected_link[bad], bits[bad])
         append_rows(state.host("ring"), state.host("ring_write_index"), rows)
 
 
@@ -226,7 +227,7 @@ def write(
     # Seeds are read before anything is stored (a GPU block reads its seed first).
     seed = write_seed_slot_indices[:nreq]
     seed_ok = (seed >= 0) & (seed < num_slots)
-    srec = _gather_fields(fields, seed, seed_ok)
+    srec = gather_fields(fields, seed, seed_ok)
     running0 = np.where(seed_ok, _link_of(srec).view(_I64), _I64(ANCHOR_LINK))
     seed_pos = np.where(seed_ok, srec[:, POSITION], -1)
     if idx.shape[0] == 0:
@@ -279,8 +280,8 @@ def write(
 
     bad = np.flatnonzero(bits)
     if bad.shape[0]:
-        rows = _rows(encode_tag(KernelTag.WRITE, launch_tag), slot[bad], pos[bad], tok[bad], exp_tok[bad],
-                     running[bad], aux[bad], bits[bad])
+        rows = ring_rows(encode_tag(KernelTag.WRITE, launch_tag), slot[bad], pos[bad], tok[bad], exp_tok[bad],
+                         running[bad], aux[bad], bits[bad])
         append_rows(state.host("ring"), state.host("ring_write_index"), rows)
 
 
