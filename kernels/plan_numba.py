@@ -9,8 +9,8 @@ Same kernels, same structure, same names as plan.cu, so a reader finds each piec
   ``ROWS_THREADS`` scans all rows into the row table in the scratch; then a grid emits the entries, each warp
   pass finding its rows through ``ROW_SAMPLES`` row offsets sampled into shared memory. A sampled step's
   cursors are reset by the rows kernel (their only reader) and advanced by the entries kernel's threads.
-- The row table (plan.cu's ``RowTable``: off, base, pdelta, pbase, vlim per row) gives an entry everything it
-  needs of its row after one search: position = i + pdelta[r], req_to_token index = base[r] + i, expected
+- The row table (plan.cu's ``RowTable``, in kernels/plan_rows.cuh: off, base, pdelta, pbase, vlim per row)
+  gives an entry everything it needs of its row after one search: position = i + pdelta[r], req_to_token index = base[r] + i, expected
   token at pbase[r] + col while 0 <= col < vlim[r] (col = position + token_offset, compared raw as the
   reference does: valid_lens may be garbage such as INT64_MIN).
 - ``emit_entries``: warp passes of ``ENTRY_CHUNK`` = ITEMS * 32 consecutive entries (lane-major inside each of
@@ -21,7 +21,8 @@ Same kernels, same structure, same names as plan.cu, so a reader finds each piec
   the scratch counters, so a launch leaves the scratch as it found it (CUDA-graph replays stay correct).
   Without a LUT the row scan alone decides the status and one block writes it: no atomics.
 
-All three kernels take the same arguments: the fields of plan.cu's ``PlanParams``, in its order
+All three kernels take the same arguments: the fields of plan.cu's ``PlanParams`` (declared in
+``canary/contract/plan_layout.py``, generated into ``kernels/canary_constants.cuh``), in its order
 (``PARAMS``; one ``SIGNATURE``). Grids are sized from verify_capacity by the caller, never from data
 (``canary/contract/plan_layout.py`` ``entry_grid``: occupancy-bounded, as plan.cu's host side).
 

@@ -23,7 +23,7 @@ ENTRY_MIN_BLOCKS = 4
 # block, and a scan of consecutive rows a thread, so neither its table nor its batches are plan.cu's.
 ROW_BATCH = 2
 SIDE_BATCH = 1
-SIDE_ROWS = ROWS_THREADS * SIDE_BATCH  # rows of one side block's tile (plan.cu side_rows)
+SIDE_ROWS = ROWS_THREADS * SIDE_BATCH  # rows of one side block's tile (kernels/plan_side.cuh side_rows)
 SCRATCH_DONE = 0
 SCRATCH_BAD_SLOT = 1
 SCRATCH_ROW_FLAGS = 2
@@ -80,15 +80,15 @@ def fused_grid(verify_capacity: int, sms: int, blocks_per_sm: int, sample: bool)
 
 def side_tiles(write_req_capacity: int) -> int:
     """Side blocks a sampling planner's two-pass rows launch may use: one a tile of ``SIDE_ROWS`` rows of
-    ``write_req_capacity`` (plan.cu ``side_rows``)."""
+    ``write_req_capacity`` (kernels/plan_side.cuh ``side_rows``)."""
     return -(-int(write_req_capacity) // SIDE_ROWS)
 
 
 def rows_grid(write_req_capacity: int, sms: int, blocks_per_sm: int, sample: bool) -> int:
     """Blocks of the two-pass rows launch: block 0 scans the batch; a sampling planner's launch adds the side
-    blocks that build a sampled step's table meanwhile on other SMs (plan.cu ``side_rows``). No block waits for
-    another, but each side block reads every row of the batch (for the sums before its tile and the totals), so
-    their reads grow as tiles x bs: past one wave of the device (more than ``sms * blocks_per_sm - 1`` tiles) the
+    blocks that build a sampled step's table meanwhile on other SMs (kernels/plan_side.cuh ``side_rows``). No block
+    waits for another, but each side block reads every row of the batch (for the sums before its tile and the
+    totals), so their reads grow as tiles x bs: past one wave of the device (more than ``sms * blocks_per_sm - 1`` tiles) the
     launch is one block, which builds the table itself after its scan. Depends on the capacities only, never on
     data, so that a captured CUDA graph stays valid for any input."""
     tiles = side_tiles(write_req_capacity)

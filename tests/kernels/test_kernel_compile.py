@@ -180,8 +180,8 @@ def test_fused_grid_adds_one_cursor_block_to_a_sampling_planner():
 
 
 def test_rows_grid_adds_side_blocks_to_a_sampling_planner_when_they_fit():
-    """plan.cu side_rows: a sampling planner's two-pass rows launch has one side block a tile of SIDE_ROWS rows of
-    the batch capacity, up to one wave of the device (each reads every row), else one block."""
+    """plan_side.cuh side_rows: a sampling planner's two-pass rows launch has one side block a tile of SIDE_ROWS rows
+    of the batch capacity, up to one wave of the device (each reads every row), else one block."""
     from canary.contract.plan_layout import SIDE_ROWS, rows_grid, scratch_words, side_tiles
 
     assert rows_grid(4096, 132, 1, sample=False) == 1

@@ -38,7 +38,8 @@ def test_no_kernel_source_restates_a_shared_constant_or_struct(name):
     would be a second source for a value both sides must agree on."""
     src = kernels_dir().joinpath(name).read_text()
     defined = set(re.findall(r"^\s*#\s*define\s+(\w+)", src, re.M))
-    assert not defined & set(K.VALUES), f"{name} #defines {sorted(defined & set(K.VALUES))}: canary_constants.cuh has them"
+    restated = sorted(defined & set(K.VALUES))
+    assert not restated, f"{name} #defines {restated}: canary_constants.cuh has them"
     structs = set(re.findall(r"\bstruct\s+(\w+)\s*\{", src))
     generated = {s.name for s in K.STRUCTS}
     assert not structs & generated, f"{name} declares {sorted(structs & generated)}: canary_constants.cuh does"
@@ -92,7 +93,7 @@ def test_the_numba_twins_import_the_shared_constants(name):
                 if isinstance(target, ast.Name) and target.id in K.VALUES:
                     literals = [c for c in ast.walk(node.value) if isinstance(c, ast.Constant)
                                 and isinstance(c.value, int)]
-                    assert not literals, f"{name}: {target.id} restated, import it from canary.contract.kernel_constants"
+                    assert not literals, f"{name}: {target.id} restated: import it from kernel_constants"
 
 
 def test_per_backend_constants_say_so():
