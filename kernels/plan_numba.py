@@ -9,8 +9,8 @@ Same kernels, same structure, same names as plan.cu, so a reader finds each piec
   ``ROWS_THREADS`` scans all rows into the row table in the scratch; then a grid emits the entries, each warp
   pass finding its rows through ``ROW_SAMPLES`` row offsets sampled into shared memory. A sampled step's
   cursors are reset by the rows kernel (their only reader) and advanced by the entries kernel's threads.
-- The row table (plan.cu's ``RowTable``: off, base, pdelta, pbase, vlim per row) gives an entry everything it
-  needs of its row after one search: position = i + pdelta[r], req_to_token index = base[r] + i, expected
+- The row table (plan.cu's ``RowTable``, in kernels/plan_rows.cuh: off, base, pdelta, pbase, vlim per row)
+  gives an entry everything it needs of its row after one search: position = i + pdelta[r], req_to_token index = base[r] + i, expected
   token at pbase[r] + col while 0 <= col < vlim[r] (col = position + token_offset, compared raw as the
   reference does: valid_lens may be garbage such as INT64_MIN).
 - ``emit_entries``: warp passes of ``ENTRY_CHUNK`` = ITEMS * 32 consecutive entries (lane-major inside each of
@@ -21,7 +21,8 @@ Same kernels, same structure, same names as plan.cu, so a reader finds each piec
   the scratch counters, so a launch leaves the scratch as it found it (CUDA-graph replays stay correct).
   Without a LUT the row scan alone decides the status and one block writes it: no atomics.
 
-All three kernels take the same arguments: the fields of plan.cu's ``PlanParams``, in its order
+All three kernels take the same arguments: the fields of plan.cu's ``PlanParams`` (declared in
+``canary/contract/plan_layout.py``, generated into ``kernels/canary_constants.cuh``), in its order
 (``PARAMS``; one ``SIGNATURE``). Grids are sized from verify_capacity by the caller, never from data
 (``canary/contract/plan_layout.py`` ``entry_grid``: occupancy-bounded, as plan.cu's host side).
 
@@ -33,12 +34,13 @@ Deliberate differences from plan.cu (speed structure only; the outputs are the s
   addresses, broadcast reads) instead of lanes 0 and 1 plus a shuffle; and each entry re-reads its
   predecessor from ``req_to_token`` (the neighbouring word, mostly an L1 hit) and translates it, instead of
   taking the left lane's slot by shuffle.
-- ``scan_rows`` gives each thread ``ROW_BATCH`` consecutive rows per batch (plan.cu: one row per thread in
+- ``scan_rows`` gives each thread ``NUMBA_ROW_BATCH`` consecutive rows per batch (plan.cu: one row per thread in
   each of ROW_BATCH tiles). The loads of a batch are still issued together, and a batch needs one block
   scan instead of ROW_BATCH: barriers, not bandwidth, dominate a shared-memory scan here.
-- The scratch (this backend's own) has plan.cu's head words (``SCRATCH_*``) but its ``SCRATCH_READERS``,
-  then the two-pass row table, ``TABLE_ARRAYS`` arrays of ``write_req_capacity + 1`` (``scratch_words``). A
-  sampled fused step moves the cursors in the last block to finish (``finalize``), where plan.cu gives its
+- The scratch (this backend's own, ``NUMBA_SCRATCH_*``) has plan.cu's first head words but not its
+  ``SCRATCH_READERS`` / ``SCRATCH_SIDE``, then the two-pass row table, ``NUMBA_TABLE_ARRAYS`` arrays of
+  ``write_req_capacity + 1`` (``scratch_words``). A sampled fused step moves the cursors in the last block to
+  finish (``finalize``), where plan.cu gives its
   fused grid one extra block that moves them once the others have read them: the same cursors, no block more.
 - Compile-time specializations are the constants ``kernel_functions`` closes over (Numba folds them):
   ``HAS_LUT`` and ``HAS_POOL`` as in plan.cu, and the two block sizes, which size shared arrays (the
@@ -60,47 +62,35 @@ import inspect
 
 from numba import cuda, float64, int32, int64
 
-CANARY_OVERFLOW = 1
-CANARY_BAD_REQ_POOL_INDEX = 2
-CANARY_BAD_PREFIX_LEN = 4
-CANARY_BAD_SLOT = 8
-CANARY_BAD_VALID_LEN = 16
-CANARY_BAD_EXTEND_LEN = 32
-CANARY_SAMPLED = 64  # total > capacity, on_overflow="sample": capacity entries verified (SPEC 3.7)
-INT64_MIN = -(1 << 63)
-# Seed of a padding row whose tokens sit among the step's tokens (padding_rows_carry_tokens): the canary write
-# skips its entries (canary/contract/plans.py SKIP_SEED). INT64_MIN: no int32 req_to_token value can produce it.
-CANARY_SKIP_SEED = -(1 << 63)
-# Verify slot of an entry of an active row whose slot is the padding slot (a req_to_token 0, or a real slot whose
-# SWA page was freed inside the window), which verify must report, not skip as padding (canary/contract/plans.py
-# MISSING_SLOT). -2^62: no int32 req_to_token value.
-CANARY_MISSING_SLOT = -(1 << 62)
-# The per-row lengths cannot be trusted: no verify entry is written.
-CANARY_NO_ENTRIES = CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_VALID_LEN | CANARY_BAD_EXTEND_LEN
+# Status bits, sentinels and block sizes: the ones plan.cu has (kernels/canary_constants.cuh is generated from the
+# same source), not restated here.
+from canary.contract.kernel_constants import (
+    CANARY_BAD_EXTEND_LEN, CANARY_BAD_PREFIX_LEN, CANARY_BAD_REQ_POOL_INDEX, CANARY_BAD_SLOT, CANARY_BAD_VALID_LEN,
+    CANARY_MISSING_SLOT, CANARY_NO_ENTRIES, CANARY_OVERFLOW, CANARY_SAMPLED, CANARY_SKIP_SEED, ENTRY_CHUNK,
+    ENTRY_MIN_BLOCKS, ENTRY_THREADS, FUSED_MAX_BS, ITEMS, ROW_SAMPLES, ROWS_THREADS,
+)
 
-ROWS_THREADS = 1024  # canary_plan_rows: one block owns every row
-ENTRY_THREADS = 256  # canary_plan_fused and canary_plan_entries
-FUSED_MAX_BS = 512  # the fused kernel keeps its row table in shared memory
-ITEMS = 4  # verify entries per thread per pass: independent loads in flight
-ENTRY_CHUNK = ITEMS * 32  # entries of one warp pass
-ROW_SAMPLES = 512  # two-pass: row offsets sampled into shared memory to shorten the row search
-ROW_BATCH = 4  # rows per thread whose loads a scan issues together
-ENTRY_MIN_BLOCKS = 4  # resident blocks per SM the register budget must allow (launch bounds)
+INT64_MIN = -(1 << 63)  # a sampled row's cursor reset (SPEC 3.7), as plan.cu's reset_cursors
 
+# This backend's own speed structure and scratch (deliberately not plan.cu's: the outputs are the same bytes):
+# NUMBA_ROW_BATCH consecutive rows a thread per scan batch (plan.cu: ROW_BATCH tiles of one row a thread), and a
+# scratch without plan.cu's SCRATCH_READERS / SCRATCH_SIDE words and side-built table, as this twin has neither a
+# cursor block nor side blocks. Sized and read by this file only (scratch_words).
+NUMBA_ROW_BATCH = 4  # rows per thread whose loads a scan issues together
 # Scratch words (int64, owned by the planner, zeroed once at bind, re-armed by every launch).
-SCRATCH_DONE = 0  # blocks finished (the last one finalizes; LUT only)
-SCRATCH_BAD_SLOT = 1  # BAD_SLOT bits from entries and seeds (LUT only)
-SCRATCH_ROW_FLAGS = 2  # two-pass only: row checks of the rows kernel
-SCRATCH_TOTAL = 3  # two-pass only: verify entries in all
-SCRATCH_TABLE = 4  # two-pass only: the row table, TABLE_ARRAYS arrays of write_req_capacity + 1
-TABLE_ARRAYS = 8  # off, base, pdelta, pbase, vlim, lo, len, rank
+NUMBA_SCRATCH_DONE = 0  # blocks finished (the last one finalizes; LUT only)
+NUMBA_SCRATCH_BAD_SLOT = 1  # BAD_SLOT bits from entries and seeds (LUT only)
+NUMBA_SCRATCH_ROW_FLAGS = 2  # two-pass only: row checks of the rows kernel
+NUMBA_SCRATCH_TOTAL = 3  # two-pass only: verify entries in all
+NUMBA_SCRATCH_TABLE = 4  # two-pass only: the row table, NUMBA_TABLE_ARRAYS arrays of write_req_capacity + 1
+NUMBA_TABLE_ARRAYS = 8  # off, base, pdelta, pbase, vlim, lo, len, rank
 _FUSED_STRIDE = FUSED_MAX_BS + 1  # a shared array's shape must be a plain constant for Numba
 _SAMPLES_LEN = ROW_SAMPLES + 1
 
 
 def scratch_words(write_req_capacity: int) -> int:
     """int64 words of planner scratch: the head words, then the two-pass row table (as plan.cu's host)."""
-    return SCRATCH_TABLE + TABLE_ARRAYS * (int(write_req_capacity) + 1)
+    return NUMBA_SCRATCH_TABLE + NUMBA_TABLE_ARRAYS * (int(write_req_capacity) + 1)
 
 
 # plan.cu's PlanParams, field by field: the arguments of every kernel here, and their Numba types
@@ -165,7 +155,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
     HAS_POOL = bool(has_pool)  # noqa: N806
     ROWS_T = _power_of_two("rows_threads", rows_threads)  # noqa: N806
     ENTRY_T = _power_of_two("entry_threads", entry_threads, 32)  # noqa: N806
-    FUSED_TABLE = TABLE_ARRAYS * _FUSED_STRIDE  # noqa: N806
+    FUSED_TABLE = NUMBA_TABLE_ARRAYS * _FUSED_STRIDE  # noqa: N806
 
     @cuda.jit(device=True)
     def translate(raw, lut, lut_len):
@@ -262,7 +252,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                       r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window,
                       padding_rows_carry_tokens, write_req_capacity, write_offsets, seeds, write_num_valid_reqs,
                       tab, t0, tn, write_side, pool_rows, pool_indices, cursors, sample):
-            """Scan all rows with THREADS threads, ROW_BATCH consecutive rows per thread per batch, carrying
+            """Scan all rows with THREADS threads, NUMBA_ROW_BATCH consecutive rows per thread per batch, carrying
             the running sums across batches; a batch's loads (then its seeds) are issued together.
 
             Fills the row table ``tab[t0 + k * tn + r]`` (shared or global memory) and, when ``write_side``,
@@ -272,14 +262,14 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             """
             s_flags = cuda.shared.array(1, int32)
             tid = int64(cuda.threadIdx.x)
-            rp = cuda.local.array(ROW_BATCH, int64)
-            e = cuda.local.array(ROW_BATCH, int64)
-            ln = cuda.local.array(ROW_BATCH, int64)
-            vl = cuda.local.array(ROW_BATCH, int64)
-            vc = cuda.local.array(ROW_BATCH, int64)
-            wl = cuda.local.array(ROW_BATCH, int64)
-            seed = cuda.local.array(ROW_BATCH, int64)
-            q = cuda.local.array(ROW_BATCH, int64)
+            rp = cuda.local.array(NUMBA_ROW_BATCH, int64)
+            e = cuda.local.array(NUMBA_ROW_BATCH, int64)
+            ln = cuda.local.array(NUMBA_ROW_BATCH, int64)
+            vl = cuda.local.array(NUMBA_ROW_BATCH, int64)
+            vc = cuda.local.array(NUMBA_ROW_BATCH, int64)
+            wl = cuda.local.array(NUMBA_ROW_BATCH, int64)
+            seed = cuda.local.array(NUMBA_ROW_BATCH, int64)
+            q = cuda.local.array(NUMBA_ROW_BATCH, int64)
             vcarry = int64(0)
             wcarry = int64(0)
             ncarry = int64(0)
@@ -287,8 +277,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             bad = int64(0)
             group = int64(0)
             while group < bs:  # uniform: the scans have barriers
-                r0 = group + tid * ROW_BATCH
-                for k in range(ROW_BATCH):
+                r0 = group + tid * NUMBA_ROW_BATCH
+                for k in range(NUMBA_ROW_BATCH):
                     r = r0 + k
                     rp[k] = 0
                     e[k] = 0
@@ -300,14 +290,14 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                         e[k] = extend_seq_lens[r]
                         ln[k] = prefix_lens[r]
                 if HAS_POOL:  # valid_lens only for active rows: after rp is known
-                    for k in range(ROW_BATCH):
+                    for k in range(NUMBA_ROW_BATCH):
                         if r0 + k < bs and rp[k] != 0:
                             vl[k] = valid_lens[r0 + k]
                             q[k] = pool_indices[r0 + k]
                 vsum = int64(0)
                 wsum = int64(0)
                 nsum = int64(0)
-                for k in range(ROW_BATCH):
+                for k in range(NUMBA_ROW_BATCH):
                     v, w, f = row_facts(rp[k], e[k], ln[k], vl[k], rp_bound, max_seq_len, pool_cols, window,
                                         padding_rows_carry_tokens, q[k], pool_rows)
                     vc[k] = v
@@ -326,7 +316,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                 voff += vcarry
                 woff += wcarry
                 noff += ncarry
-                for k in range(ROW_BATCH):
+                for k in range(NUMBA_ROW_BATCH):
                     r = r0 + k
                     if r < bs:
                         tab[t0 + r] = voff
@@ -351,7 +341,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                 vcarry += vtot
                 wcarry += wtot
                 ncarry += ntot
-                group += THREADS * ROW_BATCH
+                group += THREADS * NUMBA_ROW_BATCH
             if tid == 0:
                 tab[t0 + bs] = vcarry
             if write_side:
@@ -586,15 +576,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         any_bad = cuda.syncthreads_or(int32(bad_slot))  # also: every thread of the block has finished its stores
         if cuda.threadIdx.x == 0:
             if any_bad != 0:
-                cuda.atomic.or_(scratch, SCRATCH_BAD_SLOT, int64(CANARY_BAD_SLOT))
+                cuda.atomic.or_(scratch, NUMBA_SCRATCH_BAD_SLOT, int64(CANARY_BAD_SLOT))
             cuda.threadfence()
             s_last[0] = 0
-            if cuda.atomic.add(scratch, SCRATCH_DONE, int64(1)) == int64(cuda.gridDim.x) - 1:
+            if cuda.atomic.add(scratch, NUMBA_SCRATCH_DONE, int64(1)) == int64(cuda.gridDim.x) - 1:
                 s_last[0] = 1
                 cuda.threadfence()
-                st = row_flags | cuda.atomic.exch(scratch, SCRATCH_BAD_SLOT, int64(0))
+                st = row_flags | cuda.atomic.exch(scratch, NUMBA_SCRATCH_BAD_SLOT, int64(0))
                 write_status(status, enable, num_valid, verify_capacity, sample, st, total)
-                scratch[SCRATCH_DONE] = 0
+                scratch[NUMBA_SCRATCH_DONE] = 0
         cuda.syncthreads()
         if move_cursors and s_last[0] != 0:
             update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests)
@@ -642,15 +632,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         total, row_flags, seed_bad, requests = scan_rows_rows(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
             rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
-            write_req_capacity, write_offsets, seeds, write_num_valid_reqs, scratch, SCRATCH_TABLE, tn, True,
+            write_req_capacity, write_offsets, seeds, write_num_valid_reqs, scratch, NUMBA_SCRATCH_TABLE, tn, True,
             pool_rows, expected_token_pool_indices, cursors, sample)
         row_flags |= CANARY_BAD_SLOT if seed_bad != 0 else 0
         if sampling(sample, verify_capacity, row_flags, total):
-            sample_rows(req_pool_indices, bs, cursors, verify_capacity, scratch, SCRATCH_TABLE, tn, total, requests)
-            reset_cursors(req_pool_indices, bs, cursors, verify_capacity, scratch, SCRATCH_TABLE, tn, requests)
+            sample_rows(req_pool_indices, bs, cursors, verify_capacity, scratch, NUMBA_SCRATCH_TABLE, tn, total, requests)
+            reset_cursors(req_pool_indices, bs, cursors, verify_capacity, scratch, NUMBA_SCRATCH_TABLE, tn, requests)
         if cuda.threadIdx.x == 0:
-            scratch[SCRATCH_ROW_FLAGS] = row_flags
-            scratch[SCRATCH_TOTAL] = total
+            scratch[NUMBA_SCRATCH_ROW_FLAGS] = row_flags
+            scratch[NUMBA_SCRATCH_TOTAL] = total
             if not HAS_LUT:
                 write_status(status, enable, num_valid, verify_capacity, sample, row_flags, total)
 
@@ -662,15 +652,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                             expected_token_pool_indices):
         """After canary_plan_rows; any grid of ENTRY_THREADS-thread blocks."""
         s_samples = cuda.shared.array(_SAMPLES_LEN, int64)
-        row_flags = scratch[SCRATCH_ROW_FLAGS]
-        total = scratch[SCRATCH_TOTAL]
+        row_flags = scratch[NUMBA_SCRATCH_ROW_FLAGS]
+        total = scratch[NUMBA_SCRATCH_TOTAL]
         sampled = sampling(sample, verify_capacity, row_flags, total)
         emitted = verify_capacity if sampled else total
         step = max((bs + ROW_SAMPLES - 1) // ROW_SAMPLES, int64(1))
         count = (bs + step - 1) // step
         j = int64(cuda.threadIdx.x)
         while j < count:
-            s_samples[j] = scratch[SCRATCH_TABLE + j * step]
+            s_samples[j] = scratch[NUMBA_SCRATCH_TABLE + j * step]
             j += cuda.blockDim.x
         if cuda.threadIdx.x == 0:
             s_samples[count] = emitted
@@ -678,16 +668,16 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         bad = int64(0)
         if (total <= verify_capacity or sampled) and (row_flags & CANARY_NO_ENTRIES) == 0:
             bad = emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
-                               prevs, scratch, SCRATCH_TABLE, write_req_capacity + 1, s_samples, step, count,
+                               prevs, scratch, NUMBA_SCRATCH_TABLE, write_req_capacity + 1, s_samples, step, count,
                                emitted, sampled)
         if sampled:  # the cursors' second half (canary_plan_rows reset them), a row a thread over the grid
             r = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
             while r < bs:
-                advance_cursor(req_pool_indices, cursors, scratch, SCRATCH_TABLE, write_req_capacity + 1, r)
+                advance_cursor(req_pool_indices, cursors, scratch, NUMBA_SCRATCH_TABLE, write_req_capacity + 1, r)
                 r += int64(cuda.gridDim.x) * cuda.blockDim.x
         if HAS_LUT:
             finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad,
-                     req_pool_indices, bs, cursors, scratch, SCRATCH_TABLE, write_req_capacity + 1, int64(0), False)
+                     req_pool_indices, bs, cursors, scratch, NUMBA_SCRATCH_TABLE, write_req_capacity + 1, int64(0), False)
 
     sfx = suffix(HAS_LUT, HAS_POOL)
     kernels = (canary_plan_fused, canary_plan_rows, canary_plan_entries)

@@ -9,110 +9,11 @@
 //
 // Values are hashed and compared as unsigned 64-bit bit patterns (wraparound is defined for u64, not i64).
 
-typedef long long i64;
-typedef unsigned long long u64;
+// The constants, sentinels and parameter structs come from canary_constants.cuh (generated from
+// canary/contract/records_layout.py, layers_layout.py, ring.py, hashes.py and plans.py).
+#include "canary_constants.cuh"
 
-#define MAX_SOURCES 4
-#define WRITE_THREADS 256    // entries per tile of a write segment: one block-wide scan per tile
 #define WRITE_WARPS (WRITE_THREADS / 32)
-#define WRITE_MAX_SEGMENTS 32  // a request's entries split into at most this many segments, one block each
-#define VERIFY_THREADS 256
-#define SCATTER_THREADS 128
-
-#define FAIL_CHAIN 1
-#define FAIL_POSITION 2
-#define FAIL_REAL_KV 4
-#define FAIL_WRITE_TOKEN 8
-#define FAIL_WRITE_POSITION 16
-#define FAIL_VERIFY_TOKEN 32
-#define FAIL_SLOT_RANGE 64
-#define FAIL_MISSING 128
-
-#define CHECK_WRITE_POSITION_CHAIN 1
-#define CHECK_VERIFY_TOKEN 2
-
-// The affine chain (SPEC 4): a chain value is CHAIN_TAG | h, h in [0, FIELD_P); link(record) =
-// CHAIN_TAG | (CHAIN_MUL * h + g(token, position)) mod FIELD_P with h the field value of the record's prev_hash,
-// or NOT_A_LINK when that prev_hash is no chain value (a never-written record's, among others).
-#define FIELD_P 0x1FFFFFFFFFFFFFFFULL     // 2^61 - 1, a Mersenne prime
-#define CHAIN_TAG 0x4000000000000000ULL
-#define CHAIN_MUL 0x1E5F3A9C7B2D4861ULL   // A
-#define G_KEY 0xDE7FAE23A9A1B716ULL       // splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890): g's first step
-#define ANCHOR_LINK 0x5E7FAE23A9A1B71CULL // CHAIN_TAG | (G_KEY mod FIELD_P): link(-1)
-#define NOT_A_LINK 0ULL
-// A request whose seed is INT64_MIN writes nothing: a padding row whose tokens sit among the step's tokens
-// (planner bound with padding_rows_carry_tokens; canary/contract/plans.py SKIP_SEED). Its slots may be stale.
-#define SKIP_SEED (-0x7fffffffffffffffLL - 1)
-// A verify slot of -2^62 is a position the window needs whose SWA mapping was cleared (canary/contract/plans.py
-// MISSING_SLOT): reported FAIL_MISSING, nothing read.
-#define MISSING_SLOT (-0x4000000000000000LL)
-
-// Where violations and health go; shared by write and verify. Fixed at bind except `tag`.
-struct StateParams {
-    unsigned char* canary;           // canary_buffer: slot s at s * slot_stride (int64 token, position, prev_hash, real_kv_hash)
-    i64 num_slots;
-    i64 slot_stride;                 // bytes, a multiple of 8
-    i64* ring;                       // [ring_capacity, >= 8] int64
-    i64 ring_row_stride;             // elements
-    i64 ring_capacity;
-    unsigned int* ring_write_index;  // the int32 word, counted as uint32
-    unsigned long long* slot_run_counter;
-    unsigned long long* kernel_run_counter;
-    const int* check_flags;
-    i64 tag;                         // (launch_tag << 8) | kernel
-};
-
-// Real-KV sources; num_sources = 0 for mode NONE. Coverage (rows * page_size >= num_slots) is checked on the
-// host, so only slots in [0, num_slots) are ever folded and no row count is needed here.
-struct RealKVParams {
-    i64 num_sources;
-    const unsigned char* base[MAX_SOURCES];   // 16-byte aligned
-    i64 row_stride_bytes[MAX_SOURCES];        // multiple of 16
-    i64 page_size[MAX_SOURCES];
-    i64 num_bytes_per_token[MAX_SOURCES];     // multiple of 16
-    i64 read_words[MAX_SOURCES];              // PARTIAL: 2; ALL: read_bytes / 8 (even)
-};
-
-struct WriteParams {
-    StateParams st;
-    RealKVParams kv;
-    const i64* write_offsets;        // [R + 1]
-    const i64* write_seed_slot_indices;
-    const int* write_num_valid_reqs;
-    i64 write_req_capacity;          // R
-    const i64* out_cache_loc;        // [N]
-    const i64* input_ids;
-    const i64* positions;
-    i64 num_entries;                 // N
-    const i64* expected_input_ids;   // null: not given
-    const i64* expected_positions;   // null: not given
-};
-
-struct VerifyParams {
-    StateParams st;
-    RealKVParams kv;
-    const i64* verify_slot_indices;  // [C]
-    const i64* verify_expected_tokens;
-    const i64* verify_expected_positions;
-    const i64* verify_prev_slot_indices;
-    i64 verify_capacity;             // C
-    const int* verify_num_valid;
-    const int* enable;
-};
-
-struct ScatterParams {
-    int* pool;                       // req_to_verify_expected_tokens
-    i64 pool_rows;
-    i64 pool_cols;
-    i64 pool_row_stride;             // elements
-    const i64* req_pool_indices;     // [bs]
-    i64 bs;
-    const void* tokens;              // [N] int64 or int32 (the kernel's suffix says which)
-    i64 num_tokens;
-    const i64* token_offsets;        // [>= bs + 1]
-    const i64* column_starts;        // [bs]
-    i64 column_offset;
-};
 
 __device__ __forceinline__ u64 splitmix64(u64 x) {
     x ^= x >> 30;
@@ -374,7 +275,7 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& s
 
 // Work items w = r * WRITE_MAX_SEGMENTS + k (segment k of request r), over a grid of any size: block b takes
 // the items w = b (mod gridDim.x), WRITE_THREADS candidates at a time; the non-empty ones (a request not
-// seeded SKIP_SEED, k below its segment count) are queued in shared memory and run one after the other. Items
+// seeded CANARY_SKIP_SEED, k below its segment count) are queued in shared memory and run one after the other. Items
 // are independent: a long request spreads over up to WRITE_MAX_SEGMENTS blocks (SMs), and its real-KV folds
 // with it. Segment k recomputes the chain of segments < k instead of waiting for them: no scratch memory, no
 // inter-block wait, at most WRITE_MAX_SEGMENTS / 2 extra reads of a request's inputs on average.
@@ -385,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
     __shared__ unsigned long long s_processed;
     const StateParams& st = p.st;
     const int tid = threadIdx.x;
-    if (blockIdx.x == 0 && tid == 0) atomicAdd(&st.kernel_run_counter[0], 1ULL);
+    if (blockIdx.x == 0 && tid == 0) atomicAdd(&st.kernel_run_counter[COUNTER_WRITE], 1ULL);
     if (tid == 0) s_processed = 0;
     const i64 nreq = clamp64((i64)*p.write_num_valid_reqs, 0, p.write_req_capacity);
     const i64 n = p.num_entries;
@@ -400,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
             // Segment-major (w = k * nreq + r): every request's first segment comes first, so decode's one-segment
             // requests spread over the blocks (request-major put 32 of them on each 32nd block, serially: run 46).
             const i64 r = w % nreq, k = w / nreq;
-            if (p.write_seed_slot_indices[r] != SKIP_SEED) {  // a padding row's tokens: nothing of them is looked at
+            if (p.write_seed_slot_indices[r] != CANARY_SKIP_SEED) {  // a padding row's tokens: nothing of them is looked at
                 const i64 len = clamp64(p.write_offsets[r + 1], 0, n) - clamp64(p.write_offsets[r], 0, n);
                 if (len > 0 && k * segment_len(len) < len) s_items[atomicAdd(&s_nitems, 1)] = w;
             }
@@ -413,14 +314,14 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
         }
         __syncthreads();  // s_items and s_nitems are rewritten next round
     }
-    add_block_count(&s_processed, processed, &st.slot_run_counter[0]);
+    add_block_count(&s_processed, processed, &st.slot_run_counter[COUNTER_WRITE]);
 }
 
 // One thread per entry (grid-stride over [0, verify_capacity)); processed entries are summed per block.
 extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const VerifyParams p) {
     __shared__ unsigned long long s_processed;
     const StateParams& st = p.st;
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&st.kernel_run_counter[1], 1ULL);
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&st.kernel_run_counter[COUNTER_VERIFY], 1ULL);
     if (*p.enable == 0) return;  // the same word for every thread: the whole grid leaves together
     if (threadIdx.x == 0) s_processed = 0;
     __syncthreads();
@@ -435,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const
         const u64 et = (u64)p.verify_expected_tokens[i];
         if (slot < 0 || slot >= st.num_slots) {
             // A MISSING row's expected_aux is the entry's predecessor slot: nothing is read, and it names the request
-            if (slot == MISSING_SLOT) append_row(st, (u64)slot, ep, 0, et, 0, (u64)p.verify_prev_slot_indices[i], FAIL_MISSING);
+            if (slot == CANARY_MISSING_SLOT) append_row(st, (u64)slot, ep, 0, et, 0, (u64)p.verify_prev_slot_indices[i], FAIL_MISSING);
             else append_row(st, (u64)slot, ep, 0, et, 0, 0, FAIL_SLOT_RANGE);
             continue;
         }
@@ -459,7 +360,7 @@ extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const
         if (p.kv.num_sources > 0 && kvh != fold_slot(p.kv, slot)) bits |= FAIL_REAL_KV;
         if (bits) append_row(st, (u64)slot, ep, tok, et, hash, expected, bits);
     }
-    add_block_count(&s_processed, processed, &st.slot_run_counter[1]);
+    add_block_count(&s_processed, processed, &st.slot_run_counter[COUNTER_VERIFY]);
 }
 
 // One block per batch row; threads stride over the row's tokens. Columns outside the pool are skipped.
@@ -495,17 +396,7 @@ extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) canary_scatter_i32
 // idempotent (it advances valid): the manager launches it once per accept. One thread a row; a row outside the
 // pool or a full row is skipped and keeps its length (the manager refuses both on the host first). CuPy backend
 // only, like report.cu: a Numba manager copies device tokens to the host instead. Reference: docs/records.md 7.
-struct AppendParams {
-    int* pool;
-    i64 pool_rows;
-    i64 pool_cols;
-    i64 pool_row_stride;   // elements
-    const i64* q;          // [n] pool rows
-    i64* valid;            // [n] tokens each row holds, advanced here
-    const void* tokens;    // [n] int64 or int32 (the kernel's suffix says which)
-    i64 n;
-};
-
+// AppendParams: canary_constants.cuh.
 template <typename Token>
 __device__ void append_tokens(const AppendParams& p) {
     const i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -529,30 +420,7 @@ extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) canary_append_toke
 // canary/backends/reference/layers.py). A side table layer_hashes[num_slots, num_layers] holds every layer's
 // real-KV fold of each slot (fold_slot above, unchanged, over that layer's sources); write_layers refreshes the
 // table for the step's written slots and advances the device cursor, verify_layer checks one layer a step.
-#define LAYER_THREADS 256
-#define LAYER_KIND_SHIFT 8  // a VERIFY_LAYER row's tag: the layer sits just above the kernel-kind byte
-
-struct LayerParams {
-    StateParams st;
-    RealKVParams kv;                 // the layout shared by every layer; its base[] is replaced per layer
-    const i64* layer_bases;          // [num_layers * num_sources]: source k of layer l at l * num_sources + k
-    i64 num_layers;
-    i64 dwell;                       // steps a layer stays under the cursor (>= 1)
-    i64* layer_hashes;               // [num_slots, num_layers] int64, C-contiguous
-    int* layer_cursor;               // [2]: the layer verify_layer checks, the steps already spent on it
-    const i64* write_offsets;        // write_layers: the step's write plan and out_cache_loc
-    const i64* write_seed_slot_indices;
-    const int* write_num_valid_reqs;
-    i64 write_req_capacity;
-    const i64* out_cache_loc;
-    i64 num_entries;
-    const i64* verify_slot_indices;  // verify_layer: the step's verify plan
-    const i64* verify_expected_tokens;
-    const i64* verify_expected_positions;
-    i64 verify_capacity;
-    const int* verify_num_valid;
-    const int* enable;
-};
+// LAYER_THREADS, LAYER_KIND_SHIFT and LayerParams: canary_constants.cuh.
 
 // A corrupt cursor (outside [0, num_layers)) reads as layer 0, in both kernels and the reference.
 __device__ __forceinline__ i64 cursor_layer(const LayerParams& p) {
@@ -581,7 +449,7 @@ __device__ __forceinline__ i64 owner_of(const LayerParams& p, i64 nreq, i64 i) {
 }
 
 // Grid-stride over (entry, layer) pairs of the step's new tokens: every layer of every slot the write kernel
-// stores (same request ranges, SKIP_SEED and slot rules) is folded into the table. Two entries naming one slot
+// stores (same request ranges, CANARY_SKIP_SEED and slot rules) is folded into the table. Two entries naming one slot
 // store the same hashes. Thread 0 advances the cursor: this launch follows the step's verify_layer on the
 // stream and reads no cursor itself, so no read of this step can see the new value.
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS) canary_write_layers(const LayerParams p) {
@@ -601,7 +469,7 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) canary_write_layers(
     for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < total; j += (i64)gridDim.x * blockDim.x) {
         const i64 i = j / p.num_layers, layer = j % p.num_layers;
         const i64 r = owner_of(p, nreq, i);
-        if (r < 0 || i >= clamp64(p.write_offsets[r + 1], 0, n) || p.write_seed_slot_indices[r] == SKIP_SEED) continue;
+        if (r < 0 || i >= clamp64(p.write_offsets[r + 1], 0, n) || p.write_seed_slot_indices[r] == CANARY_SKIP_SEED) continue;
         const i64 slot = p.out_cache_loc[i];
         if (slot < 0 || slot >= p.st.num_slots) continue;
         p.layer_hashes[slot * p.num_layers + layer] = (i64)fold_layer(p, layer, slot);
@@ -614,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) canary_write_layers(
 extern "C" __global__ void __launch_bounds__(LAYER_THREADS) canary_verify_layer(const LayerParams p) {
     __shared__ unsigned long long s_processed;
     const StateParams& st = p.st;
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&st.kernel_run_counter[1], 1ULL);
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(&st.kernel_run_counter[COUNTER_VERIFY], 1ULL);
     if (*p.enable == 0) return;
     if (threadIdx.x == 0) s_processed = 0;
     __syncthreads();
@@ -635,5 +503,5 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) canary_verify_layer(
                        (u64)p.verify_expected_tokens[i], stored, fresh, FAIL_REAL_KV);
         }
     }
-    add_block_count(&s_processed, processed, &st.slot_run_counter[1]);
+    add_block_count(&s_processed, processed, &st.slot_run_counter[COUNTER_VERIFY]);
 }

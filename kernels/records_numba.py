@@ -33,39 +33,32 @@ import inspect
 import numpy as np
 from numba import cuda, int32, int64, uint32, uint64
 
-MAX_SOURCES = 4
-WRITE_THREADS = 256
-WRITE_MAX_SEGMENTS = 32
-VERIFY_THREADS = 256
-SCATTER_THREADS = 128
+# Block sizes, fail reasons, check flags, counters and sentinels: the ones records.cu has
+# (kernels/canary_constants.cuh is generated from the same source), not restated here.
+from canary.contract import kernel_constants as _K
+from canary.contract.kernel_constants import (
+    CHECK_VERIFY_TOKEN, CHECK_WRITE_POSITION_CHAIN, COUNTER_VERIFY, COUNTER_WRITE, FAIL_CHAIN, FAIL_MISSING,
+    FAIL_POSITION, FAIL_REAL_KV, FAIL_SLOT_RANGE, FAIL_VERIFY_TOKEN, FAIL_WRITE_POSITION, FAIL_WRITE_TOKEN,
+    LAYER_KIND_SHIFT, LAYER_THREADS, MAX_SOURCES, SCATTER_THREADS, VERIFY_THREADS, WRITE_MAX_SEGMENTS, WRITE_THREADS,
+)
 
-FAIL_CHAIN = 1
-FAIL_POSITION = 2
-FAIL_REAL_KV = 4
-FAIL_WRITE_TOKEN = 8
-FAIL_WRITE_POSITION = 16
-FAIL_VERIFY_TOKEN = 32
-FAIL_SLOT_RANGE = 64
-FAIL_MISSING = 128
-
-CHECK_WRITE_POSITION_CHAIN = 1
-CHECK_VERIFY_TOKEN = 2
-
-# A request whose seed is INT64_MIN writes nothing: a padding row whose tokens sit among the step's tokens
-# (planner bound with padding_rows_carry_tokens; canary/contract/plans.py SKIP_SEED). Its slots may be stale.
-SKIP_SEED = np.int64(-(1 << 63))
-# A verify slot of -2^62 is a position the window needs whose SWA mapping was cleared (canary/contract/plans.py
-# MISSING_SLOT): reported FAIL_MISSING, nothing read.
-MISSING_SLOT = -(1 << 62)
+# A request whose seed is CANARY_SKIP_SEED (INT64_MIN) writes nothing: a padding row whose tokens sit among the
+# step's tokens (canary/contract/plans.py SKIP_SEED). Its slots may be stale. An int64, so that the comparison
+# with the seeds is int64.
+SKIP_SEED = np.int64(_K.CANARY_SKIP_SEED)
+# A verify slot of CANARY_MISSING_SLOT (-2^62) is a position the window needs whose SWA mapping was cleared
+# (canary/contract/plans.py MISSING_SLOT): reported FAIL_MISSING, nothing read.
+MISSING_SLOT = _K.CANARY_MISSING_SLOT
 
 # u64 constants: a Python int literal would make Numba mix int64 into u64 arithmetic (float64 promotion).
-# The affine chain (SPEC 4): chain values CHAIN_TAG | h, h in [0, FIELD_P), link = CHAIN_TAG | (A h + g) mod P.
-FIELD_P = np.uint64(0x1FFFFFFFFFFFFFFF)  # 2^61 - 1
-CHAIN_TAG = np.uint64(0x4000000000000000)
-CHAIN_MUL = np.uint64(0x1E5F3A9C7B2D4861)  # A
-G_KEY = np.uint64(0xDE7FAE23A9A1B716)  # splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890)
-ANCHOR_LINK = np.uint64(0x5E7FAE23A9A1B71C)  # CHAIN_TAG | (G_KEY mod FIELD_P): link(-1)
-NOT_A_LINK = np.uint64(0)
+# The affine chain (SPEC 4, canary/contract/hashes.py): chain values CHAIN_TAG | h, h in [0, FIELD_P),
+# link = CHAIN_TAG | (A h + g) mod P.
+FIELD_P = np.uint64(_K.FIELD_P)  # 2^61 - 1
+CHAIN_TAG = np.uint64(_K.CHAIN_TAG)
+CHAIN_MUL = np.uint64(_K.CHAIN_MUL)  # A
+G_KEY = np.uint64(_K.G_KEY)  # splitmix64(CHAIN_ANCHOR)
+ANCHOR_LINK = np.uint64(_K.ANCHOR_LINK)  # CHAIN_TAG | (G_KEY mod FIELD_P): link(-1)
+NOT_A_LINK = np.uint64(_K.NOT_A_LINK)
 ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)  # -1 as u64: "no expectation" / "no predecessor"
 U0 = np.uint64(0)
 U1 = np.uint64(1)
@@ -346,7 +339,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
         s_slot = cuda.shared.array(WT, int64)
         tid = cuda.threadIdx.x
         if cuda.blockIdx.x == 0 and tid == 0:
-            cuda.atomic.add(kernel_run_counter, 0, U1)
+            cuda.atomic.add(kernel_run_counter, COUNTER_WRITE, U1)
         nreq = clamp64(int64(write_num_valid_reqs[0]), int64(0), write_req_capacity)
         n = num_entries
         items = nreq * K
@@ -482,7 +475,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                     base += WT
             cuda.syncthreads()  # s_items and s_nitems are rewritten next round
             c += WT
-        write_block_count(processed, slot_run_counter, 0)
+        write_block_count(processed, slot_run_counter, COUNTER_WRITE)
 
     def canary_verify(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity, ring_write_index,
                       slot_run_counter, kernel_run_counter, check_flags, tag, kv0, kv1, kv2, kv3, kvp, num_sources,
@@ -490,7 +483,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                       verify_prev_slot_indices, verify_capacity, verify_num_valid, enable):
         """Any grid: one thread per entry, grid-stride (records.cu's canary_verify)."""
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            cuda.atomic.add(kernel_run_counter, 1, U1)
+            cuda.atomic.add(kernel_run_counter, COUNTER_VERIFY, U1)
         if enable[0] == 0:
             return
         n = clamp64(int64(verify_num_valid[0]), int64(0), verify_capacity)
@@ -541,7 +534,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                         append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), ep,
                                    tok, et, stored_hash, expected, uint64(bits))
             i += stride
-        verify_block_count(processed, slot_run_counter, 1)
+        verify_block_count(processed, slot_run_counter, COUNTER_VERIFY)
 
     def canary_scatter(pool, pool_rows, pool_cols, pool_row_stride, req_pool_indices, bs, tokens, num_tokens,
                        token_offsets, column_starts, column_offset):
@@ -584,8 +577,6 @@ def canary_kernels(write_threads: int = WRITE_THREADS, verify_threads: int = VER
 # Deliberate difference: records.cu reads a device table of per-layer base pointers; Numba has no raw pointers,
 # so the layers' word arrays arrive as one tuple ``layer_words`` (source k of layer l at ``l * num_sources + k``),
 # a kernel argument whose length is part of the compiled signature (compiled once per tuple length).
-LAYER_THREADS = 256
-LAYER_KIND_SHIFT = 8
 _AU64_TUPLE = "UniTuple(uint64[::1], {})"
 LAYER_PARAMS = STATE_PARAMS + (
     ("kvp", _AI64), ("num_sources", _I64), ("layer_words", _AU64_TUPLE), ("num_layers", _I64), ("dwell", _I64),
@@ -674,7 +665,7 @@ def layer_kernel_functions(threads: int = LAYER_THREADS):
                             verify_capacity, verify_num_valid, enable):
         """Any grid: one thread per verify entry, grid-stride (records.cu's canary_verify_layer)."""
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            cuda.atomic.add(kernel_run_counter, 1, U1)
+            cuda.atomic.add(kernel_run_counter, COUNTER_VERIFY, U1)
         if enable[0] == 0:
             return
         n = clamp64(int64(verify_num_valid[0]), int64(0), verify_capacity)
@@ -695,7 +686,7 @@ def layer_kernel_functions(threads: int = LAYER_THREADS):
                                    uint64(verify_expected_positions[i]), canary[slot * slot_stride_words],
                                    uint64(verify_expected_tokens[i]), stored, fresh, uint64(FAIL_REAL_KV))
             i += stride
-        add_block_count(processed, slot_run_counter, 1)
+        add_block_count(processed, slot_run_counter, COUNTER_VERIFY)
 
     return canary_write_layers, canary_verify_layer
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 from importlib import resources
 from pathlib import Path
@@ -25,9 +26,33 @@ def kernels_dir():
     return local if local is not None else resources.files("canary.kernels")
 
 
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([\w./-]+)"[ \t]*(//.*)?$', re.M)
+
+
 def cuda_source(name: str) -> str:
-    """The CUDA C source ``kernels/<name>.cu`` (``"plan"`` or ``"records"``)."""
-    return kernels_dir().joinpath(f"{name}.cu").read_text()
+    """The CUDA C source ``kernels/<name>.cu`` (``"plan"``, ``"records"`` or ``"report"``), with each
+    ``#include "<header>"`` of a ``kernels/`` header replaced by the header's text (recursively, each header once).
+
+    CuPy's ``RawModule`` and cuda.core's ``Program`` compile one source string, and NVRTC has no include path to
+    ``kernels/`` of an installed package, so the headers are inlined here; ``#line`` directives keep the compiler's
+    messages pointing at the header's own lines. Raises ``FileNotFoundError`` for a missing header.
+    """
+    return _inline(kernels_dir(), f"{name}.cu", set())
+
+
+def _inline(folder, file: str, seen: set) -> str:
+    seen.add(file)
+    text = folder.joinpath(file).read_text()
+
+    def expand(match: re.Match) -> str:
+        header = match.group(1)
+        if header in seen:
+            return f"// {header}: inlined above"
+        line = text.count("\n", 0, match.end()) + 2  # the line after the directive
+        body = _inline(folder, header, seen)
+        return f'#line 1 "{header}"\n{body.rstrip()}\n#line {line} "{file}"'
+
+    return _INCLUDE.sub(expand, text)
 
 
 def _load_file(full: str, path) -> object:

@@ -1,20 +1,38 @@
 """records.cu's ``LayerParams`` word by word (the layer rotation's kernels), and their launch shape.
 
 Like :mod:`.records_layout`: every field is 8 bytes, so the CuPy backend packs the struct as uint64 words in
-this order; ``tests/records/test_layers.py`` pins the list (and the constants) against the CUDA source.
+this order; the generated ``kernels/canary_constants.cuh`` declares the struct from the same description.
 """
 from __future__ import annotations
 
-from .records_layout import REAL_KV_FIELDS, STATE_FIELDS
+from .cstruct import Member as M
+from .cstruct import Struct
+from .records_layout import REAL_KV_PARAMS, STATE_PARAMS
 
 LAYER_THREADS = 256
-LAYER_FIELDS = STATE_FIELDS + REAL_KV_FIELDS + (
-    "layer_bases", "num_layers", "dwell", "layer_hashes", "layer_cursor",
-    "write_offsets", "write_seed_slot_indices", "write_num_valid_reqs", "write_req_capacity", "out_cache_loc",
-    "num_entries",
-    "verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_capacity",
-    "verify_num_valid", "enable",
-)
+_P64, _I64 = "const i64*", "i64"
+LAYER_PARAMS = Struct("LayerParams", (
+    M(STATE_PARAMS, "st"),
+    M(REAL_KV_PARAMS, "kv", "the layout shared by every layer; its base[] is replaced per layer"),
+    M(_P64, "layer_bases", "[num_layers * num_sources]: source k of layer l at l * num_sources + k"),
+    M(_I64, "num_layers"),
+    M(_I64, "dwell", "steps a layer stays under the cursor (>= 1)"),
+    M("i64*", "layer_hashes", "[num_slots, num_layers] int64, C-contiguous"),
+    M("int*", "layer_cursor", "[2]: the layer verify_layer checks, the steps already spent on it"),
+    M(_P64, "write_offsets", "write_layers: the step's write plan and out_cache_loc"),
+    M(_P64, "write_seed_slot_indices"),
+    M("const int*", "write_num_valid_reqs"),
+    M(_I64, "write_req_capacity"),
+    M(_P64, "out_cache_loc"),
+    M(_I64, "num_entries"),
+    M(_P64, "verify_slot_indices", "verify_layer: the step's verify plan"),
+    M(_P64, "verify_expected_tokens"),
+    M(_P64, "verify_expected_positions"),
+    M(_I64, "verify_capacity"),
+    M("const int*", "verify_num_valid"),
+    M("const int*", "enable"),
+))
+LAYER_FIELDS = LAYER_PARAMS.fields()
 CONSTANTS = {"LAYER_THREADS": LAYER_THREADS}
 
 

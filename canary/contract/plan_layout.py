@@ -1,29 +1,64 @@
-"""Constants and the launch-argument layout shared with ``kernels/plan.cu`` (checked against it in CI)."""
+"""Constants and the launch-argument layout shared with ``kernels/plan.cu`` (and its twin ``kernels/plan_numba.py``).
 
-# Block sizes and limits, as #defined in plan.cu.
+The one source of these values: ``kernels/canary_constants.cuh``, which plan.cu includes, is generated from this
+module (:mod:`canary.contract.kernel_constants`), and the Numba twin imports them.
+"""
+from __future__ import annotations
+
+from .cstruct import Member as M
+from .cstruct import Struct
+
+# Block sizes and limits both twins and their hosts use (the host launches with them and picks the fused launch
+# by FUSED_MAX_BS; entry_grid counts ITEMS entries a thread).
 ROWS_THREADS = 1024
 ENTRY_THREADS = 256
 FUSED_MAX_BS = 512
 ITEMS = 4
 ENTRY_CHUNK = ITEMS * 32
+ROW_SAMPLES = 512
+ENTRY_MIN_BLOCKS = 4
+
+# plan.cu's own speed structure and scratch layout (the CuPy host sizes the scratch from them). The Numba twin
+# has its own (plan_numba.py NUMBA_ROW_BATCH, NUMBA_SCRATCH_*, NUMBA_TABLE_ARRAYS): no side blocks, no cursor
+# block, and a scan of consecutive rows a thread, so neither its table nor its batches are plan.cu's.
 ROW_BATCH = 2
+SIDE_BATCH = 1
+SIDE_ROWS = ROWS_THREADS * SIDE_BATCH  # rows of one side block's tile (kernels/plan_side.cuh side_rows)
+SCRATCH_DONE = 0
+SCRATCH_BAD_SLOT = 1
+SCRATCH_ROW_FLAGS = 2
+SCRATCH_TOTAL = 3
+SCRATCH_READERS = 4
+SCRATCH_SIDE = 5
 SCRATCH_TABLE = 6
 TABLE_ARRAYS = 11
-SIDE_BATCH = 1
-SIDE_ROWS = ROWS_THREADS * SIDE_BATCH  # rows of one side block's tile (plan.cu side_rows)
 CONSTANTS = dict(ROWS_THREADS=ROWS_THREADS, ENTRY_THREADS=ENTRY_THREADS, FUSED_MAX_BS=FUSED_MAX_BS, ITEMS=ITEMS,
                  ROW_BATCH=ROW_BATCH, SCRATCH_TABLE=SCRATCH_TABLE, TABLE_ARRAYS=TABLE_ARRAYS, SIDE_BATCH=SIDE_BATCH)
 
-# struct PlanParams of plan.cu, field by field (each 8 bytes).
-PARAM_FIELDS = (
-    "req_pool_indices", "prefix_lens", "extend_seq_lens", "valid_lens", "bs",
-    "req_to_token", "r2t_row_stride", "rp_bound", "max_seq_len", "lut", "lut_len",
-    "pool", "pool_row_stride", "pool_cols", "token_offset", "window", "padding_rows_carry_tokens",
-    "verify_capacity", "write_req_capacity",
-    "slots", "expected", "positions", "prevs", "num_valid", "enable", "status",
-    "write_offsets", "seeds", "write_num_valid_reqs", "scratch", "cursors", "sample",
-    "pool_rows", "expected_token_pool_indices",
-)
+_P64, _P32, _I64 = "const i64*", "const int*", "i64"
+PLAN_PARAMS = Struct("PlanParams", (
+    M(_P64, "req_pool_indices"), M(_P64, "prefix_lens"), M(_P64, "extend_seq_lens"), M(_P64, "valid_lens"),
+    M(_I64, "bs"),
+    M(_P32, "req_to_token"), M(_I64, "r2t_row_stride"),
+    M(_I64, "rp_bound", "max_reqs (the pool's rows bound the pool row q: row_facts)"),
+    M(_I64, "max_seq_len"), M(_P64, "lut"), M(_I64, "lut_len"),
+    M(_P32, "pool"), M(_I64, "pool_row_stride"), M(_I64, "pool_cols"), M(_I64, "token_offset"),
+    M(_I64, "window"),
+    M(_I64, "padding_rows_carry_tokens", "0 or 1 (SPEC 3.2): a padding row's E counts in write_offsets"),
+    M(_I64, "verify_capacity"), M(_I64, "write_req_capacity"),
+    M("i64*", "slots"), M("i64*", "expected"), M("i64*", "positions"), M("i64*", "prevs"),
+    M("int*", "num_valid"), M("int*", "enable"), M("int*", "status"),
+    M("i64*", "write_offsets"), M("i64*", "seeds"), M("int*", "write_num_valid_reqs"),
+    M("i64*", "scratch"),
+    M("i64*", "cursors", "[max_reqs] rotation state of the sampled verification (SPEC 3.7)"),
+    M(_I64, "sample", '1: on_overflow="sample" (cursors given); 0: "skip"'),
+    M(_I64, "pool_rows"),
+    M(_P64, "expected_token_pool_indices",
+      "per step, HAS_POOL only: the pool row of each batch row (SPEC 3.2); null: req_pool_indices"),
+), doc="One by-value kernel parameter; every field is 8 bytes, so the host packs it as an array of uint64 words in "
+       "this order (canary/contract/plan_layout.py PARAM_FIELDS) and updates only the per-step words per call.")
+# struct PlanParams of plan.cu, field by field (each 8 bytes): the CuPy host's word order.
+PARAM_FIELDS = PLAN_PARAMS.fields()
 
 
 def entry_grid(verify_capacity: int, sms: int, blocks_per_sm: int, threads: int = ENTRY_THREADS) -> int:
@@ -45,15 +80,15 @@ def fused_grid(verify_capacity: int, sms: int, blocks_per_sm: int, sample: bool)
 
 def side_tiles(write_req_capacity: int) -> int:
     """Side blocks a sampling planner's two-pass rows launch may use: one a tile of ``SIDE_ROWS`` rows of
-    ``write_req_capacity`` (plan.cu ``side_rows``)."""
+    ``write_req_capacity`` (kernels/plan_side.cuh ``side_rows``)."""
     return -(-int(write_req_capacity) // SIDE_ROWS)
 
 
 def rows_grid(write_req_capacity: int, sms: int, blocks_per_sm: int, sample: bool) -> int:
     """Blocks of the two-pass rows launch: block 0 scans the batch; a sampling planner's launch adds the side
-    blocks that build a sampled step's table meanwhile on other SMs (plan.cu ``side_rows``). No block waits for
-    another, but each side block reads every row of the batch (for the sums before its tile and the totals), so
-    their reads grow as tiles x bs: past one wave of the device (more than ``sms * blocks_per_sm - 1`` tiles) the
+    blocks that build a sampled step's table meanwhile on other SMs (kernels/plan_side.cuh ``side_rows``). No block
+    waits for another, but each side block reads every row of the batch (for the sums before its tile and the
+    totals), so their reads grow as tiles x bs: past one wave of the device (more than ``sms * blocks_per_sm - 1`` tiles) the
     launch is one block, which builds the table itself after its scan. Depends on the capacities only, never on
     data, so that a captured CUDA graph stays valid for any input."""
     tiles = side_tiles(write_req_capacity)

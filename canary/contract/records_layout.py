@@ -1,10 +1,14 @@
 """The canary kernels' by-value parameter structs, word by word (``kernels/records.cu``), and launch shapes.
 
-records.cu's ``WriteParams`` / ``VerifyParams`` / ``ScatterParams`` have only 8-byte fields, so the CuPy
-backend packs each as a uint64 word array in the order below; ``tests/kernels/test_kernel_compile.py`` pins these
-lists (and the constants) against the CUDA source.
+records.cu's ``WriteParams`` / ``VerifyParams`` / ``ScatterParams`` / ``AppendParams`` have only 8-byte fields, so
+the CuPy backend packs each as a uint64 word array in the order below. The structs are declared here once: the
+generated ``kernels/canary_constants.cuh`` (:mod:`canary.contract.kernel_constants`) prints them for records.cu,
+and the field lists are read off the same declarations.
 """
 from __future__ import annotations
+
+from .cstruct import Member as M
+from .cstruct import Struct
 
 MAX_SOURCES = 4
 WRITE_THREADS = 256
@@ -12,25 +16,85 @@ WRITE_MAX_SEGMENTS = 32
 VERIFY_THREADS = 256
 SCATTER_THREADS = 128
 
-STATE_FIELDS = (
-    "canary", "num_slots", "slot_stride", "ring", "ring_row_stride", "ring_capacity", "ring_write_index",
-    "slot_run_counter", "kernel_run_counter", "check_flags", "tag",
-)
-_KV_ARRAYS = ("base", "row_stride_bytes", "page_size", "num_bytes_per_token", "read_words")
-REAL_KV_FIELDS = ("num_sources",) + tuple(f"{name}{k}" for name in _KV_ARRAYS for k in range(MAX_SOURCES))
-WRITE_FIELDS = STATE_FIELDS + REAL_KV_FIELDS + (
-    "write_offsets", "write_seed_slot_indices", "write_num_valid_reqs", "write_req_capacity", "out_cache_loc",
-    "input_ids", "positions", "num_entries", "expected_input_ids", "expected_positions",
-)
-VERIFY_FIELDS = STATE_FIELDS + REAL_KV_FIELDS + (
-    "verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
-    "verify_capacity", "verify_num_valid", "enable",
-)
-SCATTER_FIELDS = (
-    "pool", "pool_rows", "pool_cols", "pool_row_stride", "req_pool_indices", "bs", "tokens", "num_tokens",
-    "token_offsets", "column_starts", "column_offset",
-)
-APPEND_FIELDS = ("pool", "pool_rows", "pool_cols", "pool_row_stride", "q", "valid", "tokens", "n")
+_P64, _I64 = "const i64*", "i64"
+STATE_PARAMS = Struct("StateParams", (
+    M("unsigned char*", "canary",
+      "canary_buffer: slot s at s * slot_stride (int64 token, position, prev_hash, real_kv_hash)"),
+    M(_I64, "num_slots"),
+    M(_I64, "slot_stride", "bytes, a multiple of 8"),
+    M("i64*", "ring", "[ring_capacity, >= 8] int64"),
+    M(_I64, "ring_row_stride", "elements"),
+    M(_I64, "ring_capacity"),
+    M("unsigned int*", "ring_write_index", "the int32 word, counted as uint32"),
+    M("unsigned long long*", "slot_run_counter"),
+    M("unsigned long long*", "kernel_run_counter"),
+    M("const int*", "check_flags"),
+    M(_I64, "tag", "(launch_tag << 8) | kernel"),
+), doc="Where violations and health go; shared by write and verify. Fixed at bind except `tag`.")
+_SOURCES = ("MAX_SOURCES", MAX_SOURCES)
+REAL_KV_PARAMS = Struct("RealKVParams", (
+    M(_I64, "num_sources"),
+    M("const unsigned char*", "base", "16-byte aligned", _SOURCES),
+    M(_I64, "row_stride_bytes", "multiple of 16", _SOURCES),
+    M(_I64, "page_size", "", _SOURCES),
+    M(_I64, "num_bytes_per_token", "multiple of 16", _SOURCES),
+    M(_I64, "read_words", "PARTIAL: 2; ALL: read_bytes / 8 (even)", _SOURCES),
+), doc="Real-KV sources; num_sources = 0 for mode NONE. Coverage (rows * page_size >= num_slots) is checked on the "
+       "host, so only slots in [0, num_slots) are ever folded and no row count is needed here.")
+WRITE_PARAMS = Struct("WriteParams", (
+    M(STATE_PARAMS, "st"), M(REAL_KV_PARAMS, "kv"),
+    M(_P64, "write_offsets", "[R + 1]"),
+    M(_P64, "write_seed_slot_indices"),
+    M("const int*", "write_num_valid_reqs"),
+    M(_I64, "write_req_capacity", "R"),
+    M(_P64, "out_cache_loc", "[N]"),
+    M(_P64, "input_ids"),
+    M(_P64, "positions"),
+    M(_I64, "num_entries", "N"),
+    M(_P64, "expected_input_ids", "null: not given"),
+    M(_P64, "expected_positions", "null: not given"),
+))
+VERIFY_PARAMS = Struct("VerifyParams", (
+    M(STATE_PARAMS, "st"), M(REAL_KV_PARAMS, "kv"),
+    M(_P64, "verify_slot_indices", "[C]"),
+    M(_P64, "verify_expected_tokens"),
+    M(_P64, "verify_expected_positions"),
+    M(_P64, "verify_prev_slot_indices"),
+    M(_I64, "verify_capacity", "C"),
+    M("const int*", "verify_num_valid"),
+    M("const int*", "enable"),
+))
+SCATTER_PARAMS = Struct("ScatterParams", (
+    M("int*", "pool", "req_to_verify_expected_tokens"),
+    M(_I64, "pool_rows"),
+    M(_I64, "pool_cols"),
+    M(_I64, "pool_row_stride", "elements"),
+    M(_P64, "req_pool_indices", "[bs]"),
+    M(_I64, "bs"),
+    M("const void*", "tokens", "[N] int64 or int32 (the kernel's suffix says which)"),
+    M(_I64, "num_tokens"),
+    M(_P64, "token_offsets", "[>= bs + 1]"),
+    M(_P64, "column_starts", "[bs]"),
+    M(_I64, "column_offset"),
+))
+APPEND_PARAMS = Struct("AppendParams", (
+    M("int*", "pool"),
+    M(_I64, "pool_rows"),
+    M(_I64, "pool_cols"),
+    M(_I64, "pool_row_stride", "elements"),
+    M(_P64, "q", "[n] pool rows"),
+    M("i64*", "valid", "[n] tokens each row holds, advanced here"),
+    M("const void*", "tokens", "[n] int64 or int32 (the kernel's suffix says which)"),
+    M(_I64, "n"),
+), doc="records.cu canary_append_tokens_*: a decode batch's accepted tokens appended to the pool rows.")
+STRUCTS = (STATE_PARAMS, REAL_KV_PARAMS, WRITE_PARAMS, VERIFY_PARAMS, SCATTER_PARAMS, APPEND_PARAMS)
+
+STATE_FIELDS = STATE_PARAMS.fields()
+REAL_KV_FIELDS = REAL_KV_PARAMS.fields()
+WRITE_FIELDS = WRITE_PARAMS.fields()
+VERIFY_FIELDS = VERIFY_PARAMS.fields()
+SCATTER_FIELDS = SCATTER_PARAMS.fields()
+APPEND_FIELDS = APPEND_PARAMS.fields()
 CONSTANTS = {"MAX_SOURCES": MAX_SOURCES, "WRITE_THREADS": WRITE_THREADS, "WRITE_MAX_SEGMENTS": WRITE_MAX_SEGMENTS, "VERIFY_THREADS": VERIFY_THREADS,
              "SCATTER_THREADS": SCATTER_THREADS}
 

@@ -145,26 +145,6 @@ def test_canary_params_layout_matches_the_cuda_structs():
         assert re.search(rf"#define {name} 0x{getattr(hashes, name):016X}ULL\b", src), name
 
 
-def test_canary_numba_constants_match_canary_cu():
-    """The Numba twin's constants are records.cu's (read as text: no numba import needed)."""
-    import ast
-
-    from canary.backends.sources import kernels_dir
-
-    src = cuda_source("records")
-    tree = ast.parse(kernels_dir().joinpath("records_numba.py").read_text())
-    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
-              for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
-    for name in ("MAX_SOURCES", "WRITE_THREADS", "WRITE_MAX_SEGMENTS", "VERIFY_THREADS", "SCATTER_THREADS", "FAIL_CHAIN", "FAIL_POSITION",
-                 "FAIL_REAL_KV", "FAIL_WRITE_TOKEN", "FAIL_WRITE_POSITION", "FAIL_VERIFY_TOKEN", "FAIL_SLOT_RANGE",
-                 "FAIL_MISSING", "CHECK_WRITE_POSITION_CHAIN", "CHECK_VERIFY_TOKEN"):
-        assert re.search(rf"#define {name} {consts[name]}\b", src), name
-    numba_src = kernels_dir().joinpath("records_numba.py").read_text()
-    for name in ("FIELD_P", "CHAIN_TAG", "CHAIN_MUL", "G_KEY", "ANCHOR_LINK"):
-        value = re.search(rf"#define {name} (0x[0-9A-F]+)ULL", src).group(1)
-        assert re.search(rf"^{name} = np.uint64\({value}\)", numba_src, re.M), name
-
-
 def _cuda_i64_define(src: str, name: str) -> int:
     """The value of ``#define NAME (-0x...LL)`` (the form of the int64 sentinels in the CUDA sources)."""
     m = re.search(rf"#define {name} \((-?)0x([0-9a-fA-F]+)LL\)", src)
@@ -172,28 +152,17 @@ def _cuda_i64_define(src: str, name: str) -> int:
     return -int(m.group(2), 16) if m.group(1) else int(m.group(2), 16)
 
 
-def _numba_define(path: str, name: str) -> int:
-    """A module-level ``NAME = <int expression>`` of a Numba twin, evaluated without importing numba."""
-    import ast
-
-    from canary.backends.sources import kernels_dir
-
-    tree = ast.parse(kernels_dir().joinpath(path).read_text())
-    (node,) = [n for n in tree.body if isinstance(n, ast.Assign)
-               and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)]
-    return eval(compile(ast.Expression(node.value), path, "eval"), {"__builtins__": {}})
-
-
 def test_missing_slot_is_the_same_everywhere():
     """MISSING_SLOT (SPEC 3.2) is written by the planners and recognized by verify: one value in the package, in
-    plan.cu / records.cu and in their Numba twins, and out of reach of any int32 req_to_token value."""
+    plan.cu / records.cu (through the generated header) and in their Numba twins (imported from the same
+    source), and out of reach of any int32 req_to_token value."""
     from canary import MISSING_SLOT
+    from canary.contract import kernel_constants as K
 
     assert MISSING_SLOT == -(1 << 62) and MISSING_SLOT < -(1 << 31)
+    assert K.CANARY_MISSING_SLOT == MISSING_SLOT
     assert _cuda_i64_define(cuda_source("plan"), "CANARY_MISSING_SLOT") == MISSING_SLOT
-    assert _cuda_i64_define(cuda_source("records"), "MISSING_SLOT") == MISSING_SLOT
-    assert _numba_define("plan_numba.py", "CANARY_MISSING_SLOT") == MISSING_SLOT
-    assert _numba_define("records_numba.py", "MISSING_SLOT") == MISSING_SLOT
+    assert _cuda_i64_define(cuda_source("records"), "CANARY_MISSING_SLOT") == MISSING_SLOT
 
 
 def test_fused_grid_adds_one_cursor_block_to_a_sampling_planner():
@@ -211,8 +180,8 @@ def test_fused_grid_adds_one_cursor_block_to_a_sampling_planner():
 
 
 def test_rows_grid_adds_side_blocks_to_a_sampling_planner_when_they_fit():
-    """plan.cu side_rows: a sampling planner's two-pass rows launch has one side block a tile of SIDE_ROWS rows of
-    the batch capacity, up to one wave of the device (each reads every row), else one block."""
+    """plan_side.cuh side_rows: a sampling planner's two-pass rows launch has one side block a tile of SIDE_ROWS rows
+    of the batch capacity, up to one wave of the device (each reads every row), else one block."""
     from canary.contract.plan_layout import SIDE_ROWS, rows_grid, scratch_words, side_tiles
 
     assert rows_grid(4096, 132, 1, sample=False) == 1

@@ -226,15 +226,10 @@ def test_layer_params_layout_matches_the_cuda_struct():
     assert _struct_fields(src, "LayerParams") == LAYER_FIELDS
     for name, value in CONSTANTS.items():
         assert re.search(rf"#define {name} {value}\b", src), name
-    import ast
+    from canary.contract import kernel_constants  # the Numba twin imports both from there
 
-    from canary.backends.sources import kernels_dir
-
-    tree = ast.parse(kernels_dir().joinpath("records_numba.py").read_text())
-    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
-              for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
-    assert consts["LAYER_THREADS"] == CONSTANTS["LAYER_THREADS"]
-    assert re.search(rf"#define LAYER_KIND_SHIFT {consts['LAYER_KIND_SHIFT']}\b", src)
+    assert kernel_constants.LAYER_THREADS == CONSTANTS["LAYER_THREADS"]
+    assert re.search(rf"#define LAYER_KIND_SHIFT {kernel_constants.LAYER_KIND_SHIFT}\b", src)
 
 
 def _has_cuda_core() -> bool:
