@@ -392,7 +392,7 @@ extern "C" __global__ void __launch_bounds__(SCATTER_THREADS) canary_scatter_i32
 
 // A decode batch's accepted tokens, read from the engine's device array: row r's token goes to pool row q[r] at
 // column valid[r], and valid[r] counts it, so that the plan launched next reads the new valid lengths with no
-// host-to-device copy (the manager's accept_tokens_batch with device token ids, canary/manager/transfer.py). Not
+// host-to-device copy (the manager's accept_tokens_batch with device token ids, canary/manager/staging.py). Not
 // idempotent (it advances valid): the manager launches it once per accept. One thread a row; a row outside the
 // pool or a full row is skipped and keeps its length (the manager refuses both on the host first). CuPy backend
 // only, like report.cu: a Numba manager copies device tokens to the host instead. Reference: docs/records.md 7.

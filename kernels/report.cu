@@ -1,4 +1,4 @@
-// The manager's step report (canary/manager/transfer.py, KernelReporter), compiled by NVRTC through CuPy.
+// The manager's step report (canary/manager/mailbox.py, CudaMailbox), compiled by NVRTC through CuPy.
 //
 // One block copies the report block (every group's ring write index, counters, plan status and ring) and the
 // step's req_pool_indices into the next slot of a mailbox in pinned host memory, which the kernel writes
@@ -26,7 +26,7 @@ struct ReportParams {
 
 extern "C" __global__ void __launch_bounds__(256) canary_report(const ReportParams p) {
     __shared__ i64 s_seq;
-    // Atomic: reports launched on two streams may run at once (the host orders them, canary/manager/transfer.py
+    // Atomic: reports launched on two streams may run at once (the host orders them, canary/manager/mailbox.py
     // order_report, but a lost increment would desynchronize every later slot).
     if (threadIdx.x == 0) s_seq = (i64)atomicAdd(reinterpret_cast<unsigned long long*>(p.counter), 1ull) + 1;
     __syncthreads();

@@ -185,7 +185,7 @@ def scatter(a: ScatterArgs, stream: int) -> None:
 class PreparedAppend:
     """``kernels/records.cu``'s ``canary_append_tokens`` over fixed staging (the plan's pool rows ``q`` and valid
     lengths ``valid``, ``[B]`` int64 device arrays) into ``pool``: a launch names the tokens' device pointer, their
-    dtype and the row count ``n`` (canary/manager/transfer.py, ``_AppendCall``)."""
+    dtype and the row count ``n`` (canary/manager/staging.py, ``_AppendCall``)."""
 
     def __init__(self, pool, q, valid):
         self.device_id = pool.device_id

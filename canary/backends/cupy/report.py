@@ -1,5 +1,5 @@
 """CuPy launch of ``kernels/report.cu``: the manager's step report, written by the device into pinned host memory
-(canary/manager/transfer.py, ``KernelReporter``). Packed once; a call rewrites the two per-step words."""
+(canary/manager/mailbox.py, ``CudaMailbox``). Packed once; a call rewrites the two per-step words."""
 from __future__ import annotations
 
 from . import OnDevice, Params, Streams, cupy, raw_module
