@@ -238,9 +238,10 @@ def main() -> int:
         for impl in impls:
             sets: list[list[Bound]] = []
 
+            copies = max(1, args.sets if len(group) == 1 else 1)
+
             def build():
-                sets.extend([Bound(impl, w, xp) for w in group]
-                            for _ in range(max(1, args.sets if len(group) == 1 else 1)))
+                sets.extend([Bound(impl, w, xp) for w in group] for _ in range(copies))
 
             def checked():
                 build()
@@ -257,7 +258,7 @@ def main() -> int:
                 bench.attempt(f"plan {name} {impl} graph", lambda: harness.device_time(
                     lambda s: [b.call(stream=s) for b in flat()], check=checked, dry=dry,
                     rounds=bench.rounds(7), replays=10 if args.quick or dry else 50,
-                    calls_per_replay=len(flat())), **common)
+                    calls_per_replay=copies * len(group)), **common)
 
             def eager():
                 if not checks:  # torch: no graph (its host sync sizes the intermediates), so its check is here

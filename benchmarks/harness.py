@@ -98,6 +98,8 @@ def device_time(call: Callable[[Any], None], *, check: Callable[[], str | None] 
     (a graph may hold several calls: independent buffer sets, so that one call's data is not in L2 when its turn
     comes round). ``around``: host work before and after each replay (one replay a round then, ``rounds *
     replays`` rounds). Dry: ``call(None)`` on the host clock. Raises :class:`CheckFailed`."""
+    if calls_per_replay < 1 or replays < 1:  # checked in dry runs too: the smoke test then sees a bad count
+        raise ValueError(f"kv-canary: calls_per_replay / replays: expected >= 1, got {calls_per_replay} / {replays}")
     require(check)
     if dry:
         return host_time(lambda: call(None), check=None, sync=lambda: None, rounds=min(rounds, 3), warmup=1)

@@ -1,6 +1,8 @@
 # Every benchmark in benchmarks/ on the GPU machine, one after another (they share the GPU), each writing
 # benchmarks/results/<benchmark>.json, a log per benchmark in OUTDIR and a line "bench_NAME rc=N" each.
 # Copy benchmarks/results/ back and commit it. Usage: bash tools/gpu_bench.sh OUTDIR [NAME ...]
+# The GPU machine gets the working tree without its .git history (its git shows an older HEAD): pass the
+# commit from the machine that sent the tree, KV_CANARY_COMMIT=<commit> bash tools/gpu_bench.sh OUTDIR.
 # (NAME: plan, records, ...; default: every benchmarks/bench_*.py).
 out=${1:-/tmp/bench}; shift; mkdir -p "$out"
 . tools/gpu_env.sh
