@@ -21,7 +21,7 @@ def main() -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("kv-canary: plotting needs matplotlib: pip install 'kv-canary[plot]'") from None
+        raise SystemExit("kv-canary: plotting needs matplotlib: pip install matplotlib") from None
     data = json.loads(args.result.read_text())
     rows = [f for f in data["figures"] if f["name"].endswith(" graph") and f["value"] is not None]
     fig, ax = plt.subplots(figsize=(8, 5))

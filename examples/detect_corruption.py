@@ -1,6 +1,6 @@
 """Detect a corrupted KV byte end to end: plan, write the canary after each step's KV stores, verify the next
 step's prefix, and read the violation. Host NumPy by default (runs anywhere); ``--device cuda`` runs the same
-steps on the GPU with CuPy arrays (``pip install 'kv-canary[cuda13]'``).
+steps on the GPU with CuPy arrays (``pip install cupy-cuda13x 'cuda-core[cu13]'``).
 
     python examples/detect_corruption.py [--device cuda]
 """

@@ -98,7 +98,8 @@ def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise BackendUnavailableError(
             f"kv-canary: {name} is a CUDA array, and viewing it needs cuda-core: "
-            "pip install 'kv-canary[cuda13]' (or [cuda12], or [numba])"
+            "pip install 'cuda-core[cu13]' ('cuda-core[cu12]' for CUDA 12; in the checkout, the .[cuda13], .[cuda12] "
+            "or .[numba] extra)"
         ) from exc
     if stream_ptr == -1 and _is_jax(obj):
         # JAX hands -1 to the driver as a stream handle (CUDA_ERROR_INVALID_HANDLE): order on the legacy

@@ -120,7 +120,7 @@ class _BindingsRuntime:
             from cuda.bindings import driver, runtime
         except ImportError as exc:  # pragma: no cover - the GPU backends need cuda-core, which brings it
             raise fail(ImportError, "device: the manager's device transfers need cuda.bindings: pip install "
-                                    "'kv-canary[cuda13]'") from exc
+                                    "'cuda-core[cu13]' (or, in the checkout, pip install '.[cuda13]')") from exc
         self._rt, self._drv = runtime, driver
         self._ok = runtime.cudaError_t.cudaSuccess
         self._not_ready = runtime.cudaError_t.cudaErrorNotReady

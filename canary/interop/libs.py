@@ -7,8 +7,9 @@ from typing import Any
 from ..errors import BackendUnavailableError
 
 INSTALL = {
-    "cupy": "pip install 'kv-canary[cuda13]' (CUDA 13 driver) or 'kv-canary[cuda12]' (CUDA 12)",
-    "numba": "pip install 'kv-canary[numba]' (numba-cuda with numpy<2.5)",
+    # The package's extras are named as well, but only a checkout has them: no index serves kv-canary.
+    "cupy": "pip install cupy-cuda13x 'cuda-core[cu13]' (CUDA 13 driver; cupy-cuda12x 'cuda-core[cu12]' for CUDA 12), or in the checkout pip install '.[cuda13]'",
+    "numba": "pip install 'numba-cuda[cu13]' 'numpy<2.5' (numba-cuda cannot compile under numpy 2.5), or in the checkout pip install '.[numba]'",
 }
 
 

@@ -44,7 +44,7 @@ class PrometheusMetrics:
             import prometheus_client as pc
         except ImportError as exc:
             raise fail(ImportError, "metrics: expected prometheus_client for Prometheus metrics: pip install "
-                                    "'kv-canary[prometheus]'") from exc
+                                    "prometheus_client (or, in the checkout, pip install '.[prometheus]')") from exc
         if registry is not True and not hasattr(registry, "register"):
             raise fail(TypeError, f"metrics: expected None, True (the default registry) or a prometheus_client "
                                   f"CollectorRegistry, got {type(registry).__name__}")

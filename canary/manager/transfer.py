@@ -32,7 +32,7 @@ def _rt():
         from cuda.bindings import runtime
     except ImportError as exc:  # pragma: no cover - the GPU backends need cuda-core, which brings it
         raise fail(ImportError, "device: the manager's device transfers need cuda.bindings: pip install "
-                                "'kv-canary[cuda13]'") from exc
+                                "'cuda-core[cu13]' (or, in the checkout, pip install '.[cuda13]')") from exc
     return runtime
 
 

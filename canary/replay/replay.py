@@ -242,8 +242,8 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
     if want_canary and kind == "numba":  # refused before numba is imported, or any work done
         if args.inject:
             raise BackendUnavailableError(
-                "kv-canary: --inject: expected CuPy for the canary's GPU arrays (pip install 'kv-canary[cuda13]' or "
-                "[cuda12]), got Numba device arrays only (CuPy is missing or sees no GPU)")
+                "kv-canary: --inject: expected CuPy for the canary's GPU arrays (pip install cupy-cuda13x "
+                "'cuda-core[cu13]'), got Numba device arrays only (CuPy is missing or sees no GPU)")
         console.print("kv-canary replay: Numba device arrays only (no CuPy): planning only, as with --plan-only",
                       markup=False, highlight=False)
         want_canary = False

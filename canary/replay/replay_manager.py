@@ -72,9 +72,8 @@ class ManagerReplay:
     def __init__(self, sched: Scheduler, *, xp: Any, device: Any, backend: str, faults: list[Fault],
                  req_to_token: Any, lut: Any, verify_capacity: int, on_overflow: str, num_layers: int = 1,
                  layer_dwell: int = 1):
-        # The engine's KV buffers and fault hooks; its own canary is not used (the manager has one).
-        self.kv = EngineKV(sched, xp=xp, device=device, backend=backend, with_pool=False, own_canary=False,
-                           num_layers=num_layers)
+        # The engine's KV buffers and fault hooks; the manager owns the canary.
+        self.kv = EngineKV(sched, xp=xp, device=device, backend=backend, num_layers=num_layers)
         self.kv.layer_dwell = layer_dwell
         self.kv.pool_by_request = True  # what the faults must assume: the manager keys its pool by request
         self.injector = Injector(list(faults))

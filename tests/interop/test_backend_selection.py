@@ -13,8 +13,9 @@ from canary.backends.reference import layers as reference_layers
 from canary.backends.reference import plan as reference_plan
 from canary.backends.reference import records as reference_records
 
-CUPY_HINT = "pip install 'kv-canary[cuda13]' (CUDA 13 driver) or 'kv-canary[cuda12]' (CUDA 12)"
-NUMBA_HINT = "pip install 'kv-canary[numba]' (numba-cuda with numpy<2.5)"
+from canary.interop.libs import INSTALL
+
+CUPY_HINT, NUMBA_HINT = INSTALL["cupy"], INSTALL["numba"]
 
 
 class FakeLibs:

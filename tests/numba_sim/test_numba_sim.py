@@ -30,7 +30,7 @@ from canary import BackendUnavailableError
 ROOT = Path(__file__).resolve().parents[2]
 IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 HAS_NUMBA_CUDA = importlib.util.find_spec("numba_cuda") is not None  # does not import numba
-INSTALL_HINT = "pip install 'kv-canary[numba]'"  # the library's own message
+INSTALL_HINT = "pip install 'numba-cuda[cu13]'"  # the library's own message (canary/interop/libs.py)
 NO_NUMBA_CUDA = "needs numba-cuda: pip install -e '.[sim]'"
 
 

@@ -320,7 +320,7 @@ def _on(device: int, a):
 
 
 def test_engine_clean_replay_on_gpu(backend):
-    from canary.replay.engine import Engine
+    from helpers.replay_engine import Engine
 
     cupy = _cupy()
     e = Engine(requests=60, xp=cupy, backend=backend)
@@ -334,7 +334,7 @@ def test_engine_clean_replay_on_gpu(backend):
 
 @pytest.mark.parametrize("kind", ["kv-flip", "overwrite", "position", "token", "stale-row"])
 def test_engine_detects_each_fault_on_gpu(backend, kind):
-    from canary.replay.engine import Engine
+    from helpers.replay_engine import Engine
     from canary.replay.faults import Fault, Injector
 
     cupy = _cupy()

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from canary import MISSING_SLOT, SKIP_SEED, VerifyPlan, WritePlan
 from canary.backends.reference import records as reference_canary
-from canary.replay.engine import Engine
+from helpers.replay_engine import Engine
 from canary.errors import BackendUnavailableError
 from canary.replay.faults import Fault, Injector
 from canary.contract.hashes import ANCHOR_LINK, link

@@ -10,7 +10,7 @@ import pytest
 from canary import PlanStatus, VerifyPlan
 from canary.replay import cli
 from canary.replay.coverage import SAMPLED, Coverage
-from canary.replay.engine import Engine
+from helpers.replay_engine import Engine
 from canary.replay.faults import Fault, Injector
 from canary.replay.scheduler import Step
 

@@ -137,12 +137,12 @@ def _skipped(reason: str, when: str = "call") -> pytest.TestReport:
 
 
 @pytest.mark.parametrize("reason", [
-    "kv-canary: backend 'cupy' needs CuPy: pip install 'kv-canary[cuda13]'",
+    "kv-canary: backend 'cupy' needs CuPy: pip install cupy-cuda13x 'cuda-core[cu13]'",
     "could not import 'cupy': No module named 'cupy'",
     "could not import 'numba.cuda': No module named 'numba'",
     "could not import 'cuda.core': No module named 'cuda'",
     "needs a CUDA GPU: none visible to CuPy (cupy.cuda.runtime.getDeviceCount() == 0 or CuPy missing)",
-    "numba-cuda is not installed (pip install 'kv-canary[numba]')",
+    "numba-cuda is not installed (pip install 'numba-cuda[cu13]')",
     "NVVM unavailable: libNVVM does not load: OSError: libnvvm.so",
 ])
 @pytest.mark.parametrize("when", ["setup", "call"])
@@ -206,7 +206,7 @@ SKIPPING = textwrap.dedent('''
 
 
     def test_backend_missing():
-        pytest.skip("kv-canary: backend 'cupy' needs CuPy: pip install 'kv-canary[cuda13]'")
+        pytest.skip("kv-canary: backend 'cupy' needs CuPy: pip install cupy-cuda13x 'cuda-core[cu13]'")
 
 
     def test_needs_two_gpus():
