@@ -12,7 +12,6 @@ Writes benchmarks/results/plan.json.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,18 +200,10 @@ def check(b: Bound, want: dict[str, np.ndarray], sync) -> str | None:
 
 def eager_us(bound: list[Bound], calls: int, sync, rounds: int) -> harness.Timing:
     """Wall time per call, host overhead included: ``calls`` calls of each bound plan, one sync."""
-    for b in bound:
-        b.call()
-    sync()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            for b in bound:
-                b.call()
-        sync()
-        samples.append((time.perf_counter() - t0) / (calls * len(bound)) * 1e6)
-    return harness.Timing.of(samples)
+    def every():
+        for b in bound:
+            b.call()
+    return harness.wall_time(every, calls=calls, sync=sync, rounds=rounds, per_round=len(bound))
 
 
 def main() -> int:

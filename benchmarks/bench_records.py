@@ -11,7 +11,6 @@ of the copy bandwidth. Writes benchmarks/results/records.json.
 """
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
@@ -142,16 +141,7 @@ def check(step: Step, mode: RealKVMode) -> str | None:
 def eager_us(step: Step, calls: int, rounds: int) -> harness.Timing:
     """Wall time per step, host overhead included: ``calls`` steps, one sync, median of ``rounds``."""
     sync = step.xp.cuda.Device().synchronize if hasattr(step.xp, "cuda") else (lambda: None)
-    step()
-    sync()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            step()
-        sync()
-        samples.append((time.perf_counter() - t0) * 1e6 / calls)
-    return harness.Timing.of(samples)
+    return harness.wall_time(step, calls=calls, sync=sync, rounds=rounds)
 
 
 def main() -> int:

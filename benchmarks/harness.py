@@ -161,6 +161,23 @@ def host_time(call: Callable[[], None], *, check: Callable[[], str | None] | Non
     return Timing.of(samples)
 
 
+def wall_time(call: Callable[[], None], *, calls: int, sync: Callable[[], None], rounds: int,
+              per_round: int = 1) -> Timing:
+    """Wall time per call, us, host overhead and device work together (an eager step as the engine sees it): one
+    warm-up call, then ``rounds`` rounds of ``calls`` calls and one ``sync()`` each, divided by ``calls *
+    per_round`` (a call that runs several steps says how many)."""
+    call()
+    sync()
+    samples = []
+    for _ in range(max(1, rounds)):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            call()
+        sync()
+        samples.append((time.perf_counter_ns() - t0) / 1e3 / (calls * per_round))
+    return Timing.of(samples)
+
+
 def copy_bandwidth(dry: bool) -> float:
     """Device-to-device copy of 1 GiB, bytes read + written per second (the floors' denominator); dry: the
     H200's figure."""

@@ -8,23 +8,13 @@
 // inside the CUDA graph the manager replays for an eager step (canary/manager/eager.py), because the slot is
 // chosen on the device from a counter. Why no Numba twin: this is the manager's plumbing, not part of the
 // planner or canary contract, and a Numba launch costs the host more than the copies it would replace (the
-// manager keeps the copies there: CopyReporter).
+// manager's mailbox copies there instead: CudaMailbox without a report kernel).
 
-typedef long long i64;
+// ReportParams, REPORT_THREADS and the slot layout (REPORT_SLOT_HEADER_WORDS) come from canary_constants.cuh,
+// generated from canary/contract/report_layout.py.
+#include "canary_constants.cuh"
 
-struct ReportParams {
-    const i64* block;  // [words] device
-    i64 words;
-    const i64* rpi;  // [bs] device, or null
-    i64 bs;
-    i64 index_words;  // block[0, index_words) are cleared after the copy
-    i64* mailbox;  // [slots][slot_words] pinned host memory; slot word 0 = sequence number, then block, then rpi
-    i64 slot_words;
-    i64 slots;
-    i64* counter;  // [1] device: reports launched so far (the sequence number of the last)
-};
-
-extern "C" __global__ void __launch_bounds__(256) canary_report(const ReportParams p) {
+extern "C" __global__ void __launch_bounds__(REPORT_THREADS) canary_report(const ReportParams p) {
     __shared__ i64 s_seq;
     // Atomic: reports launched on two streams may run at once (the host orders them, canary/manager/mailbox.py
     // order_report, but a lost increment would desynchronize every later slot).
@@ -32,8 +22,8 @@ extern "C" __global__ void __launch_bounds__(256) canary_report(const ReportPara
     __syncthreads();
     const i64 seq = s_seq;
     i64* slot = p.mailbox + (seq % p.slots) * p.slot_words;
-    for (i64 i = threadIdx.x; i < p.words; i += blockDim.x) slot[1 + i] = p.block[i];
-    for (i64 i = threadIdx.x; i < p.bs; i += blockDim.x) slot[1 + p.words + i] = p.rpi[i];
+    for (i64 i = threadIdx.x; i < p.words; i += blockDim.x) slot[REPORT_SLOT_HEADER_WORDS + i] = p.block[i];
+    for (i64 i = threadIdx.x; i < p.bs; i += blockDim.x) slot[REPORT_SLOT_HEADER_WORDS + p.words + i] = p.rpi[i];
     __syncthreads();  // every read of the write indexes is done before they are cleared
     i64* block = const_cast<i64*>(p.block);
     for (i64 i = threadIdx.x; i < p.index_words; i += blockDim.x) block[i] = 0;

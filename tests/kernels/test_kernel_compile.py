@@ -5,6 +5,7 @@ cuda-core, from the [sim] extra: they skip without it. The layout tests read the
 """
 import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 
@@ -194,3 +195,28 @@ def test_rows_grid_adds_side_blocks_to_a_sampling_planner_when_they_fit():
     assert side_tiles(0) == 0 and side_tiles(SIDE_ROWS + 1) == 2
     assert scratch_words(SIDE_ROWS + 1, 7) - scratch_words(SIDE_ROWS, 7) == 11  # a row of the tables
     assert scratch_words(10, 8) - scratch_words(10, 7) == 1  # a request row's next cursor
+
+
+@pytest.mark.sim
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_report_cu_compiles(arch):
+    """The manager's report kernel (CuPy only) compiles with its struct and block size from the generated header."""
+    from cuda.core import Program, ProgramOptions
+
+    cubin = Program(cuda_source("report"), "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin").code
+    assert b"canary_report" in cubin
+
+
+def test_report_params_layout_matches_the_cuda_struct():
+    """canary/backends/cupy/report.py packs ReportParams word by word from report_layout's field list, which the
+    generated header declares; the source reads its block size and slot layout from there."""
+    from canary.contract.report_layout import REPORT_FIELDS
+
+    src = cuda_source("report")
+    body = src[src.index("struct ReportParams {"):]
+    body = body[: body.index("};")]
+    assert tuple(re.findall(r"\b(\w+);", body)) == REPORT_FIELDS
+    assert "__launch_bounds__(REPORT_THREADS)" in src and "slot[REPORT_SLOT_HEADER_WORDS + i]" in src
+    backend = Path(__file__).resolve().parents[2] / "canary" / "backends" / "cupy" / "report.py"
+    assert "report_layout import REPORT_FIELDS as FIELDS" in backend.read_text()

@@ -101,7 +101,7 @@ def test_numpy_25_is_refused():
     from canary import BackendUnavailableError
     from canary.backends import load
 
-    with pytest.raises(BackendUnavailableError, match=r"^kv-canary: .*pip install 'kv-canary\[numba\]'"):
+    with pytest.raises(BackendUnavailableError, match=r"^kv-canary: .*pip install 'numba-cuda\[cu13\]'"):
         load("numba")
 
 

@@ -2,10 +2,10 @@
 (canary/manager/mailbox.py, ``CudaMailbox``). Packed once; a call rewrites the two per-step words."""
 from __future__ import annotations
 
+from ...contract.report_layout import REPORT_FIELDS as FIELDS
+from ...contract.report_layout import REPORT_THREADS as THREADS
 from . import OnDevice, Params, Streams, cupy, raw_module
 
-FIELDS = ("block", "words", "rpi", "bs", "index_words", "mailbox", "slot_words", "slots", "counter")
-THREADS = 256  # kernels/report.cu's launch bound
 _RPI, _BS = FIELDS.index("rpi"), FIELDS.index("bs")
 
 
