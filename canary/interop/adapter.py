@@ -7,6 +7,7 @@ and ``owner`` keeps the exporter alive for as long as the view lives.
 """
 from __future__ import annotations
 
+import operator
 import sys
 from typing import Any, NamedTuple
 
@@ -92,6 +93,70 @@ def _host_view(name: str, obj: Any, arr: np.ndarray) -> ArrayView:
     )
 
 
+class _InterfaceV3:
+    """A CUDA Array Interface v0-v2 dict restated as v3, for viewers that read only v3 (cuda.core refuses older
+    versions outright). Holds the exporter, so the memory outlives any view made through it."""
+
+    __slots__ = ("__cuda_array_interface__", "exporter")
+
+    def __init__(self, interface: dict, exporter: Any):
+        self.__cuda_array_interface__ = interface
+        self.exporter = exporter
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int if it is a whole number (a NumPy integer too; not a bool), else ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def normalized_interface(name: str, interface: Any) -> dict:
+    """A ``__cuda_array_interface__`` dict as version 3, or a ``ValueError`` naming ``name``.
+
+    Versions 0-2 carry the same ``shape`` / ``typestr`` / ``data`` / ``strides`` (v1 on) / ``mask`` keys as v3 and
+    lack only ``stream``: they come back as a copy with ``"version": 3`` and ``"stream": None``, which v3 defines
+    as "no synchronization needed". Nothing is synchronised for them: v2 names no stream to order against, so
+    the caller orders the producer's writes before the launch stream (as with any v2 consumer; inside a graph
+    capture the capture's own dependencies do). A v3 dict comes back as it is. Every other check (dtype, shape,
+    strides, the read-only flag ``data[1]``, the device, a mask) is the viewer's, the same for every version.
+    """
+    if not isinstance(interface, dict):
+        raise fail(ValueError, f"{name}: expected __cuda_array_interface__ to be a dict, got "
+                               f"{type(interface).__name__}")
+    raw = interface.get("version")
+    version = _whole(raw)
+    if version is None or version < 0:
+        shown = repr(raw) if "version" in interface else "no 'version' key"
+        raise fail(ValueError, f"{name}: expected a CUDA Array Interface version (an int >= 0), got {shown}")
+    missing = [k for k in ("shape", "typestr", "data") if k not in interface]
+    if missing:
+        raise fail(ValueError, f"{name}: expected a CUDA Array Interface with 'shape', 'typestr' and 'data', got "
+                               f"version {version} without {', '.join(repr(k) for k in missing)}")
+    data = interface["data"]
+    if not (isinstance(data, (tuple, list)) and len(data) == 2 and _whole(data[0]) is not None):
+        raise fail(ValueError, f"{name}: expected CUDA Array Interface 'data' to be (pointer, read-only flag), "
+                               f"got {data!r}")
+    if version >= 3:
+        return interface
+    return {**interface, "version": 3, "stream": None}
+
+
+def interface_target(name: str, obj: Any) -> Any:
+    """What the viewer is handed for an object seen through its CUDA Array Interface: ``obj`` itself for v3,
+    else an :class:`_InterfaceV3` over :func:`normalized_interface` (refusals alike for every version)."""
+    try:
+        interface = obj.__cuda_array_interface__
+    except Exception as exc:  # noqa: BLE001 - an exporter's property may raise anything
+        raise fail(ValueError, f"{name}: expected a readable __cuda_array_interface__, got {type(obj).__name__} "
+                               f"whose property raised {type(exc).__name__}: {exc}") from exc
+    normal = normalized_interface(name, interface)
+    return obj if normal is interface else _InterfaceV3(normal, obj)
+
+
 def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
     try:
         from cuda.core.utils import StridedMemoryView
@@ -105,8 +170,11 @@ def _device_view(name: str, obj: Any, stream_ptr: int) -> ArrayView:
         # JAX hands -1 to the driver as a stream handle (CUDA_ERROR_INVALID_HANDLE): order on the legacy
         # default stream instead, which waits for JAX's pending writes without a host sync.
         stream_ptr = 1
+    target = obj
+    if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
+        target = interface_target(name, obj)  # cuda.core's own rule for taking the CUDA Array Interface
     try:
-        smv = StridedMemoryView.from_any_interface(obj, stream_ptr=stream_ptr)
+        smv = StridedMemoryView.from_any_interface(target, stream_ptr=stream_ptr)
         ptr, shape, raw_strides = int(smv.ptr), tuple(int(n) for n in smv.shape), smv.strides
         dtype, device_id, readonly = np.dtype(smv.dtype), int(smv.device_id), bool(smv.readonly)
     except Exception as exc:  # noqa: BLE001 - sorted below

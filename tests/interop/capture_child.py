@@ -1,7 +1,8 @@
 """One CUDA-graph capture scenario, run in its own process (a failed capture poisons the process).
 
-``python capture_child.py OWNER CAPTURE STREAM``: OWNER (torch, cupy, numba, cai: the library owning every
-array), CAPTURE (torch: ``torch.cuda.graph``; cupy: ``Stream.begin_capture``), STREAM (given: the capturing
+``python capture_child.py OWNER CAPTURE STREAM``: OWNER (torch, cupy, numba, cai, cai2: the library owning
+every array; cai and cai2: CUDA Array Interface v3 and v2 objects over CuPy), CAPTURE (torch:
+``torch.cuda.graph``; cupy: ``Stream.begin_capture``), STREAM (given: the capturing
 stream passed as ``stream=``; default: ``stream=None``). Plans, verifies and writes inside the capture, then
 refills every input in place and replays three times; after each replay the plan buffers and the canary state
 must equal a NumPy reference run on the same inputs. Prints ``OK`` or ``RAISED <message>`` (a refused call);
@@ -25,12 +26,20 @@ from canary import (  # noqa: E402
 )
 
 
+IS_CAI = OWNER in ("cai", "cai2")
+
+
 class CAI:
-    """An object that speaks only the CUDA Array Interface (no DLPack), over a CuPy array."""
+    """An object that speaks only the CUDA Array Interface (no DLPack), over a CuPy array: CuPy's v3 dict
+    (owner ``cai``), or restated as version 2, with no ``stream`` key (owner ``cai2``, torch's version)."""
 
     def __init__(self, a):
         self._a = a
-        self.__cuda_array_interface__ = a.__cuda_array_interface__
+        cai = dict(a.__cuda_array_interface__)
+        if OWNER == "cai2":
+            cai.pop("stream", None)
+            cai["version"] = 2
+        self.__cuda_array_interface__ = cai
 
 
 def put(host: np.ndarray):
@@ -39,7 +48,7 @@ def put(host: np.ndarray):
     if OWNER == "numba":
         return cuda.to_device(host)
     a = cupy.asarray(host)
-    return CAI(a) if OWNER == "cai" else a
+    return CAI(a) if IS_CAI else a
 
 
 def refill(dev, host: np.ndarray) -> None:
@@ -49,7 +58,7 @@ def refill(dev, host: np.ndarray) -> None:
     elif OWNER == "numba":
         dev.copy_to_device(host)
     else:
-        (dev._a if OWNER == "cai" else dev).set(host)
+        (dev._a if IS_CAI else dev).set(host)
 
 
 def library():
@@ -58,7 +67,7 @@ def library():
 
 def wrap(obj):
     """CAI owners: the library allocates CuPy arrays; hand them over as CAI-only objects."""
-    return CAI(obj) if OWNER == "cai" else obj
+    return CAI(obj) if IS_CAI else obj
 
 
 rng = np.random.default_rng(7)
@@ -82,7 +91,7 @@ def build(device, lib, make):
     vp = VerifyPlan.allocate(verify_capacity=BS * SEQ, device=device, max_reqs=ROWS, **lib)
     wp = WritePlan.allocate(write_req_capacity=BS, device=device, **lib)
     state = CanaryState.allocate(SLOTS, ring_capacity=256, device=device, **lib)
-    if device != "cpu" and OWNER == "cai":
+    if device != "cpu" and IS_CAI:
         vp = VerifyPlan(**{k: wrap(v) for k, v in vars(vp).items()})
         wp = WritePlan(**{k: wrap(v) for k, v in vars(wp).items()})
         state = CanaryState(**{k: wrap(v) for k, v in vars(state).items()})
@@ -140,7 +149,7 @@ for step in range(3):
     sync()
     rvp, rwp, rstate, rplanner, rrecords = ref
     run(rplanner, rrecords, rvp, rwp, plan_in, write_in, None)
-    got = {k: to_host(getattr(vp, k)._a if OWNER == "cai" else getattr(vp, k)) for k in OUT}
+    got = {k: to_host(getattr(vp, k)._a if IS_CAI else getattr(vp, k)) for k in OUT}
     n = int(rvp.verify_num_valid[0])
     assert n > 0 and int(got["verify_num_valid"][0]) == n, (step, got["verify_num_valid"], n)
     for k in OUT:
@@ -150,6 +159,6 @@ for step in range(3):
             g, want = g[:n], want[:n]
         assert np.array_equal(g, want), (step, k)
     for k in ("canary_buffer", "ring_write_index", "slot_run_counter", "kernel_run_counter"):
-        g = to_host(getattr(state, k)._a if OWNER == "cai" else getattr(state, k))
+        g = to_host(getattr(state, k)._a if IS_CAI else getattr(state, k))
         assert np.array_equal(g, getattr(rstate, k)), (step, k)
 print("OK")

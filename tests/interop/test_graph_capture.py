@@ -17,7 +17,7 @@ import pytest
 
 CHILD = Path(__file__).resolve().parent / "capture_child.py"
 ROOT = Path(__file__).resolve().parents[2]
-OWNERS = ("torch", "cupy", "numba", "cai")
+OWNERS = ("torch", "cupy", "numba", "cai", "cai2")  # cai2: CUDA Array Interface v2
 CAPTURES = ("torch", "cupy")
 
 
