@@ -11,13 +11,22 @@ from canary import __version__
 from . import options, replay
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with the command's one error style: the usage, then ``kv-canary: MESSAGE`` on stderr, exit 2
+    (the same prefix and stream as the set-up errors of :func:`canary.replay.replay.run`)."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"kv-canary: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kv-canary",
         description="kv-canary, a KV-cache corruption canary: replays a serving trace through a simulated "
         "engine with the canary on every step (docs/replay.md).")
     parser.add_argument("--version", action="version", version=f"kv-canary {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     p = commands.add_parser(
         "replay",
         help="replay a serving trace through a scheduler simulator and the canary",
@@ -47,8 +56,13 @@ def keep_freed_memory() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 1 mismatches, 2 usage or setup error)."""
-    args = build_parser().parse_args(argv)
-    args.check(args)
-    keep_freed_memory()
-    return args.func(args)
+    """Run the command line; returns the exit status (0 ok, 1 mismatches or a missed fault, 2 usage, input or
+    setup error, 130 interrupted). Argument errors raise ``SystemExit(2)`` (argparse's way)."""
+    try:
+        args = build_parser().parse_args(argv)
+        args.check(args)
+        keep_freed_memory()
+        return args.func(args)
+    except KeyboardInterrupt:  # before the replay's loop (which reports its partial summary itself)
+        print("kv-canary: interrupted", file=sys.stderr)
+        return 130

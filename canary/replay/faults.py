@@ -19,10 +19,12 @@ Ten kinds, each a hook on one step (``KIND@STEP`` on the command line):
 request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never
 handed out, taken out of the pool for good. ``swa-evict`` is an SWA page freed while the window still needs it:
 the plan gives that position ``MISSING_SLOT`` and verify reports ``MISSING``. It needs a sliding window
-(``--swa-window``): without one there is no LUT to clear, and the fault is never applied (``not applied (needs
---swa-window)``), which fails the run like any fault never applied. ``kv-flip``, ``kv-flip-last``, ``zero-kv``
+(``--swa-window``): without one there is no LUT to clear (the command line refuses it before the run; here
+it is never applied, ``not applied: needs --swa-window ...``, which fails the run like any fault never
+applied). ``kv-flip``, ``kv-flip-last``, ``zero-kv``
 and ``swa-evict`` corrupt a mid-window position (neither the window's first nor the write's seed), so a sliding
-window of fewer than 4 positions can never apply them (``not applied (needs --swa-window >= 4 (or none))``).
+window of fewer than 4 positions can never apply them (``not applied: needs --swa-window >= 4 (or none)``);
+:func:`requirement` names what each kind needs.
 
 ``spec-reject`` and ``row-recycle`` leave self-consistent records (chain, positions and real KV agree): only the
 expected-token pool sees them. ``spec-reject`` is speculative decoding's rejected draft left in the KV: the
@@ -71,15 +73,42 @@ class Fault:
     def applied(self) -> bool:
         return self.applied_step is not None
 
-    def describe(self) -> str:
+    def describe(self, last_step: int | None = None, interrupted: bool = False) -> str:
+        """What the fault did, or why it was never applied: ``last_step`` is the replay's last step (``None``:
+        it ran none), ``interrupted`` whether the replay stopped there before the trace's end."""
         if not self.applied:
-            return f"not applied (needs {self.needs})" if self.needs else "not applied"
+            if self.needs:
+                return f"not applied: needs {self.needs}"
+            if last_step is None:
+                return "not applied: the replay ran no step"
+            if self.requested_step > last_step:
+                ended = "the replay was interrupted" if interrupted else "the trace ended"
+                return f"not applied: {ended} at step {last_step}, before step {self.requested_step}"
+            return (f"not applied: no step from {self.requested_step} to the last ({last_step}) had a request it "
+                    f"could corrupt")
         parts = [f"slot {self.slot} pos {self.position}"]
         if self.written_position not in (-1, self.position):
             parts.append(f"written as pos {self.written_position}")
         if self.written_token != -1 and self.written_token != self.expected_token:
             parts.append(f"token {self.written_token} for {self.expected_token}")
         return ", ".join(parts)
+
+
+MID_WINDOW_KINDS = ("kv-flip", "kv-flip-last", "zero-kv", "swa-evict")
+
+
+def requirement(kind: str, *, swa_window: int, num_layers: int) -> str:
+    """What a replay with these options lacks for ``kind`` to ever be applied (the option it needs, as typed on
+    the command line), or ``""``. The command line refuses such a fault before the run
+    (:func:`canary.replay.options.check_arguments`); the hooks below still check, for other callers."""
+    if kind in MID_WINDOW_KINDS and 0 < swa_window < 4:
+        # a mid-window position: neither the window's first nor the write's seed
+        return "--swa-window >= 4 (or none)"
+    if kind == "swa-evict" and not swa_window:
+        return "--swa-window (a sliding window: its LUT entry is what the fault clears)"
+    if kind == "kv-flip-last" and num_layers < 2:
+        return "--num-layers >= 2 (the last layer's K bytes, which only the layer rotation reads)"
+    return ""
 
 
 def _window_too_small(kv: EngineKV, f: Fault) -> bool:

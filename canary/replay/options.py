@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .faults import KINDS, parse_inject
+from .faults import KINDS, parse_inject, requirement
 from .scheduler import BUNDLED_TRACES
 
 # Every size below counts slots, rows or tokens of int32-indexed tables (req_to_token holds int32 slots; the
@@ -52,71 +54,102 @@ def _trace(text: str) -> str:
 
 
 def _json_path(text: str) -> str:
-    """An argparse type: a file path that can be written, checked now so that a long run cannot fail at its end."""
-    path = Path(text)
-    want = "a file path in an existing, writable directory"
-    if path.is_dir():
+    """An argparse type: a path where the summary can be written, checked now so that a long run cannot fail at
+    its end. The summary is written atomically (a temporary file in the same directory, then renamed over the
+    path: :func:`canary.replay.replay.write_json`), so the test is to create such a file there: permission bits
+    alone miss a read-only mount for root. A FIFO, device or directory is refused (a FIFO would block the
+    write forever); a symbolic link is followed (its target is the file replaced)."""
+    want = "a regular file path in an existing, writable directory"
+    target = Path(os.path.realpath(text))
+    if target.is_dir():
         raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (a directory)")
-    folder = path.parent
+    if target.exists() and not stat.S_ISREG(target.stat().st_mode):
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (not a regular file: a FIFO, socket or "
+                                         f"device)")
+    folder = target.parent
     if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (no directory {str(folder)!r})")
-    target = path if path.exists() else folder
-    if not os.access(target, os.W_OK):
-        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} ({str(target)!r} is not writable)")
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (no directory {str(Path(text).parent)!r})")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{target.name}.", suffix=".tmp"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r} (cannot create a file in {str(folder)!r}: "
+                                         f"{exc.strerror or exc})") from None
     return text
 
 
+class _Once(argparse.Action):
+    """``store`` (or, with ``nargs=0``, ``store_const``) that refuses a second use of its option: argparse would
+    keep the last value silently, and ``--trace a.csv ... --trace b.csv`` is a mistake, not a choice. Records
+    the options given in ``namespace.given`` (dest: the option as typed), for :func:`check_arguments`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = vars(namespace).setdefault("given", {})
+        if self.dest in given:
+            used = given[self.dest]
+            also = "" if used == option_string else f" (as {used})"
+            parser.error(f"argument {option_string}: expected once, got it twice{also}")
+        given[self.dest] = option_string
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", type=_trace, default="conv", metavar="PATH|conv|code",
+    p.add_argument("--trace", action=_Once, type=_trace, default="conv", metavar="PATH|conv|code",
                    help="trace CSV (columns TIMESTAMP, ContextTokens, GeneratedTokens), or a bundled Azure 2023 "
                    "trace: conv (default) or code")
-    p.add_argument("--max-requests", type=_count, default=300, metavar="N",
+    p.add_argument("--max-requests", action=_Once, type=_count, default=300, metavar="N",
                    help="replay the first N requests; 0 = all (default 300)")
-    p.add_argument("--max-batch-size", type=_size, default=64, metavar="N",
+    p.add_argument("--max-batch-size", action=_Once, type=_size, default=64, metavar="N",
                    help="running requests per step (default 64)")
-    p.add_argument("--kv-pool-tokens", type=_size, default=1 << 17, metavar="N",
+    p.add_argument("--kv-pool-tokens", action=_Once, type=_size, default=1 << 17, metavar="N",
                    help="full KV pool size in tokens, at least 2 pages (default 131072)")
-    p.add_argument("--verify-capacity", type=_count32, default=None, metavar="N",
+    p.add_argument("--verify-capacity", action=_Once, type=_count32, default=None, metavar="N",
                    help="verify entries per plan; 0 = 60%% of the KV pool, rounded down to 1024 (default)")
-    p.add_argument("--verify-budget", type=_count32, default=None, metavar="N",
+    p.add_argument("--verify-budget", action=_Once, type=_count32, default=None, metavar="N",
                    help="the same as --verify-capacity: verify entries per plan; a step asking more verifies a "
                    "rotating sample of N (or nothing with --on-overflow skip), so it trades verify cost for "
                    "staleness (see the canary's coverage rows)")
-    p.add_argument("--on-overflow", choices=("sample", "skip"), default="sample",
+    p.add_argument("--on-overflow", action=_Once, choices=("sample", "skip"), default="sample",
                    help="a step whose verify entries exceed the capacity: sample = verify a rotating sample of "
                    "capacity entries (default, SPEC 3.7); skip = verify nothing (SGLang's behaviour)")
-    p.add_argument("--chunk-size", type=_size, default=2048, metavar="N",
+    p.add_argument("--chunk-size", action=_Once, type=_size, default=2048, metavar="N",
                    help="prefill tokens per request per step (default 2048)")
-    p.add_argument("--token-budget", type=_count32, default=0, metavar="N",
+    p.add_argument("--token-budget", action=_Once, type=_count32, default=0, metavar="N",
                    help="tokens per step, decodes first; 0 = no limit (default)")
-    p.add_argument("--page-size", type=_size, default=16, metavar="N", help="KV page size in tokens (default 16)")
-    p.add_argument("--swa-window", type=_count32, default=0, metavar="W",
+    p.add_argument("--page-size", action=_Once, type=_size, default=16, metavar="N",
+                   help="KV page size in tokens (default 16)")
+    p.add_argument("--swa-window", action=_Once, type=_count32, default=0, metavar="W",
                    help="plan a sliding-window group of window W through a full-to-SWA LUT; 0 = full attention")
-    p.add_argument("--no-pad", dest="pad", action="store_false",
+    p.add_argument("--no-pad", dest="pad", action=_Once, nargs=0, const=False, default=True,
                    help="do not pad batches to CUDA-graph sizes (1, 2, 4, ..., max batch size)")
-    p.add_argument("--backend", default="auto", choices=("auto", "reference", "cupy", "numba"),
+    p.add_argument("--backend", action=_Once, default="auto", choices=("auto", "reference", "cupy", "numba"),
                    help="planner backend; auto = a GPU backend if a GPU is present, else reference (default)")
-    p.add_argument("--seed", type=_count, default=0, metavar="N", help="seed of every random choice (default 0)")
-    p.add_argument("--check-every", type=_count, default=0, metavar="N",
+    p.add_argument("--seed", action=_Once, type=_count, default=0, metavar="N",
+                   help="seed of every random choice (default 0)")
+    p.add_argument("--check-every", action=_Once, type=_count, default=0, metavar="N",
                    help="every N steps also plan with the reference backend and compare all output buffers "
                    "byte for byte; 0 = never (default)")
-    p.add_argument("--plan-only", action="store_true",
+    p.add_argument("--plan-only", action=_Once, nargs=0, const=True, default=False,
                    help="only plan every step (no canary, no CanaryManager): the planner's checks alone")
     p.add_argument("--inject", action="append", type=parse_inject, default=[], metavar="KIND@STEP",
                    help=f"inject a fault at STEP (or the first later step where it applies); KIND: {', '.join(KINDS)}; "
                    "repeatable; not with --plan-only")
-    p.add_argument("--num-layers", type=_size, default=1, metavar="L",
+    p.add_argument("--num-layers", action=_Once, type=_size, default=1, metavar="L",
                    help="KV layers of the simulated model; L >= 2 turns on the layer rotation (docs/integration.md "
                    "5c; default 1: layer 0 only, as SGLang)")
-    p.add_argument("--layer-dwell", type=_size, default=1, metavar="D",
+    p.add_argument("--layer-dwell", action=_Once, type=_size, default=1, metavar="D",
                    help="steps each layer stays under the rotation's cursor (with --num-layers; use the sampling "
                    "bound when the verify samples: docs/integration.md 5c; default 1)")
-    p.add_argument("--json", type=_json_path, metavar="PATH",
-                   help="also write the summary as JSON to PATH (its directory must exist)")
+    p.add_argument("--json", action=_Once, type=_json_path, metavar="PATH",
+                   help="also write the summary as JSON to PATH (its directory must exist and be writable; written "
+                   "atomically; docs/replay.md lists its keys)")
 
 
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The constraints between options, after parsing; ``p.error`` exits 2 like argparse's own checks."""
+    """The constraints between options, after parsing; ``p.error`` exits 2 like argparse's own checks. Options
+    that would change nothing (or a fault that could never be applied) are refused rather than ignored: a run
+    that quietly ignores one reads as a run that tested it."""
+    given = getattr(args, "given", {})
     if args.kv_pool_tokens < 2 * args.page_size:
         # Page 0 is reserved for the padding slot: a pool needs one more page to hold anything.
         p.error(f"argument --kv-pool-tokens: expected at least 2 pages of --page-size {args.page_size} "
@@ -125,7 +158,24 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if cap is not None and budget is not None and cap != budget:
         p.error(f"argument --verify-budget: expected the value of --verify-capacity ({cap}) when both are given, "
                 f"got {budget}")
-    if args.plan_only and args.inject:
-        p.error("argument --inject: expected the canary, got --plan-only (a fault needs the canary to be caught)")
+    if args.plan_only:
+        if args.inject:
+            p.error("argument --inject: expected the canary, got --plan-only (a fault needs the canary to be caught)")
+        for dest in ("num_layers", "layer_dwell"):  # the layers are the canary's: the plans alone read none
+            if dest in given:
+                p.error(f"argument {given[dest]}: expected the canary (the layer rotation is the canary's), got "
+                        f"--plan-only")
+    if "layer_dwell" in given and args.num_layers < 2:
+        p.error(f"argument --layer-dwell: expected --num-layers >= 2 (the layer rotation it paces), got "
+                f"--num-layers {args.num_layers}")
+    for f in args.inject:
+        need = requirement(f.kind, swa_window=args.swa_window, num_layers=args.num_layers)
+        if need:
+            p.error(f"argument --inject: {f.kind}@{f.requested_step} needs {need}, which this run does not have "
+                    f"(it could never be applied)")
+    if args.json and args.trace not in BUNDLED_TRACES and os.path.exists(args.json) and os.path.samefile(
+            args.json, args.trace):
+        p.error(f"argument --json: expected a path other than the trace's, got {args.json!r} (it would replace "
+                f"the trace)")
     # One value from here on: the budget is another name for the capacity.
     args.verify_capacity = budget if budget is not None else cap or 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import sys
 import time
@@ -33,10 +32,18 @@ import numpy as np
 from canary import BackendUnavailableError, CanaryPlanner, PlanStatus, VerifyPlan, WritePlan, to_host
 
 from .replay_manager import ManagerReplay
-from .report import fault_lines, fault_table, manager_table, summary_table
+from .report import ProgressLog, fault_lines, fault_table, manager_table, provenance, summary_table, write_json
 from .scheduler import Scheduler, default_buckets, load_trace
 
 MAX_SHOWN_MISMATCHES = 5
+WIDE = 200  # columns of the tables when the output is not a terminal (rich's default there is 80: rows wrap)
+INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C (SIGINT), as a shell reports it: 128 + 2
+
+
+def _error(message: str) -> None:
+    """A usage, input or set-up error: one line on stderr, ``kv-canary:`` first, as argparse's (cli.Parser)."""
+    message = message if message.startswith("kv-canary:") else f"kv-canary: {message}"
+    print(message, file=sys.stderr, flush=True)
 
 
 class _Arrays:
@@ -179,27 +186,32 @@ def _pct(values: list, q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Replay, print the report, write ``--json``; the exit status: 0 clean, 1 a mismatch, a violation of a
+    clean run or a fault missed, 2 an input or set-up error (stderr), 130 interrupted (the partial report)."""
     try:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
     except ImportError:
-        print("kv-canary replay needs rich for its output: python -m pip install rich (or, in the checkout, "
-              "python -m pip install \".[cli]\")", file=sys.stderr)
+        _error("kv-canary: replay needs rich for its output: python -m pip install rich (or, in the checkout, "
+               "python -m pip install \".[cli]\")")
         return 2
     console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=WIDE)  # a log or a pipe: rows that wrap at 80 columns only get harder to read
     try:
         summary, problems = _replay(args, console, Progress, (TextColumn("{task.description}"), BarColumn(),
                                                                MofNCompleteColumn(), TimeElapsedColumn()))
     except MemoryError as exc:  # sizes inside the int32 range can still ask for more than the host has
-        console.print(f"error: kv-canary replay: the replay's arrays do not fit in memory ({exc}): lower "
-                      f"--max-batch-size (now {args.max_batch_size}), --kv-pool-tokens ({args.kv_pool_tokens}), "
-                      f"--verify-capacity or --num-layers ({args.num_layers})", markup=False, highlight=False,
-                      soft_wrap=True)
+        _error(f"kv-canary: the replay's arrays do not fit in memory ({exc}): lower --max-batch-size (now "
+               f"{args.max_batch_size}), --kv-pool-tokens ({args.kv_pool_tokens}), --verify-capacity or "
+               f"--num-layers ({args.num_layers})")
         return 2
     except (BackendUnavailableError, ValueError, TypeError, OSError) as exc:
-        console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        _error(str(exc))
         return 2
+    if summary["interrupted"]:
+        _error(f"kv-canary: interrupted after {summary['steps']} steps: the report of those steps follows")
     for line in problems[:MAX_SHOWN_MISMATCHES]:
         console.print(f"MISMATCH {line}", markup=False, highlight=False)
     if len(problems) > MAX_SHOWN_MISMATCHES:
@@ -219,23 +231,37 @@ def run(args: argparse.Namespace) -> int:
         console.print(fault_table(c, Table))
     if args.json:
         try:
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=2)
-                f.write("\n")
+            write_json(args.json, summary)
         except OSError as exc:  # checked at parse time; the directory can still go away during the run
-            console.print(f"error: kv-canary: --json: cannot write the summary: {exc}", markup=False, highlight=False)
+            _error(f"kv-canary: --json {args.json}: cannot write the summary: {exc}")
             return 2
+    if summary["interrupted"]:
+        return INTERRUPTED
     return 1 if summary["mismatches"] or (c is not None and c["failed"]) else 0
+
+
+def _check_pool(sched_args: dict, trace) -> None:
+    """The longest request must fit in the pool (page 0 reserved): said with the options' names, before the
+    scheduler (which names its parameters) would refuse it."""
+    ps, pool = sched_args["page_size"], sched_args["kv_pool_tokens"]
+    if not len(trace):
+        return
+    longest = int((trace.context_tokens + trace.generated_tokens - 1).max())
+    pages = -(-longest // ps)
+    if pages > pool // ps - 1:
+        raise ValueError(f"kv-canary: --kv-pool-tokens {pool}: expected room for the longest request of trace "
+                         f"{trace.name} ({longest} tokens, {pages} pages of --page-size {ps}, plus the reserved "
+                         f"page 0): at least {(pages + 1) * ps}")
 
 
 def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
     trace = load_trace(args.trace, args.max_requests)
     mbs = args.max_batch_size
-    sched = Scheduler(
-        trace, max_batch_size=mbs, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens,
-        chunk_size=args.chunk_size, token_budget=args.token_budget, swa_window=args.swa_window,
-        pad_buckets=default_buckets(mbs) if args.pad else (), seed=args.seed,
-    )
+    sched_args = dict(max_batch_size=mbs, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens,
+                      chunk_size=args.chunk_size, token_budget=args.token_budget, swa_window=args.swa_window,
+                      pad_buckets=default_buckets(mbs) if args.pad else (), seed=args.seed)
+    _check_pool(sched_args, trace)
+    sched = Scheduler(trace, **sched_args)
     cap = args.verify_capacity or max(1024, int(args.kv_pool_tokens * 0.6) // 1024 * 1024)
     kind = _placement(args.backend)
     want_canary = not args.plan_only
@@ -244,8 +270,8 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
             raise BackendUnavailableError(
                 "kv-canary: --inject: expected CuPy for the canary's GPU arrays (pip install cupy-cuda13x "
                 "'cuda-core[cu13]'), got Numba device arrays only (CuPy is missing or sees no GPU)")
-        console.print("kv-canary replay: Numba device arrays only (no CuPy): planning only, as with --plan-only",
-                      markup=False, highlight=False)
+        print("kv-canary: note: Numba device arrays only (no CuPy): planning only, as with --plan-only",
+              file=sys.stderr, flush=True)
         want_canary = False
     arrays = _Arrays(kind)
     r2t, lut = sched.req_to_token, sched.full_to_swa_index_mapping
@@ -280,61 +306,69 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
 
     verify, write, times_us, bs_active, bs_padded = [], [], [], [], []
     overflow = checked = 0
+    interrupted = False
     problems: list[str] = []
     console.print(f"kv-canary replay: {len(trace)} requests of trace {trace.name}, backend {planner.backend} "
                   f"({arrays.kind} arrays), verify capacity {cap}", markup=False, highlight=False, soft_wrap=True)
     t_start = time.perf_counter()
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
-        task = progress.add_task("requests finished", total=len(trace))
-        for step in sched.steps():
-            arrays.update(dev_r2t, r2t, step.req_pool_indices[: step.num_active])
-            if lut is not None:
-                arrays.update(dev_lut, lut)
-            inputs = dict(req_pool_indices=arrays.put(step.req_pool_indices),
-                          prefix_lens=arrays.put(step.prefix_lens), extend_seq_lens=arrays.put(step.extend_seq_lens))
-            compare = bool(args.check_every) and step.index % args.check_every == 0
-            # Only a sampled step moves the cursors (SPEC 3.7): the reference must plan each of them too.
-            mirror = bool(args.check_every) and sample and step.verify_entries > cap
-            if compare:
-                for (name, buf), (_, ref_buf) in zip(_buffers(plans), _buffers(ref_plans)):
-                    if name in STATE_FIELDS:
-                        continue
-                    poison = rng.integers(np.iinfo(ref_buf.dtype).min, np.iinfo(ref_buf.dtype).max,
-                                          size=ref_buf.shape, dtype=ref_buf.dtype, endpoint=True)
-                    arrays.fill(buf, poison)
-                    ref_buf[...] = poison
-            arrays.sync()  # the copies above are not part of the plan's time
-            t0 = time.perf_counter_ns()
-            valid = q = None
-            if session is None:
-                planner.plan(**inputs)
-            else:  # the manager plans (and verifies) with the pool rows and valid lengths it keeps by request
-                session.before_forward(step, inputs)
-                valid, q = session.manager.staged_expected_tokens(step.bs)
-            arrays.sync()
-            times_us.append((time.perf_counter_ns() - t0) / 1e3)
+    log = None if console.is_terminal else ProgressLog(int(sched.kv_len.sum()), len(trace))
+    try:
+        with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+            task = progress.add_task("requests finished", total=len(trace))
+            for step in sched.steps():
+                arrays.update(dev_r2t, r2t, step.req_pool_indices[: step.num_active])
+                if lut is not None:
+                    arrays.update(dev_lut, lut)
+                inputs = dict(req_pool_indices=arrays.put(step.req_pool_indices),
+                              prefix_lens=arrays.put(step.prefix_lens),
+                              extend_seq_lens=arrays.put(step.extend_seq_lens))
+                compare = bool(args.check_every) and step.index % args.check_every == 0
+                # Only a sampled step moves the cursors (SPEC 3.7): the reference must plan each of them too.
+                mirror = bool(args.check_every) and sample and step.verify_entries > cap
+                if compare:
+                    for (name, buf), (_, ref_buf) in zip(_buffers(plans), _buffers(ref_plans)):
+                        if name in STATE_FIELDS:
+                            continue
+                        poison = rng.integers(np.iinfo(ref_buf.dtype).min, np.iinfo(ref_buf.dtype).max,
+                                              size=ref_buf.shape, dtype=ref_buf.dtype, endpoint=True)
+                        arrays.fill(buf, poison)
+                        ref_buf[...] = poison
+                arrays.sync()  # the copies above are not part of the plan's time
+                t0 = time.perf_counter_ns()
+                valid = q = None
+                if session is None:
+                    planner.plan(**inputs)
+                else:  # the manager plans (and verifies) with the pool rows and valid lengths it keeps by request
+                    session.before_forward(step, inputs)
+                    valid, q = session.manager.staged_expected_tokens(step.bs)
+                arrays.sync()
+                times_us.append((time.perf_counter_ns() - t0) / 1e3)
 
-            got = [int(to_host(getattr(plans[0], f))[0]) for f in ("status", "enable", "verify_num_valid")]
-            want = _want(step.verify_entries, cap, sample)
-            if got != want:
-                problems.append(f"step {step.index}: (status, enable, verify_num_valid) = {got}, expected {want}")
-            if compare or mirror:
-                if compare and ref_pool is not None and ref_pool is not pool:
-                    ref_pool[...] = to_host(pool)  # the pool moves no cursor: only compared steps need it fresh
-                ref.plan(req_pool_indices=step.req_pool_indices, prefix_lens=step.prefix_lens,
-                         extend_seq_lens=step.extend_seq_lens, req_to_verify_expected_tokens_valid_lens=valid,
-                         expected_token_pool_indices=q)
-            if compare:
-                problems += _diff(step.index, _buffers(plans), _buffers(ref_plans))
-                checked += 1
-            if session is not None:
-                session.run(step, req_to_token=dev_r2t, lut=dev_lut)
-            overflow += step.verify_entries > cap  # what the scheduler knows; the plan's status is checked above
-            verify.append(step.verify_entries)
-            write.append(step.write_entries)
-            bs_active.append(step.num_active)
-            bs_padded.append(step.bs)
-            progress.update(task, completed=sched.num_finished, description=f"step {step.index + 1}")
+                got = [int(to_host(getattr(plans[0], f))[0]) for f in ("status", "enable", "verify_num_valid")]
+                want = _want(step.verify_entries, cap, sample)
+                if got != want:
+                    problems.append(f"step {step.index}: (status, enable, verify_num_valid) = {got}, expected {want}")
+                if compare or mirror:
+                    if compare and ref_pool is not None and ref_pool is not pool:
+                        ref_pool[...] = to_host(pool)  # the pool moves no cursor: only compared steps need it fresh
+                    ref.plan(req_pool_indices=step.req_pool_indices, prefix_lens=step.prefix_lens,
+                             extend_seq_lens=step.extend_seq_lens, req_to_verify_expected_tokens_valid_lens=valid,
+                             expected_token_pool_indices=q)
+                if compare:
+                    problems += _diff(step.index, _buffers(plans), _buffers(ref_plans))
+                    checked += 1
+                if session is not None:
+                    session.run(step, req_to_token=dev_r2t, lut=dev_lut)
+                overflow += step.verify_entries > cap  # what the scheduler knows; the plan's status is checked above
+                verify.append(step.verify_entries)
+                write.append(step.write_entries)
+                bs_active.append(step.num_active)
+                bs_padded.append(step.bs)
+                progress.update(task, completed=sched.num_finished, description=f"step {step.index + 1}")
+                if log is not None:
+                    log.update(step.index + 1, step.write_entries, sched.num_finished)
+    except KeyboardInterrupt:  # Ctrl-C: the report of the steps so far, and exit 130 (run)
+        interrupted = True
     wall = time.perf_counter() - t_start
 
     def stats(values, qs=(50, 99)):
@@ -343,6 +377,8 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
         return out
 
     summary = {
+        **provenance(),
+        "interrupted": interrupted,
         "trace": trace.name,
         "requests": len(trace),
         "requests_finished": sched.num_finished,
@@ -361,14 +397,16 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
                        "mean_padded": float(np.mean(bs_padded)) if bs_padded else 0.0},
         "verify_entries_per_step": stats(verify),
         "write_entries_per_step": stats(write),
-        "overflow_steps": overflow,
+        # Steps above the capacity, by what the plan did with them (PlanStatus): one of the two is 0.
+        "sampled_steps": overflow if sample else 0,
+        "overflow_steps": 0 if sample else overflow,
         "plan_time_us": stats(times_us),
         "checked_steps": checked,
         "mismatches": len(problems),
         "wall_time_s": wall,
     }
     if session is not None:
-        summary["canary"] = session.summary()
+        summary["canary"] = session.summary(interrupted=interrupted)
     return summary, problems
 
 

@@ -101,6 +101,7 @@ class ManagerReplay:
         self.group = self.manager.groups[0]
         self.admitted: set[int] = set()  # requests given to add_request (a finished one is never scheduled again)
         self._step: Step | None = None
+        self.last_step: int | None = None  # the last step begun (an interrupted replay stops anywhere)
         self.context = sched.trace.context_tokens
 
     # -- what the replay reads -----------------------------------------------------------------------------------
@@ -116,6 +117,7 @@ class ManagerReplay:
     def before_forward(self, step: Step, inputs: dict) -> None:
         """Admit new requests, then ``before_forward``: the manager plans and verifies the step."""
         self._step = step
+        self.last_step = step.index
         n = step.num_active
         ids = step.request_ids[:n].tolist()
         for req in ids:
@@ -200,8 +202,9 @@ class ManagerReplay:
             return self.total > 0
         return any(not hits for hits in self.by_fault)
 
-    def summary(self) -> dict:
-        """The ``canary`` object of the replay's summary (docs/replay.md lists its keys)."""
+    def summary(self, interrupted: bool = False) -> dict:
+        """The ``canary`` object of the replay's summary (docs/replay.md lists its keys); ``interrupted``: the
+        replay stopped before the trace's end (a fault not reached says so)."""
         st = self.manager.stats()
         h = self.group.state.health()
         faults = []
@@ -222,7 +225,7 @@ class ManagerReplay:
                 "slot": f.slot,
                 "position": f.position,
                 "requests": list(f.requests),
-                "what": f.describe(),
+                "what": f.describe(self.last_step, interrupted),
             })
         times = np.array(self.times_us or [0.0])
         return {

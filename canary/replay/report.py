@@ -1,8 +1,24 @@
 """The replay's printed report: its tables (built with rich's ``Table``, passed in so that this module imports
-no rich) and the fault lines above them."""
+no rich) and the fault lines above them; the progress lines of a run whose output is not a terminal; the JSON
+summary's provenance and its atomic write."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import canary
+
+# Progress without a terminal (a CI log, a pipe): a line at most every PROGRESS_INTERVAL_S seconds, and one at
+# each tenth of the trace's tokens if a fifth of that interval has passed since the last line (so that a run
+# of a few seconds prints none).
+PROGRESS_INTERVAL_S = 10.0
 
 
 def summary_table(s: dict, Table) -> Any:
@@ -22,7 +38,7 @@ def summary_table(s: dict, Table) -> Any:
     t.add_row("write entries / step", *dist(s["write_entries_per_step"], "{:.0f}"))
     # Steps above the capacity: each verified a sample, or (skip) nothing.
     what = "sampled" if s["on_overflow"] == "sample" else "overflow"
-    t.add_row(f"{what} steps (capacity {s['verify_capacity']})", str(s["overflow_steps"]))
+    t.add_row(f"{what} steps (capacity {s['verify_capacity']})", str(s[f"{what}_steps"]))
     # With the canary the manager's before_forward is timed: the plan and the verify.
     what = "before_forward (plan + verify)" if "canary" in s else "plan time"
     t.add_row(f"{what} / step (us)", *dist(s["plan_time_us"], "{:.1f}"))
@@ -78,7 +94,8 @@ def fault_table(c: dict, Table) -> Any:
     for f in c["faults"]:
         t.add_row(f["kind"], str(f["requested_step"]), cell(f["applied_step"]), cell(f["first_violation_step"]),
                   cell(f["steps_to_detection"]), "\n".join(f["kernels"]) or "-",
-                  "\n".join(f["reasons"]) or "NOT DETECTED")  # one name a line: fits 80 columns
+                  "\n".join(f["reasons"]) or ("NOT DETECTED" if f["applied_step"] is not None else "NOT APPLIED"))
+    # one name a line: fits 80 columns
     return t
 
 
@@ -87,3 +104,78 @@ def fault_lines(c: dict) -> list[str]:
     return [f"FAULT {f['kind']}@{f['requested_step']}: {f['what']}"
             + (f" (step {f['applied_step']}; requests {', '.join(map(str, f['requests']))})" if f["applied_step"]
                is not None else "") for f in c["faults"]]
+
+
+class ProgressLog:
+    """Progress lines on stderr for a run whose output is not a terminal (rich's bar shows only on one): the
+    step, the share of the trace's tokens written so far (the total is known before the run; the number of
+    steps is not), the requests finished, the time so far and an estimate of the time left, linear in the
+    tokens. ``clock``: seconds (``time.monotonic``), replaceable for tests."""
+
+    def __init__(self, total_tokens: int, total_requests: int, *, clock: Callable[[], float] = time.monotonic,
+                 stream=None):
+        self.total_tokens, self.total_requests = max(1, total_tokens), total_requests
+        self.clock, self.stream = clock, stream if stream is not None else sys.stderr
+        self.start = self.last = clock()
+        self.tokens = 0
+        self.tenth = 0  # the last tenth of the tokens reported
+
+    def update(self, steps_done: int, step_tokens: int, finished: int) -> None:
+        self.tokens += step_tokens
+        now, frac = self.clock(), min(1.0, self.tokens / self.total_tokens)
+        tenth = int(frac * 10)
+        if now - self.last < PROGRESS_INTERVAL_S and (tenth <= self.tenth or now - self.last < PROGRESS_INTERVAL_S / 5):
+            return
+        self.last, self.tenth = now, max(tenth, self.tenth)
+        spent = now - self.start
+        eta = f"ETA {spent * (1 - frac) / frac:.0f} s" if frac > 0 else "ETA unknown"
+        print(f"kv-canary replay: step {steps_done}, {frac:.0%} of the trace's tokens, {finished}/"
+              f"{self.total_requests} requests finished, {spent:.1f} s, {eta}", file=self.stream, flush=True)
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout that ``canary`` is imported from (``KV_CANARY_COMMIT`` when set: a tree copied
+    without its ``.git``), or ``None`` (an installed wheel, no git). Only a checkout whose top holds this very
+    package counts: a wheel installed in a virtual environment inside another repository is not that one."""
+    if os.environ.get("KV_CANARY_COMMIT"):
+        return os.environ["KV_CANARY_COMMIT"]
+    package = Path(canary.__file__).resolve().parent
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=package, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = top.stdout.split()
+    if top.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() / "canary" != package:
+        return None
+    return lines[1]
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """The JSON summary's ``version``, ``commit`` and ``command`` (the argument vector, program name first)."""
+    return {"version": canary.__version__, "commit": git_commit(),
+            "command": list(sys.argv if argv is None else argv)}
+
+
+def write_json(path: str, summary: dict) -> None:
+    """Write ``summary`` to ``path`` atomically: a temporary file in the same directory, flushed to disk, then
+    renamed over ``path`` (a symbolic link's target), so that a reader sees the old file or the whole new one,
+    never a part. Raises ``OSError``; the temporary file is removed then."""
+    target = Path(os.path.realpath(path))
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would be a surprise: the mode open() would give
+        with os.fdopen(fd, "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -56,40 +56,49 @@ def load_trace(trace: str | Path = "conv", max_requests: int = 0) -> Trace:
     name = str(trace)
     bundled = {**BUNDLED_TRACES, **{v: v for v in BUNDLED_TRACES.values()}}
     source = resources.files("canary.data").joinpath(bundled[name]) if name in bundled else Path(trace)
+    # Each row keeps its line in the file (1 = the header): the one way a message names a row, whatever the
+    # arrival order the rows are sorted into.
     try:
         with source.open("r", newline="") as f:
-            rows = list(csv.reader(f))
+            reader = csv.reader(f)
+            rows = [(reader.line_num, r) for r in reader]
+    except csv.Error as exc:  # a NUL byte, a field over csv's size limit
+        raise ValueError(f"kv-canary: trace {name}: expected a CSV text file, got {exc} (line {reader.line_num})"
+                         ) from None
     except UnicodeDecodeError as exc:
-        raise ValueError(f"kv-canary: trace {name}: expected a UTF-8 CSV text file, got undecodable bytes ({exc.reason} "
-                         f"at byte {exc.start})") from None
+        raise ValueError(f"kv-canary: trace {name}: expected a UTF-8 CSV text file, got undecodable bytes "
+                         f"({exc.reason} at byte {exc.start})") from None
     if not rows:
         raise ValueError(f"kv-canary: trace {name}: expected a header row, got an empty file")
-    header = [h.strip() for h in rows[0]]
+    header = [h.strip() for h in rows[0][1]]
     try:
         cols = [header.index(c) for c in ("TIMESTAMP", "ContextTokens", "GeneratedTokens")]
     except ValueError:
         raise ValueError(
             f"kv-canary: trace {name}: expected columns TIMESTAMP, ContextTokens, GeneratedTokens, got {header}"
         ) from None
-    body = [r for r in rows[1:] if r]
+    body = [(line, r) for line, r in rows[1:] if r]
     if not body:
         raise ValueError(f"kv-canary: trace {name}: expected at least one request row after the header, got none")
     stamps = []
     sizes = np.zeros((len(body), 2), dtype=np.int64)
-    for i, r in enumerate(body):
+    lines = np.array([line for line, _ in body], dtype=np.int64)
+    for i, (line, r) in enumerate(body):
         try:
             stamps.append(r[cols[0]])
             sizes[i] = int(r[cols[1]]), int(r[cols[2]])
         except (IndexError, ValueError, OverflowError):
             raise ValueError(f"kv-canary: trace {name}: expected integer ContextTokens and GeneratedTokens in every "
-                             f"row, got {r} (data row {i + 1})") from None
+                             f"row, got {r} (line {line})") from None
     # ISO timestamps sort as text; a stable sort keeps file order for ties.
-    sizes = sizes[np.argsort(np.array(stamps), kind="stable")]
+    order = np.argsort(np.array(stamps), kind="stable")
+    sizes, lines = sizes[order], lines[order]
     if max_requests:
-        sizes = sizes[:max_requests]
+        sizes, lines = sizes[:max_requests], lines[:max_requests]
     if sizes.size and sizes.min() < 1:
         bad = int(np.flatnonzero((sizes < 1).any(axis=1))[0])
-        raise ValueError(f"kv-canary: trace {name}: expected token counts >= 1, got {sizes[bad].tolist()} (request {bad})")
+        raise ValueError(f"kv-canary: trace {name}: expected token counts >= 1, got {sizes[bad].tolist()} "
+                         f"(line {int(lines[bad])})")
     return Trace(Path(name).stem, sizes[:, 0].copy(), sizes[:, 1].copy())
 
 

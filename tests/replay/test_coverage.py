@@ -64,7 +64,8 @@ def test_two_requests_by_hand_sample(tmp_path, two_requests, capacity, sampled, 
     """The default ``--on-overflow sample``: an overflowing step verifies ``capacity`` entries (SPEC 3.7)."""
     rc, s = _coverage(tmp_path, *two_requests, "--verify-budget", str(capacity))
     c = s["canary"]
-    assert rc == 0 and s["on_overflow"] == "sample" and s["overflow_steps"] == sampled and s["mismatches"] == 0
+    assert rc == 0 and s["on_overflow"] == "sample" and s["sampled_steps"] == sampled and s["mismatches"] == 0
+    assert s["overflow_steps"] == 0  # PlanStatus.OVERFLOW: none when sampling
     assert (c["unverified_steps"], c["sampled_steps"], c["max_staleness_steps"]) == (0, sampled, staleness)
     assert (c["cached_token_steps"], c["verified_token_steps"], c["max_sweep_steps"]) == (20, verified, sweep)
     assert c["verified_token_steps"] == c["health"]["verify_slots"]  # the canary's own count
@@ -86,7 +87,7 @@ def test_two_requests_sliding_window_sampled(tmp_path, two_requests):
     waits one step, its 4 one step, and step 3 verifies both: 3 + 3 + 2 of 10 pairs."""
     rc, s = _coverage(tmp_path, *two_requests, "--swa-window", "2", "--verify-capacity", "3", "--check-every", "1")
     c = s["canary"]
-    assert rc == 0 and s["overflow_steps"] == 2 and s["mismatches"] == 0
+    assert rc == 0 and s["sampled_steps"] == 2 and s["overflow_steps"] == 0 and s["mismatches"] == 0
     assert (c["unverified_steps"], c["sampled_steps"], c["max_staleness_steps"]) == (0, 2, 1)
     assert c["verified_fraction"] == 0.8
 
@@ -157,17 +158,18 @@ def test_sample_verifies_every_overflow_step(tmp_path):
     rc, s = _coverage(tmp_path, *SMALL_BUDGET)
     rc_skip, skip = _coverage(tmp_path, *SMALL_BUDGET, "--on-overflow", "skip")
     c, cs = s["canary"], skip["canary"]
-    assert rc == rc_skip == 0 and s["overflow_steps"] == skip["overflow_steps"] > 0
-    assert c["unverified_steps"] == 0 and c["sampled_steps"] == s["overflow_steps"]
+    assert rc == rc_skip == 0 and s["sampled_steps"] == skip["overflow_steps"] > 0
+    assert s["overflow_steps"] == skip["sampled_steps"] == 0
+    assert c["unverified_steps"] == 0 and c["sampled_steps"] == s["sampled_steps"]
     assert c["verified_token_steps"] == c["health"]["verify_slots"]
-    assert c["verified_token_steps"] == cs["verified_token_steps"] + 4096 * s["overflow_steps"]
+    assert c["verified_token_steps"] == cs["verified_token_steps"] + 4096 * s["sampled_steps"]
     assert c["max_staleness_steps"] <= c["max_sweep_steps"]
 
 
 def test_enough_capacity_verifies_everything(tmp_path, capsys):
     rc, s = _coverage(tmp_path, "--max-requests", "20", "--max-batch-size", "8", "--verify-budget", "1000000")
     c = s["canary"]
-    assert rc == 0 and s["overflow_steps"] == 0 and KEYS <= set(c)
+    assert rc == 0 and s["overflow_steps"] == s["sampled_steps"] == 0 and KEYS <= set(c)
     assert (c["unverified_steps"], c["sampled_steps"], c["verified_fraction"], c["max_staleness_steps"]) == (0, 0, 1.0, 0)
     assert c["verified_token_steps"] == c["cached_token_steps"] == c["health"]["verify_slots"] > 0
     text = capsys.readouterr().out

@@ -175,7 +175,7 @@ def test_cli_replay_counts_overflow_steps(tmp_path):
     assert cli.main(["replay", "--max-requests", "30", "--verify-capacity", "4096", "--no-pad", "--check-every", "7",
                      "--token-budget", "1024", "--json", str(out)]) == 0
     s = json.loads(out.read_text())
-    assert 0 < s["overflow_steps"] < s["steps"] and s["mismatches"] == 0
+    assert 0 < s["sampled_steps"] < s["steps"] and s["overflow_steps"] == 0 and s["mismatches"] == 0
     assert s["batch_size"]["mean_padded"] == s["batch_size"]["mean_active"]
     assert s["write_entries_per_step"]["max"] <= 1024
 
@@ -211,7 +211,11 @@ def test_replay_without_rich(monkeypatch, capsys):
 
 def test_cli_errors(capsys):
     assert cli.main(["replay", "--max-requests", "5", "--kv-pool-tokens", "512"]) == 2
-    assert "kv_pool_tokens" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.out == "" and "kv_pool_tokens" not in captured.err  # the option, not the Python name
+    assert captured.err.startswith("kv-canary: --kv-pool-tokens 512: expected room for the longest request of "
+                                   "trace conv ("), captured.err
+    assert "pages of --page-size 16, plus the reserved page 0): at least " in captured.err
     with pytest.raises(SystemExit) as exc:
         cli.main(["replay", "--check-every", "-1"])
     assert exc.value.code == 2

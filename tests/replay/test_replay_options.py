@@ -69,9 +69,20 @@ def test_malformed_trace_is_a_setup_error(capsys, tmp_path):
     path = tmp_path / "short.csv"
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n2,4\n")
     assert cli.main(["replay", "--trace", str(path)]) == 2
-    out = capsys.readouterr().out
-    assert out.startswith("error: kv-canary: trace ") and "short.csv: expected integer ContextTokens" in out, out
-    assert "(data row 2)" in out
+    captured = capsys.readouterr()
+    err = captured.err
+    assert captured.out == "" and err.startswith("kv-canary: trace ") and "short.csv: expected integer " \
+        "ContextTokens" in err, err
+    assert "(line 3)" in err  # the file's line, header = line 1: the one way a row is named
+
+
+def test_rows_are_named_by_their_line_whatever_the_arrival_order(capsys, tmp_path):
+    path = tmp_path / "t.csv"
+    # The bad row arrives first (timestamp 0) but is the file's line 3.
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n5,2,3\n0,0,4\n")
+    assert cli.main(["replay", "--trace", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith("expected token counts >= 1, got [0, 4] (line 3)"), err
 
 
 
@@ -84,13 +95,13 @@ def test_an_empty_or_binary_trace_is_a_setup_error(capsys, tmp_path, content, wo
     path = tmp_path / "t.csv"
     path.write_bytes(content)
     assert cli.main(["replay", "--trace", str(path)]) == 2
-    out = " ".join(capsys.readouterr().out.split())
-    assert out.startswith("error: kv-canary: trace ") and words in out, out
+    err = capsys.readouterr().err
+    assert err.startswith("kv-canary: trace ") and words in err, err
 
 @pytest.mark.parametrize("value", ["kv-flip", "nope@3", "kv-flip@x", "kv-flip@-1"])
 def test_inject(capsys, value):
     msg = refused(capsys, "--inject", value)
-    assert msg.startswith("kv-canary replay: error: argument --inject: expected KIND@STEP with KIND one of kv-flip"), msg
+    assert msg.startswith("kv-canary: argument --inject: expected KIND@STEP with KIND one of kv-flip"), msg
     assert repr(value) in msg
 
 
@@ -100,7 +111,7 @@ def test_backend(capsys):
 
 def test_json_directory_must_exist(capsys, tmp_path):
     msg = refused(capsys, "--json", str(tmp_path / "missing" / "x.json"))
-    assert msg.startswith("kv-canary replay: error: argument --json: expected a file path in an existing, writable "
+    assert msg.startswith("kv-canary: argument --json: expected a regular file path in an existing, writable "
                           "directory"), msg
     assert "(no directory" in msg
 
@@ -117,7 +128,7 @@ def test_json_directory_must_be_writable(capsys, tmp_path):
     folder.mkdir()
     folder.chmod(0o555)
     try:
-        assert "is not writable" in refused(capsys, "--json", str(folder / "x.json"))
+        assert "(cannot create a file in " in refused(capsys, "--json", str(folder / "x.json"))
     finally:
         folder.chmod(0o755)
 
@@ -156,6 +167,6 @@ def test_sizes_the_host_cannot_hold_name_the_options(capsys, monkeypatch):
 
     monkeypatch.setattr(replay, "_replay", too_big)
     assert cli.main(["replay", "--max-batch-size", "2147483647"]) == 2
-    out = " ".join(capsys.readouterr().out.split())
-    assert out.startswith("error: kv-canary replay: the replay's arrays do not fit in memory (Unable to allocate 4.00 "
-                          "TiB): lower --max-batch-size (now 2147483647), --kv-pool-tokens (131072)"), out
+    err = capsys.readouterr().err
+    assert err.startswith("kv-canary: the replay's arrays do not fit in memory (Unable to allocate 4.00 "
+                          "TiB): lower --max-batch-size (now 2147483647), --kv-pool-tokens (131072)"), err

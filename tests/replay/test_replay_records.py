@@ -24,10 +24,27 @@ M64 = (1 << 64) - 1
 SMALL = ["replay", "--backend", "reference", "--max-requests", "12", "--max-batch-size", "8", "--chunk-size", "512"]
 
 
+def _small(extra) -> list[str]:
+    """SMALL, less its --max-requests when ``extra`` gives one (an option given twice is refused)."""
+    if "--max-requests" not in extra:
+        return SMALL
+    i = SMALL.index("--max-requests")
+    return SMALL[:i] + SMALL[i + 2:]
+
+
 def _replay(tmp_path, *extra: str) -> tuple[int, dict]:
     out = tmp_path / "summary.json"
-    rc = cli.main([*SMALL, *extra, "--json", str(out)])
+    rc = cli.main([*_small(extra), *extra, "--json", str(out)])
     return rc, json.loads(out.read_text())
+
+
+def _refused(capsys, *extra: str) -> str:
+    """``kv-canary replay SMALL EXTRA`` refused before the run (exit 2, nothing on stdout): its message."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*_small(extra), *extra])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == "", captured
+    return captured.err.strip().splitlines()[-1]
 
 
 def test_xp_content_matches_the_package_hashes():
@@ -166,32 +183,34 @@ def test_swa_evict_is_reported_missing_at_its_position(tmp_path):
     assert f["what"] == f"slot {f['slot']} pos {f['position']}" and len(f["requests"]) == 1
 
 
-def test_swa_evict_needs_a_sliding_window(tmp_path, capsys):
-    """Without --swa-window there is no LUT to clear: the fault is never applied, says why, and fails the run."""
-    rc, s = _replay(tmp_path, "--inject", "swa-evict@20")
-    text = capsys.readouterr().out
-    (f,) = s["canary"]["faults"]
-    assert rc == 1 and s["canary"]["failed"] and f["applied_step"] is None and not f["detected"]
-    assert f["what"] == "not applied (needs --swa-window)"
-    assert "FAULT swa-evict@20: not applied (needs --swa-window)" in text
+def test_swa_evict_needs_a_sliding_window(capsys):
+    """Without --swa-window there is no LUT to clear: refused before the run, naming the fault and the option
+    (run, it would end in NOT DETECTED, which reads like a canary miss)."""
+    msg = _refused(capsys, "--inject", "swa-evict@20")
+    assert msg.startswith("kv-canary: argument --inject: swa-evict@20 needs --swa-window (a sliding window"), msg
 
 
-@pytest.mark.parametrize("kind", ["kv-flip", "zero-kv", "swa-evict"])
-def test_mid_window_kinds_need_a_window_of_four(tmp_path, capsys, kind):
-    """A window of 3 has no position that is neither its first nor the write's seed: never applied, says why."""
-    rc, s = _replay(tmp_path, "--inject", f"{kind}@5", "--swa-window", "3")
-    (f,) = s["canary"]["faults"]
-    assert rc == 1 and f["applied_step"] is None and f["what"] == "not applied (needs --swa-window >= 4 (or none))"
-    assert f"FAULT {kind}@5: not applied (needs --swa-window >= 4 (or none))" in capsys.readouterr().out
+@pytest.mark.parametrize("kind", ["kv-flip", "zero-kv", "swa-evict", "kv-flip-last"])
+def test_mid_window_kinds_need_a_window_of_four(capsys, kind):
+    """A window of 3 has no position that is neither its first nor the write's seed: refused before the run."""
+    msg = _refused(capsys, "--inject", f"{kind}@5", "--swa-window", "3", "--num-layers", "2")
+    assert msg == f"kv-canary: argument --inject: {kind}@5 needs --swa-window >= 4 (or none), which this run does " \
+                  "not have (it could never be applied)", msg
+
+
+def test_the_hooks_still_say_what_a_fault_needs():
+    """Callers other than the command line (the tests' engine) get the reason in the fault's description."""
+    from canary.replay.faults import Fault
+
+    f = Fault("swa-evict", 3, needs="--swa-window")
+    assert f.describe(10) == "not applied: needs --swa-window"
 
 
 def test_kv_flip_last_needs_layers_and_names_the_layer(tmp_path, capsys):
-    """Without --num-layers >= 2 nothing reads the last layer: never applied, says why. With 4 layers the
+    """Without --num-layers >= 2 nothing reads the last layer: refused before the run. With 4 layers the
     rotation finds it within 4 steps, in the layer-3 rows only (the main verify reads layer 0)."""
-    rc, s = _replay(tmp_path, "--inject", "kv-flip-last@20")
-    (f,) = s["canary"]["faults"]
-    assert rc == 1 and f["what"] == "not applied (needs --num-layers >= 2)"
-    capsys.readouterr()
+    msg = _refused(capsys, "--inject", "kv-flip-last@20")
+    assert msg.startswith("kv-canary: argument --inject: kv-flip-last@20 needs --num-layers >= 2"), msg
     rc, s = _replay(tmp_path, "--inject", "kv-flip-last@20", "--inject", "kv-flip@20", "--num-layers", "4")
     text = capsys.readouterr().out
     last, first = s["canary"]["faults"]
@@ -211,7 +230,10 @@ def test_a_fault_never_applied_fails_the_run(tmp_path, capsys):
     (f,) = s["canary"]["faults"]
     assert rc == 1 and s["canary"]["failed"]
     assert f["applied_step"] is None and not f["detected"] and f["first_violation_step"] is None
-    assert "NOT DETECTED" in capsys.readouterr().out
+    assert f["what"] == f"not applied: the trace ended at step {s['steps'] - 1}, before step 100000"
+    out = capsys.readouterr().out
+    assert "NOT APPLIED" in out and "NOT DETECTED" not in out  # not a canary miss
+    assert f"FAULT token@100000: not applied: the trace ended at step {s['steps'] - 1}" in out
 
 
 def test_a_clean_run_with_violations_fails(tmp_path, monkeypatch, capsys):
@@ -253,7 +275,8 @@ def test_no_canary_flag(capsys):
 def test_inject_on_numba_arrays_needs_cupy(monkeypatch, capsys, fault):
     monkeypatch.setattr(canary.replay.replay, "_placement", lambda backend: "numba")
     assert cli.main(["replay", "--max-requests", "2", "--inject", fault]) == 2
-    assert "kv-canary: --inject: expected CuPy" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.err.startswith("kv-canary: --inject: expected CuPy") and captured.out == "", captured
 
 
 def test_numba_arrays_alone_plan_only(monkeypatch, capsys):
@@ -261,8 +284,8 @@ def test_numba_arrays_alone_plan_only(monkeypatch, capsys):
     host_arrays = canary.replay.replay._Arrays
     monkeypatch.setattr(canary.replay.replay, "_Arrays", lambda kind: host_arrays("host"))  # no GPU here
     assert cli.main(["replay", "--max-requests", "2"]) == 0
-    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
-    assert "Numba device arrays only (no CuPy): planning only, as with --plan-only" in out
+    err = capsys.readouterr().err
+    assert "kv-canary: note: Numba device arrays only (no CuPy): planning only, as with --plan-only" in err
 
 
 def test_readme_replay_canary_command(tmp_path, capsys):

@@ -28,7 +28,7 @@ def test_defaults_leave_no_step_unverified(tmp_path, trace):
     rc, s = _replay(tmp_path, "--trace", trace)
     c = s["canary"]
     assert rc == 0 and s["on_overflow"] == "sample" and s["mismatches"] == 0 and c["violations"] == 0
-    assert c["unverified_steps"] == 0 and c["sampled_steps"] == s["overflow_steps"] > 0
+    assert c["unverified_steps"] == 0 and c["sampled_steps"] == s["sampled_steps"] > 0
     assert 1 <= c["max_staleness_steps"] <= c["max_sweep_steps"]
     assert c["verified_token_steps"] == c["health"]["verify_slots"]
 
@@ -42,7 +42,7 @@ def test_a_small_budget_samples_and_verifies_every_step(tmp_path, trace):
     rc, s = _replay(tmp_path, "--trace", trace, *SMALL, "--check-every", "1")
     c = s["canary"]
     assert rc == 0 and s["mismatches"] == 0 and s["checked_steps"] == s["steps"] and c["violations"] == 0
-    assert c["unverified_steps"] == 0 and c["sampled_steps"] == s["overflow_steps"] > s["steps"] // 2
+    assert c["unverified_steps"] == 0 and c["sampled_steps"] == s["sampled_steps"] > s["steps"] // 2
     assert 0 < c["verified_fraction"] < 1 and 1 <= c["max_staleness_steps"] <= c["max_sweep_steps"]
 
 
