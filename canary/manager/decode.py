@@ -55,6 +55,7 @@ class ReportDecoder:
         self.stalled = {g.name: 0 for g in groups}
         self.last_counters = {g.name: (0, 0) for g in groups}
         self.last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
+        self.unhealthy: tuple | None = None  # (group, steps stalled, step) of a health failure not yet raised
         self._one_group = groups[0].name if len(groups) == 1 else None  # decode's quiet path
 
     def stats(self) -> dict[str, Any]:
@@ -66,7 +67,9 @@ class ReportDecoder:
 
     def handle_reports(self, wait: bool) -> None:
         """Decode every queued report that has reached the host, oldest first (``wait``: every queued one,
-        waiting for each), then dispatch what they found."""
+        waiting for each), then dispatch what they found. A health failure stops the decoding at its report (the
+        later ones stay queued): what was decoded up to it is dispatched first, then :class:`CanaryHealthError`
+        is raised, carrying those new violations."""
         new: list[SlotViolation] = []
         dropped, last_step = 0, None
         pending, transfer = self.pending, self.mailbox
@@ -88,12 +91,22 @@ class ReportDecoder:
                 new += found
             dropped += lost
             last_step = rec.index
+            if self.unhealthy is not None:
+                break
         if last_step is None:
             return
         if self.dedup.open:
             self.dedup.expire(last_step)
+        health, self.unhealthy = self.unhealthy, None
         if new or dropped or self.stats_every:
-            self.dispatch(new, dropped, last_step)
+            try:
+                self.dispatch(new, dropped, last_step)
+            except CanaryViolationError as err:  # mode "raise": the health failure wins, carrying the violations
+                if health is None:
+                    raise
+                raise self.health_error(*health, err.violations) from err
+        if health is not None:
+            raise self.health_error(*health, new)
 
     def note_rows(self, rec, rpi: np.ndarray) -> None:
         # Each request's last req_to_token row (for holders). A decode step repeats the last batch: nothing to do
@@ -133,8 +146,8 @@ class ReportDecoder:
                     before = self.last_counters[name]
                     stalled = 0 if now[0] > before[0] and now[1] > before[1] else self.stalled[name] + 1
                     self.stalled[name] = stalled
-                    if stalled >= self.health_steps:
-                        self.health_failed(name, stalled, rec.index)
+                    if stalled >= self.health_steps and self.unhealthy is None:
+                        self.unhealthy = (name, stalled, rec.index)
                 self.last_counters[name] = now
                 return _NONE, 0
         new, dropped = [], 0
@@ -187,25 +200,22 @@ class ReportDecoder:
                 g._m_verified, g._m_written = st.verified[name], st.written[name]
                 if name in rec.groups and status & _SAMPLED:
                     metrics.sampled.labels(group=name).inc()
-        for name, n in self.stalled.items():
-            if n >= self.health_steps:
-                self.health_failed(name, n, rec.index)
-        for viol in new:
-            for reason in viol.reason_names or ("NONE",):
-                st.violations[reason] = st.violations.get(reason, 0) + 1
-                if metrics:
-                    metrics.violations.labels(group=viol.group, reason=reason).inc()
+        if self.unhealthy is None:
+            for name, n in self.stalled.items():
+                if n >= self.health_steps:
+                    self.unhealthy = (name, n, rec.index)  # raised once this call's reports are dispatched
+                    break
         if metrics:
             metrics.steps.inc()
             metrics.protected.set(self.requests.protected_tokens())
         return new, dropped
 
     @staticmethod
-    def health_failed(name: str, n: int, step: int) -> None:
-        raise CanaryHealthError(
+    def health_error(name: str, n: int, step: int, violations: list[SlotViolation]) -> CanaryHealthError:
+        return CanaryHealthError(
             f"kv-canary: health: expected the kernels of group {name!r} to run every scheduled step, got launch "
             f"counters unchanged for {n} consecutive steps (up to step {step}): the canary calls are no longer "
-            f"launched (a CUDA graph captured without them, or a stream mix-up)")
+            f"launched (a CUDA graph captured without them, or a stream mix-up)", violations)
 
     def record(self, g: BoundGroup, v, rec, rpi: np.ndarray | None) -> SlotViolation:
         sw = self.sweep.sweeps.get(g.name)
@@ -263,6 +273,10 @@ class ReportDecoder:
         return tuple(out)
 
     def dispatch(self, new: list[SlotViolation], dropped: int, step: int) -> None:
+        # A new violation counts (stats, metrics) and stays marked seen only once delivered: a callback that
+        # raises leaves its violations unseen and uncounted, so that their next sighting reports them again.
+        if new:
+            self.count(new, 1)
         if self.stats_every and self.stats_.decoded_steps % self.stats_every == 0:
             logging.getLogger("kv_canary").info("kv-canary: stats " + json.dumps(self.stats(), default=str))
         if not new and not dropped:
@@ -270,9 +284,31 @@ class ReportDecoder:
         if self.on_violation == "log":
             log_violations(new, step, self.log_limit)
         elif self.on_violation == "raise":
+            self.meter(new)
             first = new[0].line() if new else "none kept"
             raise CanaryViolationError(
                 f"kv-canary: violations: expected none, got {len(new)} new and {dropped} dropped to ring overflow "
                 f"by step {step}; first: {first}", new, dropped, step)
         elif new:
-            self.on_violation(new)
+            try:
+                self.on_violation(new)
+            except BaseException:
+                self.count(new, -1)
+                self.dedup.forget(new)
+                raise
+        self.meter(new)
+
+    def count(self, new: list[SlotViolation], sign: int) -> None:
+        st = self.stats_.violations
+        for viol in new:
+            for reason in viol.reason_names or ("NONE",):
+                st[reason] = st.get(reason, 0) + sign
+                if not st[reason]:
+                    del st[reason]
+
+    def meter(self, new: list[SlotViolation]) -> None:
+        # Prometheus counters never go down: counted once the violations are delivered
+        if self.metrics:
+            for viol in new:
+                for reason in viol.reason_names or ("NONE",):
+                    self.metrics.violations.labels(group=viol.group, reason=reason).inc()

@@ -11,6 +11,7 @@ report decoder (``decode.py``) and the token intake (``intake.py``).
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
@@ -25,6 +26,7 @@ from .block import ReportBlock
 from .decode import ReportDecoder
 from .eager import EagerGraphs
 from .groups import BoundGroup, KVGroup, bind_group, check_groups
+from .guard import Guarded, step_call
 from .intake import TokenIntake
 from .pool import RequestPool
 from .report import SlotViolation
@@ -37,7 +39,8 @@ from .transfer import open_transfer
 
 MODES = ("log", "raise")
 
-class CanaryManager:
+
+class CanaryManager(Guarded):
     """Detect KV-cache corruption around an engine's forward: plan, verify, write, report.
 
     Arguments (keyword-only after ``groups``):
@@ -149,6 +152,11 @@ class CanaryManager:
         self._by_name, self._all_names = self._steps.by_name, self._steps.all_names
         # The rooms' state as the tests and benchmarks read it (the same objects)
         self._pending, self._last_counters = self._steps.pending, self._decoder.last_counters
+        # The calling contract (guard.py): the lock the request calls and the step calls hold (re-entrant: a
+        # callback may call add_request / finish_request), the step thread, the step call in progress
+        self._lock = threading.RLock()
+        self._thread: int | None = None
+        self._busy: str | None = None
         self._closed = False
 
     # The step machine's open step and whether its report joins the after_kv_store graph (tests read and set them)
@@ -157,6 +165,7 @@ class CanaryManager:
                                 lambda self, value: setattr(self._steps, "report_in_graph", value))
 
     # -- binding -------------------------------------------------------------------------------------------------
+    @step_call(bound=False)
     def warmup(self) -> None:
         """Compile and load every kernel, so that the per-step calls only launch (graph-capturable)."""
         handle, st = self._launch(None)
@@ -170,15 +179,24 @@ class CanaryManager:
         self._steps.prepare_verifies(st)
 
     def close(self) -> None:
-        """Free the pinned host buffers and the captured graphs (GPU); the manager is unusable afterwards. A
-        second call does nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._eager is not None:
-            self._eager.close()
-        self._transfer.close()
-        self._sweep.close()
+        """Handle every queued report (:meth:`flush`: a host sync; the last step's violations are delivered, and
+        may raise as a step call would), then free the pinned host buffers and the captured graphs (GPU). Every
+        later call raises ``RuntimeError`` except :meth:`stats` and :attr:`open_violations`; a second close does
+        nothing. Callable from any thread (it waits for a step in progress); ``with CanaryManager(...) as m:``
+        calls it on exit."""
+        if not self._closed:
+            self._close()
+
+    @step_call(bound=False)
+    def _close(self) -> None:
+        try:
+            self._handle_reports(wait=True)
+        finally:
+            self._closed = True
+            if self._eager is not None:
+                self._eager.close()
+            self._transfer.close()
+            self._sweep.close()
 
     def _append_scatter(self, empty, upd) -> DeviceScatter:
         # What a manager without the backend's device append builds (staging.append_scatter; tests build it too)
@@ -189,14 +207,20 @@ class CanaryManager:
         """Start tracking a request: its own expected-token pool row, holding its prompt (``[P]`` int token ids,
         host). Raises ``ValueError`` for a request already running, ``None`` as an id, a prompt longer than
         ``max_seq_len + 1``; ``RuntimeError`` when every pool row is taken (raise ``max_requests``)."""
-        self.requests.add(request_id, prompt_token_ids)
-        self._decoder.last_rows = None  # a new request under an old id is noted
+        with self._lock:
+            if self._closed:
+                self._refuse("add_request")
+            self.requests.add(request_id, prompt_token_ids)
+            self._decoder.last_rows = None  # a new request under an old id is noted
 
     def accept_tokens(self, request_id: Hashable, token_ids: Sequence[int] | np.ndarray) -> None:
         """Append a step's accepted tokens (host ints: the sampled token, or a speculative step's accepted drafts
         and bonus token; never rejected drafts). They reach the device at the next :meth:`before_forward`.
         Raises ``KeyError`` for a request not running, ``ValueError`` past ``max_seq_len + 1`` tokens."""
-        self.requests.accept(request_id, token_ids)
+        with self._lock:
+            if self._closed:
+                self._refuse("accept_tokens")
+            self.requests.accept(request_id, token_ids)
 
     def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any) -> None:
         """:meth:`accept_tokens` for a whole decode batch at once: ``token_ids[i]`` is the one token request
@@ -215,15 +239,22 @@ class CanaryManager:
         Raises ``KeyError`` for a request not running; ``ValueError`` for a request listed twice, a length
         mismatch, a request past ``max_seq_len + 1`` tokens (nothing is accepted then), a device array on another
         device or not contiguous; ``TypeError`` for token ids that are not integers."""
-        self._intake.accept_batch(request_ids, token_ids)
+        with self._lock:
+            if self._closed:
+                self._refuse("accept_tokens_batch")
+            self._intake.accept_batch(request_ids, token_ids)
 
     def finish_request(self, request_id: Hashable) -> None:
         """Stop tracking a request. Its pool row keeps its tokens until every other free row was reused, so a
         stale forward naming it is still checked. Raises ``KeyError`` for a request not running."""
-        self.requests.finish(request_id)
-        self._decoder.last_rows = None
+        with self._lock:
+            if self._closed:
+                self._refuse("finish_request")
+            self.requests.finish(request_id)
+            self._decoder.last_rows = None
 
     # -- per step ------------------------------------------------------------------------------------------------
+    @step_call()
     def before_forward(self, *, req_pool_indices: Any, prefix_lens: Any, extend_seq_lens: Any,
                        request_ids: Sequence[Hashable] | None, groups: Sequence[str] | None = None,
                        stream: Any = None) -> None:
@@ -262,7 +293,7 @@ class CanaryManager:
             if n_ids != bs:
                 raise fail(ValueError, f"request_ids: expected one id per batch row (bs = {bs}), got {n_ids}")
             steps = self._steps
-            steps.begin(request_ids, groups, handle, self.poll, defer_scatter=self._eager is not None)
+            steps.begin(request_ids, groups, handle, self._poll_ready, defer_scatter=self._eager is not None)
             try:
                 if not steps.prepared:
                     steps.prepare_verifies(st)
@@ -278,6 +309,7 @@ class CanaryManager:
             steps.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
             steps.graph_inputs[bs] = steps.inputs  # what begin_step / end_step report for this graph's replays
 
+    @step_call()
     def after_kv_store(self, *, out_cache_loc: Any, input_ids: Any, positions: Any,
                        groups: Sequence[str] | None = None, out_cache_loc_by_group: dict[str, Any] | None = None,
                        stream: Any = None) -> None:
@@ -312,26 +344,34 @@ class CanaryManager:
         if not capturing:
             steps.end(handle, st, reported=in_graph)
 
+    @step_call()
     def begin_step(self, request_ids: Sequence[Hashable] | None, *, groups: Sequence[str] | None = None,
                    stream: Any = None) -> None:
         """The host half of :meth:`before_forward`: handle ready reports, then stage the step's expected-token
         pool rows and valid lengths (and queued tokens) on ``stream``. A CUDA-graph engine calls it before each
         replay of a graph that captured :meth:`before_forward` / :meth:`after_kv_store`."""
         steps = self._steps
-        steps.begin(request_ids, groups, self._launch(stream)[0], self.poll)
+        steps.begin(request_ids, groups, self._launch(stream)[0], self._poll_ready)
         # The report of the engine's graph of this batch size names its captured req_pool_indices, whatever eager
         # step ran in between (an eager step at another batch size leaves its own in steps.inputs).
         steps.inputs = steps.graph_inputs.get(steps.step.bs, steps.inputs)
 
+    @step_call()
     def end_step(self, *, stream: Any = None) -> None:
         """The host half of :meth:`after_kv_store`: stage and launch the cached-prefix sweep of the step's groups
         (eager, never captured), then queue the device-to-host copy of the step's report."""
         self._steps.end(*self._launch(stream))
 
+    @step_call()
     def poll(self) -> None:
         """Handle every step report that has reached the host (never waits). :meth:`before_forward` calls it."""
         self._handle_reports(wait=False)
 
+    def _poll_ready(self) -> None:
+        # The step calls' own poll, inside their guard (tests replace it to hold reports back)
+        self._handle_reports(wait=False)
+
+    @step_call()
     def flush(self) -> None:
         """Wait for every queued step report and handle it (a host sync: at shutdown, or in tests)."""
         self._handle_reports(wait=True)
@@ -346,13 +386,20 @@ class CanaryManager:
         check of that one entry is skipped). ``groups``: the groups holding this KV (default: every swept
         group). Register only KV whose store was already launched (this step's included). Raises ``ValueError``
         / ``TypeError`` (``kv-canary:``) for a key already cached, slots outside a group's pool, bad lengths."""
-        self._sweep.cache(key, slots, tokens, start_position, prev_slot, groups, self._by_name)
+        with self._lock:
+            if self._closed:
+                self._refuse("cache_prefix")
+            self._sweep.cache(key, slots, tokens, start_position, prev_slot, groups, self._by_name)
 
     def evict_prefix(self, key: Hashable) -> None:
         """Stop sweeping a cached prefix. Call it when the cache frees the slots, before they are handed out
         again: a slot swept after its reuse is reported. ``KeyError`` for a key not cached."""
-        self._sweep.evict(key)
+        with self._lock:
+            if self._closed:
+                self._refuse("evict_prefix")
+            self._sweep.evict(key)
 
+    @step_call()
     def sweep(self, *, stream: Any = None) -> None:
         """An idle step: verify the next ``sweep_budget`` cached entries of every swept group with no forward
         (an engine with nothing to run calls it from its idle loop). Handles ready reports first, like
@@ -364,7 +411,7 @@ class CanaryManager:
         steps = self._steps
         inputs, steps.inputs = steps.inputs, None
         try:
-            steps.begin([], [], handle, self.poll)
+            steps.begin([], [], handle, self._poll_ready)
             steps.step.sweep = tuple(self._sweep.sweeps)
             steps.end(handle, st)
         finally:
@@ -376,12 +423,14 @@ class CanaryManager:
         per group ``verified_entries`` / ``written_entries`` (the kernels' counters) / ``sampled_steps`` /
         ``input_error_steps``, ``violations_by_reason`` (new violations per reason name), ``repeated_sightings``,
         ``ring_dropped``. As of the last decoded report."""
-        return self._decoder.stats()
+        with self._lock:
+            return self._decoder.stats()
 
     @property
     def open_violations(self) -> list[SlotViolation]:
         """The violations reported within ``forget_after`` steps, with their counts and steps."""
-        return list(self._decoder.dedup.open.values())
+        with self._lock:
+            return list(self._decoder.dedup.open.values())
 
     def staged_expected_tokens(self, bs: int) -> tuple[np.ndarray, np.ndarray]:
         """What the last step staged for its plans, first ``bs`` rows: ``(valid lengths, pool rows)``, its
@@ -392,4 +441,7 @@ class CanaryManager:
         if isinstance(bs, bool) or not isinstance(bs, (int, np.integer)) or not 0 <= int(bs) <= self.max_batch_size:
             raise fail(ValueError, f"bs: expected an int in [0, max_batch_size = {self.max_batch_size}], got {bs!r}")
         bs = int(bs)
-        return to_host(self._valid[:bs]), to_host(self._q[:bs])
+        with self._lock:
+            if self._closed:
+                self._refuse("staged_expected_tokens")
+            return to_host(self._valid[:bs]), to_host(self._q[:bs])

@@ -89,7 +89,15 @@ class CanaryViolationError(RuntimeError):
 
 
 class CanaryHealthError(RuntimeError):
-    """The canary kernels stopped running (their launch counters did not advance): raised in every mode."""
+    """The canary kernels stopped running (their launch counters did not advance): raised in every mode.
+
+    ``violations``: the new :class:`SlotViolation` records decoded in the same call, already delivered (logged,
+    passed to the callback, counted); in mode ``"raise"`` they are these, the :class:`CanaryViolationError` being
+    the ``__cause__``."""
+
+    def __init__(self, message: str, violations: list[SlotViolation] | tuple = ()):
+        super().__init__(message)
+        self.violations = list(violations)
 
 
 def kernel_name(v: Violation) -> str:
@@ -116,6 +124,12 @@ class Deduplicator:
         rec = make()
         self.open[key] = rec
         return rec
+
+    def forget(self, records: list[SlotViolation]) -> None:
+        """Unmark ``records`` (their delivery failed): their slots' next sighting is new again."""
+        ids = {id(r) for r in records}
+        for k in [k for k, r in self.open.items() if id(r) in ids]:
+            del self.open[k]
 
     def expire(self, step: int) -> None:
         stale = [k for k, r in self.open.items() if step - r.last_step > self.forget_after]

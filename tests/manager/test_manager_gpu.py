@@ -148,3 +148,24 @@ def test_graph_capture_of_the_two_per_step_calls(library):
 def test_graph_capture_with_the_layer_rotation(library):
     """The layer rotation inside the captured calls: the device cursor moves on each replay (issue 13)."""
     assert _capture(library, "layers") == "OK"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static", [False, True], ids=["fresh-arrays", "static-buffers"])
+def test_cupy_close_delivers_the_last_step_then_refuses_calls_instead_of_touching_freed_pinned_memory(static):
+    """close() flushes the last step's report, frees the pinned staging and mailbox, and every later call raises
+    (a write into the freed pinned buffers would be a host use-after-free)."""
+    got = []
+    e = _engine(got, static=static)
+    m = e.manager
+    e.flip("full", e.slot_of("a", 2))
+    e.decode_step(["a", "b"], batch=static)
+    m.close()
+    assert [(v.position, v.requests) for vs in got for v in vs] == [(2, (("a", 2),))]
+    m.close()
+    for call in (lambda: e.decode_step(["a", "b"], batch=static), lambda: m.accept_tokens("a", [1]),
+                 lambda: m.accept_tokens_batch(["a", "b"], e.a([1, 2], name="sampled")), m.flush, m.poll,
+                 lambda: m.begin_step(["a", "b"]), m.end_step, m.sweep, m.warmup):
+        with pytest.raises(RuntimeError, match=r"expected an open manager, got one closed by close\(\)"):
+            call()
+    assert m.stats()["decoded_steps"] == 4

@@ -237,12 +237,12 @@ m.add_request("i", [7])
 m.add_request("j", [8])
 for t in range(8):
     if t == 2:
-        m.poll = lambda: None
+        m._poll_ready = lambda: None
         fakecuda.COUNTS.clear()
     m.accept_tokens_batch(["i", "j"], np.array([200 + t, 210 + t]))
     m.before_forward(request_ids=["i", "j"], **before)
     m.after_kv_store(**after)
-del m.poll
+del m._poll_ready
 assert fakecuda.COUNTS["cuda.cudaStreamSynchronize"] >= 1, dict(fakecuda.COUNTS)
 m.flush()
 for rid, prompt, first in (("i", 7, 200), ("j", 8, 210)):
@@ -375,14 +375,28 @@ decoded = m.stats()["decoded_steps"]
 
 # Far ahead of the GPU: more steps than report slots with no report read in between (as if none had landed):
 # the oldest is copied out of its slot when the slots run out, and nothing is lost.
-m.poll = lambda: None
+m._poll_ready = lambda: None
 for _ in range(m._transfer.slots + 3):
     m.before_forward(request_ids=["e", "f"], **before)
     m.after_kv_store(**after)
-del m.poll
+del m._poll_ready
 assert len(m._pending) == m._transfer.slots + 3
 m.flush()
 assert m.stats()["decoded_steps"] == decoded + m._transfer.slots + 3, m.stats()["decoded_steps"]
+# close() decodes the step still queued (a last step's report), then frees the pinned staging and mailbox; a later
+# call raises instead of writing into the freed pinned memory.
+m.before_forward(request_ids=["e", "f"], **before)
+m.after_kv_store(**after)
+decoded = m.stats()["decoded_steps"]
 m.close()
+assert m.stats()["decoded_steps"] == decoded + 1 and not m._pending
 m.close()  # a second close does nothing
+for call in (lambda: m.before_forward(request_ids=["e", "f"], **before), lambda: m.after_kv_store(**after),
+             lambda: m.accept_tokens_batch(["e", "f"], np.array([1, 2])), m.flush, lambda: m.begin_step(["e", "f"])):
+    try:
+        call()
+    except RuntimeError as e:
+        assert "expected an open manager, got one closed by close()" in str(e), str(e)
+    else:
+        raise AssertionError("a call after close() was accepted")
 print("OK")
