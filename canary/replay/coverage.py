@@ -95,6 +95,7 @@ class Coverage:
         self.steps = self.unverified_steps = self.sampled_steps = 0
         self.asked = self.verified = 0
         self.max_staleness = self.max_sweep = 0
+        self.step_staleness = 0  # the last step's longest run (0: it verified all it asked), for --plot
 
     def add(self, step: Step, plan: VerifyPlan) -> None:
         """Account for ``step``, whose verify plan is ``plan`` (already planned)."""
@@ -113,6 +114,7 @@ class Coverage:
         new = self.owner[rows] != reqs
         self._clean(rows[new])
         self.owner[rows] = reqs
+        self.step_staleness = 0
         if nv >= asked and not status & SAMPLED:  # everything asked is in the plan (SPEC 3.2)
             self.verified += asked
             self._clean(rows)
@@ -131,7 +133,8 @@ class Coverage:
         run[at] = runs
         self.dirty[rows] = True
         if runs.size:
-            self.max_staleness = max(self.max_staleness, int(runs.max()))
+            self.step_staleness = int(runs.max())
+            self.max_staleness = max(self.max_staleness, self.step_staleness)
 
     def _clean(self, rows: np.ndarray) -> None:
         for row in rows[self.dirty[rows]].tolist():

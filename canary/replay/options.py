@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .faults import KINDS, parse_inject, requirement
+from .plot import NEEDS_MATPLOTLIB, formats, suffix
 from .scheduler import BUNDLED_TRACES
 
 # Every size below counts slots, rows or tokens of int32-indexed tables (req_to_token holds int32 slots; the
@@ -53,10 +54,11 @@ def _trace(text: str) -> str:
     return text
 
 
-def _json_path(text: str) -> str:
-    """An argparse type: a path where the summary can be written, checked now so that a long run cannot fail at
-    its end. The summary is written atomically (a temporary file in the same directory, then renamed over the
-    path: :func:`canary.replay.replay.write_json`), so the test is to create such a file there: permission bits
+def _out_path(text: str) -> str:
+    """An argparse type: a path where the summary (``--json``) or the plot (``--plot``) can be written, checked
+    now so that a long run cannot fail at its end. Both are written atomically (a temporary file in the same
+    directory, then renamed over the path: :func:`canary.replay.report.write_atomic`), so the test is to
+    create such a file there: permission bits
     alone miss a read-only mount for root. A FIFO, device or directory is refused (a FIFO would block the
     write forever); a symbolic link is followed (its target is the file replaced)."""
     want = "a regular file path in an existing, writable directory"
@@ -140,9 +142,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-dwell", action=_Once, type=_size, default=1, metavar="D",
                    help="steps each layer stays under the rotation's cursor (with --num-layers; use the sampling "
                    "bound when the verify samples: docs/integration.md 5c; default 1)")
-    p.add_argument("--json", action=_Once, type=_json_path, metavar="PATH",
+    p.add_argument("--json", action=_Once, type=_out_path, metavar="PATH",
                    help="also write the summary as JSON to PATH (its directory must exist and be writable; written "
                    "atomically; docs/replay.md lists its keys)")
+    p.add_argument("--plot", action=_Once, type=_out_path, metavar="PATH",
+                   help="also draw the run to PATH (needs matplotlib): verify entries per step against the budget, "
+                   "staleness, and each injected fault's applied and detected steps; the format is PATH's suffix "
+                   "(.png, .pdf, .svg, ...); checked and written as --json")
 
 
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -173,9 +179,26 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if need:
             p.error(f"argument --inject: {f.kind}@{f.requested_step} needs {need}, which this run does not have "
                     f"(it could never be applied)")
-    if args.json and args.trace not in BUNDLED_TRACES and os.path.exists(args.json) and os.path.samefile(
-            args.json, args.trace):
-        p.error(f"argument --json: expected a path other than the trace's, got {args.json!r} (it would replace "
-                f"the trace)")
+    if getattr(args, "plot", None):
+        _check_plot(p, args)
+    for dest, what in (("json", "summary"), ("plot", "plot")):
+        path = getattr(args, dest, None)
+        if path and args.trace not in BUNDLED_TRACES and os.path.exists(path) and os.path.samefile(path, args.trace):
+            p.error(f"argument --{dest}: expected a path other than the trace's, got {path!r} (the {what} would "
+                    f"replace the trace)")
     # One value from here on: the budget is another name for the capacity.
     args.verify_capacity = budget if budget is not None else cap or 0
+
+
+def _check_plot(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--plot``: matplotlib is there, it writes the suffix's format, and the path is not ``--json``'s."""
+    known = formats()
+    if known is None:
+        p.error(NEEDS_MATPLOTLIB)
+    if suffix(args.plot) not in known:
+        names = ", ".join(f".{s}" for s in sorted(known))
+        p.error(f"argument --plot: expected a file name ending in a format matplotlib writes ({names}), got "
+                f"{args.plot!r}")
+    if args.json and os.path.realpath(args.json) == os.path.realpath(args.plot):
+        p.error(f"argument --plot: expected a path other than --json's, got {args.plot!r} (one would replace the "
+                f"other)")

@@ -31,6 +31,7 @@ import numpy as np
 
 from canary import BackendUnavailableError, CanaryPlanner, PlanStatus, VerifyPlan, WritePlan, to_host
 
+from .plot import Series, write_plot
 from .replay_manager import ManagerReplay
 from .report import ProgressLog, fault_lines, fault_table, manager_table, provenance, summary_table, write_json
 from .scheduler import Scheduler, default_buckets, load_trace
@@ -186,7 +187,7 @@ def _pct(values: list, q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Replay, print the report, write ``--json``; the exit status: 0 clean, 1 a mismatch, a violation of a
+    """Replay, print the report, write ``--json`` and ``--plot``; the exit status: 0 clean, 1 a mismatch, a violation of a
     clean run or a fault missed, 2 an input or set-up error (stderr), 130 interrupted (the partial report)."""
     try:
         from rich.console import Console
@@ -199,9 +200,10 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(width=WIDE)  # a log or a pipe: rows that wrap at 80 columns only get harder to read
+    series = Series() if getattr(args, "plot", None) else None
     try:
         summary, problems = _replay(args, console, Progress, (TextColumn("{task.description}"), BarColumn(),
-                                                               MofNCompleteColumn(), TimeElapsedColumn()))
+                                                               MofNCompleteColumn(), TimeElapsedColumn()), series)
     except MemoryError as exc:  # sizes inside the int32 range can still ask for more than the host has
         _error(f"kv-canary: the replay's arrays do not fit in memory ({exc}): lower --max-batch-size (now "
                f"{args.max_batch_size}), --kv-pool-tokens ({args.kv_pool_tokens}), --verify-capacity or "
@@ -235,6 +237,12 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:  # checked at parse time; the directory can still go away during the run
             _error(f"kv-canary: --json {args.json}: cannot write the summary: {exc}")
             return 2
+    if series is not None:
+        try:
+            write_plot(args.plot, series, summary)
+        except (OSError, ImportError) as exc:  # as --json's; matplotlib was there when the options were checked
+            _error(f"kv-canary: --plot {args.plot}: cannot write the plot: {exc}")
+            return 2
     if summary["interrupted"]:
         return INTERRUPTED
     return 1 if summary["mismatches"] or (c is not None and c["failed"]) else 0
@@ -254,7 +262,8 @@ def _check_pool(sched_args: dict, trace) -> None:
                          f"page 0): at least {(pages + 1) * ps}")
 
 
-def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
+def _replay(args, console, Progress, columns, series: Series | None = None) -> tuple[dict, list[str]]:
+    """The replay's loop; its summary and mismatch lines. ``series``: filled a step at a time for ``--plot``."""
     trace = load_trace(args.trace, args.max_requests)
     mbs = args.max_batch_size
     sched_args = dict(max_batch_size=mbs, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens,
@@ -364,6 +373,11 @@ def _replay(args, console, Progress, columns) -> tuple[dict, list[str]]:
                 write.append(step.write_entries)
                 bs_active.append(step.num_active)
                 bs_padded.append(step.bs)
+                if series is not None:  # appended with the step's other figures: an interrupted step has none
+                    series.asked.append(step.verify_entries)
+                    series.verified.append(got[2] if got[1] else 0)
+                    if session is not None:
+                        series.staleness.append(session.coverage.step_staleness)
                 progress.update(task, completed=sched.num_finished, description=f"step {step.index + 1}")
                 if log is not None:
                     log.update(step.index + 1, step.write_entries, sched.num_finished)

@@ -1,6 +1,6 @@
 """The replay's printed report: its tables (built with rich's ``Table``, passed in so that this module imports
 no rich) and the fault lines above them; the progress lines of a run whose output is not a terminal; the JSON
-summary's provenance and its atomic write."""
+summary's provenance and the atomic write of its files (``--json``, ``--plot``)."""
 from __future__ import annotations
 
 import json
@@ -158,18 +158,28 @@ def provenance(argv: list[str] | None = None) -> dict:
 
 
 def write_json(path: str, summary: dict) -> None:
-    """Write ``summary`` to ``path`` atomically: a temporary file in the same directory, flushed to disk, then
-    renamed over ``path`` (a symbolic link's target), so that a reader sees the old file or the whole new one,
-    never a part. Raises ``OSError``; the temporary file is removed then."""
+    """Write ``summary`` to ``path`` as indented JSON, atomically (:func:`write_atomic`). Raises ``OSError``."""
+
+    def fill(f) -> None:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
+
+    write_atomic(path, fill, binary=False)
+
+
+def write_atomic(path: str, fill: Callable[[Any], None], binary: bool = True) -> None:
+    """Write ``path`` atomically: ``fill`` writes the content to a file object (binary, or text with
+    ``binary=False``, encoded as ``open`` would), a temporary file in the same directory, which is then flushed to
+    disk and renamed over ``path`` (a symbolic link's target), so that a reader sees the old file or the whole new
+    one, never a part. Raises ``OSError`` (or what ``fill`` raises); the temporary file is removed then."""
     target = Path(os.path.realpath(path))
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would be a surprise: the mode open() would give
-        with os.fdopen(fd, "w") as f:
-            json.dump(summary, f, indent=2)
-            f.write("\n")
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
