@@ -73,6 +73,7 @@ def _fault_label(f: dict) -> str:
 def draw(series: Series, summary: dict) -> Any:
     """The figure of a run (a ``matplotlib.figure.Figure``), from its :class:`Series` and its summary."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     c = summary.get("canary")
     faults = c["faults"] if c is not None else []
@@ -111,6 +112,7 @@ def draw(series: Series, summary: dict) -> Any:
             ax.axhline(c["max_sweep_steps"], color="black", linestyle=":", linewidth=1.0,
                        label=f"max sweep bound (SPEC 3.7, {c['max_sweep_steps']})")
         ax.set_ylabel("staleness (steps)")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # whole steps: no 2.5 ticks
         ax.set_ylim(bottom=0, top=max(1, top, c["max_sweep_steps"]) * 1.5)  # room for the legend
         ax.legend(loc="upper right", fontsize="small", framealpha=0.9)
         ax.grid(alpha=0.3)
