@@ -39,8 +39,9 @@ def extend_too_long(prefix, ext, max_seq_len: int) -> np.ndarray:
 
 def row_checks(rpi, prefix, ext, valid_lens, *, rp_bound, max_seq_len, pool_cols,
                padding_rows_carry_tokens: bool = False, pool_indices=None, pool_rows: int = 0) -> RowChecks:
-    """The checks of every batch row. An active row's ``E < 0`` is flagged 32 too. With ``padding_rows_carry_tokens``, a padding row's ``E`` is trusted
-    (it counts in ``write_offsets``), so it is checked too, as a row with ``P = 0`` (its ``P`` is never read).
+    """The checks of every batch row. An active row's ``E < 0`` is flagged 32 too (its lengths cannot be trusted).
+    With ``padding_rows_carry_tokens``, a padding row's ``E`` is trusted (it counts in ``write_offsets``), so it is
+    checked too, as a row with ``P = 0`` (its ``P`` is never read), and a negative one is silent (it carries nothing).
 
     ``pool_indices`` (``expected_token_pool_indices``, SPEC 3.2): the pool row of each batch row, checked against
     ``pool_rows`` under the same bit as ``rp``, whose own bound ``rp_bound`` is then ``max_reqs`` alone."""
