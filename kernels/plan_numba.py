@@ -190,11 +190,12 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             if vl > pool_cols:
                 flags |= CANARY_BAD_VALID_LEN
         # The new tokens must fit the row: e > room, never length + e, which garbage such as 2^62 would wrap.
+        # room >= 0, so a negative e (lengths not to be trusted, SPEC 3.4) is the one other case flagged.
         room = max_seq_len - min(max(length, int64(0)), max_seq_len)
         wlen = int64(0)
-        if e > 0 and e > room:
+        if e < 0 or e > room:
             flags |= CANARY_BAD_EXTEND_LEN
-        elif e > 0:
+        else:
             wlen = e
         vcount = int64(0)
         if (flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_EXTEND_LEN)) == 0:

@@ -36,10 +36,11 @@ __device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64
     if (HAS_POOL && (q < 0 || q >= p.pool_rows)) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
     if (len < 0 || len > p.max_seq_len) f.flags |= CANARY_BAD_PREFIX_LEN;
     if (HAS_POOL && vl > p.pool_cols) f.flags |= CANARY_BAD_VALID_LEN;
-    // The new tokens must fit the row: e > room, never len + e, which garbage such as 2^62 would wrap.
+    // The new tokens must fit the row: e > room, never len + e, which garbage such as 2^62 would wrap. room >= 0,
+    // so a negative e (lengths not to be trusted, SPEC 3.4) is the one other case flagged.
     const i64 room = p.max_seq_len - (len < 0 ? 0 : (len > p.max_seq_len ? p.max_seq_len : len));
-    if (e > 0 && e > room) f.flags |= CANARY_BAD_EXTEND_LEN;
-    else f.wlen = e > 0 ? e : 0;
+    if (e < 0 || e > room) f.flags |= CANARY_BAD_EXTEND_LEN;
+    else f.wlen = e;
     if (!(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_EXTEND_LEN)))
         f.vcount = (p.window > 0 && len > p.window) ? p.window : len;
     return f;

@@ -39,8 +39,9 @@ def extend_too_long(prefix, ext, max_seq_len: int) -> np.ndarray:
 
 def row_checks(rpi, prefix, ext, valid_lens, *, rp_bound, max_seq_len, pool_cols,
                padding_rows_carry_tokens: bool = False, pool_indices=None, pool_rows: int = 0) -> RowChecks:
-    """The checks of every batch row. With ``padding_rows_carry_tokens``, a padding row's ``E`` is trusted
-    (it counts in ``write_offsets``), so it is checked too, as a row with ``P = 0`` (its ``P`` is never read).
+    """The checks of every batch row. An active row's ``E < 0`` is flagged 32 too (its lengths cannot be trusted).
+    With ``padding_rows_carry_tokens``, a padding row's ``E`` is trusted (it counts in ``write_offsets``), so it is
+    checked too, as a row with ``P = 0`` (its ``P`` is never read), and a negative one is silent (it carries nothing).
 
     ``pool_indices`` (``expected_token_pool_indices``, SPEC 3.2): the pool row of each batch row, checked against
     ``pool_rows`` under the same bit as ``rp``, whose own bound ``rp_bound`` is then ``max_reqs`` alone."""
@@ -50,7 +51,8 @@ def row_checks(rpi, prefix, ext, valid_lens, *, rp_bound, max_seq_len, pool_cols
         bad_rp |= active & ((pool_indices < 0) | (pool_indices >= pool_rows))
     bad_p = active & ((prefix < 0) | (prefix > max_seq_len))
     bad_vl = active & (valid_lens > pool_cols) if valid_lens is not None else np.zeros_like(active)
-    bad_e = active & extend_too_long(prefix, ext, max_seq_len)
+    # A negative E on an active row joins bit 32: its lengths cannot be trusted (a padding row's stays silent).
+    bad_e = active & ((ext < 0) | extend_too_long(prefix, ext, max_seq_len))
     if padding_rows_carry_tokens:
         bad_e |= ~active & extend_too_long(np.zeros_like(ext), ext, max_seq_len)
     return RowChecks(active, bad_rp, bad_p, bad_vl, bad_e)

@@ -83,7 +83,7 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if pool is not None and int(case.valid_lens[r]) > pool.shape[1]:
             status |= BAD_VALID_LEN
         # Python ints do not wrap: the SPEC's formula as written.
-        if E > 0 and min(max(P, 0), max_seq_len) + E > max_seq_len:
+        if E < 0 or (E > 0 and min(max(P, 0), max_seq_len) + E > max_seq_len):
             status |= BAD_EXTEND_LEN
             bad_extend[r] = True
             ok = False

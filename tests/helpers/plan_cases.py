@@ -303,7 +303,7 @@ def make_case(
 
 def count_entries(rpi, P, W, r2t_shape, pool_rows=None, *, E=None, q=None) -> int:
     """Number of verify entries (``total``): rows that are active with a valid rp and P (and, when ``E`` is
-    given, new tokens that fit the row: SPEC 3.4 bit 32), window-clipped. ``q``: the pool rows
+    given, a new-token count >= 0 that fits the row: SPEC 3.4 bit 32), window-clipped. ``q``: the pool rows
     (``expected_token_pool_indices``); ``None``: the pool is keyed by ``rp``."""
     max_reqs, max_seq_len = r2t_shape
     bound = max_reqs if pool_rows is None or q is not None else min(max_reqs, pool_rows)
@@ -315,7 +315,7 @@ def count_entries(rpi, P, W, r2t_shape, pool_rows=None, *, E=None, q=None) -> in
             continue
         if q is not None and pool_rows is not None and not 0 <= qr < pool_rows:
             continue
-        if e > 0 and min(max(p, 0), max_seq_len) + e > max_seq_len:
+        if e < 0 or (e > 0 and min(max(p, 0), max_seq_len) + e > max_seq_len):
             continue
         total += p - (max(0, p - W) if W > 0 else 0)
     return total
@@ -345,8 +345,8 @@ def hand_cases() -> list[PlanCase]:
     add(make_case("duplicate_rp", [(2, 3, 1), (2, 5, 1)], notes="two batch rows on the same req_to_token row"))
     add(make_case("R_equals_bs", [(1, 2, 1), (2, 1, 3)], R=2))
     add(make_case("max_batch_size_bigger", [(1, 2, 1)], R=4, max_batch_size=3))
-    add(make_case("e_zero_negative", [(1, 3, 0), (2, 2, -4), (3, 1, 2)], notes="E<=0: wlen 0 and seed -1"))
-    add(make_case("seeds_mixed", [(1, 0, 3), (2, 4, 1), (3, 2, 0), (4, 1, 1), (5, 7, -1)]))
+    add(make_case("e_zero", [(1, 3, 0), (2, 2, 0), (3, 1, 2)], notes="E = 0: wlen 0 and seed -1"))
+    add(make_case("seeds_mixed", [(1, 0, 3), (2, 4, 1), (3, 2, 0), (4, 1, 1), (5, 7, 0)]))
 
     # ---- SWA windows (W = 3)
     add(make_case("swa_p_lt_w", [(1, 2, 1)], W=3, notes="window_start 0"))
@@ -515,8 +515,27 @@ def hand_cases() -> list[PlanCase]:
                   notes="E = INT64_MAX with P = 0: room 8, no wrap in the comparison"))
     add(make_case("extend_padding_not_flagged", [(0, 3, HUGE), (0, 9, (1 << 63) - 1), (1, 2, 1), (0, -HUGE, 9)],
                   notes="padding rows: E is never trusted, never flagged"))
-    add(make_case("extend_e_nonpositive_full_row", [(1, 8, 0), (2, 8, -HUGE), (3, 9, -1)],
-                  expect_status=BAD_PREFIX_LEN, notes="E <= 0 is never flagged, even with P > max_seq_len"))
+    add(make_case("extend_e_zero_full_row", [(1, 8, 0), (3, 9, 0)],
+                  expect_status=BAD_PREFIX_LEN, notes="E = 0 is never flagged, even with P > max_seq_len"))
+    # A negative E on an active row: no row has a negative count of new tokens, so its lengths cannot be trusted
+    # (bit 32: no entries, wlen 0, seed -1, enable 0; the other rows keep their offsets and seeds, entries unwritten).
+    add(make_case("extend_negative_active", [(1, 3, 0), (2, 2, -4), (3, 1, 2)], expect_status=X,
+                  notes="next to valid rows: offsets [0, 0, 0, 2], seeds [-1, -1, 301]; C counts rows 0 and 2 only"))
+    add(make_case("extend_negative_one", [(1, 4, -1)], expect_status=X, notes="E = -1 alone: total 0"))
+    add(make_case("extend_negative_int64_min", [(1, 2, 1), (2, 5, -(1 << 63)), (3, 1, 1)], expect_status=X,
+                  notes="E = INT64_MIN: flagged, no wrap; offsets [0, 1, 1, 2], seeds [102, -1, 301]"))
+    add(make_case("extend_negative_full_row", [(1, 8, 0), (2, 8, -HUGE), (3, 9, -1)],
+                  expect_status=BAD_PREFIX_LEN | X, notes="row 1: bit 32 alone; row 2: bits 4 and 32"))
+    add(make_case("extend_negative_bad_seed_not_read", [(1, 2, -1), (2, 1, 1)], r2t=r2t_bad, lut=lut_small,
+                  expect_status=X, notes="the flagged row's r2t[1,1] = 5000 is outside the LUT but never read"))
+    add(make_case("extend_negative_overflow", [(1, 4, -2), (2, 3, 1)], C=2, expect_status=OVERFLOW | X,
+                  notes="the flagged row's 4 entries are not counted: total 3 > C 2"))
+    add(make_case("extend_negative_excluded_from_total", [(1, 4, -2), (2, 3, 1)], C=3, expect_status=X,
+                  notes="total 3 = C without the flagged row: no OVERFLOW; num_valid 3, entries untouched"))
+    add(make_case("extend_negative_padding_silent", [(0, 3, -1), (1, 2, 1), (0, -HUGE, -(1 << 63)), (0, 9, -HUGE)],
+                  notes="padding rows: a negative E is never trusted, never flagged"))
+    add(make_case("extend_negative_padding_tokens_silent", [(0, 3, -1), (1, 2, 1), (0, 5, -(1 << 63))], carry=True,
+                  notes="padding rows carrying tokens: E < 0 carries nothing (wlen 0, seed -1), no bit"))
     add(make_case("extend_negative_prefix_clamped_fits", [(1, -(1 << 63), 8), (2, 1, 1)], expect_status=BAD_PREFIX_LEN,
                   notes="P clamped to 0: 0 + 8 fits; only bit 4, and the row's E still counts"))
     add(make_case("extend_negative_prefix_clamped_over", [(1, -1, 9), (2, 1, 1)],
@@ -657,6 +676,7 @@ def _big_batch(name: str, bs: int, *, seed: int, W: int = 0, pool: bool = False,
     rpi[rng.random(bs) < 0.1] = 0
     P = rng.integers(0, max_seq_len + 1, size=bs)
     E = np.minimum(rng.integers(-1, 6, size=bs), max_seq_len - P)  # the new tokens fit their row
+    E[(rpi != 0) & (E < 0)] = 0  # a negative count is an active row's fault (bit 32); padding rows keep theirs
     P[rpi == 0] = rng.integers(-HUGE, HUGE, size=int((rpi == 0).sum()))
     if carry:
         E[rpi == 0] = rng.integers(0, 6, size=int((rpi == 0).sum()))
@@ -835,7 +855,7 @@ def random_case(
         rp = src.int(1, rp_bound - 1)
         p = src.pick([0, 1, seq_len, max(W, 0), W + 1, src.int(0, seq_len), src.int(0, seq_len)])
         p = min(p, seq_len)
-        e = src.pick([-1, 0, 1, 1, src.int(-3, 9)])
+        e = src.pick([0, 1, 1, src.int(0, 9)])  # a negative E is a fault (SPEC 3.4 bit 32)
         if e > seq_len - p:  # the new tokens must fit the row (SPEC 3.4 bit 32): a shorter prefix or E
             if e <= seq_len and src.chance(0.5):
                 p = seq_len - e
@@ -850,8 +870,8 @@ def random_case(
                 rp = src.pick([-1, n_reqs, rp_bound, src.int(rp_bound, max(rp_bound, n_reqs - 1)), -(1 << 62), 1 << 40])
             elif kind == 1:
                 p = src.pick([-1, seq_len + 1, HUGE, -HUGE])
-            elif kind == 2:  # too long by one, or garbage that would wrap write_offsets if it were summed
-                e = src.pick([seq_len - max(p, 0) + 1, seq_len + 1, HUGE, (1 << 63) - 1])
+            elif kind == 2:  # too long by one, garbage that would wrap write_offsets if it were summed, negative
+                e = src.pick([seq_len - max(p, 0) + 1, seq_len + 1, HUGE, (1 << 63) - 1, -1, -HUGE, -(1 << 63)])
             elif kind == 3:
                 vl = src.pick([pool_cols + 1, 1 << 40])
             else:  # a pool row out of range by one on either side, or far

@@ -45,6 +45,9 @@ CASES = [
      {"r2t": r2t_with(r1_p0=-1, r2_p2=300), "lut": LUT}, B.BAD_SLOT, 2),
     ("padding_rows_are_never_flagged", [(0, 99, 7), (0, -5, 1), (2, 3, 0)], {"r2t": r2t_with(r2_p2=301), "lut": LUT},
      B.BAD_SLOT, 2),
+    ("negative_extend_len", [(1, 2, 1), (0, 3, -1), (2, 1, -1), (3, 1, -(1 << 63))], {}, B.BAD_EXTEND_LEN, 2),
+    ("negative_extend_len_carry", [(0, 3, -(1 << 63)), (1, 2, 1), (2, 4, -7)], {"carry": True},
+     B.BAD_EXTEND_LEN, 2),
 ]
 
 

@@ -316,6 +316,35 @@ def test_bad_extend_len():
     assert out_of("extend_bad_seed_read")["status"][0] == BAD_EXTEND_LEN | BAD_SLOT
 
 
+def test_negative_extend_len():
+    # An active row's E < 0 joins bit 32 (SPEC 3.4): no entries, wlen 0, seed -1, enable 0; padding rows stay silent
+    o = out_of("extend_negative_active")  # (1,3,0) (2,2,-4) (3,1,2); C 4: the flagged row's 2 entries not counted
+    assert o["verify_slot_indices"].tolist() == [P64] * 4  # the good rows' entries are not written either
+    assert (o["verify_num_valid"][0], o["enable"][0], o["status"][0]) == (4, 0, BAD_EXTEND_LEN)
+    assert o["write_offsets"].tolist() == [0, 0, 0, 2, 0, 0]
+    assert o["write_seed_slot_indices"].tolist() == [-1, -1, 301, P64, P64]
+    assert o["write_num_valid_reqs"][0] == 3
+    o = out_of("extend_negative_one")  # (1,4,-1)
+    assert (o["verify_num_valid"][0], o["enable"][0], o["status"][0]) == (0, 0, BAD_EXTEND_LEN)
+    assert o["write_offsets"].tolist() == [0, 0, 0, 0] and o["write_seed_slot_indices"].tolist()[0] == -1
+    o = out_of("extend_negative_int64_min")  # (1,2,1) (2,5,INT64_MIN) (3,1,1)
+    assert (o["verify_num_valid"][0], o["enable"][0], o["status"][0]) == (3, 0, BAD_EXTEND_LEN)
+    assert o["write_offsets"].tolist()[:4] == [0, 1, 1, 2]
+    assert o["write_seed_slot_indices"].tolist()[:3] == [102, -1, 301]
+    assert out_of("extend_negative_full_row")["status"][0] == BAD_PREFIX_LEN | BAD_EXTEND_LEN
+    assert out_of("extend_negative_bad_seed_not_read")["status"][0] == BAD_EXTEND_LEN
+    assert out_of("extend_negative_overflow")["status"][0] == BAD_EXTEND_LEN | OVERFLOW
+    assert out_of("extend_negative_excluded_from_total")["status"][0] == BAD_EXTEND_LEN
+    o = out_of("extend_negative_padding_silent")  # (0,3,-1) (1,2,1) (0,-HUGE,INT64_MIN) (0,9,-HUGE)
+    assert (o["verify_num_valid"][0], o["enable"][0], o["status"][0]) == (2, 1, 0)
+    assert o["write_offsets"].tolist()[:5] == [0, 0, 1, 1, 1]
+    assert o["write_seed_slot_indices"].tolist()[:4] == [-1, 102, -1, -1]
+    o = out_of("extend_negative_padding_tokens_silent")  # carry: (0,3,-1) (1,2,1) (0,5,INT64_MIN)
+    assert (o["enable"][0], o["status"][0]) == (1, 0)
+    assert o["write_offsets"].tolist()[:4] == [0, 0, 1, 1]
+    assert o["write_seed_slot_indices"].tolist()[:3] == [-1, 102, -1]
+
+
 def test_bad_extend_len_on_the_first_offending_row():
     from canary import CanaryInputError
 

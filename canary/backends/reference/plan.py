@@ -185,8 +185,8 @@ def plan_arrays(
         status |= _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, per_entry, rpi, pos, q)
 
     # Write side: offsets count every active row with E > 0 except those flagged 32 (their E would wrap the
-    # offsets), and the padding rows' E when their tokens sit among the step's tokens; seeds need a
-    # trustworthy row, prefix and extend length.
+    # offsets; a negative E, flagged too, counts nothing anyway), and the padding rows' E when their tokens sit
+    # among the step's tokens; seeds need a trustworthy row, prefix and extend length.
     counted = checks.active | padding_rows_carry_tokens
     wlen = np.where(counted & (ext > 0) & ~checks.bad_extend_len, ext, 0)
     offsets = out["write_offsets"]
