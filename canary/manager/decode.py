@@ -254,12 +254,9 @@ class ReportDecoder:
                 if hit:
                     return hit
         out: list[tuple[Hashable, int]] = []
-        for rid, rp in candidates:
-            if not 0 < rp < rows.max_reqs:
-                continue
-            for q in np.flatnonzero(rows.row(rp) == slot).tolist():
-                if q != v.position and (rid, q) not in owners and (rid, q) not in out:
-                    out.append((rid, q))
+        for rid, q in rows.mapping(candidates, slot):
+            if q != v.position and (rid, q) not in owners and (rid, q) not in out:
+                out.append((rid, q))
         return tuple(out)
 
     def candidates(self, rec, rpi: np.ndarray | None, live: bool = True) -> list[tuple[Hashable, int]]:
@@ -365,6 +362,7 @@ class _RowCache:
         self._lut: np.ndarray | None = None
         self._cols: dict[int, np.ndarray] = {}
         self._rows: dict[int, np.ndarray] = {}
+        self._index: dict[tuple, tuple] = {}
 
     def _translate(self, raw: np.ndarray) -> np.ndarray:
         raw = raw.astype(np.int64)
@@ -386,3 +384,23 @@ class _RowCache:
         if got is None:
             got = self._rows[rp] = self._translate(np.asarray(to_host(self.r2t[rp])))
         return got
+
+    def mapping(self, candidates: list[tuple[Hashable, int]], slot: int) -> list[tuple[Hashable, int]]:
+        """``(request_id, position)`` of every position of the candidates' rows that maps to ``slot``, in candidate
+        then position order. The candidates' rows are indexed once per report (sorted by slot): a report of many
+        rows searches it, not every row again."""
+        key = tuple(candidates)
+        got = self._index.get(key)
+        if got is None:
+            slots, who, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+            for i, (_, rp) in enumerate(candidates):
+                if 0 < rp < self.max_reqs:
+                    row = self.row(rp)
+                    at = np.flatnonzero(row > 0)
+                    slots.append(row[at]), who.append(np.full(at.shape[0], i, np.int64)), pos.append(at)
+            slots, who, pos = np.concatenate(slots), np.concatenate(who), np.concatenate(pos)
+            order = np.argsort(slots, kind="stable")
+            got = self._index[key] = (slots[order], who[order], pos[order])
+        slots, who, pos = got
+        lo, hi = np.searchsorted(slots, slot, "left"), np.searchsorted(slots, slot, "right")
+        return [(candidates[i][0], q) for i, q in zip(who[lo:hi].tolist(), pos[lo:hi].tolist())]
