@@ -18,11 +18,11 @@ from ..errors import INPUT_ERROR_BITS, PlanStatus
 from ..interop.adapter import as_view
 from ..interop.hostcopy import to_host
 from ..contract.plans import MISSING_SLOT, mark_missing
-from ..contract.ring import KernelTag, decode
+from ..contract.ring import FailReason, KernelTag, decode
 from .block import ReportBlock
 from .groups import BoundGroup
-from .report import CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, kernel_name, log, \
-    log_violations, overflow_line
+from .report import CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, kernel_name, kind_of, \
+    log, log_violations, overflow_line, sightings
 from .stats import Stats
 
 # Plain ints for the per-step decode (enum arithmetic costs a microsecond a use there)
@@ -185,11 +185,12 @@ class ReportDecoder:
                     log.warning(overflow_line(name, rec.index, report.dropped, report.capacity))
                     if metrics:
                         metrics.dropped.labels(group=name).inc(report.dropped)
-                for viol in report:
+                rows = _RowCache(g)  # the req_to_token reads of this report's attributions, shared
+                for viol, reasons, seen in sightings(report.violations):
                     # A MISSING row's slot names no request (MISSING_SLOT); its predecessor slot does, so that
                     # another request losing the same position is a new record, not a repeat
-                    key = (name, int(viol.kernel), viol.slot, viol.position, int(viol.reasons), viol.predecessor_slot)
-                    made = self.dedup.see(key, rec.index, lambda: self.record(g, viol, rec, rpi))
+                    key = (name, kind_of(viol.kernel), viol.slot, viol.position, int(reasons), viol.predecessor_slot)
+                    made = self.dedup.see(key, rec.index, lambda: self.record(g, viol, reasons, seen, rec, rpi, rows))
                     if made is None:
                         st.repeats += 1
                     else:
@@ -217,16 +218,58 @@ class ReportDecoder:
             f"counters unchanged for {n} consecutive steps (up to step {step}): the canary calls are no longer "
             f"launched (a CUDA graph captured without them, or a stream mix-up)", violations)
 
-    def record(self, g: BoundGroup, v, rec, rpi: np.ndarray | None) -> SlotViolation:
+    def record(self, g: BoundGroup, v, reasons, seen: tuple, rec, rpi: np.ndarray | None,
+               rows: _RowCache) -> SlotViolation:
         sw = self.sweep.sweeps.get(g.name)
         kernel = "sweep" if sw is not None and v.launch_tag == sw.tag else kernel_name(v)
-        if v.layer is not None:
+        layer = next((r.layer for r in seen if r.layer is not None), None)
+        if layer is not None:
             kernel = "verify"  # the layer rotation's verify_layer: the row names its layer
-        return SlotViolation(group=g.name, kernel=kernel, slot=v.slot, position=v.position, reasons=v.reasons,
-                             requests=self.holders(g, v, rec, rpi), first_step=rec.index, last_step=rec.index,
+        owners = self.holders(g, v, rec, rpi)
+        return SlotViolation(group=g.name, kernel=kernel, slot=v.slot, position=v.position, reasons=reasons,
+                             requests=owners, first_step=rec.index, last_step=rec.index,
                              count=1, stored_token=v.stored_token, expected_token=v.expected_token, raw=v,
                              steps=[rec.index], prefixes=self.sweep.holders(g.name, v.slot, v.position),
-                             layer=v.layer)
+                             layer=layer, writers=self.writers(g, v, rec, rpi, owners, rows), rows=seen)
+
+    def writers(self, g: BoundGroup, v, rec, rpi: np.ndarray | None, owners: tuple, rows: _RowCache) -> tuple:
+        """Requests whose write landed in ``v.slot`` although they do not own it at ``v.position``, with the
+        position their row maps to it (SlotViolation.writers). A write row: the step's batch rows (every running
+        request's last row when the step's rows are not known) whose row maps the expected position to the slot,
+        else any position. A verify row: the batch rows, then running requests by their last row, mapping the slot
+        at another position. Reads a column, or the candidates' rows (a sync each, on the error path only)."""
+        slot = v.slot
+        if not 0 < slot < g.spec.num_slots or v.reasons & (FailReason.MISSING | FailReason.SLOT_RANGE):
+            return ()  # no real slot: nothing maps it (slot 0, the padding slot, is in every unwritten entry)
+        write = v.kernel == KernelTag.WRITE
+        candidates = self.candidates(rec, rpi, live=not write or rpi is None)
+        if not candidates:
+            return ()
+        if write:
+            exp = v.expected_position
+            if exp is not None and exp != v.position and 0 <= exp < rows.max_seq_len:
+                column = rows.column(exp)
+                hit = tuple((rid, exp) for rid, rp in candidates if (rid, exp) not in owners
+                            and 0 < rp < rows.max_reqs and column[rp] == slot)
+                if hit:
+                    return hit
+        out: list[tuple[Hashable, int]] = []
+        for rid, q in rows.mapping(candidates, slot):
+            if q != v.position and (rid, q) not in owners and (rid, q) not in out:
+                out.append((rid, q))
+        return tuple(out)
+
+    def candidates(self, rec, rpi: np.ndarray | None, live: bool = True) -> list[tuple[Hashable, int]]:
+        """``(request_id, req_to_token row)``: the step's batch rows, then (``live``) the running requests not in
+        the batch by their last row."""
+        out: list[tuple[Hashable, int]] = []
+        if rpi is not None:
+            out += [(rid, int(rp)) for rid, rp in zip(rec.request_ids, rpi.tolist()) if rid is not None and rp]
+        if live:
+            in_batch = {rid for rid, _ in out}
+            out += [(rid, req.last_req_pool_index) for rid, req in self.requests.live.items()
+                    if rid not in in_batch and req.last_req_pool_index]
+        return out
 
     def holders(self, g: BoundGroup, v, rec, rpi: np.ndarray | None) -> tuple[tuple[Hashable, int], ...]:
         """Requests whose ``req_to_token`` row maps ``v.position`` to ``v.slot`` now: the step's batch rows, then
@@ -238,12 +281,7 @@ class ReportDecoder:
         max_reqs, max_seq_len = as_view(r2t, "req_to_token").shape
         if not 0 <= p < max_seq_len:
             return ()
-        candidates: list[tuple[Hashable, int]] = []
-        if rpi is not None:
-            candidates += [(rid, int(rp)) for rid, rp in zip(rec.request_ids, rpi.tolist()) if rid is not None and rp]
-        in_batch = {rid for rid, _ in candidates}
-        candidates += [(rid, req.last_req_pool_index) for rid, req in self.requests.live.items()
-                       if rid not in in_batch and req.last_req_pool_index]
+        candidates = self.candidates(rec, rpi)
         if not candidates:
             return ()
         lut = g.spec.full_to_swa_index_mapping
@@ -312,3 +350,57 @@ class ReportDecoder:
             for viol in new:
                 for reason in viol.reason_names or ("NONE",):
                     self.metrics.violations.labels(group=viol.group, reason=reason).inc()
+
+
+class _RowCache:
+    """``g``'s ``req_to_token`` as the attributions of one report read it: columns and rows copied to the host
+    once each, translated to the group's own slots (an SWA group's through its full-to-SWA mapping, -1 past it)."""
+
+    def __init__(self, g: BoundGroup):
+        self.r2t, self.lut = g.spec.req_to_token, g.spec.full_to_swa_index_mapping
+        self.max_reqs, self.max_seq_len = as_view(self.r2t, "req_to_token").shape
+        self._lut: np.ndarray | None = None
+        self._cols: dict[int, np.ndarray] = {}
+        self._rows: dict[int, np.ndarray] = {}
+        self._index: dict[tuple, tuple] = {}
+
+    def _translate(self, raw: np.ndarray) -> np.ndarray:
+        raw = raw.astype(np.int64)
+        if self.lut is None:
+            return raw
+        if self._lut is None:
+            self._lut = np.asarray(to_host(self.lut)).astype(np.int64)
+        inside = (raw >= 0) & (raw < self._lut.shape[0])
+        return np.where(inside, self._lut[np.where(inside, raw, 0)], np.where(raw < 0, raw, -1))
+
+    def column(self, p: int) -> np.ndarray:
+        got = self._cols.get(p)
+        if got is None:
+            got = self._cols[p] = self._translate(np.asarray(to_host(self.r2t[:, p])))
+        return got
+
+    def row(self, rp: int) -> np.ndarray:
+        got = self._rows.get(rp)
+        if got is None:
+            got = self._rows[rp] = self._translate(np.asarray(to_host(self.r2t[rp])))
+        return got
+
+    def mapping(self, candidates: list[tuple[Hashable, int]], slot: int) -> list[tuple[Hashable, int]]:
+        """``(request_id, position)`` of every position of the candidates' rows that maps to ``slot``, in candidate
+        then position order. The candidates' rows are indexed once per report (sorted by slot): a report of many
+        rows searches it, not every row again."""
+        key = tuple(candidates)
+        got = self._index.get(key)
+        if got is None:
+            slots, who, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+            for i, (_, rp) in enumerate(candidates):
+                if 0 < rp < self.max_reqs:
+                    row = self.row(rp)
+                    at = np.flatnonzero(row > 0)
+                    slots.append(row[at]), who.append(np.full(at.shape[0], i, np.int64)), pos.append(at)
+            slots, who, pos = np.concatenate(slots), np.concatenate(who), np.concatenate(pos)
+            order = np.argsort(slots, kind="stable")
+            got = self._index[key] = (slots[order], who[order], pos[order])
+        slots, who, pos = got
+        lo, hi = np.searchsorted(slots, slot, "left"), np.searchsorted(slots, slot, "right")
+        return [(candidates[i][0], q) for i, q in zip(who[lo:hi].tolist(), pos[lo:hi].tolist())]

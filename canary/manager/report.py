@@ -23,10 +23,20 @@ class SlotViolation:
     - ``reasons``: :class:`~canary.FailReason` bits (``reason_names`` as strings).
     - ``requests``: ``(request_id, position)`` of every request found holding the slot when the report was
       decoded: the step's batch rows whose ``req_to_token`` row maps that position to the slot, and running
-      requests whose last ``req_to_token`` row does (a recycled row names both the stale and the new owner).
+      requests whose last ``req_to_token`` row does (a recycled row names both the stale and the new owner): the
+      owners of the position.
+    - ``writers``: ``(request_id, position)`` of the requests whose write landed in the slot although they are
+      not its owner at ``position``, each with the position its row maps to the slot. A write row: the step's
+      batch request that wrote the slot (a token written at the wrong position: ``requests`` is then usually
+      empty). A verify row: the other requests whose rows map the slot at another position (a block handed to
+      two requests, or freed while still read and written again). ``()`` when none is found (a stray write
+      through a wrong ``out_cache_loc`` names no row).
+    - ``request_ids``: the distinct ids of ``requests``, then of ``writers`` (the requests to evict or abort).
     - ``first_step``, ``last_step``: manager step indices (0-based, counted by ``before_forward``);
       ``steps``: the first :data:`MAX_STEPS_KEPT` steps it was seen in; ``count``: how many steps it was seen in.
-    - ``stored_token``, ``expected_token`` (-1: none), ``raw``: the first ring row (:class:`~canary.Violation`).
+    - ``stored_token``, ``expected_token`` (-1: none), ``raw``: the first ring row (:class:`~canary.Violation`);
+      ``rows``: every ring row of its first sighting (``raw`` first): the main verify's and the layer
+      rotation's rows of one slot and position in one step are one sighting, ``reasons`` the union of theirs.
     - ``prefixes``: ``(key, position)`` of every cached prefix registered for the sweep that holds the slot at
       that position when the report was decoded (``kernel == "sweep"``: a cached block no request was reading).
     - ``layer``: the layer whose KV bytes changed, for a ``REAL_KV`` violation found by the layer rotation
@@ -48,6 +58,8 @@ class SlotViolation:
     steps: list[int] = field(default_factory=list)
     prefixes: tuple[tuple[Hashable, int], ...] = ()
     layer: int | None = None
+    writers: tuple[tuple[Hashable, int], ...] = ()
+    rows: tuple[Violation, ...] = ()
 
     @property
     def reason_names(self) -> tuple[str, ...]:
@@ -56,7 +68,7 @@ class SlotViolation:
     @property
     def request_ids(self) -> tuple[Hashable, ...]:
         seen = []
-        for rid, _ in self.requests:
+        for rid, _ in self.requests + self.writers:
             if rid not in seen:
                 seen.append(rid)
         return tuple(seen)
@@ -67,6 +79,8 @@ class SlotViolation:
         # Only sweep-era reports carry the field, so the line of a manager without a sweep keeps its format.
         cached = ",".join(f"{key}@{pos}" for key, pos in self.prefixes)
         cached = f" prefixes={cached}" if cached else ""
+        if self.writers:  # only a record with writers: the others keep their format
+            cached = " writers=" + ",".join(f"{rid}@{pos}" for rid, pos in self.writers) + cached
         layer = f" layer={self.layer}" if self.layer is not None else ""  # layer rows only: other lines keep their format
         return (f"kv-canary: violation group={self.group} kernel={self.kernel}{layer} step={self.first_step} "
                 f"slot={self.slot} position={self.position} reasons={'|'.join(self.reason_names) or 'NONE'} "
@@ -98,6 +112,31 @@ class CanaryHealthError(RuntimeError):
     def __init__(self, message: str, violations: list[SlotViolation] | tuple = ()):
         super().__init__(message)
         self.violations = list(violations)
+
+
+def kind_of(kernel: KernelTag | int) -> int:
+    """The kind a sighting is keyed by: the layer rotation's rows are verify rows."""
+    return int(KernelTag.VERIFY) if kernel == KernelTag.VERIFY_LAYER else int(kernel)
+
+
+def sightings(rows) -> list[tuple[Violation, FailReason, tuple[Violation, ...]]]:
+    """One step's ring rows of one group as sightings ``(first row, reasons, rows)``: the rows of one kind
+    (:func:`kind_of`), slot, position and MISSING predecessor are one sighting (the main verify and the layer
+    rotation seeing the same flipped byte), the main verify's rows first, ``reasons`` the union of theirs."""
+    if len(rows) == 1:
+        v = rows[0]
+        return [(v, v.reasons, (v,))]
+    by_key: dict[tuple, list[Violation]] = {}
+    for v in rows:
+        by_key.setdefault((kind_of(v.kernel), v.slot, v.position, v.predecessor_slot), []).append(v)
+    out = []
+    for vs in by_key.values():
+        vs.sort(key=lambda v: v.kernel == KernelTag.VERIFY_LAYER)  # stable: the main verify's rows first
+        reasons = FailReason.NONE
+        for v in vs:
+            reasons |= v.reasons
+        out.append((vs[0], reasons, tuple(vs)))
+    return out
 
 
 def kernel_name(v: Violation) -> str:

@@ -58,8 +58,11 @@ def test_layer_zero_flip_is_found_by_both_checks_and_other_layers_only_by_the_ro
         e.decode_step(["a", "b"])
     e.manager.flush()
     found = {(v.kernel, v.layer, v.position, v.request_ids) for vs in got for v in vs}
-    assert ("verify", None, 0, ("b",)) in found  # the main verify's real-KV check (layer 0, SGLang's)
-    assert ("verify", 0, 0, ("b",)) in found and ("verify", 1, 2, ("a",)) in found
+    # Layer 0 is seen by the main verify's real-KV check (layer 0, SGLang's) and the rotation in the same step:
+    # one record, of both rows
+    assert found == {("verify", 0, 0, ("b",)), ("verify", 1, 2, ("a",))}
+    (v0,) = [v for vs in got for v in vs if v.position == 0]
+    assert [r.kernel.name for r in v0.rows] == ["VERIFY", "VERIFY_LAYER"] and v0.raw is v0.rows[0]
     assert all(v.reasons == FailReason.REAL_KV for vs in got for v in vs)
 
 
