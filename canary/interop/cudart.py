@@ -14,7 +14,7 @@ import sys
 
 from ..errors import fail
 
-H2D, D2H = 1, 2  # cudaMemcpyKind values (the CUDA runtime API's, fixed)
+H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyKind values (the CUDA runtime API's, fixed)
 _NOT_READY = 600  # cudaErrorNotReady
 _CAPTURE_NONE = 0  # cudaStreamCaptureStatusNone
 _CAPTURE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal: other threads' calls are not refused meanwhile
@@ -125,7 +125,8 @@ class _BindingsRuntime:
         self._ok = runtime.cudaError_t.cudaSuccess
         self._not_ready = runtime.cudaError_t.cudaErrorNotReady
         self._kinds = {H2D: runtime.cudaMemcpyKind.cudaMemcpyHostToDevice,
-                       D2H: runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost}
+                       D2H: runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+                       D2D: runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice}
         self._capture_none = driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
         self._drv_ok = driver.CUresult.CUDA_SUCCESS
 

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import check_keywords, fail
-from ..interop.adapter import as_view
+from ..interop.adapter import as_view, identity
 from ..plan.planner import CanaryPlanner
 from ..contract.plans import VerifyPlan, WritePlan
 from ..records.api import CanaryRecords
@@ -145,6 +145,7 @@ class BoundGroup:
     layers: Any = None  # the layer rotation (canary/records/layers.py CanaryLayers), or None
     scheduled: int = field(default=0)  # steps since the last report that listed this group
     verify_launch: Any = None  # records.prepare_verify of verify_plan (manager.warmup), when the backend has one
+    bound: tuple = ()  # bound_of(spec) when the planner and records were bound (check_bound compares it)
 
     @property
     def name(self) -> str:
@@ -189,4 +190,60 @@ def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: st
     )
     records = CanaryRecords(state, real_kv(spec.real_kv_sources, spec.real_kv_mode), backend=backend)
     scratch = empty(max_step_tokens, np.int64) if spec.full_to_swa_index_mapping is not None else None
-    return BoundGroup(index, spec, vp, wp, state, planner, records, scratch, layers=bind_layers(index, spec, records))
+    return BoundGroup(index, spec, vp, wp, state, planner, records, scratch, layers=bind_layers(index, spec, records),
+                      bound=bound_of(spec))
+
+
+# The KVGroup attributes a bound group reads in place: the planner binds the first two, the records the others
+BOUND_ATTRS = ("req_to_token", "full_to_swa_index_mapping", "real_kv_sources", "layer_sources")
+
+
+def bound_of(spec: KVGroup) -> tuple:
+    """What :func:`check_bound` compares: each bound attribute's object, and for the two tables their
+    ``(data pointer, shape)`` where :func:`~canary.interop.adapter.identity` reads it cheaply (CuPy, torch)."""
+    r2t, lut = spec.req_to_token, spec.full_to_swa_index_mapping
+    return r2t, identity(r2t), lut, identity(lut), spec.real_kv_sources, spec.layer_sources
+
+
+def check_bound(groups: list[BoundGroup]) -> None:
+    """Raise ``RuntimeError`` naming the buffer and ``rebind`` when a group's KVGroup no longer holds what was
+    bound: another object assigned to the attribute, or a table whose storage moved (a torch ``set_`` /
+    ``resize_``). Per group and step: four identity compares and two pointer reads."""
+    for g in groups:
+        spec, b = g.spec, g.bound
+        if (spec.req_to_token is b[0] and spec.full_to_swa_index_mapping is b[2] and spec.real_kv_sources is b[4]
+                and spec.layer_sources is b[5] and identity(b[0]) == b[1] and identity(b[2]) == b[3]):
+            continue
+        now = bound_of(spec)
+        for k, attr in enumerate(BOUND_ATTRS):
+            obj = 2 * k if k < 2 else k + 2
+            if now[obj] is not b[obj]:
+                what = "another object assigned to it"
+            elif k < 2 and identity(b[obj]) != b[obj + 1]:
+                what = "the same array with its storage moved (data pointer or shape changed)"
+            else:
+                continue
+            raise fail(RuntimeError, f"groups[{g.index}].{attr} (group {g.name!r}): expected the buffer bound at "
+                                     f"CanaryManager(...) or the last rebind, got {what}: the manager would read "
+                                     f"the old buffer; after rebuilding a bound buffer, call "
+                                     f"CanaryManager.rebind({g.name!r}, {attr}=...)")
+
+
+def rebound(g: BoundGroup, spec: KVGroup, *, pool: Any, max_batch_size: int) -> tuple:
+    """``(planner, records, layers)`` of ``g`` bound again over ``spec`` (the group's KVGroup with its rebuilt
+    buffers), over the same plans, canary state and expected-token ``pool``: the canary records already written
+    stay. Raises as binding does; nothing of ``g`` is changed here."""
+    r2t = as_view(spec.req_to_token, f"groups[{g.index}].req_to_token")
+    old = tuple(g.planner.static.req_to_token.shape)
+    if tuple(r2t.shape) != old:
+        raise fail(ValueError, f"groups[{g.index}].req_to_token: expected the bound shape {old} (the plans and the "
+                               f"expected-token pool are sized by it), got shape {tuple(r2t.shape)}")
+    planner = CanaryPlanner(
+        verify_plan_out=g.verify_plan, write_plan_out=g.write_plan, req_to_token=spec.req_to_token,
+        swa_window_size=spec.swa_window_size, full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
+        req_to_verify_expected_tokens=pool, kv_token_id_vs_position_offset=spec.kv_token_id_vs_position_offset,
+        padding_rows_carry_tokens=spec.padding_rows_carry_tokens, max_batch_size=max_batch_size,
+        backend=g.planner.backend, on_overflow=spec.on_overflow,
+    )
+    records = CanaryRecords(g.state, real_kv(spec.real_kv_sources, spec.real_kv_mode), backend=g.records.backend)
+    return planner, records, bind_layers(g.index, spec, records)

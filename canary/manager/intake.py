@@ -93,6 +93,9 @@ class TokenIntake:
             return c[2]
         if request_ids is None:
             return ()
+        if t is str or t is bytes or t is bytearray:  # tuple() would read "ab" as two ids
+            raise fail(TypeError, f"request_ids: expected a sequence of request ids, got {t.__name__} "
+                                  f"{request_ids!r}")
         if t is np.ndarray:
             return tuple(request_ids.tolist())
         ids = tuple(request_ids)

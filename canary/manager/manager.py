@@ -11,6 +11,7 @@ report decoder (``decode.py``) and the token intake (``intake.py``).
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Callable, Hashable, Sequence
 
@@ -25,7 +26,7 @@ from ..interop.streams import is_capturing
 from .block import ReportBlock
 from .decode import ReportDecoder
 from .eager import EagerGraphs
-from .groups import BoundGroup, KVGroup, bind_group, check_groups
+from .groups import BOUND_ATTRS, BoundGroup, KVGroup, bind_group, bound_of, check_bound, check_groups, rebound
 from .guard import Guarded, step_call
 from .intake import TokenIntake
 from .pool import RequestPool
@@ -142,7 +143,8 @@ class CanaryManager(Guarded):
                        if eager_graphs and self.ordinal is not None and self.backend == "cupy" else None)
         self._steps = Steps(self.groups, ordinal=self.ordinal, pool_array=self.pool_array, q=self._q,
                             valid=self._valid, rows=self._intake.rows, requests=self.requests, staging=staging_side,
-                            mailbox=mailbox, eager=self._eager, sweep=self._sweep, stats_=self.stats_)
+                            mailbox=mailbox, eager=self._eager, sweep=self._sweep, stats_=self.stats_,
+                            rpi_snap=empty(b, np.int64))
         self._decoder = ReportDecoder(self.groups, block, pending=self._steps.pending, mailbox=mailbox,
                                       stats_=self.stats_, metrics=self.metrics, requests=self.requests,
                                       sweep=self._sweep, on_violation=on_violation, log_limit=self.log_limit,
@@ -197,6 +199,41 @@ class CanaryManager(Guarded):
                 self._eager.close()
             self._transfer.close()
             self._sweep.close()
+
+    @step_call()
+    def rebind(self, group: str | None = None, **buffers: Any) -> None:
+        """Bind a group's rebuilt buffers (``group``: its name; ``None``: every group), between steps. An engine
+        that rebuilds a buffer a :class:`KVGroup` bound (``req_to_token``, ``full_to_swa_index_mapping``, the KV
+        pool behind ``real_kv_sources`` / ``layer_sources``) calls it before its next step; the keywords (those
+        four names) give the new values, set on the group's KVGroup too, and a name not given is read again from
+        the KVGroup (``rebind("full")`` after ``kv_group.req_to_token = new``). The plans, the canary records and
+        the expected tokens stay: rebind buffers whose contents the engine carried over (the same slots hold the
+        same KV, the same rows the same slots). CUDA graphs the engine captured over the manager's calls hold the
+        old buffers: capture them again. Without it, the next :meth:`before_forward` raises ``RuntimeError``
+        naming the buffer and this call (an assigned attribute or a moved CuPy / torch storage: what the manager
+        can see); a rebuilt buffer it cannot see would be read as missing or corrupt KV.
+
+        Raises ``RuntimeError`` while a step is open, ``ValueError`` / ``TypeError`` as binding does (a
+        ``req_to_token`` of another shape, an unknown group or keyword); nothing is rebound then."""
+        if self._steps.step is not None:
+            raise fail(RuntimeError, f"rebind: expected no open step, got step {self._steps.step.index} open (call "
+                                     f"it after after_kv_store / end_step)")
+        bad = sorted(set(buffers) - set(BOUND_ATTRS))
+        if bad:
+            raise fail(TypeError, f"rebind: expected keywords among {list(BOUND_ATTRS)}, got {bad}")
+        sel = self._select(None if group is None else [group])
+        made = []
+        for g in sel:  # every group bound before any is changed: a refusal leaves all as they were
+            spec = dataclasses.replace(g.spec, **buffers)
+            made.append((g, spec, rebound(g, spec, pool=self.pool_array, max_batch_size=self.max_batch_size)))
+        for g, spec, (planner, records, layers) in made:
+            for name, value in buffers.items():
+                setattr(g.spec, name, value)
+            g.planner, g.records, g.layers, g.verify_launch = planner, records, layers, None
+            g.bound = bound_of(g.spec)
+        self._steps.prepared = False  # the verifies are packed again (GPU) before the next step
+        if self._eager is not None:
+            self._eager.forget()  # its graphs launch the old planners' and records' kernels
 
     def _append_scatter(self, empty, upd) -> DeviceScatter:
         # What a manager without the backend's device append builds (staging.append_scatter; tests build it too)
@@ -274,17 +311,24 @@ class CanaryManager(Guarded):
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and self._is_capturing(handle)
         try:
-            bs = int(req_pool_indices.shape[0])  # an attribute read: no DLPack export inside a capture
+            shape = req_pool_indices.shape  # an attribute read: no DLPack export inside a capture
+            bs = int(shape[0])
         except (AttributeError, IndexError, TypeError):
             raise fail(TypeError, f"req_pool_indices: expected a [bs] int64 array, got {type(req_pool_indices).__name__}"
                                   f"{' of shape ' + str(tuple(req_pool_indices.shape)) if hasattr(req_pool_indices, 'shape') else ''}"
                        ) from None
+        if len(shape) != 1:  # its first extent is no batch size: request_ids would be blamed for it
+            raise fail(ValueError, f"req_pool_indices: expected a [bs] int64 array, got shape {tuple(shape)}")
         # Checked before the step opens: a refused call leaves no step behind (a retry, or an after_kv_store
         # that writes with the last step's plan, would otherwise follow).
         if bs > self.max_batch_size:
             raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {self.max_batch_size}, "
                                    f"got {bs}")
         if not capturing:
+            if isinstance(request_ids, (str, bytes, bytearray)):
+                raise fail(TypeError, f"request_ids: expected a sequence of request ids, got "
+                                      f"{type(request_ids).__name__} {request_ids!r}")
+            check_bound(sel)  # a rebuilt buffer the manager would still read: refused, naming rebind
             try:
                 n_ids = 0 if request_ids is None else len(request_ids)
             except TypeError:
@@ -334,6 +378,8 @@ class CanaryManager(Guarded):
             raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
         if not capturing and not (groups is None and step.groups is self._all_names):
             groups, sel = steps.store_groups(groups, sel, step)
+        if not capturing and step.tokens is not None:
+            steps.check_tokens(step, out_cache_loc, input_ids, positions)
         in_graph = False
         if capturing or self._eager is None or out_cache_loc_by_group or (
                 steps.translates and any(g.loc_scratch is not None for g in sel)):

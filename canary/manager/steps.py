@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import fail
 from ..interop.adapter import as_view
+from ..interop.cudart import D2D, OnDevice, runtime
 from ..interop.streams import LaunchStream, launch_stream, library_of
 from .eager import MISS
 from .groups import BoundGroup
@@ -27,12 +28,16 @@ from .slots import translate as translate_slots
 
 class StepRecord:
     """One step: its index, request ids, groups, batch size and ``sweep``, the groups whose sweep runs at
-    end_step (``None``: those of ``groups``). A slotted class: one is made every step."""
+    end_step (``None``: those of ``groups``); ``tokens``: the new tokens its before_forward planned when the host
+    knows them (``(sum of host extend_seq_lens, exact)``, over the non-padding rows and not exact when the batch
+    has padding rows, whose tokens may follow; ``None``: only the device knows). A slotted class: one is made
+    every step."""
 
-    __slots__ = ("index", "request_ids", "groups", "bs", "sweep")
+    __slots__ = ("index", "request_ids", "groups", "bs", "sweep", "tokens")
 
     def __init__(self, index: int, request_ids: tuple, groups: tuple, bs: int):
         self.index, self.request_ids, self.groups, self.bs, self.sweep = index, request_ids, groups, bs, None
+        self.tokens: int | None = None
 
 
 class StreamResolver:
@@ -74,11 +79,15 @@ class Steps:
     ``requests`` (the pool), ``staging`` and ``mailbox`` (the transfer's two sides, their attributes read at each
     call), ``eager`` (``EagerGraphs`` or ``None``), ``sweep`` (the ``Sweeper``), ``stats_`` (steps counted there).
 
-    ``step``: the open step's record (``None``: none open); ``inputs``: ``(req_pool_indices view, bs)`` the step's
+    ``rpi_snap``: ``[max_batch_size]`` int64, the manager's own copy of each step's ``req_pool_indices``, taken at
+    before_forward (on its stream, graph-capturable): the report names the rows the step planned, whatever the
+    engine writes into its own buffer before after_kv_store.
+
+    ``step``: the open step's record (``None``: none open); ``inputs``: ``(view of rpi_snap[:bs], bs)`` the step's
     report copies; ``pending``: ``(record, mailbox token)`` of each queued report, oldest first."""
 
     def __init__(self, groups: list[BoundGroup], *, ordinal: int | None, pool_array: Any, q: Any, valid: Any,
-                 rows: Callable, requests, staging, mailbox, eager, sweep, stats_):
+                 rows: Callable, requests, staging, mailbox, eager, sweep, stats_, rpi_snap: Any):
         self.groups, self.ordinal, self.pool_array, self.q, self.valid = groups, ordinal, pool_array, q, valid
         self.rows, self.requests, self.staging, self.mailbox = rows, requests, staging, mailbox
         self.eager, self.sweep, self.stats_ = eager, sweep, stats_
@@ -96,6 +105,9 @@ class Steps:
         self.taken: list | None = None  # the pool updates that staging carries (queued again if never launched)
         self.graph_inputs: dict[int, tuple] = {}  # bs -> the report inputs of the engine's captured graph
         self.translates = any(g.loc_scratch is not None for g in groups)  # an SWA group translates slots
+        self.rpi_snap = rpi_snap
+        self.rpi_views: dict[int, Any] = {}  # bs -> the view of rpi_snap[:bs] (the same object every step)
+        self.rt = runtime() if ordinal is not None else None
 
     def select(self, groups: Sequence[str] | None) -> list[BoundGroup]:
         if groups is None:
@@ -255,9 +267,45 @@ class Steps:
             else:
                 g.records.verify(g.verify_plan, launch_tag=g.verify_tag, stream=st)
             verify_layers(g, st)
-        # The report copies req_pool_indices through the planner's view of it (ordered on this stream).
-        rpi = sel[0].planner.last_step.req_pool_indices if sel else as_view(req_pool_indices, "req_pool_indices")
-        self.inputs = (rpi, bs)
+        # The report reads the step's rows from the manager's copy, made here (ordered on this stream behind the
+        # planner's view of them): an engine that refills its buffer before after_kv_store changes nothing.
+        last = sel[0].planner.last_step if sel else None
+        rpi = last.req_pool_indices if last is not None else as_view(req_pool_indices, "req_pool_indices")
+        snap = self.snapshot_rows(rpi, bs, st)
+        self.inputs = (snap, bs)
+        if self.ordinal is None and self.step is not None and last is not None:
+            # Host arrays: the step's token count is known here. A padding row (row 0) plans no tokens (its
+            # extend_seq_lens is anything) and padding tokens may follow the active rows': at least the count then.
+            active = snap.host != 0
+            ext = last.extend_seq_lens.host
+            self.step.tokens = (int(ext.sum()), True) if active.all() else (int(ext[active].sum()), False)
+
+    def snapshot_rows(self, rpi, bs: int, st: Any):
+        """Copy ``bs`` rows of ``rpi`` (an int64 view) into ``rpi_snap`` on ``st``; returns the copy's view."""
+        snap = self.rpi_views.get(bs)
+        if snap is None:
+            snap = self.rpi_views[bs] = as_view(self.rpi_snap[:bs], "req_pool_indices")
+        if bs:
+            if self.ordinal is None:
+                snap.host[...] = rpi.host[:bs]
+            else:  # a device-to-device copy on the launch stream: recorded too while capturing
+                with OnDevice(self.rt, self.ordinal):
+                    self.rt.memcpy_async(snap.ptr, rpi.ptr, 8 * bs, D2D, st.handle)
+        return snap
+
+    @staticmethod
+    def check_tokens(step: StepRecord, out_cache_loc, input_ids, positions) -> None:
+        """after_kv_store's token arrays against the tokens the step planned, where the host knows them: a write
+        of more or fewer tokens than the plan would report real requests' KV as corrupt a step later."""
+        n, exact = step.tokens
+        for name, arr in (("out_cache_loc", out_cache_loc), ("input_ids", input_ids), ("positions", positions)):
+            shape = getattr(arr, "shape", None)
+            if shape is None:
+                shape = np.shape(arr) if isinstance(arr, (list, tuple)) else None
+            if shape is not None and len(shape) == 1 and (shape[0] != n if exact else shape[0] < n):
+                raise fail(ValueError, f"after_kv_store: {name}: expected {'' if exact else 'at least '}{n} tokens "
+                                       f"(the step's extend_seq_lens sum{'' if exact else ' over its non-padding rows'}"
+                                       f"), got {shape[0]}")
 
     def eager_write(self, sel, names, out_cache_loc, input_ids, positions, st) -> bool:
         """The writes through a replayed graph when they may be (canary/manager/eager.py); returns whether the

@@ -88,6 +88,7 @@ counts = dict(fakecuda.COUNTS)
 # then either the report kernel, or the report block and req_pool_indices device-to-host and one memset of the
 # write indexes.
 assert m._transfer.merged
+assert counts["cuda.cudaMemcpyAsync D2D"] == 1, counts  # the step's req_pool_indices, at before_forward
 if KERNEL:
     assert counts["cuda.cudaMemcpyAsync"] == 1 and "cuda.cudaMemsetAsync" not in counts, counts
     assert counts["kernel launch"] == 2 * 3 + 2, counts  # plan, verify, write per group, the scatter, the report
