@@ -90,6 +90,9 @@ class PreparedAppend(Protocol):
 
 @runtime_checkable
 class RecordsModule(Protocol):
+    """A records module. Optional, beside the groups below: ``EAGER_GRAPHS = True`` where the manager may capture
+    an eager step's launches into a CUDA graph and replay it (CuPy; absent means False)."""
+
     NAME: str
     ON_DEVICE: bool
     Bound: type[RecordsBound]

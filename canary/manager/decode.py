@@ -32,6 +32,21 @@ _QUIET_MASK = _SAMPLED | _INPUT_ERRORS  # status bits a decode counts or logs: a
 _NONE: tuple = ()  # a quiet report's new violations
 
 
+class DecoderSetting:
+    """A :class:`CanaryManager` attribute kept on its :class:`ReportDecoder` (``on_violation``, ``log_limit``,
+    ``stats_every``, ``health_steps``, ``metrics``): the decoder reads it per report, so a manager's
+    ``m.on_violation = callback`` after construction takes effect."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, manager, owner=None):
+        return self if manager is None else getattr(manager._decoder, self.name)
+
+    def __set__(self, manager, value) -> None:
+        setattr(manager._decoder, self.name, value)
+
+
 class ReportDecoder:
     """The reports of ``groups`` (bound over ``block``), queued in ``pending`` (``(step record, mailbox token)``
     pairs, oldest first; the step machine appends them) and read through ``mailbox``.

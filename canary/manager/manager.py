@@ -17,6 +17,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
+from .. import backends
 from ..errors import fail, worded
 from ..interop.adapter import as_view
 from ..interop.cudart import runtime
@@ -24,7 +25,7 @@ from ..interop.devices import allocator, cuda_ordinal
 from ..interop.hostcopy import to_host
 from ..interop.streams import is_capturing
 from .block import ReportBlock
-from .decode import ReportDecoder
+from .decode import DecoderSetting, ReportDecoder
 from .eager import EagerGraphs
 from .groups import BOUND_ATTRS, BoundGroup, KVGroup, bind_group, bound_of, check_bound, check_groups, rebound
 from .guard import Guarded, step_call
@@ -78,6 +79,9 @@ class CanaryManager(Guarded):
     :class:`~canary.BackendUnavailableError` when the device's libraries are missing.
     """
 
+    # The report decoder reads these per report: set on the manager after construction, they take effect there
+    on_violation, log_limit, stats_every, health_steps, metrics = (DecoderSetting() for _ in range(5))
+
     @worded("CanaryManager", method=True)
     def __init__(self, groups: KVGroup | Sequence[KVGroup], *, max_batch_size: int, device: Any = "cpu",
                  library: str | None = None, backend: str = "auto", on_violation: str | Callable = "log",
@@ -98,9 +102,7 @@ class CanaryManager(Guarded):
         if not (callable(on_violation) or on_violation in MODES):
             raise fail(ValueError, f"on_violation: expected 'log', 'raise' or a callable taking a list of "
                                    f"SlotViolation, got {on_violation!r}")
-        self.on_violation = on_violation
         self.max_batch_size = int(max_batch_size)
-        self.log_limit, self.stats_every, self.health_steps = int(log_limit), int(stats_every), int(health_steps)
         self.ordinal = cuda_ordinal(device)
         empty = allocator(device, library)
         max_reqs, max_seq_len = as_view(specs[0].req_to_token, "groups[0].req_to_token").shape
@@ -133,22 +135,23 @@ class CanaryManager(Guarded):
         self._sweep = Sweeper(self.groups, check_budget("sweep_budget", sweep_budget), empty, self.ordinal,
                               prefix_source)
         self.stats_ = Stats([g.name for g in self.groups])
-        self.metrics = None if metrics is None or metrics is False else PrometheusMetrics(metrics)
+        metrics = None if metrics is None or metrics is False else PrometheusMetrics(metrics)
         self._intake = TokenIntake(self.requests, staging_side, self.ordinal, self.max_batch_size)
         # _launch's common case bound once: arrays of CuPy's, no stream given; the capture query of
         # canary/interop/cudart.py's runtime
         self._launch = StreamResolver(self.ordinal, self.pool_array).resolve
         self._is_capturing = runtime().is_capturing if self.ordinal is not None else None
+        eager_ok = getattr(backends.load(self.backend, "records"), "EAGER_GRAPHS", False)  # a backend capability
         self._eager = (EagerGraphs(runtime(), self.ordinal)
-                       if eager_graphs and self.ordinal is not None and self.backend == "cupy" else None)
+                       if eager_graphs and self.ordinal is not None and eager_ok else None)
         self._steps = Steps(self.groups, ordinal=self.ordinal, pool_array=self.pool_array, q=self._q,
                             valid=self._valid, rows=self._intake.rows, requests=self.requests, staging=staging_side,
                             mailbox=mailbox, eager=self._eager, sweep=self._sweep, stats_=self.stats_,
                             rpi_snap=empty(b, np.int64))
         self._decoder = ReportDecoder(self.groups, block, pending=self._steps.pending, mailbox=mailbox,
-                                      stats_=self.stats_, metrics=self.metrics, requests=self.requests,
-                                      sweep=self._sweep, on_violation=on_violation, log_limit=self.log_limit,
-                                      stats_every=self.stats_every, health_steps=self.health_steps,
+                                      stats_=self.stats_, metrics=metrics, requests=self.requests,
+                                      sweep=self._sweep, on_violation=on_violation, log_limit=int(log_limit),
+                                      stats_every=int(stats_every), health_steps=int(health_steps),
                                       forget_after=int(forget_after))
         self._select, self._handle_reports = self._steps.select, self._decoder.handle_reports
         self._by_name, self._all_names = self._steps.by_name, self._steps.all_names

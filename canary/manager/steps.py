@@ -278,7 +278,10 @@ class Steps:
             # extend_seq_lens is anything) and padding tokens may follow the active rows': at least the count then.
             active = snap.host != 0
             ext = last.extend_seq_lens.host
-            self.step.tokens = (int(ext.sum()), True) if active.all() else (int(ext[active].sum()), False)
+            if (ext[active] < 0).any():  # the plan's BAD_EXTEND_LEN reports it as an input error: no count to hold
+                self.step.tokens = None
+            else:
+                self.step.tokens = (int(ext.sum()), True) if active.all() else (int(ext[active].sum()), False)
 
     def snapshot_rows(self, rpi, bs: int, st: Any):
         """Copy ``bs`` rows of ``rpi`` (an int64 view) into ``rpi_snap`` on ``st``; returns the copy's view."""

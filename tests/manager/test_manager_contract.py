@@ -258,7 +258,7 @@ def test_step_calls_from_inside_the_violation_callback_are_refused():
         m.finish_request("c")
         allowed.append(m.stats()["decoded_steps"])
 
-    m._decoder.on_violation = callback
+    m.on_violation = callback  # takes effect: the decoder reads it per report
     e.flip("full", e.slot_of("b", 1))
     e.decode_step(["a", "b"])
     e.decode_step(["a", "b"])  # its before_forward decodes the flip and calls the callback

@@ -21,6 +21,10 @@ from . import OnDevice, Params, Streams, cupy, load_functions, raw_module
 
 NAME = "cupy"
 ON_DEVICE = True
+# The manager may capture an eager step's launches (plan, verify, write, report) into a CUDA graph of its own
+# and replay it (canary/manager/eager.py): CuPy launches record into a capture; a Numba launch host-syncs
+# its arguments, which a capture forbids, so the other backends leave this out (False).
+EAGER_GRAPHS = True
 
 _DTYPE_SUFFIX = {np.dtype(np.int64): "i64", np.dtype(np.int32): "i32"}
 
