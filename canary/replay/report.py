@@ -148,7 +148,12 @@ def git_commit() -> str | None:
     lines = top.stdout.split()
     if top.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() / "canary" != package:
         return None
-    return lines[1]
+    try:  # a tree that differs from its commit says so (a copied tree with an older .git, say), as the benchmarks do
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=package,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        dirty = ""
+    return lines[1] + ("-dirty" if dirty else "")
 
 
 def provenance(argv: list[str] | None = None) -> dict:

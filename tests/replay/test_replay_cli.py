@@ -184,7 +184,9 @@ def test_commit_of_the_checkout(monkeypatch):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
     if head.returncode != 0:
         pytest.skip("not a git checkout")
-    assert report.git_commit() == head.stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                           text=True).stdout.strip()
+    assert report.git_commit() == head.stdout.strip() + ("-dirty" if dirty else "")  # a changed tree says so
     monkeypatch.setenv("KV_CANARY_COMMIT", "abc1234")
     assert report.git_commit() == "abc1234"
 
