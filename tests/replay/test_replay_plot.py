@@ -3,6 +3,7 @@ staleness, the injected faults), its series, and the refusals before the run (no
 suffix, a path that cannot be written or that another output names)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -13,6 +14,9 @@ from canary.replay import cli, plot
 
 SHORT = ["replay", "--backend", "reference", "--max-requests", "6", "--max-batch-size", "4", "--chunk-size", "512"]
 PNG = b"\x89PNG\r\n\x1a\n"
+# The --plot checks that follow matplotlib's own (its formats, the drawing) need it: CI's bare venv has none.
+needs_mpl = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                               reason="needs matplotlib: pip install matplotlib (the plot extra)")
 
 
 def refused(capsys, *argv: str) -> str:
@@ -37,6 +41,7 @@ def drawn(monkeypatch):
     return seen
 
 
+@needs_mpl
 def test_plot_of_a_run_with_a_fault(tmp_path, capsys, drawn):
     out, js = tmp_path / "run.png", tmp_path / "s.json"
     rc = cli.main([*SHORT, "--verify-budget", "256", "--inject", "kv-flip@5", "--plot", str(out), "--json", str(js)])
@@ -56,6 +61,7 @@ def test_plot_of_a_run_with_a_fault(tmp_path, capsys, drawn):
     assert f["detected"] and plot._fault_label(f).startswith(f"kv-flip@5: applied {f['applied_step']}, detected ")
 
 
+@needs_mpl
 def test_plot_only_plan_draws_the_entries(tmp_path, capsys, drawn):
     out = tmp_path / "run.svg"
     assert cli.main([*SHORT, "--plan-only", "--plot", str(out)]) == 0
@@ -82,6 +88,7 @@ def test_without_matplotlib_refused_before_the_run(tmp_path, capsys, monkeypatch
     assert not (tmp_path / "run.png").exists()
 
 
+@needs_mpl
 @pytest.mark.parametrize("name", ["run.xyz", "run"])
 def test_unknown_suffix_refused(tmp_path, capsys, name):
     msg = refused(capsys, "--plot", str(tmp_path / name))
@@ -89,6 +96,7 @@ def test_unknown_suffix_refused(tmp_path, capsys, name):
                           ) and ".png" in msg and ".pdf" in msg
 
 
+@needs_mpl
 def test_unwritable_paths_refused(tmp_path, capsys):
     assert "(a directory)" in refused(capsys, "--plot", str(tmp_path))
     assert "(no directory " in refused(capsys, "--plot", str(tmp_path / "missing" / "run.png"))
@@ -102,6 +110,7 @@ def test_unwritable_paths_refused(tmp_path, capsys):
     assert "expected once, got it twice" in refused(capsys, "--plot", both, "--plot", both)
 
 
+@needs_mpl
 def test_a_failed_write_after_the_run_exits_2(tmp_path, capsys, monkeypatch):
     def gone(path, fill):
         raise FileNotFoundError(2, "No such file or directory")
