@@ -21,7 +21,7 @@ The engine-facing manager (``docs/integration.md``, ``canary.manager``): :class:
 from .backends.args import LaunchConfig
 from .errors import BackendUnavailableError, CanaryInputError, PlanStatus
 from .interop.hostcopy import to_host
-from .manager import CanaryHealthError, CanaryManager, CanaryViolationError, KVGroup, SlotViolation
+from .manager import CanaryHealthError, CanaryManager, CanaryViolationError, KVGroup, SlotViolation, Violations
 from .plan.planner import CanaryPlanner, launch_canary_plan_kernels
 from .contract.plans import MISSING_SLOT, SKIP_SEED, VerifyPlan, WritePlan
 from .records.api import CanaryRecords, scatter_expected_tokens
@@ -60,6 +60,7 @@ __all__ = [
     "SlotViolation",
     "VerifyPlan",
     "Violation",
+    "Violations",
     "WritePlan",
     "launch_canary_plan_kernels",
     "layer_kv",

@@ -2,6 +2,6 @@
 :class:`SlotViolation` records (docs/integration.md). Imports no GPU library until a device is used."""
 from .groups import KVGroup
 from .manager import CanaryManager
-from .report import CanaryHealthError, CanaryViolationError, SlotViolation
+from .report import CanaryHealthError, CanaryViolationError, SlotViolation, Violations
 
-__all__ = ["CanaryHealthError", "CanaryManager", "CanaryViolationError", "KVGroup", "SlotViolation"]
+__all__ = ["CanaryHealthError", "CanaryManager", "CanaryViolationError", "KVGroup", "SlotViolation", "Violations"]

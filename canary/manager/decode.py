@@ -21,8 +21,8 @@ from ..contract.plans import MISSING_SLOT, mark_missing
 from ..contract.ring import FailReason, KernelTag, decode
 from .block import ReportBlock
 from .groups import BoundGroup
-from .report import CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, kernel_name, kind_of, \
-    log, log_violations, overflow_line, sightings
+from .report import CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, Violations, kernel_name, \
+    kind_of, log, log_violations, overflow_line, sightings
 from .stats import Stats
 
 # Plain ints for the per-step decode (enum arithmetic costs a microsecond a use there)
@@ -342,9 +342,9 @@ class ReportDecoder:
             raise CanaryViolationError(
                 f"kv-canary: violations: expected none, got {len(new)} new and {dropped} dropped to ring overflow "
                 f"by step {step}; first: {first}", new, dropped, step)
-        elif new:
+        else:  # a callback: called when rows were dropped too, even if every kept row was a repeat
             try:
-                self.on_violation(new)
+                self.on_violation(Violations(new, dropped, step))
             except BaseException:
                 self.count(new, -1)
                 self.dedup.forget(new)

@@ -13,6 +13,20 @@ log = logging.getLogger("kv_canary")
 MAX_STEPS_KEPT = 16  # steps listed per record; the count keeps counting
 
 
+class Violations(list):
+    """What an ``on_violation`` callback receives: a list of the new :class:`SlotViolation` records, and
+    ``dropped``, the ring rows lost to overflow in the same decoded steps (corrupted slots the ring could not name
+    yet: more may be hiding), and ``step``, the last step decoded. The callback is called whenever either is
+    non-zero, so a step whose kept rows are all repeats still says how many were dropped (the list is empty
+    then)."""
+
+    __slots__ = ("dropped", "step")
+
+    def __init__(self, new, dropped: int, step: int | None):
+        super().__init__(new)
+        self.dropped, self.step = int(dropped), step
+
+
 @dataclass
 class SlotViolation:
     """One corrupted KV slot as the manager reports it (the same slot seen again later updates this record).

@@ -89,6 +89,20 @@ def test_repeated_corruption_is_reported_once_with_count_and_steps():
     assert e.manager.open_violations == [v]
 
 
+def test_the_callback_gets_the_dropped_count_every_step():
+    """A ring too small for the corruption: the callback is called every step with the rows dropped, also when
+    every kept row is a repeat (an empty list then), so an engine knows that more slots are corrupt than named."""
+    got = []
+    e = clean_run(on_violation=got.append, ring_capacity=2)
+    for p in range(4):
+        e.flip("full", e.slot_of("a", p))
+    for _ in range(3):
+        e.decode_step(["a", "b"])
+    e.manager.flush()
+    assert [len(v) for v in got] == [2, 0, 0] and all(v.dropped == 2 for v in got)
+    assert [v.step for v in got] == [3, 4, 5] and all(isinstance(v, list) for v in got)
+
+
 @pytest.mark.parametrize("mode", ["log", "raise"])
 def test_ring_overflow_is_counted_and_reported(mode, caplog):
     e = clean_run(on_violation=mode, ring_capacity=2)
