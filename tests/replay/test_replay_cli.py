@@ -15,16 +15,8 @@ import canary
 import canary.replay.replay_manager
 import canary.replay.report as report
 from canary.replay import cli
+from helpers.replay_cli import SHORT, refused
 
-SHORT = ["replay", "--backend", "reference", "--max-requests", "6", "--max-batch-size", "4", "--chunk-size", "512"]
-
-
-def refused(capsys, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["replay", *argv])
-    captured = capsys.readouterr()
-    assert exc.value.code == 2 and captured.out == "", captured
-    return captured.err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("argv, words", [

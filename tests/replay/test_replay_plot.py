@@ -11,20 +11,12 @@ import pytest
 
 import canary.replay.replay as replay
 from canary.replay import cli, plot
+from helpers.replay_cli import SHORT, refused
 
-SHORT = ["replay", "--backend", "reference", "--max-requests", "6", "--max-batch-size", "4", "--chunk-size", "512"]
 PNG = b"\x89PNG\r\n\x1a\n"
 # The --plot checks that follow matplotlib's own (its formats, the drawing) need it: CI's bare venv has none.
 needs_mpl = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
                                reason="needs matplotlib: pip install matplotlib (the plot extra)")
-
-
-def refused(capsys, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["replay", *argv])
-    captured = capsys.readouterr()
-    assert exc.value.code == 2 and captured.out == "", captured
-    return captured.err.strip().splitlines()[-1]
 
 
 @pytest.fixture
