@@ -10,6 +10,7 @@ is refused.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from threading import get_ident
 from typing import Any, Callable
@@ -72,8 +73,15 @@ class Guarded:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()  # its delivery may raise, as a step call would
+            return
+        try:  # an exception is leaving the block: it stays the one raised; the canary's own goes to the log
+            self.close()
+        except Exception as own:  # noqa: BLE001 - the engine's exception wins
+            logging.getLogger("kv_canary").error("kv-canary: close() on leaving a with block that raised %s: %r",
+                                                 exc_type.__name__, own)
 
     def _no_copy(self, *args: Any) -> Any:
         raise fail(TypeError, f"{type(self).__name__}: expected no copy or pickle of a manager, got one asked for: "

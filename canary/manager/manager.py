@@ -332,6 +332,7 @@ class CanaryManager(Guarded):
                 raise fail(TypeError, f"request_ids: expected a sequence of request ids, got "
                                       f"{type(request_ids).__name__} {request_ids!r}")
             check_bound(sel)  # a rebuilt buffer the manager would still read: refused, naming rebind
+            self._steps.check_lengths(req_pool_indices, extend_seq_lens)  # host arrays: a negative E refused
             try:
                 n_ids = 0 if request_ids is None else len(request_ids)
             except TypeError:

@@ -297,6 +297,21 @@ class Steps:
         return snap
 
     @staticmethod
+    def check_lengths(req_pool_indices: Any, extend_seq_lens: Any) -> None:
+        """A host manager's (device="cpu") refusal of a negative ``extend_seq_lens`` on an active row, before the
+        step opens: the plan would flag it (BAD_EXTEND_LEN) one step late, after the engine's write of that step had
+        put records at positions the engine never meant (false violations naming real requests)."""
+        if not (isinstance(req_pool_indices, np.ndarray) and isinstance(extend_seq_lens, np.ndarray)):
+            return  # another library's host arrays: the plan's status bit reports it
+        rows, ext = req_pool_indices.reshape(-1), extend_seq_lens.reshape(-1)
+        n = min(rows.shape[0], ext.shape[0])
+        bad = np.flatnonzero((rows[:n] != 0) & (ext[:n] < 0))
+        if bad.size:
+            i = int(bad[0])
+            raise fail(ValueError, f"extend_seq_lens[{i}]: expected >= 0 new tokens for an active row "
+                                   f"(req_pool_indices[{i}] = {int(rows[i])}), got {int(ext[i])}")
+
+    @staticmethod
     def check_tokens(step: StepRecord, out_cache_loc, input_ids, positions) -> None:
         """after_kv_store's token arrays against the tokens the step planned, where the host knows them: a write
         of more or fewer tokens than the plan would report real requests' KV as corrupt a step later."""

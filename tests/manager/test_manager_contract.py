@@ -326,6 +326,21 @@ def test_the_manager_is_a_context_manager_that_closes_and_flushes():
     assert m._closed and [(v.position, v.first_step) for vs in got for v in vs] == [(0, 1)]
 
 
+def test_leaving_a_with_block_by_an_exception_keeps_the_engines_exception(caplog):
+    """close() on the way out still delivers (here: raises the queued violation), but the exception leaving the
+    block is the engine's, not the canary's; the canary's goes to the log."""
+    e = engine(on_violation="raise")
+    e.flip("full", e.slot_of("a", 5))
+    e.decode_step(["a", "b"])
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        with pytest.raises(ZeroDivisionError):
+            with e.manager:
+                raise ZeroDivisionError("the engine's own fault")
+    assert e.manager._closed
+    assert any("close() on leaving a with block that raised ZeroDivisionError" in r.getMessage()
+               and "CanaryViolationError" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
 def test_copy_and_pickle_are_refused_with_the_reason(how):
     m = ToyEngine().manager

@@ -1,7 +1,7 @@
-"""A negative ``extend_seq_lens`` on an active row reaches the manager as an input error (SPEC 3.4 bit 32,
-``BAD_EXTEND_LEN``): the step verifies nothing, ``input_error_steps`` counts it, the warning names the bit, and no
-violation is reported, then or at the next steps (nothing lost, nothing misattributed). A padding row's negative
-length is no error at all (SPEC 3.2). Reference backend, host arrays."""
+"""A negative ``extend_seq_lens`` on an active row: with host arrays the manager refuses it at ``before_forward``
+(the device-only case is the plan's input error, SPEC 3.4 bit 32 ``BAD_EXTEND_LEN``, tested with the planners), so
+no false violation follows (nothing lost, nothing misattributed). A padding row's negative length is no error at
+all (SPEC 3.2). Reference backend, host arrays."""
 from __future__ import annotations
 
 import logging
@@ -37,30 +37,30 @@ def _step_with_lengths(e: ToyEngine, ext_b: int, *, b_row: int | None = None) ->
 
 
 @pytest.mark.parametrize("ext_b", [-1, -(1 << 62), -(1 << 63)], ids=["minus_one", "minus_2_62", "int64_min"])
-def test_negative_extend_on_an_active_row_is_an_input_error_not_a_violation(ext_b, caplog):
+def test_negative_extend_on_an_active_row_is_refused_at_the_call(ext_b, caplog):
+    """Host arrays: the manager knows the length is negative before anything launches, so before_forward refuses
+    it (no step opens); the plan's BAD_EXTEND_LEN bit (tests/plan) is the report where only the device knows. An
+    engine that then calls with its real lengths runs clean."""
     got: list = []
     e = _engine(got)
     e.manager.flush()
     before = e.manager.stats()
-    assert before["input_error_steps"]["full"] == 0
+    a, b = e.reqs["a"], e.reqs["b"]
+    p = a["kv_len"]
+    with pytest.raises(ValueError, match=rf"^kv-canary: extend_seq_lens\[1\]: expected >= 0 new tokens for an "
+                                         rf"active row \(req_pool_indices\[1\] = {b['row']}\), got {ext_b}$"):
+        e.manager.before_forward(req_pool_indices=e.a([a["row"], b["row"]]), prefix_lens=e.a([p, b["kv_len"]]),
+                                 extend_seq_lens=e.a([1, ext_b]), request_ids=["a", "b"])
+    with pytest.raises(RuntimeError, match="expected a step opened by before_forward"):
+        e.manager.after_kv_store(out_cache_loc=e.a([1]), input_ids=e.a([1]), positions=e.a([p]))
     with caplog.at_level(logging.WARNING, logger="kv_canary"):
-        _step_with_lengths(e, ext_b)
+        for _ in range(2):
+            e.decode_step(["a", "b"])
         e.manager.flush()
     s = e.manager.stats()
-    assert s["input_error_steps"]["full"] == 1
-    assert s["verified_entries"]["full"] == before["verified_entries"]["full"]  # enable = 0: nothing verified
-    assert s["written_entries"]["full"] == before["written_entries"]["full"] + 1  # a's token, at its offset
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "plan input error" in warnings[0] and "BAD_EXTEND_LEN" in warnings[0], warnings
-    assert warnings[0].startswith("kv-canary:")
-    # The next steps are clean: the rows' KV was neither lost nor attributed to the wrong request.
-    for _ in range(2):
-        e.decode_step(["a", "b"])
-    e.manager.flush()
-    s = e.manager.stats()
-    assert got == [] and s["violations_by_reason"] == {} and e.manager.open_violations == []
-    assert s["input_error_steps"]["full"] == 1
-    assert s["verified_entries"]["full"] > before["verified_entries"]["full"]  # verifying again
+    assert got == [] and s["violations_by_reason"] == {} and s["input_error_steps"]["full"] == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert s["verified_entries"]["full"] > before["verified_entries"]["full"]
 
 
 @pytest.mark.parametrize("ext_b", [-1, -(1 << 63)], ids=["minus_one", "int64_min"])
