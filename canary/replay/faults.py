@@ -126,14 +126,20 @@ def _candidates(d: StepData, taken: set[int]) -> list[int]:
     return [i for i in range(len(d.rows)) if d.continues[i] and int(req[i]) not in taken]
 
 
-def _kv_flip(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
-    if _window_too_small(kv, f):
-        return False
+def _mid_window(kv: EngineKV, d: StepData, taken: set[int]):
+    """``(batch row, window start, window end)`` of each candidate whose window holds at least 4 positions: the
+    kinds that corrupt a position mid-window (neither its first nor the write seed ``end - 1``)."""
     for i in _candidates(d, taken):
         end = int(d.prefix[i] + d.extend[i])
         lo = window_start(end, kv.window)
-        if end - lo < 4:
-            continue
+        if end - lo >= 4:
+            yield i, lo, end
+
+
+def _kv_flip(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    if _window_too_small(kv, f):
+        return False
+    for i, lo, end in _mid_window(kv, d, taken):
         q = (lo + end) // 2
         slot = kv.host_slot(int(d.rows[i]), q)
         kv.kv_token_bytes(slot)[5] ^= 0x04
@@ -149,10 +155,8 @@ def _kv_flip_last(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
     if kv.num_layers < 2:
         f.needs = "--num-layers >= 2"
         return False
-    for i in _candidates(d, taken):
-        end = int(d.prefix[i] + d.extend[i])
-        lo = window_start(end, kv.window)
-        if end - lo < 4 or int(kv.sched.kv_len[d.step.request_ids[i]]) - end < kv.layer_dwell * kv.num_layers + 1:
+    for i, lo, end in _mid_window(kv, d, taken):
+        if int(kv.sched.kv_len[d.step.request_ids[i]]) - end < kv.layer_dwell * kv.num_layers + 1:
             continue
         q = (lo + end) // 2
         slot = kv.host_slot(int(d.rows[i]), q)
@@ -232,11 +236,7 @@ def _stale_row(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
 def _zero_kv(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
     if _window_too_small(kv, f):
         return False
-    for i in _candidates(d, taken):
-        end = int(d.prefix[i] + d.extend[i])
-        lo = window_start(end, kv.window)
-        if end - lo < 4:
-            continue
+    for i, lo, end in _mid_window(kv, d, taken):
         pages = kv.sched.reserve_unused_pages()
         if pages is None:
             return False
@@ -262,11 +262,7 @@ def _swa_evict(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
     if kv.lut is None:
         f.needs = "--swa-window"
         return False
-    for i in _candidates(d, taken):
-        end = int(d.prefix[i] + d.extend[i])
-        lo = window_start(end, kv.window)
-        if end - lo < 4:  # mid-window, so that the write seed (end - 1) keeps its slot
-            continue
+    for i, lo, end in _mid_window(kv, d, taken):  # mid-window, so that the write seed (end - 1) keeps its slot
         row, q = int(d.rows[i]), (lo + end) // 2
         raw = int(kv.r2t[row, q])
         slot = int(kv.lut[raw]) if raw > 0 else 0
