@@ -155,6 +155,8 @@ struct StateParams {
     unsigned long long* slot_run_counter;
     unsigned long long* kernel_run_counter;
     const int* check_flags;
+    // [num_slots] uint8 (SPEC 4: bit 1 drops a slot's verify rows, bit 2 its MISSING rows), or null
+    const unsigned char* reported_slots;
     i64 tag;                                 // (launch_tag << 8) | kernel
 };
 

@@ -91,6 +91,13 @@ __device__ u64 fold_slot(const RealKVParams& kv, i64 slot) {
     return kv.num_sources > 0 ? (acc | 1ULL) : acc;
 }
 
+// SPEC 4's reported slots: whether slot s's byte has `bit` (1: its verify rows, 2: its MISSING successors' rows),
+// i.e. the caller already holds that report and the row would only take a ring row from an unreported slot.
+// Read only on a failing row, so a clean step never touches the array (it may be pinned host memory).
+__device__ __forceinline__ bool reported(const StateParams& st, i64 s, unsigned int bit) {
+    return st.reported_slots != nullptr && s >= 0 && s < st.num_slots && (st.reported_slots[s] & bit) != 0;
+}
+
 // Fill-once ring: claim an index; write the row only if it fits. The index keeps counting past capacity.
 __device__ void append_row(const StateParams& st, u64 slot, u64 position, u64 stored_token, u64 expected_token,
                            u64 stored_hash, u64 expected_aux, u64 reasons) {
@@ -336,8 +343,12 @@ extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const
         const u64 et = (u64)p.verify_expected_tokens[i];
         if (slot < 0 || slot >= st.num_slots) {
             // A MISSING row's expected_aux is the entry's predecessor slot: nothing is read, and it names the request
-            if (slot == CANARY_MISSING_SLOT) append_row(st, (u64)slot, ep, 0, et, 0, (u64)p.verify_prev_slot_indices[i], FAIL_MISSING);
-            else append_row(st, (u64)slot, ep, 0, et, 0, 0, FAIL_SLOT_RANGE);
+            if (slot == CANARY_MISSING_SLOT) {
+                const i64 prev = p.verify_prev_slot_indices[i];
+                if (!reported(st, prev, 2)) append_row(st, (u64)slot, ep, 0, et, 0, (u64)prev, FAIL_MISSING);
+            } else {
+                append_row(st, (u64)slot, ep, 0, et, 0, 0, FAIL_SLOT_RANGE);
+            }
             continue;
         }
         const i64 prev = p.verify_prev_slot_indices[i];
@@ -358,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const
         if (pos != ep) bits |= FAIL_POSITION;
         if (token_on && et != ~0ULL && tok != et) bits |= FAIL_VERIFY_TOKEN;
         if (p.kv.num_sources > 0 && kvh != fold_slot(p.kv, slot)) bits |= FAIL_REAL_KV;
-        if (bits) append_row(st, (u64)slot, ep, tok, et, hash, expected, bits);
+        if (bits && !reported(st, slot, 1)) append_row(st, (u64)slot, ep, tok, et, hash, expected, bits);
     }
     add_block_count(&s_processed, processed, &st.slot_run_counter[COUNTER_VERIFY]);
 }
@@ -496,7 +507,7 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) canary_verify_layer(
         if (slot < 0 || slot >= st.num_slots) continue;
         const u64 stored = (u64)p.layer_hashes[slot * p.num_layers + layer];
         const u64 fresh = fold_layer(p, layer, slot);
-        if (stored != fresh) {
+        if (stored != fresh && !reported(st, slot, 1)) {
             StateParams rs = st;
             rs.tag = st.tag | (layer << LAYER_KIND_SHIFT);
             append_row(rs, (u64)slot, (u64)p.verify_expected_positions[i], slot_record(st, slot)[0],

@@ -79,11 +79,14 @@ _LO29 = np.uint64((1 << 29) - 1)
 KV_ROW_STRIDE_WORDS, KV_PAGE_SIZE, KV_WORDS_PER_TOKEN, KV_READ_WORDS = range(4)
 KV_FIELDS = 4
 
-_AU64, _AI64, _AI32, _AU32, _I64, _U64 = "uint64[::1]", "int64[::1]", "int32[::1]", "uint32[::1]", "int64", "uint64"
+_AU64, _AI64, _AI32, _AU32, _AU8, _I64, _U64 = ("uint64[::1]", "int64[::1]", "int32[::1]", "uint32[::1]", "uint8[::1]",
+                                               "int64", "uint64")
 STATE_PARAMS = (
     ("canary", _AU64), ("num_slots", _I64), ("slot_stride_words", _I64), ("ring", _AU64),
     ("ring_row_stride", _I64), ("ring_capacity", _I64), ("ring_write_index", _AU32),
-    ("slot_run_counter", _AU64), ("kernel_run_counter", _AU64), ("check_flags", _AI32), ("tag", _U64),
+    ("slot_run_counter", _AU64), ("kernel_run_counter", _AU64), ("check_flags", _AI32),
+    # records.cu's reported_slots pointer: the array and whether it is given (a null pointer there)
+    ("reported_slots", _AU8), ("has_reported_slots", _I64), ("tag", _U64),
 )
 REAL_KV_PARAMS = (("kv0", _AU64), ("kv1", _AU64), ("kv2", _AU64), ("kv3", _AU64), ("kvp", _AI64),
                   ("num_sources", _I64))
@@ -199,6 +202,12 @@ def fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot):
     if num_sources > 0:
         acc = acc | U1
     return acc
+
+
+@cuda.jit(device=True)
+def reported(reported_slots, has_reported_slots, num_slots, s, bit):
+    """records.cu's ``reported``: whether slot ``s``'s byte has ``bit`` (SPEC 4, reported slots)."""
+    return has_reported_slots != 0 and s >= 0 and s < num_slots and (int64(reported_slots[s]) & bit) != 0
 
 
 @cuda.jit(device=True)
@@ -329,7 +338,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
     verify_block_count = make_block_count(VT)
 
     def canary_write(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity, ring_write_index,
-                     slot_run_counter, kernel_run_counter, check_flags, tag, kv0, kv1, kv2, kv3, kvp, num_sources,
+                     slot_run_counter, kernel_run_counter, check_flags, reported_slots, has_reported_slots, tag, kv0, kv1, kv2, kv3, kvp, num_sources,
                      write_offsets, write_seed_slot_indices, write_num_valid_reqs, write_req_capacity,
                      out_cache_loc, input_ids, positions, num_entries, expected_input_ids, expected_positions,
                      has_expected_input_ids, has_expected_positions):
@@ -478,7 +487,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
         write_block_count(processed, slot_run_counter, COUNTER_WRITE)
 
     def canary_verify(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity, ring_write_index,
-                      slot_run_counter, kernel_run_counter, check_flags, tag, kv0, kv1, kv2, kv3, kvp, num_sources,
+                      slot_run_counter, kernel_run_counter, check_flags, reported_slots, has_reported_slots, tag, kv0, kv1, kv2, kv3, kvp, num_sources,
                       verify_slot_indices, verify_expected_tokens, verify_expected_positions,
                       verify_prev_slot_indices, verify_capacity, verify_num_valid, enable):
         """Any grid: one thread per entry, grid-stride (records.cu's canary_verify)."""
@@ -500,9 +509,11 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                 if slot < 0 or slot >= num_slots:
                     # A MISSING row's expected_aux is the entry's predecessor slot (it names the request)
                     missing = slot == MISSING_SLOT
-                    append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), ep, U0, et,
-                               U0, uint64(verify_prev_slot_indices[i]) if missing else U0,
-                               uint64(FAIL_MISSING if missing else FAIL_SLOT_RANGE))
+                    prev = verify_prev_slot_indices[i]
+                    if not (missing and reported(reported_slots, has_reported_slots, num_slots, prev, 2)):
+                        append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), ep, U0,
+                                   et, U0, uint64(prev) if missing else U0,
+                                   uint64(FAIL_MISSING if missing else FAIL_SLOT_RANGE))
                 else:
                     prev = verify_prev_slot_indices[i]
                     at = slot * slot_stride_words
@@ -530,7 +541,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                         bits |= FAIL_VERIFY_TOKEN
                     if num_sources > 0 and kvh != fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot):
                         bits |= FAIL_REAL_KV
-                    if bits != 0:
+                    if bits != 0 and not reported(reported_slots, has_reported_slots, num_slots, slot, 1):
                         append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), ep,
                                    tok, et, stored_hash, expected, uint64(bits))
             i += stride
@@ -628,7 +639,7 @@ def layer_kernel_functions(threads: int = LAYER_THREADS):
     add_block_count = make_block_count(T)
 
     def canary_write_layers(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity,
-                            ring_write_index, slot_run_counter, kernel_run_counter, check_flags, tag, kvp, num_sources,
+                            ring_write_index, slot_run_counter, kernel_run_counter, check_flags, reported_slots, has_reported_slots, tag, kvp, num_sources,
                             layer_words, num_layers, dwell, layer_hashes, layer_cursor, write_offsets,
                             write_seed_slot_indices, write_num_valid_reqs, write_req_capacity, out_cache_loc,
                             num_entries, verify_slot_indices, verify_expected_tokens, verify_expected_positions,
@@ -658,7 +669,7 @@ def layer_kernel_functions(threads: int = LAYER_THREADS):
             j += stride
 
     def canary_verify_layer(canary, num_slots, slot_stride_words, ring, ring_row_stride, ring_capacity,
-                            ring_write_index, slot_run_counter, kernel_run_counter, check_flags, tag, kvp, num_sources,
+                            ring_write_index, slot_run_counter, kernel_run_counter, check_flags, reported_slots, has_reported_slots, tag, kvp, num_sources,
                             layer_words, num_layers, dwell, layer_hashes, layer_cursor, write_offsets,
                             write_seed_slot_indices, write_num_valid_reqs, write_req_capacity, out_cache_loc,
                             num_entries, verify_slot_indices, verify_expected_tokens, verify_expected_positions,
@@ -681,7 +692,7 @@ def layer_kernel_functions(threads: int = LAYER_THREADS):
                 if slot > 0 and slot < num_slots:
                     stored = layer_hashes[slot * num_layers + layer]
                     fresh = fold_layer(layer_words, kvp, num_sources, layer, slot)
-                    if stored != fresh:
+                    if stored != fresh and not reported(reported_slots, has_reported_slots, num_slots, slot, 1):
                         append_row(ring, ring_row_stride, ring_capacity, ring_write_index, row_tag, uint64(slot),
                                    uint64(verify_expected_positions[i]), canary[slot * slot_stride_words],
                                    uint64(verify_expected_tokens[i]), stored, fresh, uint64(FAIL_REAL_KV))

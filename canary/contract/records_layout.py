@@ -29,6 +29,8 @@ STATE_PARAMS = Struct("StateParams", (
     M("unsigned long long*", "slot_run_counter"),
     M("unsigned long long*", "kernel_run_counter"),
     M("const int*", "check_flags"),
+    M("const unsigned char*", "reported_slots",
+      "[num_slots] uint8 (SPEC 4: bit 1 drops a slot's verify rows, bit 2 its MISSING rows), or null"),
     M(_I64, "tag", "(launch_tag << 8) | kernel"),
 ), doc="Where violations and health go; shared by write and verify. Fixed at bind except `tag`.")
 _SOURCES = ("MAX_SOURCES", MAX_SOURCES)

@@ -13,6 +13,7 @@ import numpy as np
 from ..errors import fail
 from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check_view
 from ..interop.overlap import Spans, check_disjoint, spans
+from ..interop.cudart import pinned_host
 from ..interop.devices import allocator, on_device_of, zero_fill
 from ..interop.hostcopy import to_host
 from ..interop.memview import host_view
@@ -27,7 +28,10 @@ class CanaryState:
 
     Fields: ``canary_buffer`` ``[num_slots, slot_stride_bytes]`` uint8, ``ring`` ``[ring_capacity, 8]`` int64,
     ``ring_write_index`` ``[1]`` int32, ``slot_run_counter`` and ``kernel_run_counter`` ``[2]`` int64,
-    ``check_flags`` ``[1]`` int32. Frozen: a :class:`~canary.CanaryRecords` binds these arrays' memory,
+    ``check_flags`` ``[1]`` int32, and the optional ``reported_slots`` ``[num_slots]`` uint8 (SPEC 4: the slots
+    whose verify rows the caller already holds; ``None``: every row is appended), which may also be pinned host
+    memory for a CUDA state (the kernels read it through unified addressing, so the host updates it without a
+    copy). Frozen: a :class:`~canary.CanaryRecords` binds these arrays' memory,
     so swapping one for another afterwards would leave the kernels writing the old one; update contents in place.
     """
 
@@ -37,6 +41,7 @@ class CanaryState:
     slot_run_counter: Any
     kernel_run_counter: Any
     check_flags: Any
+    reported_slots: Any = None
 
     @classmethod
     def allocate(
@@ -47,10 +52,12 @@ class CanaryState:
         device: Any = "cpu",
         check_flags: CheckFlags | int = DEFAULT_CHECK_FLAGS,
         library: str | None = None,
+        reported_slots: bool = False,
     ) -> CanaryState:
         """Allocate zeroed state: NumPy for ``device="cpu"``; for a CUDA ordinal or ``"cuda:N"``, arrays of
         ``library`` (``"cupy"``, ``"torch"``, ``"numba"``; default CuPy, else Numba), so that later calls run on
-        that library's current stream by default. Raises ``TypeError`` / ``ValueError`` for bad sizes, an unknown
+        that library's current stream by default; ``reported_slots=True`` adds a zeroed ``reported_slots`` array on the
+        same device. Raises ``TypeError`` / ``ValueError`` for bad sizes, an unknown
         device or library, :class:`~canary.BackendUnavailableError` when the library is not installed."""
         for name, value, low in (("num_slots", num_slots, 1), ("slot_stride_bytes", slot_stride_bytes,
                                                                  MIN_SLOT_STRIDE_BYTES),
@@ -74,6 +81,7 @@ class CanaryState:
             slot_run_counter=empty(NUM_COUNTERS, np.int64),
             kernel_run_counter=empty(NUM_COUNTERS, np.int64),
             check_flags=flags,
+            reported_slots=empty(n, np.uint8) if reported_slots else None,
         )
 
     def set_check_flags(self, flags: CheckFlags | int | str) -> None:
@@ -127,6 +135,7 @@ class StateViews:
     device_id: int
     fields: np.ndarray | None  # host only
     spans: Spans | None = None  # the state arrays' byte ranges: what per-call arrays and sources must not touch
+    reported_slots: ArrayView | None = None
 
     def host(self, name: str) -> np.ndarray:
         return getattr(self, name).host
@@ -164,10 +173,19 @@ def bind_state(state: CanaryState) -> StateViews:
                              length=NUM_COUNTERS, writable=True)
     flags = check_view(as_view(state.check_flags, "state.check_flags"), dtype=np.int32, ndim=1, length=1)
     device = check_same_device([buf, ring, widx, slot_runs, kernel_runs, flags])
-    state_spans = spans([buf, ring, widx, slot_runs, kernel_runs, flags])
+    reported = None
+    if state.reported_slots is not None:
+        reported = check_view(as_view(state.reported_slots, "state.reported_slots"), dtype=np.uint8, ndim=1,
+                              length=num_slots)
+        if reported.device_id != device and not (device != HOST and reported.device_id == HOST
+                                                 and pinned_host(reported.ptr)):
+            raise fail(ValueError, f"state.reported_slots: expected an array on the state's device "
+                                   f"({buf.where}) or pinned host memory, got {reported.where}")
+    state_spans = spans([buf, ring, widx, slot_runs, kernel_runs, flags]
+                        + ([reported] if reported is not None and reported.device_id == device else []))
     check_disjoint(state_spans)
     fields = None
     if device == HOST:
         fields = host_view(buf.ptr, (num_slots, len(CANARY_FIELDS)), (stride, 8), np.int64, buf.host)
     return StateViews(buf, ring, widx, slot_runs, kernel_runs, flags, num_slots, stride, ring.shape[0], device,
-                      fields, Spans(state_spans, device))
+                      fields, Spans(state_spans, device), reported)

@@ -248,3 +248,23 @@ def on_device(rt, ordinal: int, fn, *args):
         return fn(*args)
     with OnDevice(rt, ordinal):
         return fn(*args)
+
+
+def _pointer_runtime():
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        return None
+    return rt
+
+
+def pinned_host(ptr: int) -> bool:
+    """Whether ``ptr`` lies in page-locked host memory that CUDA kernels can read through unified addressing
+    (``cudaMallocHost`` / ``cudaHostAlloc``, or registered with ``cudaHostRegister``). Called at bind only."""
+    rt = _pointer_runtime()
+    if rt is None:  # no CUDA runtime: nothing is pinned
+        return False
+    err, attrs = rt.cudaPointerGetAttributes(int(ptr))
+    if err != rt.cudaError_t.cudaSuccess:
+        return False
+    return attrs.type == rt.cudaMemoryType.cudaMemoryTypeHost

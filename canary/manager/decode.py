@@ -53,12 +53,14 @@ class ReportDecoder:
 
     ``stats_``: the manager's :class:`Stats`; ``metrics``: its ``PrometheusMetrics`` or ``None``; ``requests``:
     its ``RequestPool`` (who holds a reported slot); ``sweep``: its ``Sweeper`` (a swept entry's prefixes);
-    ``on_violation``, ``log_limit``, ``stats_every``, ``health_steps``, ``forget_after``: the manager's arguments.
+    ``on_violation``, ``log_limit``, ``stats_every``, ``health_steps``, ``forget_after``: the manager's arguments;
+    ``marks``: its :class:`~canary.manager.suppress.ReportedSlots`.
     """
 
     def __init__(self, groups: list[BoundGroup], block: ReportBlock, *, pending, mailbox, stats_: Stats,
                  metrics: Any, requests, sweep, on_violation: str | Callable, log_limit: int, stats_every: int,
-                 health_steps: int, forget_after: int):
+                 health_steps: int, forget_after: int, marks=None):
+        self.marks = marks  # suppress.py's ReportedSlots (None: the rings are not filtered)
         self.groups, self.block, self.pending, self.mailbox = groups, block, pending, mailbox
         self.stats_, self.metrics, self.requests, self.sweep = stats_, metrics, requests, sweep
         self.on_violation, self.log_limit = on_violation, log_limit
@@ -76,6 +78,8 @@ class ReportDecoder:
     def stats(self) -> dict[str, Any]:
         """The manager's :meth:`~canary.CanaryManager.stats`."""
         out = self.stats_.as_dict(self.requests.protected_tokens())
+        if self.marks is not None:
+            out["reported_slots_marked"] = self.marks.marked
         if self.sweep:
             out.update(self.sweep.stats())
         return out
@@ -210,6 +214,8 @@ class ReportDecoder:
                         st.repeats += 1
                     else:
                         new.append(made)
+                    if report.dropped and self.marks is not None:  # suppress.py: let the next rings name others
+                        self.marks.mark(g.index, made or self.dedup.open[key], seen)
             if metrics:
                 metrics.verified.labels(group=name).inc(max(0, st.verified[name] - getattr(g, "_m_verified", 0)))
                 metrics.written.labels(group=name).inc(max(0, st.written[name] - getattr(g, "_m_written", 0)))
@@ -348,6 +354,8 @@ class ReportDecoder:
             except BaseException:
                 self.count(new, -1)
                 self.dedup.forget(new)
+                if self.marks is not None:
+                    self.marks.release(new)
                 raise
         self.meter(new)
 

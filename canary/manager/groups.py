@@ -162,10 +162,11 @@ class BoundGroup:
 
 def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: str | None, backend: str,
                max_batch_size: int, ring_capacity: int, max_step_tokens: int, empty,
-               report: tuple | None = None) -> BoundGroup:
+               report: tuple | None = None, reported_slots: Any = None) -> BoundGroup:
     """Allocate and bind one group (every buffer once; nothing is allocated per step). ``report``: the group's
     ``(ring, ring_write_index, slot_run_counter, kernel_run_counter, status)`` in the manager's
-    :class:`~canary.manager.block.ReportBlock` (``None``: allocated here)."""
+    :class:`~canary.manager.block.ReportBlock` (``None``: allocated here); ``reported_slots``: the group's array of
+    :class:`~canary.manager.suppress.ReportedSlots` (``None``: the ring is not filtered)."""
     r2t = as_view(spec.req_to_token, f"groups[{index}].req_to_token")
     if len(r2t.shape) != 2:
         raise fail(ValueError, f"groups[{index}].req_to_token: expected a 2-D [max_reqs, max_seq_len] array, got "
@@ -180,6 +181,8 @@ def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: st
         ring, write_index, slots, launches, status = report
         state = CanaryState(canary_buffer=state.canary_buffer, ring=ring, ring_write_index=write_index,
                             slot_run_counter=slots, kernel_run_counter=launches, check_flags=state.check_flags)
+    if reported_slots is not None:
+        state = dataclasses.replace(state, reported_slots=reported_slots)
         vp = dataclasses.replace(vp, status=status)
     planner = CanaryPlanner(
         verify_plan_out=vp, write_plan_out=wp, req_to_token=spec.req_to_token, swa_window_size=spec.swa_window_size,

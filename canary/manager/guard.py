@@ -41,6 +41,20 @@ def step_call(bound: bool = True) -> Callable:
     return wrap
 
 
+def request_call(fn: Callable) -> Callable:
+    """A request call's guard: any thread, holding the manager's lock (so it waits for a step in progress),
+    never after ``close``."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._closed:
+                self._refuse(name)
+            return fn(self, *args, **kwargs)
+    return call
+
+
 class Guarded:
     """The contract's state and refusals; the manager sets ``_lock`` (an ``RLock``), ``_thread`` (``None`` until
     the first step call), ``_busy`` (the step call in progress) and ``_closed``."""

@@ -28,7 +28,7 @@ from .block import ReportBlock
 from .decode import DecoderSetting, ReportDecoder
 from .eager import EagerGraphs
 from .groups import BOUND_ATTRS, BoundGroup, KVGroup, bind_group, bound_of, check_bound, check_groups, rebound
-from .guard import Guarded, step_call
+from .guard import Guarded, request_call, step_call
 from .intake import TokenIntake
 from .pool import RequestPool
 from .report import SlotViolation
@@ -37,6 +37,7 @@ from .staging import DeviceScatter, append_scatter
 from .stats import PrometheusMetrics, Stats
 from .steps import Steps, StreamResolver
 from .sweep import Sweeper, check_budget
+from .suppress import ReportedSlots
 from .transfer import open_transfer
 
 MODES = ("log", "raise")
@@ -119,10 +120,11 @@ class CanaryManager(Guarded):
         self._qv, upd = staging[:2 * b], staging[2 * b:]
         self._q, self._valid = self._qv[:b], self._qv[b:]
         block = ReportBlock([s.name for s in specs], int(ring_capacity), empty)
+        self._marks = ReportedSlots([int(g.num_slots) for g in specs], self.ordinal)  # suppress.py
         self.groups: list[BoundGroup] = [
             bind_group(i, g, pool=self.pool_array, device=device, library=library, backend=backend,
-                       max_batch_size=self.max_batch_size, ring_capacity=int(ring_capacity),
-                       max_step_tokens=step_tokens, empty=empty, report=block.groups[i])
+                       max_batch_size=self.max_batch_size, ring_capacity=int(ring_capacity), max_step_tokens=step_tokens,
+                       empty=empty, report=block.groups[i], reported_slots=self._marks.arrays[i])
             for i, g in enumerate(specs)
         ]
         self.backend = self.groups[0].records.backend
@@ -152,7 +154,7 @@ class CanaryManager(Guarded):
                                       stats_=self.stats_, metrics=metrics, requests=self.requests,
                                       sweep=self._sweep, on_violation=on_violation, log_limit=int(log_limit),
                                       stats_every=int(stats_every), health_steps=int(health_steps),
-                                      forget_after=int(forget_after))
+                                      forget_after=int(forget_after), marks=self._marks)
         self._select, self._handle_reports = self._steps.select, self._decoder.handle_reports
         self._by_name, self._all_names = self._steps.by_name, self._steps.all_names
         # The rooms' state as the tests and benchmarks read it (the same objects)
@@ -202,6 +204,7 @@ class CanaryManager(Guarded):
                 self._eager.close()
             self._transfer.close()
             self._sweep.close()
+            self._marks.close()
 
     @step_call()
     def rebind(self, group: str | None = None, **buffers: Any) -> None:
@@ -234,6 +237,7 @@ class CanaryManager(Guarded):
                 setattr(g.spec, name, value)
             g.planner, g.records, g.layers, g.verify_launch = planner, records, layers, None
             g.bound = bound_of(g.spec)
+        self._marks.clear()  # a rebuilt buffer may hold other slots' KV
         self._steps.prepared = False  # the verifies are packed again (GPU) before the next step
         if self._eager is not None:
             self._eager.forget()  # its graphs launch the old planners' and records' kernels
@@ -243,25 +247,22 @@ class CanaryManager(Guarded):
         return append_scatter(empty, self.pool_array, self._qv, upd, self.ordinal, self.backend)
 
     # -- expected tokens -----------------------------------------------------------------------------------------
+    @request_call
     def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int] | np.ndarray) -> None:
         """Start tracking a request: its own expected-token pool row, holding its prompt (``[P]`` int token ids,
         host). Raises ``ValueError`` for a request already running, ``None`` as an id, a prompt longer than
         ``max_seq_len + 1``; ``RuntimeError`` when every pool row is taken (raise ``max_requests``)."""
-        with self._lock:
-            if self._closed:
-                self._refuse("add_request")
-            self.requests.add(request_id, prompt_token_ids)
-            self._decoder.last_rows = None  # a new request under an old id is noted
+        self.requests.add(request_id, prompt_token_ids)
+        self._decoder.last_rows = None  # a new request under an old id is noted
 
+    @request_call
     def accept_tokens(self, request_id: Hashable, token_ids: Sequence[int] | np.ndarray) -> None:
         """Append a step's accepted tokens (host ints: the sampled token, or a speculative step's accepted drafts
         and bonus token; never rejected drafts). They reach the device at the next :meth:`before_forward`.
         Raises ``KeyError`` for a request not running, ``ValueError`` past ``max_seq_len + 1`` tokens."""
-        with self._lock:
-            if self._closed:
-                self._refuse("accept_tokens")
-            self.requests.accept(request_id, token_ids)
+        self.requests.accept(request_id, token_ids)
 
+    @request_call
     def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any) -> None:
         """:meth:`accept_tokens` for a whole decode batch at once: ``token_ids[i]`` is the one token request
         ``request_ids[i]`` accepted this step (a plain decode step's sampled tokens). Requests must be running and
@@ -279,19 +280,15 @@ class CanaryManager(Guarded):
         Raises ``KeyError`` for a request not running; ``ValueError`` for a request listed twice, a length
         mismatch, a request past ``max_seq_len + 1`` tokens (nothing is accepted then), a device array on another
         device or not contiguous; ``TypeError`` for token ids that are not integers."""
-        with self._lock:
-            if self._closed:
-                self._refuse("accept_tokens_batch")
-            self._intake.accept_batch(request_ids, token_ids)
+        self._intake.accept_batch(request_ids, token_ids)
 
+    @request_call
     def finish_request(self, request_id: Hashable) -> None:
         """Stop tracking a request. Its pool row keeps its tokens until every other free row was reused, so a
         stale forward naming it is still checked. Raises ``KeyError`` for a request not running."""
-        with self._lock:
-            if self._closed:
-                self._refuse("finish_request")
-            self.requests.finish(request_id)
-            self._decoder.last_rows = None
+        self.requests.finish(request_id)
+        self._decoder.last_rows = None
+        self._marks.release_request(request_id)
 
     # -- per step ------------------------------------------------------------------------------------------------
     @step_call()
@@ -427,6 +424,7 @@ class CanaryManager(Guarded):
         self._handle_reports(wait=True)
 
     # -- cached-prefix sweep (docs/integration.md 5b; the rotation lives in canary/manager/sweep.py) -------------
+    @request_call
     def cache_prefix(self, key: Hashable, slots: Any, tokens: Any, start_position: int = 0, *,
                      prev_slot: int | None = None, groups: Sequence[str] | None = None) -> None:
         """Register a cached prefix for the sweep: ``slots`` (``[n]`` ints, host or device: a device array is
@@ -436,18 +434,14 @@ class CanaryManager(Guarded):
         check of that one entry is skipped). ``groups``: the groups holding this KV (default: every swept
         group). Register only KV whose store was already launched (this step's included). Raises ``ValueError``
         / ``TypeError`` (``kv-canary:``) for a key already cached, slots outside a group's pool, bad lengths."""
-        with self._lock:
-            if self._closed:
-                self._refuse("cache_prefix")
-            self._sweep.cache(key, slots, tokens, start_position, prev_slot, groups, self._by_name)
+        self._sweep.cache(key, slots, tokens, start_position, prev_slot, groups, self._by_name)
 
+    @request_call
     def evict_prefix(self, key: Hashable) -> None:
         """Stop sweeping a cached prefix. Call it when the cache frees the slots, before they are handed out
         again: a slot swept after its reuse is reported. ``KeyError`` for a key not cached."""
-        with self._lock:
-            if self._closed:
-                self._refuse("evict_prefix")
-            self._sweep.evict(key)
+        self._sweep.evict(key)
+        self._marks.release_prefix(key)
 
     @step_call()
     def sweep(self, *, stream: Any = None) -> None:

@@ -362,6 +362,14 @@ class FakeRuntime:
         self._host[ptr] = buf
         return 0, ptr
 
+    cudaMemoryType = _Enum(cudaMemoryTypeUnregistered=0, cudaMemoryTypeHost=1, cudaMemoryTypeDevice=2)
+
+    def cudaPointerGetAttributes(self, ptr):
+        """Host memory this runtime pinned is ``cudaMemoryTypeHost``; anything else unregistered."""
+        pinned = any(p <= ptr < p + buf.nbytes - 64 for p, buf in self._host.items())
+        kind = self.cudaMemoryType.cudaMemoryTypeHost if pinned else self.cudaMemoryType.cudaMemoryTypeUnregistered
+        return 0, _Enum(type=kind)
+
     def cudaFreeHost(self, ptr):
         self._host.pop(ptr, None)
         return (0,)
@@ -540,5 +548,6 @@ def install() -> None:
 
     cupy_backend.Params.__init__ = counted_init
     transfer._rt = lambda: RUNTIME
+    cudart._pointer_runtime = lambda: RUNTIME
     cudart._CHOSEN.clear()  # chosen again, now that the stand-in CuPy is imported
     _INSTALLED = True

@@ -37,6 +37,7 @@ class LayerCase:
     cursor: tuple[int, int]
     seed: int
     launches: list = field(default_factory=list)  # ("write", offsets, seeds, nvalid, loc) / ("verify", ...) / ("flip", ...)
+    reported: np.ndarray | None = None  # [num_slots] uint8 reported_slots (SPEC 4); None: not given
 
     def __repr__(self) -> str:
         return self.name
@@ -94,7 +95,8 @@ def run_case(case: LayerCase, backend: str, place, launch_config=None) -> Run:
                         ring_write_index=place(np.zeros(1, dtype=np.int32)),
                         slot_run_counter=place(np.array([5, 7], dtype=np.int64)),
                         kernel_run_counter=place(np.array([11, 13], dtype=np.int64)),
-                        check_flags=place(np.array([3], dtype=np.int32)))
+                        check_flags=place(np.array([3], dtype=np.int32)),
+                        reported_slots=None if case.reported is None else place(case.reported))
     table = LayerTable(layer_hashes=place(rng.integers(-2**63, 2**63, (case.num_slots, case.num_layers),
                                                        dtype=np.int64)),
                        layer_cursor=place(np.array(case.cursor, dtype=np.int32)))
@@ -152,6 +154,8 @@ def random_case(seed: int) -> LayerCase:
     case = LayerCase(f"random_{seed}", num_slots, layers, int(rng.integers(1, 4)), ps, nbpt, read,
                      ps * nbpt + 16 * int(rng.integers(0, 3)), bool(rng.random() < 0.5), mode,
                      int(rng.integers(1, 4)), (int(rng.integers(-2, layers + 2)), int(rng.integers(-1, 4))), seed)
+    if rng.random() < 0.3:
+        case.reported = rng.integers(0, 4, size=num_slots).astype(np.uint8)
     for _ in range(int(rng.integers(2, 9))):
         r = rng.random()
         if r < 0.4:

@@ -26,26 +26,28 @@ def kv_row(req: int, pos: int, token: int) -> np.ndarray:
 
 class ToyEngine:
     def __init__(self, *, xp: Any = np, groups=("full",), device: Any = "cpu", backend: str = "auto",
-                 library: str | None = None, num_layers: int = 1, static: bool = False, **manager_kw):
+                 library: str | None = None, num_layers: int = 1, static: bool = False, max_reqs: int = MAX_REQS,
+                 num_slots: int = NUM_SLOTS, max_batch_size: int = 4, verify_capacity: int = 512,
+                 max_seq_len: int = MAX_SEQ_LEN, **manager_kw):
         self.xp = xp
         # static: the step arrays are the same objects every step (one buffer per name and length, refilled), as
         # an engine with static step buffers passes them: the manager then replays its eager calls as CUDA graphs
         self.static = static
         self._bufs: dict = {}
-        self.r2t_host = np.zeros((MAX_REQS, MAX_SEQ_LEN), dtype=np.int32)
+        self.r2t_host = np.zeros((max_reqs, max_seq_len), dtype=np.int32)
         self.req_to_token = xp.asarray(self.r2t_host)
-        self.free_slots = list(range(1, NUM_SLOTS))
-        self.free_rows = list(range(1, MAX_REQS))
-        perm = np.random.default_rng(0).permutation(np.arange(1, NUM_SLOTS))
-        lut = np.zeros(NUM_SLOTS, dtype=np.int64)
+        self.free_slots = list(range(1, num_slots))
+        self.free_rows = list(range(1, max_reqs))
+        perm = np.random.default_rng(0).permutation(np.arange(1, num_slots))
+        lut = np.zeros(num_slots, dtype=np.int64)
         lut[1:] = perm  # full slot -> SWA slot (slot 0 stays the padding slot)
         self.lut_host = lut
         self.lut = xp.asarray(lut)
         # Every layer's K and V, stacked [num_layers, slots, bytes]; the real-KV sources are layer 0's (SGLang's),
         # and with several layers the layer rotation gets them all.
         self.num_layers = num_layers
-        self.layers = {g: (xp.zeros((num_layers, NUM_SLOTS, BYTES), dtype=xp.uint8),
-                           xp.zeros((num_layers, NUM_SLOTS, BYTES), dtype=xp.uint8)) for g in groups}
+        self.layers = {g: (xp.zeros((num_layers, num_slots, BYTES), dtype=xp.uint8),
+                           xp.zeros((num_layers, num_slots, BYTES), dtype=xp.uint8)) for g in groups}
         self.kv = {g: (k[0], v[0]) for g, (k, v) in self.layers.items()}
         specs = []
         for g in groups:
@@ -58,9 +60,9 @@ class ToyEngine:
                 extra = dict(swa_window_size=WINDOW, full_to_swa_index_mapping=self.lut)
             elif g == "draft":
                 extra = dict(kv_token_id_vs_position_offset=1)
-            specs.append(KVGroup(name=g, req_to_token=self.req_to_token, num_slots=NUM_SLOTS, verify_capacity=512,
+            specs.append(KVGroup(name=g, req_to_token=self.req_to_token, num_slots=num_slots, verify_capacity=verify_capacity,
                                  real_kv_sources=[(k, 1, BYTES), (v, 1, BYTES)], **extra))
-        self.manager = CanaryManager(specs, max_batch_size=4, device=device, backend=backend, library=library,
+        self.manager = CanaryManager(specs, max_batch_size=max_batch_size, device=device, backend=backend, library=library,
                                      **manager_kw)
         self.manager.warmup()
         self.reqs: dict[Any, dict] = {}  # rid -> {"row", "tokens", "kv_len", "draft_len"}
@@ -226,3 +228,55 @@ def check_accept_batch_runs(out: list) -> None:
     (pool_e, counts_e, found_e, prot_e), (pool_b, counts_b, found_b, prot_b) = out
     assert np.array_equal(pool_e, pool_b) and counts_e == counts_b and prot_e == prot_b
     assert found_e == found_b and [(f[1], f[2], f[4][0][0]) for f in found_b] == [(FailReason.VERIFY_TOKEN, 77, "b")]
+
+
+def mass_corruption(*, requests: int, prompt: int, ring_capacity: int, _no_marks: bool = False, **engine_kw) -> dict:
+    """Every prompt slot of ``requests`` requests corrupted at once (``requests * prompt`` slots, many times the
+    ring), then decode steps of all of them until every corrupted slot was named (or the bound passed): what the
+    callback got, step by step, for the mass-corruption tests (docs/records.md 6.1)."""
+    got = []
+    k = requests * prompt
+    bound = -(-k // ring_capacity)
+    e = ToyEngine(on_violation=got.append, ring_capacity=ring_capacity, max_reqs=requests + 2,
+                  max_batch_size=requests, num_slots=k + requests * (bound + 4) + 8,
+                  verify_capacity=requests * (prompt + bound + 4),
+                  max_seq_len=prompt + bound + 4, **engine_kw)
+    if _no_marks:
+        e.manager._marks.mark = lambda *a: None
+    rids = [f"r{i}" for i in range(requests)]
+    for i, rid in enumerate(rids):
+        e.add(rid, list(range(100 * i, 100 * i + prompt)))
+    e.forward([(rid, prompt) for rid in rids])  # the prefill stores every prompt token
+    for rid in rids:
+        e.accept(rid, [7])
+    corrupted = {e.slot_of(rid, p): rid for rid in rids for p in range(prompt)}
+    for s in corrupted:
+        e.flip("full", s)
+    named: dict[int, int] = {}  # slot -> the decode step whose report named it
+    steps = seen = 0
+    while len(named) < k and steps < bound + 2:
+        e.decode_step(rids)
+        steps += 1
+        for batch in got[seen:]:
+            for v in batch:
+                named.setdefault(v.slot, steps)
+        seen = len(got)
+    e.manager.flush()
+    return {"engine": e, "got": got, "corrupted": corrupted, "bound": bound, "steps": steps, "rids": rids,
+            "named": named}
+
+
+def check_mass_corruption(run: dict, *, latency: int = 0) -> None:
+    """Every corrupted slot named once, none other, within ``bound * (1 + latency)`` steps (docs/records.md 6.1;
+    the first decode step's report is read at the second: one step late), every request named, and every step
+    whose ring overflowed told the callback how many rows it dropped."""
+    got, corrupted = run["got"], run["corrupted"]
+    names = [v.slot for batch in got for v in batch]
+    assert len(names) == len(set(names)), "a slot named twice"
+    assert set(names) == set(corrupted), "a slot named that was not corrupted, or one never named"
+    assert max(run["named"].values()) <= run["bound"] * (1 + latency) + 1
+    assert {rid for batch in got for v in batch for rid in v.request_ids} == set(run["rids"])
+    for v in (v for batch in got for v in batch):
+        assert corrupted[v.slot] in v.request_ids  # each names its owner
+    assert sum(b.dropped for b in got) == run["engine"].manager.stats()["ring_dropped"]
+    assert all(b.dropped or len(b) for b in got)

@@ -68,6 +68,10 @@ class NaiveState:
     check_flags: int = 3
     sources: list[Source] = field(default_factory=list)
     mode: int = 2  # 0 NONE, 1 PARTIAL, 2 ALL
+    reported: list[int] | None = None  # SPEC 4's reported slots: bit 1 drops a slot's rows, bit 2 its MISSING rows
+
+    def is_reported(self, slot: int, bit: int) -> bool:
+        return self.reported is not None and 0 <= slot < len(self.fields) and bool(self.reported[slot] & bit)
 
     def append(self, row: list[int]) -> None:
         idx = self.write_index
@@ -167,7 +171,8 @@ def verify(st: NaiveState, *, slots, exp_tokens, exp_positions, prev_slots, num_
         st.slot_runs[1] += 1
         ep, et, prev = exp_positions[i], exp_tokens[i], prev_slots[i]
         if slot == MISSING_SLOT:  # reported, never read
-            st.append([tag, slot, ep, 0, et, 0, prev, 128])  # expected_aux: the predecessor, naming the request
+            if not st.is_reported(prev, 2):
+                st.append([tag, slot, ep, 0, et, 0, prev, 128])  # expected_aux: the predecessor, naming the request
             continue
         if not 0 < slot < num_slots:
             st.append([tag, slot, ep, 0, et, 0, 0, 64])
@@ -190,5 +195,5 @@ def verify(st: NaiveState, *, slots, exp_tokens, exp_positions, prev_slots, num_
             bits |= 32
         if st.mode != 0 and st.sources and kv != st.real_kv_hash(slot):
             bits |= 4
-        if bits:
+        if bits and not st.is_reported(slot, 1):
             st.append([tag, slot, ep, tok, et, prev_hash, expected, bits])

@@ -53,6 +53,7 @@ class CanaryCase:
     sources: list = field(default_factory=list)  # (array, page_size, num_bytes_per_token, read_bytes)
     mode: RealKVMode = RealKVMode.ALL
     seed: int = 0  # of the poison
+    reported: np.ndarray | None = None  # [num_slots] uint8 reported_slots (SPEC 4); None: not given
     # Worked out by hand (some hand cases): the (slot, reasons) of the last launch's ring rows, in entry order.
     expect: list[tuple[int, FailReason]] | None = None
 
@@ -79,6 +80,7 @@ def make_state(case: CanaryCase, place: Callable) -> tuple[CanaryState, object]:
         slot_run_counter=place(np.array([5, 7], dtype=np.int64)),
         kernel_run_counter=place(np.array([11, 13], dtype=np.int64)),
         check_flags=place(np.array([case.check_flags], dtype=np.int32)),
+        reported_slots=None if case.reported is None else place(np.asarray(case.reported, dtype=np.uint8)),
     )
     return state, dev_wide
 
@@ -189,6 +191,13 @@ def _first_diff(case: CanaryCase, got: Run, want: Run) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Builders
+
+
+def _rep(num_slots: int, bits: dict[int, int]) -> np.ndarray:
+    out = np.zeros(num_slots, dtype=np.uint8)
+    for k, b in bits.items():
+        out[k] = b
+    return out
 
 
 def _a(*v) -> np.ndarray:
@@ -341,6 +350,18 @@ def hand_cases() -> list[CanaryCase]:
     add("ring_overflow_across_launches", [bad, bad], ring_capacity=12)
     add("ring_index_wraps", [bad, bad], ring_capacity=6, write_index=-3)
     add("ring_row_stride_wider", [bad], ring_row_stride=11, ring_capacity=9)
+    # Reported slots (SPEC 4): slots 1-4 already reported, so a 4-row ring takes slots 5-8, not 1-4 again
+    known = np.tile(_a(40, 7, 123, 0), (S, 1))  # every verify of `bad` fails POSITION and CHAIN
+    add("reported_slots_make_room", [bad], ring_capacity=4, reported=_rep(S, {1: 1, 2: 1, 3: 3, 4: 1}), records=known,
+        expect=[(s, F.POSITION | F.CHAIN) for s in (5, 6, 7, 8)])
+    add("reported_slots_bit_2_keeps_slot_rows", [bad], reported=_rep(S, {k: 2 for k in range(1, 9)}), records=known,
+        expect=[(s, F.POSITION | F.CHAIN) for s in range(1, 9)])
+    add("reported_slots_all", [bad], reported=_rep(S, {k: 1 for k in range(S)}), expect=[])
+    # MISSING rows are filtered by their predecessor's bit 2; an out-of-range predecessor (-1) never is
+    add("reported_slots_missing_predecessor", [verify_launch(
+        _a(MISSING_SLOT, MISSING_SLOT, MISSING_SLOT, MISSING_SLOT, S + 2), _a(1, 2, 3, 4, 5), _a(1, 2, 3, 0, 4),
+        _a(3, 4, 5, -1, 2))], reported=_rep(S, {3: 2, 4: 1, 5: 3, 2: 3}),
+        expect=[(MISSING_SLOT, F.MISSING), (MISSING_SLOT, F.MISSING), (S + 2, F.SLOT_RANGE)])
     add("slot_stride_padding_untouched", chain_then_verify(_a(3, 4, 9, 15, 1)), slot_stride_bytes=56)
     add("one_slot_canary", [write_launch([0, 2], [-1], _a(0, 1), _a(1, 2), _a(0, 1)),
                             verify_launch(_a(0, 1), _a(1, 2), _a(0, 1), _a(-1, 0))], num_slots=1)
@@ -498,6 +519,8 @@ def random_case(seed: int, *, max_slots: int = 40, max_entries: int = 80) -> Can
     )
     if rng.random() < 0.3:
         case.records = rng.integers(-2, 6, size=(num_slots, 4))
+    if rng.random() < 0.3:
+        case.reported = rng.integers(0, 4, size=num_slots).astype(np.uint8)
     written: list[int] = []
     for _ in range(int(rng.integers(1, 5))):
         if rng.random() < 0.55:

@@ -48,3 +48,14 @@ def test_detection_one_step_late():
     e.forward([("a", 1), ("b", 1)])
     v = got[0][0]
     assert (v.group, v.position, v.reasons, v.requests) == ("full", 1, FailReason.REAL_KV, (("b", 1),))
+
+
+def test_mass_corruption_names_every_slot_once_within_the_bound():
+    """The reference's scenario (test_manager_mass.py) on the Numba twins: 100x a one-row ring."""
+    from helpers.manager_engine import check_mass_corruption, mass_corruption
+
+    try:
+        run = mass_corruption(requests=4, prompt=25, ring_capacity=1, backend="numba")
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    check_mass_corruption(run)

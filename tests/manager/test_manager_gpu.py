@@ -169,3 +169,21 @@ def test_cupy_close_delivers_the_last_step_then_refuses_calls_instead_of_touchin
         with pytest.raises(RuntimeError, match=r"expected an open manager, got one closed by close\(\)"):
             call()
     assert m.stats()["decoded_steps"] == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy", "numba"])
+@pytest.mark.parametrize("static", [False, True], ids=["fresh-arrays", "static-buffers"])
+def test_mass_corruption_names_every_slot_once_within_the_bound(backend, static):
+    """100x the ring across 20 requests (docs/records.md 6.1): the marks live in pinned host memory that the
+    kernels read in place; a GPU manager reads a step's report a few steps late (the mailbox depth, 3), so the
+    bound is ``ceil(K / C) * (1 + 3)`` steps."""
+    cupy = pytest.importorskip("cupy")
+    if backend == "numba":
+        pytest.importorskip("numba.cuda")
+    from helpers.manager_engine import check_mass_corruption, mass_corruption
+
+    run = mass_corruption(requests=20, prompt=20, ring_capacity=4, xp=cupy, device=0, backend=backend,
+                          static=static)
+    check_mass_corruption(run, latency=3)
+    run["engine"].manager.close()

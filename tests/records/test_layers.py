@@ -26,11 +26,11 @@ class Toy:
     whose tokens sit in slots ``1..n``: ``step()`` verifies them (the cursor's layer) then writes nothing new
     (write_layers with no entries: only the cursor moves)."""
 
-    def __init__(self, num_layers: int, slots: int = 8, n: int = 5, dwell: int = 1):
+    def __init__(self, num_layers: int, slots: int = 8, n: int = 5, dwell: int = 1, reported: bool = False):
         rng = np.random.default_rng(num_layers)
         self.k = rng.integers(0, 256, (num_layers, slots, NB), dtype=np.uint8)
         self.v = rng.integers(0, 256, (num_layers, slots, NB), dtype=np.uint8)
-        self.state = CanaryState.allocate(num_slots=slots, ring_capacity=64)
+        self.state = CanaryState.allocate(num_slots=slots, ring_capacity=64, reported_slots=reported)
         self.records = CanaryRecords(self.state, [(self.k[0], 1, NB), (self.v[0], 1, NB)])
         self.layers = CanaryLayers(self.records, [[(self.k[i], 1, NB), (self.v[i], 1, NB)] for i in range(num_layers)],
                                    dwell=dwell)
@@ -50,6 +50,20 @@ class Toy:
         self.layers.verify(self.vp, launch_tag=3)
         self.layers.write(self.wp, out_cache_loc=np.zeros(0, dtype=np.int64))
         return list(self.state.drain())
+
+
+def test_a_reported_slot_takes_no_layer_row():
+    """SPEC 4's reported slots filter layer rows too (bit 1; bit 2 is for MISSING rows only)."""
+    t = Toy(2, reported=True)
+    t.k[0, 3, 5] ^= 1
+    t.k[1, 3, 5] ^= 1
+    t.k[1, 4, 5] ^= 1
+    t.state.reported_slots[3] = 1
+    t.state.reported_slots[4] = 2
+    rows = t.step() + t.step()
+    assert sorted((v.slot, v.layer) for v in rows) == [(4, 1)]
+    t.state.reported_slots[3] = 0
+    assert sorted((v.slot, v.layer) for v in t.step() + t.step()) == [(3, 0), (3, 1), (4, 1)]
 
 
 @pytest.mark.parametrize("num_layers", [1, 2, 5])

@@ -7,6 +7,8 @@ and tags.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from helpers import naive_records as naive
 from helpers import records_cases as cc
 import numpy as np
@@ -72,13 +74,17 @@ def test_reference_matches_naive_oracle(seed):
     rng = np.random.default_rng(seed)
     num_slots = int(rng.integers(1, 10))
     state = CanaryState.allocate(num_slots=num_slots, slot_stride_bytes=_pick(rng, [32, 40, 48]),
-                                 ring_capacity=int(rng.integers(0, 6)), check_flags=int(rng.integers(0, 4)))
+                                 ring_capacity=int(rng.integers(0, 6)), check_flags=int(rng.integers(0, 4)),
+                                 reported_slots=bool(rng.random() < 0.4))
+    if state.reported_slots is not None:
+        state.reported_slots[:] = rng.integers(0, 4, size=num_slots)
     views = bind_state(state)
     views.fields[:] = rng.integers(-1, 4, size=views.fields.shape)
     state.ring_write_index[0] = _pick(rng, [0, 0, 3, -2])  # -2: the uint32 count 2**32 - 2, about to wrap
     kv, srcs, mode = _random_sources(rng, num_slots)
     ns = _naive_state(views)
     ns.sources, ns.mode = srcs, mode
+    ns.reported = None if state.reported_slots is None else state.reported_slots.tolist()
 
     for _ in range(2):  # write, then write again over the same slots
         r_cap = int(rng.integers(0, 5))
@@ -332,6 +338,21 @@ def test_real_kv_hand_cases_fail_reasons(name):
     ((kind, w0, w1, rows),) = run.launches
     assert (kind, w0, w1) == ("verify", 0, len(want))
     assert [(int(row[1]), F(int(row[7]))) for row in rows] == want
+
+
+@pytest.mark.parametrize("name", ["reported_slots_make_room", "reported_slots_bit_2_keeps_slot_rows",
+                                  "reported_slots_all", "reported_slots_missing_predecessor"])
+def test_reported_slots_hand_cases(name):
+    """SPEC 4's reported slots: a reported slot's failing rows claim no ring index, so a small ring fills with
+    the slots not reported yet; bit 2 filters MISSING rows by their predecessor, never a slot's own rows."""
+    case = next(c for c in cc.hand_cases() if c.name == name)
+    run = cc.run_case(case, "reference", lambda a: a.copy(), np.asarray)
+    ((kind, w0, w1, rows),) = run.launches
+    assert (kind, w0, w1) == ("verify", 0, len(case.expect))
+    assert [(int(r[1]), F(int(r[7]))) for r in rows] == case.expect
+    unfiltered = cc.run_case(dataclasses.replace(case, reported=None), "reference", lambda a: a.copy(), np.asarray)
+    assert unfiltered.launches[0][2] >= w1
+    assert run.slot_runs.tolist() == unfiltered.slot_runs.tolist()  # filtered entries still count as processed
 
 
 def test_missing_slot_hand_case_rows():
@@ -669,12 +690,15 @@ def test_sampled_verify_end_to_end():
 @pytest.mark.parametrize("case", [c for c in cc.hand_cases() if not c.sources], ids=repr)
 def test_hand_cases_match_naive_oracle(case):
     state = CanaryState.allocate(num_slots=case.num_slots, ring_capacity=case.ring_capacity,
-                                 check_flags=case.check_flags)
+                                 check_flags=case.check_flags, reported_slots=case.reported is not None)
+    if case.reported is not None:
+        state.reported_slots[:] = case.reported
     views = bind_state(state)
     if case.records is not None:
         views.fields[:] = case.records
     state.ring_write_index[0] = case.write_index
     ns = _naive_state(views)
+    ns.reported = None if case.reported is None else [int(x) for x in case.reported]
     kv = real_kv([], RealKVMode.NONE)
     for launch in case.launches:
         a = launch.args

@@ -133,3 +133,24 @@ def test_write_plan_allocate_checks():
 def test_zero_size_dtype_is_refused():
     with pytest.raises(TypeError, match="kv-canary: x: expected an array of sized elements, got dtype"):
         as_view(np.zeros(3, "V0"), "x")
+
+
+@pytest.mark.parametrize("make, exc, message", [
+    (lambda n: np.zeros(n, np.int8), TypeError, r"state\.reported_slots: expected dtype uint8, got int8"),
+    (lambda n: np.zeros(n + 1, np.uint8), ValueError, r"state\.reported_slots: expected length 4"),
+    (lambda n: np.zeros((n, 1), np.uint8), ValueError, r"state\.reported_slots: expected a 1-D array, got shape \(4, 1\)"),
+    (lambda n: np.zeros(2 * n, np.uint8)[::2], ValueError, r"state\.reported_slots"),
+])
+def test_bad_reported_slots(make, exc, message):
+    s = dataclasses.replace(CanaryState.allocate(num_slots=4), reported_slots=make(4))
+    with pytest.raises(exc, match="^kv-canary: " + message):
+        bind_state(s)
+
+
+def test_reported_slots_allocated_zeroed_and_inside_the_state_refused():
+    s = CanaryState.allocate(num_slots=4, reported_slots=True)
+    assert s.reported_slots.dtype == np.uint8 and s.reported_slots.tolist() == [0, 0, 0, 0]
+    assert bind_state(s).reported_slots.shape == (4,)
+    inside = dataclasses.replace(s, reported_slots=s.canary_buffer.reshape(-1)[:4])
+    with pytest.raises(ValueError, match=r"^kv-canary: state\.\w+: expected memory separate from state\.\w+"):
+        bind_state(inside)

@@ -40,6 +40,7 @@ def state_words(state: StateViews) -> dict:
         ring_capacity=state.ring_capacity, ring_write_index=state.ring_write_index.ptr,
         slot_run_counter=state.slot_run_counter.ptr, kernel_run_counter=state.kernel_run_counter.ptr,
         check_flags=state.check_flags.ptr, tag=0,
+        reported_slots=0 if state.reported_slots is None else state.reported_slots.ptr,
     )
 
 

@@ -56,7 +56,7 @@ class Arrays:
         self._cache: dict = {}
         self._dummies: dict = {}
         self._streams: dict = {}
-        for dtype in (np.int64, np.uint64, np.int32):  # now, not inside a later CUDA-graph capture
+        for dtype in (np.int64, np.uint64, np.int32, np.uint8):  # now, not inside a later CUDA-graph capture
             self.dummy(dtype)
 
     def words(self, ptr: int, n: int, dtype, owner, host_owner=None):
@@ -145,6 +145,7 @@ class Bound:
             arr.words(s.slot_run_counter.ptr, 2, np.uint64, s.slot_run_counter.owner, s.slot_run_counter.host),
             arr.words(s.kernel_run_counter.ptr, 2, np.uint64, s.kernel_run_counter.owner, s.kernel_run_counter.host),
             arr.words(s.check_flags.ptr, 1, np.int32, s.check_flags.owner, s.check_flags.host),
+            *self._reported(s),
         )
         sources = list(real_kv.sources) if real_kv.active else []
         kvp = np.zeros(MAX_SOURCES * records_numba.KV_FIELDS, dtype=np.int64)
@@ -170,6 +171,13 @@ class Bound:
         self._kv_params = kvp
         self._kv_args = (*kv_arrays, kvp, len(sources))  # records_numba's real-KV arguments, in order
         self.sms = sms
+
+    def _reported(self, s: StateViews) -> tuple:
+        """The kernels' ``reported_slots, has_reported_slots`` (a one-byte dummy when not given)."""
+        r = s.reported_slots
+        if r is None:
+            return self.arrays.dummy(np.uint8), 0
+        return self.arrays.words(r.ptr, s.num_slots, np.uint8, r.owner, r.host), 1
 
     @property
     def kv_params(self):

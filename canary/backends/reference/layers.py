@@ -94,6 +94,8 @@ def verify_layer(state: StateViews, *, layer_hashes: np.ndarray, layer_cursor: n
     fresh = fold(layers[layer], slot)
     stored = layer_hashes[slot, layer]
     bad = np.flatnonzero(stored != fresh)
+    if bad.shape[0] and state.reported_slots is not None:
+        bad = bad[(state.reported_slots.host[slot[bad]] & 1) == 0]
     if bad.shape[0]:
         rec = gather_fields(state.fields, slot[bad], np.ones(bad.shape[0], dtype=bool))
         rows = ring_rows(tag | (layer << KIND_BITS), slot[bad], verify_expected_positions[live[bad]], rec[:, TOKEN],

@@ -64,6 +64,19 @@ def gather_fields(fields: np.ndarray, slots: np.ndarray, ok: np.ndarray) -> np.n
     return rec
 
 
+def unreported(state: StateViews, slot: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    """Which of these failing verify rows the ring takes (SPEC 4, reported slots): a slot's row unless its byte
+    has bit 1; a MISSING row unless its in-range predecessor's byte has bit 2; any other row always."""
+    rep = state.reported_slots.host
+    n = state.num_slots
+    in_range = (slot >= 0) & (slot < n)
+    keep = ~in_range | ((rep[np.where(in_range, slot, 0)] & 1) == 0)
+    missing = slot == MISSING_SLOT
+    prev_in = (prev >= 0) & (prev < n)
+    keep &= ~(missing & prev_in) | ((rep[np.where(prev_in, prev, 0)] & 2) == 0)
+    return keep
+
+
 def _link_of(fields_rows: np.ndarray) -> np.ndarray:
     """``link`` of each gathered record ``[n, 4]`` (uint64; SPEC 4)."""
     return chain_step_u64(fields_rows[:, PREV_HASH], fields_rows[:, TOKEN], fields_rows[:, POSITION])
@@ -181,6 +194,8 @@ def verify(
         bits |= np.where(slot_ok & (rec[:, REAL_KV_HASH] != fresh[at]), int(FailReason.REAL_KV), 0)
 
     bad = np.flatnonzero(bits)
+    if bad.shape[0] and state.reported_slots is not None:
+        bad = bad[unreported(state, slot[bad], prev[bad])]
     if bad.shape[0]:
         rows = ring_rows(encode_tag(KernelTag.VERIFY, launch_tag), slot[bad], exp_pos[bad], rec[bad, TOKEN],
                          exp_tok[bad], rec[bad, PREV_HASH], expected_link[bad], bits[bad])
