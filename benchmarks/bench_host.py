@@ -34,7 +34,7 @@ import numpy as np
 
 import harness
 
-MANAGER = {"bs1": (1, 4096), "bs256": (256, 2048)}  # (bs, context per request)
+MANAGER = {"bs1": (1, 4096), "bs32": (32, 1024), "bs256": (256, 2048)}  # (bs, context per request)
 PLAN_BS = [1, 8, 64, 256]
 RECORDS = [(1, 4096), (256, 2048)]  # (bs, context per request)
 
@@ -44,14 +44,21 @@ DEVICE: dict = {"device": 0}  # --dry: "cpu"
 SPLIT: dict = {}  # --split: {"clock": the clock, "parts": [(accept ns, before_forward ns, after_kv_store ns)]}
 
 
-def manager_case(cp, bs: int, context: int, tokens: str | None):
+def manager_case(cp, bs: int, context: int, tokens: str | None, stream: str | None = None):
     """bench_manager's manager and decode step; ``tokens``: one accepted token per request per step, reported
     ``"each"`` (``accept_tokens`` per request) or as a ``"batch"`` (``accept_tokens_batch``) or ``"device"``
     (``accept_tokens_batch`` with a device array), timed with the step
-    (half the context is then prompt, so that the accepted tokens have room)."""
+    (half the context is then prompt, so that the accepted tokens have room). ``stream``: the step calls get an
+    explicit ``stream=``, CuPy's ``"current"`` stream or ``"other"``, a stream of their own (the arrays' library
+    then ordered before it once a call, issue 26)."""
+    if stream is not None and DEVICE["device"] == "cpu":  # --dry: a host manager takes no stream
+        return None
     from bench_manager import build
 
     m, ids, before, after = build(cp, bs, context, prompt=context // 2 if tokens else None, **MANAGER_KW)
+    if stream is not None:
+        s = cp.cuda.get_current_stream() if stream == "current" else cp.cuda.Stream(non_blocking=True)
+        before, after = dict(before, stream=s), dict(after, stream=s)
     if tokens in ("batch", "device") and not hasattr(m, "accept_tokens_batch"):  # a tree from before it (a baseline)
         m.close()
         return None
@@ -134,6 +141,9 @@ def cases(cp, only: list[str] | None):
             for tokens in (None, "each", "batch", "device"):
                 out[f"manager {name}{' +tokens ' + tokens if tokens else ''}"] = \
                     lambda bs=bs, ctx=ctx, t=tokens: manager_case(cp, bs, ctx, t)
+            for stream in ("current", "other"):
+                out[f"manager {name} stream={stream}"] = lambda bs=bs, ctx=ctx, s=stream: manager_case(cp, bs, ctx,
+                                                                                                   None, s)
     if want("records"):
         for bs, ctx in RECORDS:
             out[f"records bs{bs}"] = lambda bs=bs, ctx=ctx: (records_case(cp, bs, ctx), None, None)

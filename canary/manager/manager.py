@@ -141,7 +141,8 @@ class CanaryManager(Guarded):
         self._intake = TokenIntake(self.requests, staging_side, self.ordinal, self.max_batch_size)
         # _launch's common case bound once: arrays of CuPy's, no stream given; the capture query of
         # canary/interop/cudart.py's runtime
-        self._launch = StreamResolver(self.ordinal, self.pool_array).resolve
+        self._streams = StreamResolver(self.ordinal, self.pool_array)
+        self._launch = self._streams.resolve
         self._is_capturing = runtime().is_capturing if self.ordinal is not None else None
         eager_ok = getattr(backends.load(self.backend, "records"), "EAGER_GRAPHS", False)  # a backend capability
         self._eager = (EagerGraphs(runtime(), self.ordinal)
@@ -205,6 +206,7 @@ class CanaryManager(Guarded):
             self._transfer.close()
             self._sweep.close()
             self._marks.close()
+            self._streams.close()
 
     @step_call()
     def rebind(self, group: str | None = None, **buffers: Any) -> None:
@@ -466,9 +468,13 @@ class CanaryManager(Guarded):
         """Totals: ``steps``, ``decoded_steps``, ``protected_tokens`` (expected tokens held for running requests),
         per group ``verified_entries`` / ``written_entries`` (the kernels' counters) / ``sampled_steps`` /
         ``input_error_steps``, ``violations_by_reason`` (new violations per reason name), ``repeated_sightings``,
-        ``ring_dropped``. As of the last decoded report."""
+        ``ring_dropped``, ``reported_slots_marked`` (docs/integration.md 7); how the step calls launched:
+        ``graph_captures`` / ``graph_replays`` (eager graphs), ``stream_handshakes`` (explicit ``stream=`` calls
+        ordered after the library's current stream). As of the last decoded report."""
         with self._lock:
-            return self._decoder.stats()
+            e = self._eager
+            return {**self._decoder.stats(), "graph_captures": e.captures if e else 0,
+                    "graph_replays": e.replays if e else 0, "stream_handshakes": self._streams.handshakes}
 
     @property
     def open_violations(self) -> list[SlotViolation]:

@@ -83,6 +83,18 @@ class Pinned:
         rt.cudaFreeHost(self.ptr)
 
 
+class Event:
+    """One CUDA event without timing (``ev``: the handle the per-step runtime calls take)."""
+
+    def __init__(self):
+        rt = _rt()
+        self.event = _check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreateWithFlags")
+        self.ev = runtime().event_handle(self.event)
+
+    def free(self) -> None:
+        _rt().cudaEventDestroy(self.event)
+
+
 def _strides(shape, dtype) -> tuple[int, ...]:
     out, acc = [], np.dtype(dtype).itemsize
     for n in reversed(shape):

@@ -187,3 +187,53 @@ def test_mass_corruption_names_every_slot_once_within_the_bound(backend, static)
                           static=static)
     check_mass_corruption(run, latency=3)
     run["engine"].manager.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["current", "other", "torch-other"])
+def test_an_explicit_stream_takes_the_fast_path(which):
+    """issue 26: ``stream=`` given (the engine's compute stream) costs what no stream costs: the arrays of the
+    manager's library are ordered on it once per call (an event when that library's current stream is another),
+    so their views and the eager graphs take the fast path; a violation is still found, one step late."""
+    import functools
+
+    cupy = pytest.importorskip("cupy")
+    if which == "torch-other":
+        torch = pytest.importorskip("torch")
+        s = torch.cuda.Stream()
+    else:
+        s = cupy.cuda.get_current_stream() if which == "current" else cupy.cuda.Stream(non_blocking=True)
+    got = []
+    e = ToyEngine(xp=cupy, device=0, on_violation=got.append, static=True)
+    for name in ("before_forward", "after_kv_store"):
+        setattr(e.manager, name, functools.partial(getattr(e.manager, name), stream=s))
+    e.add("a", [5, 6, 7, 8, 9, 10, 11, 12])
+    e.add("b", [20, 21, 22])
+    for _ in range(4):
+        e.decode_step(["a", "b"], batch=True)
+    e.flip("full", e.slot_of("a", 3))
+    e.decode_step(["a", "b"], batch=True)
+    e.manager.flush()
+    st = e.manager.stats()
+    assert [(v.position, v.requests) for vs in got for v in vs] == [(3, (("a", 3),))]
+    assert st["graph_replays"] > 0 and st["graph_captures"] > 0
+    assert (st["stream_handshakes"] > 0) == (which != "current")
+    e.manager.close()
+
+
+@pytest.mark.gpu
+def test_graph_replays_survive_a_batch_size_that_changes_every_few_steps():
+    """issue 26: requests joining and leaving change the batch size every few steps; the eager graphs are kept
+    per batch size, so the sizes seen before replay again."""
+    cupy = pytest.importorskip("cupy")
+    got = []
+    e = ToyEngine(xp=cupy, device=0, on_violation=got.append, static=True)
+    for rid in "abcd":
+        e.add(rid, [1, 2, 3])
+    sizes = [2, 2, 3, 3, 4, 4, 2, 2, 3, 3, 4, 4, 2, 2]
+    for bs in sizes:
+        e.decode_step(list("abcd"[:bs]), batch=True)
+    e.manager.flush()
+    st = e.manager.stats()
+    assert got == [] and st["graph_replays"] >= 8, st
+    e.manager.close()
