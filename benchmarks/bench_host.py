@@ -184,7 +184,7 @@ def main() -> int:
                           "stand-in's kernel emulation), the stream synced outside the clock, 20 warm-up calls, "
                           "median of 300 calls")
     if bench.dry:
-        MANAGER.update({"bs1": (1, 32), "bs256": (4, 16)})
+        MANAGER.update({"bs1": (1, 32), "bs32": (2, 16), "bs256": (4, 16)})
         PLAN_BS[:] = [1, 4]
         RECORDS[:] = [(1, 32), (4, 16)]
         MANAGER_KW["device"] = DEVICE["device"] = "cpu"

@@ -136,14 +136,19 @@ def take(a, indices, out=None):
 
 
 class _Stream:
-    def __init__(self, ptr: int = 0):
+    _made = 0x5000
+
+    def __init__(self, ptr: int | None = None, non_blocking: bool = False):
+        if ptr is None:  # a new stream, as cupy.cuda.Stream() makes one
+            _Stream._made += 16
+            ptr = _Stream._made
         self.ptr = ptr
 
     def synchronize(self):
         pass
 
 
-_CURRENT = _Stream(0)
+_CURRENT = _Stream(0)  # the legacy default stream
 
 
 def get_current_stream(device_id: int | None = None):
@@ -468,6 +473,7 @@ def _cupy_runtime():
         eventRecord=lambda event, stream: rt.cudaEventRecord(event, stream) and None,
         eventQuery=lambda event: rt.cudaEventQuery(event)[0],
         eventSynchronize=lambda event: rt.cudaEventSynchronize(event) and None,
+        streamWaitEvent=lambda stream, event, flags: rt.cudaStreamWaitEvent(stream, event, flags) and None,
         getDevice=lambda: rt.cudaGetDevice()[1], setDevice=lambda d: rt.cudaSetDevice(d) and None,
         streamIsCapturing=capturing,
         # CUDA graphs (canary/manager/eager.py): a capture records nothing here (the stand-in's launches do

@@ -384,6 +384,23 @@ del m._poll_ready
 assert len(m._pending) == m._transfer.slots + 3
 m.flush()
 assert m.stats()["decoded_steps"] == decoded + m._transfer.slots + 3, m.stats()["decoded_steps"]
+# An explicit stream= (issue 26): the step arrays' library (the stand-in CuPy, whose current stream is the legacy
+# default stream) ordered before it once per call, one event and one wait, and the calls replayed as graphs
+side = cupy.cuda.Stream(non_blocking=True)
+m.flush()
+replays, shakes = m.stats()["graph_replays"], m.stats()["stream_handshakes"]
+fakecuda.COUNTS.clear()
+for _ in range(4):
+    m.before_forward(request_ids=["e", "f"], stream=side, **before)
+    m.after_kv_store(stream=side, **after)
+counts = dict(fakecuda.COUNTS)
+assert counts["cuda.cudaStreamWaitEvent"] >= 2 * 4 and m.stats()["stream_handshakes"] == shakes + 8, counts
+assert m.stats()["graph_replays"] >= replays + 4, (replays, m.stats())
+m.flush()
+fakecuda.COUNTS.clear()
+m.before_forward(request_ids=["e", "f"], stream=cupy.cuda.get_current_stream(), **before)  # the current one:
+m.after_kv_store(stream=cupy.cuda.get_current_stream(), **after)  # nothing to order
+assert m.stats()["stream_handshakes"] == shakes + 8
 # close() decodes the step still queued (a last step's report), then frees the pinned staging and mailbox; a later
 # call raises instead of writing into the freed pinned memory.
 m.before_forward(request_ids=["e", "f"], **before)
