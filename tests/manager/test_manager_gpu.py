@@ -230,10 +230,16 @@ def test_graph_replays_survive_a_batch_size_that_changes_every_few_steps():
     e = ToyEngine(xp=cupy, device=0, on_violation=got.append, static=True)
     for rid in "abcd":
         e.add(rid, [1, 2, 3])
-    sizes = [2, 2, 3, 3, 4, 4, 2, 2, 3, 3, 4, 4, 2, 2]
+    sizes = [2, 2, 3, 3, 4, 4]
     for bs in sizes:
+        e.decode_step(list("abcd"[:bs]), batch=True)
+    first = e.manager.stats()["graph_replays"]
+    for bs in sizes + sizes:
         e.decode_step(list("abcd"[:bs]), batch=True)
     e.manager.flush()
     st = e.manager.stats()
-    assert got == [] and st["graph_replays"] >= 8, st
+    # Every size seen before replays its after_kv_store graph again (6 measured on the H200, run 115, in 12
+    # steps); a before_forward whose accepted tokens came from a batch of another size scatters them itself,
+    # a call of its own shape
+    assert got == [] and st["graph_replays"] - first >= 6 and st["graph_captures"] <= 12, st
     e.manager.close()
