@@ -26,6 +26,7 @@ Per engine step (the hooks are in ``canary/integrations/hf_patches.py``):
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
@@ -55,6 +56,9 @@ class Options:
     max_seq_len: int | None = None
     backend: str = "auto"
     ring_capacity: int = 256
+    # Tests only: run a CPU engine through the device path (staging buffers, a device copy of the mirror, cast
+    # copies), on CPU tensors, so that CI exercises its bookkeeping where no GPU is.
+    device_path: bool = False
 
 
 @dataclass
@@ -87,6 +91,7 @@ class Session:
         device = torch.device(cache.device)
         self.cuda = device.type == "cuda"
         self.stream = self.io.compute_stream if self.cuda else None
+        self.staged = self.cuda or opts.device_path  # the step's arrays copied to device buffers (GPU)
         bs, nb = cache.block_size, cache.num_blocks
         max_batch = int(processor.cb_config.max_requests_per_batch)
         step_tokens = int(cache.max_batch_tokens)
@@ -99,7 +104,7 @@ class Session:
             raise kv_fail(RuntimeError, "cache: expected engine block 0 free at the start of a generation session "
                                         "(the canary reserves it as its padding slot), got it held by a request")
         try:
-            self.table = SlotTable(rows + 1, cols, bs, device=device if self.cuda else None, torch=torch)
+            self.table = SlotTable(rows + 1, cols, bs, device=device if self.staged else None, torch=torch)
             layer_sources = self._sources(opts)
             num_slots = (nb + 2) * bs  # the whole K / V tensors, the engine's two trash blocks included
             capacity = int(opts.verify_capacity or min(rows * cols, 1 << 20))
@@ -142,14 +147,14 @@ class Session:
 
     def _setup_staging(self, max_batch: int, step_tokens: int) -> None:
         n = 3 * max_batch + step_tokens
-        if not self.cuda:
+        if not self.staged:
             self._host = np.empty(n, dtype=np.int64)
             return
-        torch = self.torch
+        torch, cuda = self.torch, self.cuda
         dev = self.table.device
-        self._pinned = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(STAGING_BUFFERS)]
+        self._pinned = [torch.empty(n, dtype=torch.int64, pin_memory=cuda) for _ in range(STAGING_BUFFERS)]
         self._pinned_np = [p.numpy() for p in self._pinned]
-        self._events = [torch.cuda.Event() for _ in range(STAGING_BUFFERS)]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(STAGING_BUFFERS)]
         self._used = [False] * STAGING_BUFFERS
         self._turn = 0
         self._dev = torch.empty(n, dtype=torch.int64, device=dev)
@@ -160,8 +165,13 @@ class Session:
     def _upload(self, host: np.ndarray) -> Any:
         # Small and rare (new blocks mirrored): a pinned copy from torch's caching host allocator, which keeps
         # the block until the copy ran, so the host never waits.
-        t = self.torch.from_numpy(host).pin_memory()
-        return t.to(self.table.device, non_blocking=True)
+        t = self.torch.from_numpy(host)
+        if not self.cuda:
+            return t.clone()
+        return t.pin_memory().to(self.table.device, non_blocking=True)
+
+    def _on_stream(self) -> Any:
+        return self.torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     def _ios(self) -> tuple[Any, Any]:
         """(host side, device side) of the engine's current inputs: one object unless async batching."""
@@ -274,7 +284,7 @@ class Session:
             return None
         n = len(rows)
         tokens = sum(exts)
-        h = self._host if not self.cuda else self._next_host()
+        h = self._next_host() if self.staged else self._host
         h[:n], h[n:2 * n], h[2 * n:3 * n] = rows, pres, exts
         rpi, pre, ext, loc = h[:n], h[n:2 * n], h[2 * n:3 * n], h[3 * n:3 * n + tokens]
         if tokens == n:  # decode: one token a row, at its past length
@@ -282,7 +292,7 @@ class Session:
         else:
             starts = np.cumsum(ext) - ext
             table.gather(np.repeat(rpi, ext), np.arange(tokens) + np.repeat(pre - starts, ext), loc)
-        args = self._stage(n, tokens) if self.cuda else (rpi, pre, ext, loc)
+        args = self._stage(n, tokens) if self.staged else (rpi, pre, ext, loc)
         m = time.perf_counter()
         self.canary.before_forward(req_pool_indices=args[0], prefix_lens=args[1], extend_seq_lens=args[2],
                                    request_ids=ids, stream=self.stream)
@@ -294,9 +304,9 @@ class Session:
         """Write the records of the step's tokens (after the forward stored their KV)."""
         t = time.perf_counter()
         args, dev_io, n = step
-        if self.cuda:
+        if self.staged:
             ids, pos = args[4], args[5]
-            with self.torch.cuda.stream(self.stream):
+            with self._on_stream():
                 ids.copy_(dev_io.input_ids[:n])
                 pos.copy_(dev_io.position_ids[:n])
         else:
@@ -325,18 +335,19 @@ class Session:
 
     def _next_host(self) -> np.ndarray:
         i = self._turn
-        if self._used[i]:
+        if self._used[i] and self._events[i] is not None:
             self._events[i].synchronize()  # its copy ran long ago unless the host is STAGING_BUFFERS steps ahead
         return self._pinned_np[i]
 
     def _stage(self, n: int, tokens: int) -> tuple:
         """One copy of [rows | prefix | extend | slots] to the device, on the compute stream; the device views
         of this shape (kept: the same objects each step let the manager replay its captured calls)."""
-        torch, i, size = self.torch, self._turn, 3 * n + tokens
-        with torch.cuda.stream(self.stream):
+        i, size = self._turn, 3 * n + tokens
+        with self._on_stream():
             self.table.flush(self._upload)
-            self._dev[:size].copy_(self._pinned[i][:size], non_blocking=True)
-            self._events[i].record(self.stream)
+            self._dev[:size].copy_(self._pinned[i][:size], non_blocking=self.cuda)
+            if self._events[i] is not None:
+                self._events[i].record(self.stream)
         self._used[i] = True
         self._turn = (i + 1) % STAGING_BUFFERS
         views = self._views.get((n, tokens))

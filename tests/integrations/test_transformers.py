@@ -72,19 +72,24 @@ def run(model, *, inject=None, new_tokens: int = 24, canary: bool = True, cancel
         processor.model_runner.compute_batch = compute_batch
     manager.start()
     ids = manager.add_requests(PROMPTS, max_new_tokens=new_tokens)
-    results: dict = {}
-    expect = len(ids) - (cancel is not None) if expect is None else expect  # a cancelled request delivers nothing
-    while len(results) < expect:
-        got = manager.get_result(timeout=10)
-        if got is None:
-            break
-        if got.is_finished():
-            results[got.request_id] = got
+    results = _collect(manager, ids, len(ids) - (cancel is not None) if expect is None else expect)
     manager.stop(block=True)
     if handle is not None:
         handle.close()
     manager.destroy()
     return results, handle
+
+
+def _collect(manager, ids, expect: int | None = None) -> dict:
+    """The finished results, ``expect`` of them (default: one per id; a cancelled request delivers nothing)."""
+    results: dict = {}
+    while len(results) < (len(ids) if expect is None else expect):
+        got = manager.get_result(timeout=10)
+        if got is None:
+            break
+        if got.is_finished():
+            results[got.request_id] = got
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +121,39 @@ def test_requests_past_max_requests_run_unprotected_and_unharmed(model, referenc
     # two rows: the other two requests (then those that take a freed row) run as padding rows the write skips
     assert st["protected_requests"] >= 2 and st["unprotected_requests"] >= 1
     assert st["protected_requests"] + st["unprotected_requests"] == 4
+
+
+def test_the_device_path_on_cpu_tensors(model, reference):
+    # The GPU's bookkeeping (staged step arrays and their cached views, the mirror's device copy, the int32 to
+    # int64 casts), on CPU tensors: what CI can run of it
+    def inject(step, processor):
+        if step == 8:
+            s = _first_block(processor, "req_0") * BLOCK + 2
+            processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+
+    for fault in (None, inject):
+        gen, cbc = configs()
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+        handle = kvc.enable(manager)
+        handle.options.device_path = True
+        manager.warmup()
+        if fault is not None:
+            inner, count = manager.batch_processor.model_runner.compute_batch, [0]
+
+            def compute_batch(m, batch):
+                fault(count[0], manager.batch_processor)
+                count[0] += 1
+                return inner(m, batch)
+            manager.batch_processor.model_runner.compute_batch = compute_batch
+        manager.start()
+        out = _collect(manager, manager.add_requests(PROMPTS, max_new_tokens=24))
+        manager.stop(block=True)
+        handle.close()
+        manager.destroy()
+        if fault is None:
+            assert tokens(out) == reference and handle.violations == [] and handle.stats()["errors"] == []
+        else:
+            assert [(v.position, v.request_ids) for v in handle.violations] == [(2, ("req_0",))]
 
 
 def test_generate_batch_with_the_model_enabled(model, reference):
