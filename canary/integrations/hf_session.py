@@ -113,7 +113,8 @@ class Session:
                             real_kv_sources=layer_sources[0] if layer_sources else (),
                             real_kv_mode=opts.real_kv_mode if layer_sources else "none",
                             padding_rows_carry_tokens=True,
-                            layer_sources=layer_sources if opts.layers == "all" and len(layer_sources) > 1 else ())
+                            layer_sources=layer_sources if opts.layers == "all" and len(layer_sources) > 1 else (),
+                            layer_real_kv_mode=opts.real_kv_mode if layer_sources else "all")
             self.canary = CanaryManager(
                 group, max_batch_size=max_batch, device=(device.index or 0) if self.cuda else "cpu",
                 library="torch" if self.cuda else None, backend=opts.backend, on_violation=deliver,
@@ -128,8 +129,11 @@ class Session:
         self.host_s: list[float] = []  # host seconds the canary added, per step (bounded)
         self.glue_s: list[float] = []  # of which outside the CanaryManager's calls (this glue's own)
         self._t = self._m = 0.0
-        self._step_rows = 0
         self._setup_staging(max_batch, step_tokens)
+        if self.cuda:
+            # Everything above was allocated and filled on this thread's current stream; the steps run on the
+            # engine's compute stream, a non-blocking one: once per session, let the fills land first.
+            torch.cuda.synchronize(device)
         self.closed = False
 
     # -- binding ----------------------------------------------------------------------------------------------

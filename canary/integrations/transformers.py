@@ -14,10 +14,10 @@ Every step of the engine's generation loop (``model.generate_batch``, ``continuo
 ``init_continuous_batching`` + ``start()``) is then planned, verified and written by a
 :class:`canary.CanaryManager` bound over the engine's ``PagedAttentionCache``: a stray write into any layer's K /
 V, a block handed to two requests, a block freed while still read, a token the engine did not sample are
-reported one step later, naming the requests. Tested with transformers 5.17 (``pip install
-"kv-canary[transformers]"``), paged ``sdpa`` / ``eager`` attention, sync and async batching, with and without the
-engine's CUDA graphs; docs/integrations/transformers.md says what it protects, what it refuses, the patches it
-installs and what it costs.
+reported one step later, naming the requests. Written against transformers 5.17 (``pip install
+"kv-canary[transformers]"``) and tested there with paged ``sdpa`` attention (tests/integrations/: fp32 on the
+CPU; bf16 with the engine's CUDA graphs, sync and async batching, on a GPU); docs/integrations/transformers.md
+says what it protects, what it refuses, the patches it installs and what it costs.
 
 This module imports neither torch nor transformers until :func:`enable` is called.
 """
