@@ -2,10 +2,11 @@
 
 Floors, lowest first (``canary/contract/__init__.py`` and ``docs/architecture.md`` say what each holds):
 ``errors`` < ``interop`` < ``contract`` < ``backends`` (and the Numba twins in ``kernels/``) < ``plan`` /
-``records`` (the front objects) < ``manager`` < ``canary`` itself (the public names) < ``replay`` (the app).
-A module may import from its own subpackage and from floors below it, never from a floor above or a sibling
-on its own floor; a private name (a leading underscore) never crosses a subpackage; the replay reads the library
-through public names only (``canary`` and the contract).
+``records`` (the front objects) < ``manager`` < ``canary`` itself (the public names) < ``replay`` (the app) and
+``integrations`` (engine integrations, beside the replay). A module may import from its own subpackage and from
+floors below it, never from a floor above or a sibling on its own floor; a private name (a leading underscore)
+never crosses a subpackage; the replay reads the library through public names only (``canary`` and the
+contract), the integrations through ``canary`` alone.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ FLOORS = {
     "canary.plan": 4, "canary.records": 4,
     "canary.manager": 5,
     "canary": 6,  # the public names, which the app below reads
-    "canary.replay": 7, "canary.__main__": 8,
+    "canary.replay": 7, "canary.integrations": 7, "canary.__main__": 8,
 }
 MAX_LINES = 500  # "no Python module in canary/ over about 500 lines (kernels aside)"
 # Within backends/ each library's folder is its own room: the reference, CuPy and Numba backends share only
@@ -135,6 +136,16 @@ def test_the_replay_uses_public_names_only():
         if name == "__version__" and target == "canary":
             wrong.pop()  # the package's version is public
     assert not wrong, "the replay reaching past the public API:\n" + "\n".join(wrong)
+
+
+def test_the_integrations_use_the_public_names_only():
+    """An integration is what an engine author could write: it imports ``canary``'s public names, nothing deeper
+    (torch and the engine only lazily, which this test does not see: they are no ``canary`` imports)."""
+    wrong = [f"{_where(path, line)}: imports {name or ''} from {target}"
+             for module, path, line, target, name in _edges()
+             if _floor_key(module) == "canary.integrations" and _floor_key(target) != "canary.integrations"
+             and (target != "canary" or (name or "_").startswith("_"))]
+    assert not wrong, "an integration reaching past the public API:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith("canary.kernels")))

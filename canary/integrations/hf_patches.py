@@ -1,0 +1,167 @@
+"""The patch set that hooks the canary into transformers 5.17's continuous batching (canary.integrations.transformers).
+
+transformers 5.17 has no hook for code around the forward of ``ContinuousBatchingManager``'s generation loop,
+nor for request admission, sampled tokens or freed blocks (its public extension points are the scheduler
+class, logits processors and the output handlers, none of which sees the forward or the cache). So the canary
+wraps six methods, **on the instances it is given** (never on the classes: another manager, or the same model
+without the canary, runs untouched), each listed in :data:`PATCHES` with what it does and why, and undone by
+:meth:`Attachment.detach`. Each wrapper calls the original first or last and changes none of its arguments or
+results; the only engine state the canary changes is the free list's block 0 (``canary/integrations/hf_slots.py``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any, Callable
+
+from .hf_session import Session
+
+log = logging.getLogger("kv_canary")
+_ABSENT = object()
+
+# (where, what the wrapper does, why there): the table of docs/integrations/transformers.md
+PATCHES = (
+    ("model.init_continuous_batching", "enables the canary on each ContinuousBatchingManager the model creates "
+     "(generate_batch, continuous_batching_context_manager)", "enable(model) must reach managers built later, "
+     "inside generate_batch"),
+    ("manager._create_batch_processor", "adopts each batch processor (the hooks below); inside a generation loop "
+     "opens the session's canary: block 0 reserved, CanaryManager bound over the processor's cache",
+     "the processor, its cache and IO buffers exist only once this returns; warm-up calls it too, and must run "
+     "with every block"),
+    ("manager._run_generation_loop", "marks the loop's thread; at its end closes the session's canary on that "
+     "thread (the last step's report delivered before stop() returns), block 0 given back",
+     "the canary's step calls run on one thread; a session is one loop"),
+    ("processor.model_runner.compute_batch", "before_forward before the forward, after_kv_store after it, on the "
+     "engine's compute stream", "the one call around the forward, its KV stores and its CUDA-graph replay or "
+     "capture; the model's attention is inside"),
+    ("processor.update_batch", "after it: accept the tokens the engine appended to the batch's request states",
+     "where sampled tokens become the requests' tokens (after EOS / length handling), as host ints"),
+    ("processor.cache.free_blocks", "after it: finish_request, the request's table row freed",
+     "every exit of a request from the cache goes through it: finished, cancelled, failed, soft reset"),
+)
+
+
+class PatchSet:
+    """Instance attributes shadowing methods, undone in reverse order. The patched objects are held weakly: a
+    batch processor the engine dropped (and its CUDA graphs) is freed as it would be without the canary."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[weakref.ref, str, Any]] = []
+
+    def wrap(self, obj: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        prev = vars(obj).get(name, _ABSENT)
+        setattr(obj, name, make(getattr(obj, name)))
+        self._undo.append((weakref.ref(obj), name, prev))
+
+    def undo(self) -> None:
+        while self._undo:
+            ref, name, prev = self._undo.pop()
+            obj = ref()
+            if obj is None:
+                continue
+            if prev is _ABSENT:
+                vars(obj).pop(name, None)
+            else:
+                setattr(obj, name, prev)
+
+
+class Attachment:
+    """The canary on one ``ContinuousBatchingManager``: its patches, and its current :class:`Session`."""
+
+    def __init__(self, handle: Any, manager: Any):
+        self.handle = handle
+        self._manager = weakref.ref(manager)  # the manager's own wrappers hold this attachment: no cycle kept alive
+        self.patches = PatchSet()
+        self.session: Session | None = None
+        self.loop_thread: int | None = None
+        self._adopted: weakref.WeakSet = weakref.WeakSet()
+        self.patches.wrap(manager, "_create_batch_processor", self._create_batch_processor)
+        self.patches.wrap(manager, "_run_generation_loop", self._run_generation_loop)
+        if manager.batch_processor is not None:  # warmed up before enable(): adopt it now
+            self.adopt(manager.batch_processor)
+
+    def detach(self) -> None:
+        manager = self._manager()
+        if manager is not None and manager.is_running():
+            raise RuntimeError("kv-canary: close: expected the ContinuousBatchingManager stopped, got it running "
+                               "(stop() it first: the canary's step calls run on its generation thread)")
+        self.patches.undo()
+
+    # -- the manager's two hooks ------------------------------------------------------------------------------
+    def _create_batch_processor(self, orig: Callable) -> Callable:
+        def create_batch_processor():
+            processor = orig()
+            self.adopt(processor)
+            if self.loop_thread == threading.get_ident() and self.session is None:
+                self.begin_session(processor)
+            return processor
+        return create_batch_processor
+
+    def _run_generation_loop(self, orig: Callable) -> Callable:
+        def run_generation_loop():
+            self.loop_thread = threading.get_ident()
+            try:
+                orig()
+            finally:
+                self.loop_thread = None
+                self.end_session()
+        return run_generation_loop
+
+    # -- the processor's three hooks --------------------------------------------------------------------------
+    def adopt(self, processor: Any) -> None:
+        if processor in self._adopted:
+            return
+        self._adopted.add(processor)
+        self.patches.wrap(processor.model_runner, "compute_batch", self._compute_batch)
+        self.patches.wrap(processor, "update_batch", self._update_batch)
+        self.patches.wrap(processor.cache, "free_blocks", self._free_blocks)
+
+    def _compute_batch(self, orig: Callable) -> Callable:
+        def compute_batch(model, batch_data):
+            session = self.session
+            step = None if session is None else session.begin_step()
+            if step is None:  # no session (warm-up, no loop) or no protected row in the batch
+                return orig(model, batch_data)
+            try:
+                orig(model, batch_data)
+            except BaseException:
+                session.abort_step(step)
+                raise
+            session.end_step(step)
+        return compute_batch
+
+    def _update_batch(self, orig: Callable) -> Callable:
+        def update_batch():
+            orig()
+            if self.session is not None:
+                self.session.on_update()
+        return update_batch
+
+    def _free_blocks(self, orig: Callable) -> Callable:
+        def free_blocks(request_id):
+            orig(request_id)
+            if self.session is not None:
+                self.session.on_free(request_id)
+        return free_blocks
+
+    # -- sessions ---------------------------------------------------------------------------------------------
+    def begin_session(self, processor: Any) -> None:
+        try:
+            self.session = Session(processor, self.handle.options, self.handle.deliver, self.handle.torch)
+        except Exception as exc:
+            self.handle.errors.append(exc)
+            raise
+        self.handle.sessions += 1
+
+    def end_session(self) -> None:
+        session, self.session = self.session, None
+        if session is None:
+            return
+        try:
+            session.close()
+        except Exception as exc:  # noqa: BLE001 - the loop has ended: nothing is left to raise it to
+            self.handle.errors.append(exc)
+            log.error("kv-canary: closing the session's canary raised %r", exc)
+        finally:
+            self.handle.retire(session)

@@ -1,0 +1,341 @@
+"""canary.integrations.transformers on a config-built tiny Llama (no download): a clean run changes no token and
+reports nothing; each engine fault the canary exists for is reported, naming the requests it concerns.
+
+Skips without torch or transformers 5.17 (the ``[transformers]`` extra). The CPU tests run the reference backend
+in fp32 (a few seconds in all); the ``gpu`` ones run bf16 with the engine's CUDA graphs, sync and async batching.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+if not transformers.__version__.startswith("5.17."):
+    pytest.skip(f"transformers {transformers.__version__}: the integration is pinned to 5.17",
+                allow_module_level=True)
+
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+
+import canary.integrations.transformers as kvc  # noqa: E402
+
+BLOCK = 16
+# Lengths chosen so that every request crosses a block boundary while decoding (a fresh allocation to hijack).
+PROMPTS = [[(7 * i + j) % 120 + 1 for j in range(n)] for i, n in enumerate((20, 9, 30, 14))]
+
+
+def tiny_model(device: str = "cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def configs(new_tokens: int = 24, **cb):
+    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1)
+    cb = ContinuousBatchingConfig(**({"block_size": BLOCK, "num_blocks": 32, "max_batch_tokens": 64,
+                                      "allow_block_sharing": False} | cb))
+    return gen, cb
+
+
+def tokens(results) -> dict:
+    return {rid: list(r.generated_tokens) for rid, r in results.items()}
+
+
+def run(model, *, inject=None, new_tokens: int = 24, canary: bool = True, cancel: str | None = None,
+        callback=None, expect: int | None = None, options: dict | None = None, **cb):
+    """One session through the manager API; ``inject(step, processor)`` runs before each engine step's canary,
+    ``callback(manager)`` makes the canary's ``on_violation``. Returns (results by request id, handle or None)."""
+    gen, cbc = configs(new_tokens, **cb)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+    handle = None
+    if canary:
+        options = dict(options or {}, **({} if callback is None else {"on_violation": callback(manager)}))
+        handle = kvc.enable(manager, **options)
+    manager.warmup()  # builds the batch processor here, so that a test can wrap its step
+    processor = manager.batch_processor
+    if inject is not None or cancel is not None:
+        inner = processor.model_runner.compute_batch
+        count = [0]
+
+        def compute_batch(m, batch):
+            if inject is not None:
+                inject(count[0], processor)
+            if cancel is not None and count[0] == 3:
+                manager.cancel_request(cancel)
+            count[0] += 1
+            return inner(m, batch)
+        processor.model_runner.compute_batch = compute_batch
+    manager.start()
+    ids = manager.add_requests(PROMPTS, max_new_tokens=new_tokens)
+    results = _collect(manager, ids, len(ids) - (cancel is not None) if expect is None else expect)
+    manager.stop(block=True)
+    if handle is not None:
+        handle.close()
+    manager.destroy()
+    return results, handle
+
+
+def _collect(manager, ids, expect: int | None = None) -> dict:
+    """The finished results, ``expect`` of them (default: one per id; a cancelled request delivers nothing)."""
+    results: dict = {}
+    while len(results) < (len(ids) if expect is None else expect):
+        got = manager.get_result(timeout=10)
+        if got is None:
+            break
+        if got.is_finished():
+            results[got.request_id] = got
+    return results
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    results, _ = run(model, canary=False)
+    return tokens(results)
+
+
+def test_clean_run_reports_nothing_and_changes_no_token(model, reference):
+    results, handle = run(model)
+    assert tokens(results) == reference
+    st = handle.stats()
+    assert handle.violations == [] and st["violations"] == 0 and st["errors"] == []
+    assert st["sessions"] == 1 and st["protected_requests"] == 4 and st["unprotected_requests"] == 0
+    # every token fed to the model has its record: the prompts, then the generated tokens but the last
+    assert st["written_entries"]["kv"] == sum(map(len, PROMPTS)) + 4 * 23
+    assert st["verified_entries"]["kv"] > 0 and st["steps"] > 20 and st["host_us_per_step"]["steps"] == st["steps"]
+
+
+def test_requests_past_max_requests_run_unprotected_and_unharmed(model, reference):
+    results, handle = run(model, options={"max_requests": 2})
+    st = handle.stats()
+    assert tokens(results) == reference and handle.violations == [] and st["errors"] == []
+    # two rows: the other two requests (then those that take a freed row) run as padding rows the write skips
+    assert st["protected_requests"] >= 2 and st["unprotected_requests"] >= 1
+    assert st["protected_requests"] + st["unprotected_requests"] == 4
+
+
+def test_the_device_path_on_cpu_tensors(model, reference):
+    # The GPU's bookkeeping (staged step arrays and their cached views, the mirror's device copy, the int32 to
+    # int64 casts), on CPU tensors: what CI can run of it
+    def inject(step, processor):
+        if step == 8:
+            s = _first_block(processor, "req_0") * BLOCK + 2
+            processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+
+    for fault in (None, inject):
+        gen, cbc = configs()
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
+        handle = kvc.enable(manager)
+        handle.options.device_path = True
+        manager.warmup()
+        if fault is not None:
+            inner, count = manager.batch_processor.model_runner.compute_batch, [0]
+
+            def compute_batch(m, batch):
+                fault(count[0], manager.batch_processor)
+                count[0] += 1
+                return inner(m, batch)
+            manager.batch_processor.model_runner.compute_batch = compute_batch
+        manager.start()
+        out = _collect(manager, manager.add_requests(PROMPTS, max_new_tokens=24))
+        manager.stop(block=True)
+        handle.close()
+        manager.destroy()
+        if fault is None:
+            assert tokens(out) == reference and handle.violations == [] and handle.stats()["errors"] == []
+        else:
+            assert [(v.position, v.request_ids) for v in handle.violations] == [(2, ("req_0",))]
+
+
+def test_generate_batch_with_the_model_enabled(model, reference):
+    gen, cb = configs()
+    with kvc.enable(model) as handle:
+        out = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=cb)
+    assert tokens(out) == reference and handle.violations == [] and handle.stats()["sessions"] == 1
+    assert "init_continuous_batching" not in vars(model)  # close() undid the model's patch
+    assert tokens(model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=cb)) == reference
+
+
+def _first_block(processor, rid):
+    return processor.cache.group_cache_managers[0].block_table[rid][0]
+
+
+def test_a_flipped_k_byte_is_reported_on_its_slot_and_request(model):
+    at, slot = 8, []
+
+    def inject(step, processor):
+        if step == at:
+            s = _first_block(processor, "req_0") * BLOCK + 2  # req_0's position 2
+            processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+            slot.append(s)
+
+    _, handle = run(model, inject=inject)
+    (v,) = [v for v in handle.violations if v.slot == slot[0]]
+    assert v.reason_names == ("REAL_KV",) and v.position == 2 and v.request_ids == ("req_0",)
+    assert at <= v.first_step <= at + 2
+
+
+def test_a_callback_can_cancel_the_requests_it_names(model, reference):
+    def inject(step, processor):
+        if step == 8:
+            processor.cache.key_cache[1].view(torch.uint8)[_first_block(processor, "req_3") * BLOCK].view(-1)[0] ^= 1
+
+    def callback(manager):
+        def on_violation(found):
+            for rid in {r for v in found for r in v.request_ids}:
+                manager.cancel_request(rid)
+        return on_violation
+
+    results, handle = run(model, inject=inject, callback=callback, expect=3)
+    assert {v.request_ids for v in handle.violations} == {("req_3",)}
+    assert sorted(results) == ["req_0", "req_1", "req_2"]  # req_3 cancelled; the others run to the end, unharmed
+    assert {rid: tokens(results)[rid] for rid in results} == {rid: reference[rid] for rid in results}
+
+
+def _hijack(victim, how):
+    """An inject that, at step 5, hands ``victim``'s first block to the next request allocating one: ``how`` is
+    "double" (the allocator returns the block although the victim holds it) or "freed" (the victim's block goes
+    back to the free list while the victim still reads it). Returns (inject, [(who got it, the step of its first
+    write into it)]): the allocation runs while the engine schedules the step after the last one injected."""
+    got, seen = [], [0]
+
+    def inject(step, processor):
+        seen[0] = step
+        if step != 5:
+            return
+        cm = processor.cache.group_cache_managers[0]
+        bm = processor.cache._block_manager
+        block = cm.block_table[victim][0]
+        orig = cm.allocate_blocks
+        if how == "freed":
+            bm.free_blocks([block], shareable=False)
+            bm._uninit_block_ids.remove(block)
+            bm._uninit_block_ids.appendleft(block)  # handed out next
+
+        def allocate_blocks(n, request_id, block_manager):
+            done = orig(n, request_id, block_manager)
+            table = cm.block_table.get(request_id, [])
+            if not got and done and request_id != victim:
+                if how == "double":  # the allocator's bug: the victim's block instead of a free one
+                    block_manager.free_blocks([table[-1]], shareable=False)
+                    table[-1] = block
+                if block in table:
+                    got.append((request_id, seen[0] + 1))
+            return done
+        cm.allocate_blocks = allocate_blocks
+
+    return inject, got
+
+
+@pytest.mark.parametrize("how", ["double", "freed"])
+def test_a_block_given_to_a_second_request_is_reported_naming_both(model, how):
+    inject, got = _hijack("req_2", how)
+    _, handle = run(model, inject=inject)
+    assert got and got[0][0] != "req_2", got
+    (thief, wrote), = got
+    # the victim reads its block again the step after the thief's first write into it: reported there, naming
+    # the victim as the owner of the position and the thief as the writer of the slot
+    named = [v for v in handle.violations if "req_2" in {r for r, _ in v.requests} and thief in v.request_ids]
+    assert named, [v.line() for v in handle.violations]
+    assert all(v.kernel == "verify" and thief in {r for r, _ in v.writers} for v in named)
+    assert wrote < min(v.first_step for v in named) <= wrote + 2
+
+
+def test_cancel_and_soft_reset_keep_the_canary_clean(model):
+    # 8 blocks (7 with the canary's) for 4 requests growing to 13 blocks: decoding requests starve and are
+    # evicted (soft reset: their KV dropped, their tokens prefilled again later under the same id)
+    results, handle = run(model, cancel="req_1", num_blocks=8)
+    st = handle.stats()
+    assert handle.violations == [] and st["errors"] == []
+    assert st["protected_requests"] > 4  # a soft-reset request comes back as a new request under its id
+    assert sorted(results) == ["req_0", "req_2", "req_3"] and all(r.error is None for r in results.values())
+    assert st["protected_tokens"] == 0  # every request finished in the canary too (cancelled, reset, done)
+
+
+def test_refusals_name_the_fix(model):
+    gen, cb = configs()
+    for cfg, fix in ((dict(allow_block_sharing=True), "allow_block_sharing=False"),
+                     (dict(cpu_offload_space=1.0), "cpu_offload_space=0")):
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=configs(**cfg)[1])
+        with pytest.raises(ValueError, match=f"^kv-canary: enable: .*{fix}"):
+            kvc.enable(manager)
+        manager.destroy()
+    with kvc.enable(model):
+        with pytest.raises(ValueError, match="^kv-canary: init_continuous_batching: .*num_return_sequences=1"):
+            model.generate_batch(PROMPTS, generation_config=GenerationConfig(max_new_tokens=2, do_sample=True,
+                                                                             num_return_sequences=2),
+                                 continuous_batching_config=cb)
+
+
+def test_other_versions_are_refused_unless_forced(model, monkeypatch):
+    # the module object import returns now (transformers swaps its lazy module in sys.modules on first use)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.18.0")
+    with pytest.raises(RuntimeError, match=r"^kv-canary: enable: expected transformers 5\.17\.x .* force=True"):
+        kvc.enable(model)
+    kvc.enable(model, force=True).close()
+
+
+def test_bad_options_and_targets():
+    with pytest.raises(ValueError, match="^kv-canary: on_violation"):
+        kvc.enable(object(), on_violation="print")
+    with pytest.raises(ValueError, match="^kv-canary: layers"):
+        kvc.enable(object(), layers="some")
+    with pytest.raises(TypeError, match="^kv-canary: target"):
+        kvc.enable(object())
+
+
+def test_one_handle_per_model_and_manager(model):
+    with kvc.enable(model):
+        with pytest.raises(RuntimeError, match="^kv-canary: enable: expected a LlamaForCausalLM without the canary"):
+            kvc.enable(model)
+    kvc.enable(model).close()  # free again once closed
+
+
+def test_the_example_runs_and_reports_the_flip():
+    example = Path(__file__).resolve().parents[2] / "examples" / "transformers_continuous_batching.py"
+    done = subprocess.run([sys.executable, str(example), "--device", "cpu", "--flip"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "5 requests, 160 tokens generated on cpu" in done.stdout
+    assert "violations: 1 {'REAL_KV': 1}" in done.stdout
+    assert "slot 19 position 3 REAL_KV layer 1 requests ['req_0']" in done.stdout
+
+
+def test_importing_the_integration_imports_neither_torch_nor_transformers():
+    code = ("import sys, canary.integrations.transformers as t\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+# -- GPU: bf16, the engine's CUDA graphs, sync and async batching ------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_cuda_graphs_clean_and_flipped(use_async):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    gpu = tiny_model("cuda", torch.bfloat16)
+    opts = dict(use_cuda_graph=True, use_async_batching=use_async)
+    ref, _ = run(gpu, canary=False, **opts)
+    results, handle = run(gpu, **opts)
+    assert tokens(results) == tokens(ref) and handle.violations == [] and handle.stats()["errors"] == []
+    slot = []
+
+    def inject(step, processor):
+        if step == 8:  # on the compute stream: ordered behind the last forward and before the next
+            s = _first_block(processor, "req_0") * BLOCK + 2
+            with torch.cuda.stream(processor.inputs_and_outputs.compute_stream):
+                processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+            slot.append(s)
+
+    _, handle = run(gpu, inject=inject, **opts)
+    assert [v.request_ids for v in handle.violations if v.slot == slot[0]] == [("req_0",)]
