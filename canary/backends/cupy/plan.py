@@ -1,11 +1,13 @@
 """CuPy backend: the CUDA C kernels of ``kernels/plan.cu``, compiled by NVRTC through ``cupy.RawModule``.
 
 One compile per process and index form (the (LUT, pool) specializations of a form in one module, compiled with
-``CANARY_PLAN_FORM``; CuPy also caches it on disk), one module load per device. ``bind`` packs every launch argument into one by-value ``PlanParams`` struct (uint64 words in a
-NumPy array whose address CuPy hands to ``cuLaunchKernel``) and allocates the scratch; ``warmup`` (or the
-first call) compiles, loads and fixes the grids from the capacities and the device. A call then writes six words (the per-step pointers and ``bs``) and issues one
-launch (``bs <= FUSED_MAX_BS``) or two, on the caller's stream: no allocation, compilation, module load or
-host sync, so the call can be captured in a CUDA graph.
+``CANARY_PLAN_FORM``; CuPy also caches it on disk), one module load per device. ``bind`` packs every launch
+argument into one by-value ``PlanParams`` struct (uint64 words in a NumPy array whose address CuPy hands to
+``cuLaunchKernel``) and allocates the scratch; ``warmup`` (or the first call) compiles, loads and fixes the grids
+from the capacities and the device. A call then writes six words (the per-step pointers and ``bs``; a step that
+passes its own index arrays, SPEC 3.8, the index's words too) and issues one launch (``bs <= FUSED_MAX_BS``) or
+two, on the caller's stream: no allocation, compilation, module load or host sync, so the call can be captured
+in a CUDA graph.
 """
 from __future__ import annotations
 
