@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.index_forms import bad_entry_case, block_twins, page_twins, paged_hand_cases
+from helpers.index_forms import bad_entry_case, page_twins, paged_hand_cases
 from helpers.naive_plan import naive_plan
 from helpers.plan_cases import (
     BAD_REQ_POOL_INDEX, BAD_SLOT, RULE_KNOBS, assert_same, expected_outputs, hand_cases, make_plans, plan_cases,
