@@ -33,7 +33,7 @@ def batch(rng, bs, p_lo, p_hi, C, W=0):
         P = np.maximum(P, 1)
     E = np.ones(bs, np.int64)
     rpi = rng.permutation(np.arange(1, bs + 1)).astype(np.int64)
-    r2t, num_slots = paged_table(rng, bs + 1, p_hi + 1)
+    r2t, num_slots, _pages = paged_table(rng, bs + 1, p_hi + 1)
     lut = paged_lut(rng, num_slots) if W else None
     return dict(r2t=r2t, rpi=rpi, P=P, E=E, C=C, lut=lut, W=W)
 

@@ -40,6 +40,10 @@ typedef unsigned long long u64;
 // ROW_SAMPLES: two-pass: row offsets sampled into shared memory to shorten the row search
 #define ROW_SAMPLES 512
 #define ENTRY_MIN_BLOCKS 4                // resident blocks per SM the register budget must allow (__launch_bounds__)
+// The index forms, the planner's FORM specialization (canary/contract/kvindex.py, SPEC 3.8).
+#define CANARY_FORM_TOKENS 0              // req_to_token
+#define CANARY_FORM_BLOCKS 1              // a block table and page_size
+#define CANARY_FORM_PAGES 2               // a page list: kv_indptr, kv_indices and page_size
 // plan.cu's own speed structure and scratch layout (the CuPy host sizes the scratch from them; the Numba twin has its
 // own, plan_numba.py NUMBA_*). ROW_BATCH: row tiles whose loads the rows kernel issues together (4 spilled: 64
 // registers at 1024 threads)
@@ -110,7 +114,9 @@ struct PlanParams {
     const i64* extend_seq_lens;
     const i64* valid_lens;
     i64 bs;
+    // the index's int32 table (SPEC 3.8): req_to_token, a block table or kv_indices
     const int* req_to_token;
+    // the virtual token index's key stride: v = key * stride + position (KVIndex)
     i64 r2t_row_stride;
     i64 rp_bound;                            // max_reqs (the pool's rows bound the pool row q: row_facts)
     i64 max_seq_len;
@@ -138,6 +144,11 @@ struct PlanParams {
     i64* cursors;                            // [max_reqs] rotation state of the sampled verification (SPEC 3.7)
     i64 sample;                              // 1: on_overflow="sample" (cursors given); 0: "skip"
     i64 pool_rows;
+    i64 page_size;                           // the paged forms' tokens a page (SPEC 3.8); 1 for req_to_token
+    // a page list's [>= bs + 1] offsets into kv_indices, as int32 words (two a row if wide)
+    const int* kv_indptr;
+    i64 kv_indptr_wide;                      // 1: kv_indptr holds int64, 0: int32
+    i64 kv_nnz;                              // a page list's kv_indices length (the bound of kv_indptr)
     // per step, HAS_POOL only: the pool row of each batch row (SPEC 3.2); null: req_pool_indices
     const i64* expected_token_pool_indices;
 };

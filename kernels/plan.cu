@@ -11,7 +11,11 @@
 // entries kernel moves the cursors), and for huge batch capacities block 0 builds the table after its scan.
 // Grids are sized from the capacities (verify_capacity, write_req_capacity) and the device, never from data: a
 // captured graph is valid for any later input.
-// Specialized at compile time only on what changes the code path: HAS_LUT, HAS_POOL. 64-bit indices.
+// Specialized at compile time only on what changes the code path: HAS_LUT, HAS_POOL, and FORM, the index form
+// (SPEC 3.8: req_to_token, a block table, a page list; plan_index.cuh). FORM is a template parameter, not a
+// runtime switch, so that req_to_token's kernels are the very code they were before the other forms existed (no
+// branch, no register, no division added to its entries), and one module is compiled per form
+// (CANARY_PLAN_FORM, given by the host: the forms an engine never uses cost it no compile time). 64-bit indices.
 //
 // The constants, sentinels and PlanParams come from canary_constants.cuh (generated from canary/errors.py and
 // canary/contract/plan_layout.py); the device code is split by job into the plan_*.cuh headers, included below in
@@ -22,6 +26,11 @@
 #define FUSED_BATCH (FUSED_MAX_BS / ENTRY_THREADS)  // the fused scan: every row in one batch, no more registers
 static_assert(FUSED_MAX_BS % ENTRY_THREADS == 0, "sample_rows_at_once: every fused row in one batch");
 
+#ifndef CANARY_PLAN_FORM
+#define CANARY_PLAN_FORM CANARY_FORM_TOKENS
+#endif
+
+#include "plan_index.cuh"
 #include "plan_rows.cuh"
 #include "plan_sampling.cuh"
 #include "plan_entries.cuh"
@@ -34,10 +43,13 @@ static_assert(FUSED_MAX_BS % ENTRY_THREADS == 0, "sample_rows_at_once: every fus
 // anything, so the update is off the plan's path (run 42: one warp of an emitting block moving them cost 1.9 us
 // of a bs=256 step). The wait is a spin on co-resident blocks: the grid fits on the device at once, and the
 // other blocks never wait for this one, so they always finish.
-template <bool HAS_LUT, bool HAS_POOL>
+// CAN_BAD: a launch that can find a bad slot past the row scan (a LUT, or a paged form's negative block entry) ends
+// in finalize; without, the row scan alone decides the status.
+template <bool HAS_LUT, bool HAS_POOL, int FORM>
 __device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, int row_flags, i64 total, int bad) {
+    constexpr bool CAN_BAD = HAS_LUT || FORM != CANARY_FORM_TOKENS;
     i64 head_raw;
-    const i64 requests = sample_rows_at_once<ENTRY_THREADS, FUSED_BATCH>(p, t, total, head_raw);  // reads done
+    const i64 requests = sample_rows_at_once<ENTRY_THREADS, FUSED_BATCH, FORM>(p, t, total, head_raw);  // reads done
     unsigned long long* readers = reinterpret_cast<unsigned long long*>(p.scratch) + SCRATCH_READERS;
     const i64 emitters = (i64)gridDim.x - 1;
     if (blockIdx.x == emitters) {
@@ -49,32 +61,34 @@ __device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, i
         update_cursors(p, t, requests);
     } else {
         if (threadIdx.x == 0) atomicAdd(readers, 1ull);
-        bad |= emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity, emitters);
+        bad |= emit_entries<HAS_LUT, HAS_POOL, true, FORM>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity,
+                                                           emitters);
     }
-    if (HAS_LUT) finalize(p, row_flags, total, bad);
+    if (CAN_BAD) finalize(p, row_flags, total, bad);
     else if (blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
 }
 
-template <bool HAS_LUT, bool HAS_POOL>
+template <bool HAS_LUT, bool HAS_POOL, int FORM>
 __device__ __forceinline__ void plan_fused(const PlanParams& p) {
+    constexpr bool CAN_BAD = HAS_LUT || FORM != CANARY_FORM_TOKENS;
     __shared__ i64 s_off[FUSED_MAX_BS + 1], s_base[FUSED_MAX_BS], s_pdelta[FUSED_MAX_BS];
     __shared__ i64 s_pbase[HAS_POOL ? FUSED_MAX_BS : 1], s_vlim[HAS_POOL ? FUSED_MAX_BS : 1];
     __shared__ i64 s_lo[FUSED_MAX_BS], s_len[FUSED_MAX_BS], s_rank[FUSED_MAX_BS];
     const RowTable t = {s_off, s_base, s_pdelta, s_pbase, s_vlim, s_lo, s_len, s_rank};
     int row_flags, seed_bad;
     const i64 total = blockIdx.x == 0
-        ? scan_rows<ENTRY_THREADS, FUSED_BATCH, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad)
-        : scan_rows<ENTRY_THREADS, FUSED_BATCH, HAS_LUT, HAS_POOL, false>(p, t, row_flags, seed_bad);
+        ? scan_rows<ENTRY_THREADS, FUSED_BATCH, HAS_LUT, HAS_POOL, true, FORM>(p, t, row_flags, seed_bad)
+        : scan_rows<ENTRY_THREADS, FUSED_BATCH, HAS_LUT, HAS_POOL, false, FORM>(p, t, row_flags, seed_bad);
     if (sampling(p, row_flags, total)) {
-        fused_sampled<HAS_LUT, HAS_POOL>(p, t, row_flags, total, seed_bad);
+        fused_sampled<HAS_LUT, HAS_POOL, FORM>(p, t, row_flags, total, seed_bad);
         return;
     }
-    // Without a LUT, the row scan alone decides everything: block 0 writes it.
-    if (!HAS_LUT && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
+    // Without a LUT (and req_to_token), the row scan alone decides everything: block 0 writes it.
+    if (!CAN_BAD && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
     int bad = seed_bad;
     if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad |= emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{nullptr, 0, 0}, total, gridDim.x);
-    if (HAS_LUT) finalize(p, row_flags, total, bad);
+        bad |= emit_entries<HAS_LUT, HAS_POOL, false, FORM>(p, t, RowSamples{nullptr, 0, 0}, total, gridDim.x);
+    if (CAN_BAD) finalize(p, row_flags, total, bad);
 }
 
 #include "plan_side.cuh"
@@ -84,31 +98,33 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
 // The entries kernel advances them, a row per thread over its grid: on one block that half was a chain of
 // dependent round trips, rows deep per thread (run 44: a bs=4096 sampled step 44.7 us against 24.2 for a full
 // plan of its capacity).
-template <bool HAS_LUT, bool HAS_POOL>
+template <bool HAS_LUT, bool HAS_POOL, int FORM>
 __device__ __forceinline__ void plan_rows(const PlanParams& p) {
+    constexpr bool CAN_BAD = HAS_LUT || FORM != CANARY_FORM_TOKENS;
     if (blockIdx.x > 0) {
-        side_rows<HAS_POOL>(p);
+        side_rows<HAS_POOL, FORM>(p);
         return;
     }
     const RowTable t = global_table(p);
     int row_flags, seed_bad;
-    const i64 total = scan_rows<ROWS_THREADS, ROW_BATCH, HAS_LUT, HAS_POOL, true>(p, t, row_flags, seed_bad);
+    const i64 total = scan_rows<ROWS_THREADS, ROW_BATCH, HAS_LUT, HAS_POOL, true, FORM>(p, t, row_flags, seed_bad);
     row_flags |= seed_bad ? CANARY_BAD_SLOT : 0;
     if (gridDim.x == 1 && sampling(p, row_flags, total)) {  // no side blocks: this block builds the table
         i64 head_raw;
         const i64 requests = rank_rows<ROWS_THREADS, ROW_BATCH>(p, t, head_raw);
-        sample_rows<ROWS_THREADS, ROW_BATCH>(p, t, total, requests, head_raw);
+        sample_rows<ROWS_THREADS, ROW_BATCH, FORM>(p, t, total, requests, head_raw);
     }
     if (threadIdx.x == 0) {
         p.scratch[SCRATCH_ROW_FLAGS] = row_flags;
         p.scratch[SCRATCH_TOTAL] = total;
         p.scratch[SCRATCH_SIDE] = (i64)gridDim.x - 1;
-        if (!HAS_LUT) write_status(p, row_flags, total);
+        if (!CAN_BAD) write_status(p, row_flags, total);
     }
 }
 
-template <bool HAS_LUT, bool HAS_POOL>
+template <bool HAS_LUT, bool HAS_POOL, int FORM>
 __device__ __forceinline__ void plan_entries(const PlanParams& p) {
+    constexpr bool CAN_BAD = HAS_LUT || FORM != CANARY_FORM_TOKENS;
     __shared__ i64 s_samples[ROW_SAMPLES + 1];
     const int row_flags = (int)p.scratch[SCRATCH_ROW_FLAGS];
     const i64 total = p.scratch[SCRATCH_TOTAL];
@@ -121,7 +137,8 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     __syncthreads();
     int bad = 0;
     if (sampled) {
-        bad = emit_entries<HAS_LUT, HAS_POOL, true>(p, t, RowSamples{s_samples, step, count}, emitted, gridDim.x);
+        bad = emit_entries<HAS_LUT, HAS_POOL, true, FORM>(p, t, RowSamples{s_samples, step, count}, emitted,
+                                                          gridDim.x);
         // The cursors' second half, after the entries, off their path: nothing in this launch reads a cursor, so
         // no block waits for another. Side blocks merged the next cursors; without them, plan_rows reset them.
         if (side)
@@ -130,22 +147,39 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
             for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < p.bs; r += (i64)gridDim.x * blockDim.x)
                 advance_cursor(p, t, r);
     } else if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
-        bad = emit_entries<HAS_LUT, HAS_POOL, false>(p, t, RowSamples{s_samples, step, count}, emitted, gridDim.x);
-    if (HAS_LUT) finalize(p, row_flags, total, bad);
+        bad = emit_entries<HAS_LUT, HAS_POOL, false, FORM>(p, t, RowSamples{s_samples, step, count}, emitted,
+                                                           gridDim.x);
+    if (CAN_BAD) finalize(p, row_flags, total, bad);
 }
 
-#define CANARY_SPECIALIZE(SUFFIX, HAS_LUT, HAS_POOL)                                                           \
+// One module per form (CANARY_PLAN_FORM): req_to_token's kernels keep their names, the other forms' end in
+// _blocks / _pages (canary/backends/cupy/plan.py kernel_name).
+#define CANARY_SPECIALIZE(SUFFIX, HAS_LUT, HAS_POOL, FORM)                                                     \
     extern "C" __global__ void __launch_bounds__(ENTRY_THREADS, ENTRY_MIN_BLOCKS) canary_plan_fused_##SUFFIX(const PlanParams p) { \
-        plan_fused<HAS_LUT, HAS_POOL>(p);                                                                      \
+        plan_fused<HAS_LUT, HAS_POOL, FORM>(p);                                                                \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ROWS_THREADS) canary_plan_rows_##SUFFIX(const PlanParams p) {  \
-        plan_rows<HAS_LUT, HAS_POOL>(p);                                                                       \
+        plan_rows<HAS_LUT, HAS_POOL, FORM>(p);                                                                 \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ENTRY_THREADS, ENTRY_MIN_BLOCKS) canary_plan_entries_##SUFFIX(const PlanParams p) { \
-        plan_entries<HAS_LUT, HAS_POOL>(p);                                                                    \
+        plan_entries<HAS_LUT, HAS_POOL, FORM>(p);                                                              \
     }
 
-CANARY_SPECIALIZE(lut0_pool0, false, false)
-CANARY_SPECIALIZE(lut1_pool0, true, false)
-CANARY_SPECIALIZE(lut0_pool1, false, true)
-CANARY_SPECIALIZE(lut1_pool1, true, true)
+#if CANARY_PLAN_FORM == CANARY_FORM_TOKENS
+CANARY_SPECIALIZE(lut0_pool0, false, false, CANARY_FORM_TOKENS)
+CANARY_SPECIALIZE(lut1_pool0, true, false, CANARY_FORM_TOKENS)
+CANARY_SPECIALIZE(lut0_pool1, false, true, CANARY_FORM_TOKENS)
+CANARY_SPECIALIZE(lut1_pool1, true, true, CANARY_FORM_TOKENS)
+#elif CANARY_PLAN_FORM == CANARY_FORM_BLOCKS
+CANARY_SPECIALIZE(lut0_pool0_blocks, false, false, CANARY_FORM_BLOCKS)
+CANARY_SPECIALIZE(lut1_pool0_blocks, true, false, CANARY_FORM_BLOCKS)
+CANARY_SPECIALIZE(lut0_pool1_blocks, false, true, CANARY_FORM_BLOCKS)
+CANARY_SPECIALIZE(lut1_pool1_blocks, true, true, CANARY_FORM_BLOCKS)
+#elif CANARY_PLAN_FORM == CANARY_FORM_PAGES
+CANARY_SPECIALIZE(lut0_pool0_pages, false, false, CANARY_FORM_PAGES)
+CANARY_SPECIALIZE(lut1_pool0_pages, true, false, CANARY_FORM_PAGES)
+CANARY_SPECIALIZE(lut0_pool1_pages, false, true, CANARY_FORM_PAGES)
+CANARY_SPECIALIZE(lut1_pool1_pages, true, true, CANARY_FORM_PAGES)
+#else
+#error "CANARY_PLAN_FORM: expected CANARY_FORM_TOKENS, CANARY_FORM_BLOCKS or CANARY_FORM_PAGES"
+#endif

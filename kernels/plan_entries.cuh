@@ -30,11 +30,13 @@ __device__ __forceinline__ i64 find_row(const RowTable& t, const RowSamples& s, 
     return owning_row(t.off, j * s.step, min((j + 1) * s.step, bs), i);
 }
 
-// SAMPLED is a template flag so that a plan that verifies everything runs the code it ran before sampling.
-template <bool HAS_LUT, bool HAS_POOL, bool SAMPLED>
+// SAMPLED is a template flag so that a plan that verifies everything runs the code it ran before sampling; FORM
+// (plan_index.cuh) likewise, so that req_to_token's plan is the code it was before the other forms.
+template <bool HAS_LUT, bool HAS_POOL, bool SAMPLED, int FORM>
 __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, RowSamples samples, i64 total,
                                             i64 blocks) {
     int bad = 0;
+    const double inv_ps = FORM != CANARY_FORM_TOKENS ? 1.0 / (double)p.page_size : 0.0;
     const int lane = threadIdx.x & 31;
     const i64 warps = blocks * (blockDim.x >> 5);
     const i64 warp = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -57,7 +59,7 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, Row
             }
         }
 #pragma unroll
-        for (int k = 0; k < ITEMS; ++k) raw[k] = first + k * 32 + lane < total ? (i64)p.req_to_token[idx[k]] : 0;
+        for (int k = 0; k < ITEMS; ++k) raw[k] = first + k * 32 + lane < total ? load_raw<FORM>(p, idx[k], inv_ps, bad) : 0;
         i64 tok[ITEMS];
         if (HAS_POOL) {
 #pragma unroll
@@ -81,7 +83,7 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, Row
             const bool inside = lane > 0 && i > t.off[r_of[k]] && !(SAMPLED && pos[k] == t.lo[r_of[k]]);
             i64 prev = -1;
             if (inside) prev = left;
-            else if (pos[k] > 0) prev = translate<HAS_LUT>((i64)p.req_to_token[idx[k] - 1], p.lut, p.lut_len, bad);
+            else if (pos[k] > 0) prev = translate<HAS_LUT>(load_raw<FORM>(p, idx[k] - 1, inv_ps, bad), p.lut, p.lut_len, bad);
             // The sentinel only in the stored slot: the lane to the right took slot[k] as its predecessor,
             // which keeps the plain translation (an evicted predecessor skips the chain check).
             p.slots[i] = (raw[k] == 0 || (HAS_LUT && raw[k] > 0 && slot[k] == 0)) ? CANARY_MISSING_SLOT : slot[k];

@@ -43,12 +43,16 @@ Deliberate differences from plan.cu (speed structure only; the outputs are the s
   finish (``finalize``), where plan.cu gives its
   fused grid one extra block that moves them once the others have read them: the same cursors, no block more.
 - Compile-time specializations are the constants ``kernel_functions`` closes over (Numba folds them):
-  ``HAS_LUT`` and ``HAS_POOL`` as in plan.cu, and the two block sizes, which size shared arrays (the
+  ``HAS_LUT``, ``HAS_POOL`` and ``FORM`` (the index form, SPEC 3.8: plan_index.cuh) as in plan.cu, and the two
+  block sizes, which size shared arrays (the
   simulator, one Python thread per CUDA thread, runs the same code with small blocks, at least one warp).
   plan.cu's ``WRITE_SIDE`` template flag is a runtime argument. An absent LUT / pool / valid_lens is a
   one-element dummy array (plan.cu gets a null pointer); the specialization never reads it.
 - ``expected_token_pool_indices``, absent, is ``req_pool_indices`` itself (plan.cu: a null pointer, read as
-  that array).
+  that array); an absent ``kv_indptr`` is a one-element dummy. ``kv_indptr`` is an int32 array in both: an int64
+  one arrives as its int32 words (two a row, ``kv_indptr_wide``), read back into an int64 here, cast there.
+- A sampled table's base moves by the run's shift (``sample_rows``), so it keeps the row's key as the scan wrote
+  it; plan.cu rebuilds it from the key (``rp``, a page list's ``kv_indptr[r]``).
 - Output parameters become returned tuples (``translate`` returns ``(value, bad)``); the row table is one
   int64 array with a base index and a stride (``tab[t0 + k * tn + r]``) instead of a struct of pointers.
 
@@ -66,8 +70,9 @@ from numba import cuda, float64, int32, int64
 # same source), not restated here.
 from canary.contract.kernel_constants import (
     CANARY_BAD_EXTEND_LEN, CANARY_BAD_PREFIX_LEN, CANARY_BAD_REQ_POOL_INDEX, CANARY_BAD_SLOT, CANARY_BAD_VALID_LEN,
-    CANARY_MISSING_SLOT, CANARY_NO_ENTRIES, CANARY_OVERFLOW, CANARY_SAMPLED, CANARY_SKIP_SEED, ENTRY_CHUNK,
-    ENTRY_MIN_BLOCKS, ENTRY_THREADS, FUSED_MAX_BS, ITEMS, ROW_SAMPLES, ROWS_THREADS,
+    CANARY_FORM_BLOCKS, CANARY_FORM_PAGES, CANARY_FORM_TOKENS, CANARY_MISSING_SLOT, CANARY_NO_ENTRIES,
+    CANARY_OVERFLOW, CANARY_SAMPLED, CANARY_SKIP_SEED, ENTRY_CHUNK, ENTRY_MIN_BLOCKS, ENTRY_THREADS, FUSED_MAX_BS,
+    ITEMS, ROW_SAMPLES, ROWS_THREADS,
 )
 
 INT64_MIN = -(1 << 63)  # a sampled row's cursor reset (SPEC 3.7), as plan.cu's reset_cursors
@@ -105,6 +110,7 @@ PARAMS = (
     ("slots", _A64), ("expected", _A64), ("positions", _A64), ("prevs", _A64), ("num_valid", _A32),
     ("enable", _A32), ("status", _A32), ("write_offsets", _A64), ("seeds", _A64),
     ("write_num_valid_reqs", _A32), ("scratch", _A64), ("cursors", _A64), ("sample", _I64), ("pool_rows", _I64),
+    ("page_size", _I64), ("kv_indptr", _A32), ("kv_indptr_wide", _I64), ("kv_nnz", _I64),
     ("expected_token_pool_indices", _A64),
 )
 PARAM_FIELDS = tuple(name for name, _ in PARAMS)
@@ -113,11 +119,18 @@ STEP_FIELDS = PARAM_FIELDS[:5]  # what changes per call; the rest is bound once,
 # Per step too, appended to the struct after the bound fields. No null pointer here: when absent, the host
 # passes req_pool_indices itself, which is what plan.cu reads for a null pointer.
 STEP_TAIL = PARAM_FIELDS[-1:]
+# A step that passes its own index (SPEC 3.8) changes these bound fields too: the host then launches with every
+# argument laid out again.
+INDEX_FIELDS = ("req_to_token", "r2t_row_stride", "max_seq_len", "page_size", "kv_indptr", "kv_indptr_wide",
+                "kv_nnz")
 
 
-def suffix(has_lut: bool, has_pool: bool) -> str:
+_FORM_SUFFIX = {CANARY_FORM_TOKENS: "", CANARY_FORM_BLOCKS: "_blocks", CANARY_FORM_PAGES: "_pages"}
+
+
+def suffix(has_lut: bool, has_pool: bool, form: int = CANARY_FORM_TOKENS) -> str:
     """plan.cu's specialization suffix (``canary_plan_fused_<suffix>`` there)."""
-    return f"lut{int(has_lut)}_pool{int(has_pool)}"
+    return f"lut{int(has_lut)}_pool{int(has_pool)}{_FORM_SUFFIX[form]}"
 
 
 def launch_bounds(kernel_name: str, rows_threads: int = ROWS_THREADS, entry_threads: int = ENTRY_THREADS):
@@ -146,13 +159,17 @@ def _power_of_two(name: str, value: int, minimum: int = 1) -> int:
 
 @functools.lru_cache(maxsize=None)
 def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THREADS,
-                     entry_threads: int = ENTRY_THREADS):
+                     entry_threads: int = ENTRY_THREADS, form: int = CANARY_FORM_TOKENS):
     """The plain Python kernels of one specialization: ``(canary_plan_fused, canary_plan_rows,
     canary_plan_entries)``, not yet compiled (``plan_kernels`` compiles them; ``cuda.compile_ptx`` can compile
     them on a machine without a GPU). The block sizes are compile-time constants because they size shared
     arrays; launch each kernel with exactly its block size (entry blocks: whole warps)."""
     HAS_LUT = bool(has_lut)  # noqa: N806 - compile-time constants, named like plan.cu's template parameters
     HAS_POOL = bool(has_pool)  # noqa: N806
+    FORM = int(form)  # noqa: N806
+    PAGES = FORM == CANARY_FORM_PAGES  # noqa: N806
+    PAGED = FORM != CANARY_FORM_TOKENS  # noqa: N806
+    CAN_BAD = HAS_LUT or PAGED  # noqa: N806 - plan.cu's: a bad slot past the row scan, so finalize composes status
     ROWS_T = _power_of_two("rows_threads", rows_threads)  # noqa: N806
     ENTRY_T = _power_of_two("entry_threads", entry_threads, 32)  # noqa: N806
     FUSED_TABLE = NUMBA_TABLE_ARRAYS * _FUSED_STRIDE  # noqa: N806
@@ -167,11 +184,58 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return lut[raw], int64(0)
 
     @cuda.jit(device=True)
+    def floor_div(a, b, inv_b):
+        """plan.cu's ``floor_div``: a // b for 0 <= a < 2^62, 1 <= b < 2^62, a / b < 2^50, from the double
+        reciprocal ``inv_b`` and one correction (why one suffices: plan_index.cuh). A 64-bit ``//`` is a long
+        subroutine on the GPU, and Python's floor semantics add sign fix-ups to it."""
+        q = int64(float64(a) * inv_b)
+        rem = a - q * b
+        if rem < 0:
+            q -= 1
+        elif rem >= b:
+            q += 1
+        return q
+
+    @cuda.jit(device=True)
+    def load_indptr(kv_indptr, wide, r):
+        """plan.cu's ``load_indptr``: ``kv_indptr[r]`` of an int32 array, or of an int64 one as its int32 words
+        (little-endian: the low word first)."""
+        if wide != 0:
+            return (int64(kv_indptr[2 * r]) & int64(0xFFFFFFFF)) | (int64(kv_indptr[2 * r + 1]) << 32)
+        return int64(kv_indptr[r])
+
+    @cuda.jit(device=True)
+    def row_key(rp, lo, hi, kv_nnz, page_size, max_seq_len):
+        """plan.cu's ``row_key`` for a page list (SPEC 3.8): ``(key, cap, key_bad)`` of an active row from its
+        kv_indptr pair: its first page (0 when bad), the positions it holds (max_seq_len when bad), whether the
+        pair is out of order or past kv_indices."""
+        if rp == 0:
+            return int64(0), max_seq_len, False
+        if lo < 0 or hi < lo or hi > kv_nnz:
+            return int64(0), max_seq_len, True
+        return lo, (hi - lo) * page_size, False
+
+    @cuda.jit(device=True)
+    def load_raw(req_to_token, v, page_size, inv_ps):
+        """plan.cu's ``load_raw``: ``(R, bad)`` at virtual index ``v``: req_to_token's value; for a paged form's
+        block b, 0 for b = 0, b * page_size + v % page_size for b > 0, -1 and bad = 1 for b < 0."""
+        if not PAGED:
+            return int64(req_to_token[v]), int64(0)
+        page = floor_div(v, page_size, inv_ps)
+        b = int64(req_to_token[page])
+        if b < 0:
+            return int64(-1), int64(1)
+        if b == 0:
+            return int64(0), int64(0)
+        return b * page_size + (v - page * page_size), int64(0)
+
+    @cuda.jit(device=True)
     def row_facts(rp, e, length, vl, rp_bound, max_seq_len, pool_cols, window, padding_rows_carry_tokens, q,
-                  pool_rows):
+                  pool_rows, cap, key_bad):
         """plan.cu's Row: ``(vcount, wlen, flags)``: verify entries, write entries, status bits the row raises.
         A padding row (rp == 0) has none, except its write entries when its tokens are among the step's (its
-        lengths may be stale garbage otherwise)."""
+        lengths may be stale garbage otherwise). ``cap``: the positions the row holds (max_seq_len; a page list's
+        row its pages), ``key_bad``: a page list's kv_indptr pair out of order or range."""
         if rp == 0:
             if padding_rows_carry_tokens != 0 and e > 0:
                 if e > max_seq_len:  # no row holds that many tokens
@@ -184,14 +248,16 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         if HAS_POOL:
             if q < 0 or q >= pool_rows:
                 flags |= CANARY_BAD_REQ_POOL_INDEX
-        if length < 0 or length > max_seq_len:
+        if key_bad:
+            flags |= CANARY_BAD_REQ_POOL_INDEX
+        if length < 0 or length > cap:
             flags |= CANARY_BAD_PREFIX_LEN
         if HAS_POOL:
             if vl > pool_cols:
                 flags |= CANARY_BAD_VALID_LEN
         # The new tokens must fit the row: e > room, never length + e, which garbage such as 2^62 would wrap.
         # room >= 0, so a negative e (lengths not to be trusted, SPEC 3.4) is the one other case flagged.
-        room = max_seq_len - min(max(length, int64(0)), max_seq_len)
+        room = cap - min(max(length, int64(0)), cap)
         wlen = int64(0)
         if e < 0 or e > room:
             flags |= CANARY_BAD_EXTEND_LEN
@@ -252,7 +318,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         def scan_rows(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                       r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window,
                       padding_rows_carry_tokens, write_req_capacity, write_offsets, seeds, write_num_valid_reqs,
-                      tab, t0, tn, write_side, pool_rows, pool_indices, cursors, sample):
+                      tab, t0, tn, write_side, pool_rows, pool_indices, cursors, sample, page_size, kv_indptr,
+                      kv_indptr_wide, kv_nnz):
             """Scan all rows with THREADS threads, NUMBA_ROW_BATCH consecutive rows per thread per batch, carrying
             the running sums across batches; a batch's loads (then its seeds) are issued together.
 
@@ -271,6 +338,10 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             wl = cuda.local.array(NUMBA_ROW_BATCH, int64)
             seed = cuda.local.array(NUMBA_ROW_BATCH, int64)
             q = cuda.local.array(NUMBA_ROW_BATCH, int64)
+            lo = cuda.local.array(NUMBA_ROW_BATCH, int64)
+            hi = cuda.local.array(NUMBA_ROW_BATCH, int64)
+            key = cuda.local.array(NUMBA_ROW_BATCH, int64)
+            inv_ps = 1.0 / float64(page_size)
             vcarry = int64(0)
             wcarry = int64(0)
             ncarry = int64(0)
@@ -295,12 +366,23 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                         if r0 + k < bs and rp[k] != 0:
                             vl[k] = valid_lens[r0 + k]
                             q[k] = pool_indices[r0 + k]
+                for k in range(NUMBA_ROW_BATCH):
+                    lo[k] = 0
+                    hi[k] = 0
+                    if PAGES and r0 + k < bs and rp[k] != 0:  # a page list's pair: active rows only
+                        lo[k] = load_indptr(kv_indptr, kv_indptr_wide, r0 + k)
+                        hi[k] = load_indptr(kv_indptr, kv_indptr_wide, r0 + k + 1)
                 vsum = int64(0)
                 wsum = int64(0)
                 nsum = int64(0)
                 for k in range(NUMBA_ROW_BATCH):
+                    cap = max_seq_len
+                    key_bad = False
+                    key[k] = rp[k]
+                    if PAGES:
+                        key[k], cap, key_bad = row_key(rp[k], lo[k], hi[k], kv_nnz, page_size, max_seq_len)
                     v, w, f = row_facts(rp[k], e[k], ln[k], vl[k], rp_bound, max_seq_len, pool_cols, window,
-                                        padding_rows_carry_tokens, q[k], pool_rows)
+                                        padding_rows_carry_tokens, q[k], pool_rows, cap, key_bad)
                     vc[k] = v
                     wl[k] = w
                     vsum += v
@@ -312,7 +394,9 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                         seed[k] = CANARY_SKIP_SEED
                     elif (write_side and w > 0 and ln[k] > 0
                             and (f & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) == 0):
-                        seed[k] = int64(req_to_token[rp[k] * r2t_row_stride + (ln[k] - 1)])
+                        sv, b = load_raw(req_to_token, key[k] * r2t_row_stride + (ln[k] - 1), page_size, inv_ps)
+                        seed[k] = sv
+                        bad |= b
                 voff, woff, noff, vtot, wtot, ntot = block_scan3(vsum, wsum, nsum)
                 voff += vcarry
                 woff += wcarry
@@ -326,7 +410,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                         tab[t0 + 7 * tn + r] = noff
                         if vc[k] > 0:
                             start = ln[k] - vc[k]
-                            tab[t0 + tn + r] = rp[k] * r2t_row_stride + start - voff
+                            tab[t0 + tn + r] = key[k] * r2t_row_stride + start - voff
                             tab[t0 + 2 * tn + r] = start - voff
                             if HAS_POOL:
                                 tab[t0 + 3 * tn + r] = q[k] * pool_row_stride
@@ -372,19 +456,6 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         """Head of the request rotation of a step with fewer entries than requests (SPEC 3.7)."""
         head = cursors[0]
         return head if (head >= 0 and head < requests) else int64(0)
-
-    @cuda.jit(device=True)
-    def floor_div(a, b, inv_b):
-        """plan.cu's ``floor_div``: a // b for 0 <= a < 2^62, 1 <= b < 2^62, a / b < 2^50, from the double
-        reciprocal ``inv_b`` and one correction (why one suffices: plan.cu). A 64-bit ``//`` is a long
-        subroutine on the GPU, and Python's floor semantics add sign fix-ups to it."""
-        q = int64(float64(a) * inv_b)
-        rem = a - q * b
-        if rem < 0:
-            q -= 1
-        elif rem >= b:
-            q += 1
-        return q
 
     @cuda.jit(device=True)
     def first_entry(cap, requests, total, head, inv, m, off):
@@ -490,7 +561,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
     @cuda.jit(device=True)
     def emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions, prevs,
-                     tab, t0, tn, samples, step, count, total, sampled):
+                     tab, t0, tn, samples, step, count, total, sampled, page_size):
         """The verify entries of this block. Each pass of a warp covers ENTRY_CHUNK consecutive entries
         (lane-major inside each of the ITEMS groups); all loads of a pass are issued before any store.
 
@@ -509,6 +580,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         raw = cuda.local.array(ITEMS, int64)
         praw = cuda.local.array(ITEMS, int64)
         tok = cuda.local.array(ITEMS, int64)
+        inv_ps = 1.0 / float64(page_size)
         first = warp * ENTRY_CHUNK
         while first < total:
             last = min(first + ENTRY_CHUNK, total) - 1
@@ -529,9 +601,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                     idx[k] -= tab[t0 + 6 * tn + r]
             for k in range(ITEMS):
                 live = first + k * 32 + lane < total
-                raw[k] = int64(req_to_token[idx[k]]) if live else int64(0)
-                # The window does not reset the chain: a window head keeps its real predecessor.
-                praw[k] = int64(req_to_token[idx[k] - 1]) if (live and pos[k] > 0) else int64(-1)
+                raw[k] = int64(0)
+                praw[k] = int64(-1)
+                if live:
+                    raw[k], b1 = load_raw(req_to_token, idx[k], page_size, inv_ps)
+                    bad |= b1
+                    # The window does not reset the chain: a window head keeps its real predecessor.
+                    if pos[k] > 0:
+                        praw[k], b2 = load_raw(req_to_token, idx[k] - 1, page_size, inv_ps)
+                        bad |= b2
             if HAS_POOL:
                 for k in range(ITEMS):
                     live = first + k * 32 + lane < total
@@ -596,17 +674,18 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                           r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                           token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                           slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                          write_num_valid_reqs, scratch, cursors, sample, pool_rows,
-                          expected_token_pool_indices):
+                          write_num_valid_reqs, scratch, cursors, sample, pool_rows, page_size, kv_indptr,
+                          kv_indptr_wide, kv_nnz, expected_token_pool_indices):
         """bs <= FUSED_MAX_BS; any grid of ENTRY_THREADS-thread blocks."""
         tab = cuda.shared.array(FUSED_TABLE, int64)  # the row table, stride FUSED_MAX_BS + 1
         total, row_flags, seed_bad, requests = scan_rows_entry(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
             rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
             write_req_capacity, write_offsets, seeds, write_num_valid_reqs, tab, 0, _FUSED_STRIDE,
-            cuda.blockIdx.x == 0, pool_rows, expected_token_pool_indices, cursors, sample)
+            cuda.blockIdx.x == 0, pool_rows, expected_token_pool_indices, cursors, sample, page_size, kv_indptr,
+            kv_indptr_wide, kv_nnz)
         sampled = sampling(sample, verify_capacity, row_flags, total)
-        if not HAS_LUT and not sampled:  # the row scan alone decides everything: block 0 writes it
+        if not CAN_BAD and not sampled:  # the row scan alone decides everything: block 0 writes it
             if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
                 write_status(status, enable, num_valid, verify_capacity, sample, row_flags, total)
         if sampled:
@@ -615,8 +694,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         if (total <= verify_capacity or sampled) and (row_flags & CANARY_NO_ENTRIES) == 0:
             bad |= emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
                                 prevs, tab, 0, _FUSED_STRIDE, tab, 0, 0,
-                                verify_capacity if sampled else total, sampled)
-        if HAS_LUT or sampled:
+                                verify_capacity if sampled else total, sampled, page_size)
+        if CAN_BAD or sampled:
             finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad,
                      req_pool_indices, bs, cursors, tab, 0, _FUSED_STRIDE, requests, sampled)
 
@@ -624,8 +703,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                          r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                          token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                          slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                         write_num_valid_reqs, scratch, cursors, sample, pool_rows,
-                         expected_token_pool_indices):
+                         write_num_valid_reqs, scratch, cursors, sample, pool_rows, page_size, kv_indptr,
+                         kv_indptr_wide, kv_nnz, expected_token_pool_indices):
         """Grid 1, block ROWS_THREADS: scans, seeds, row table and row flags into the scratch; for a sampled
         step also the sampled table and the cursors' reset (this block is the cursors' only reader; the entries
         kernel advances them)."""
@@ -634,7 +713,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
             rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
             write_req_capacity, write_offsets, seeds, write_num_valid_reqs, scratch, NUMBA_SCRATCH_TABLE, tn, True,
-            pool_rows, expected_token_pool_indices, cursors, sample)
+            pool_rows, expected_token_pool_indices, cursors, sample, page_size, kv_indptr, kv_indptr_wide, kv_nnz)
         row_flags |= CANARY_BAD_SLOT if seed_bad != 0 else 0
         if sampling(sample, verify_capacity, row_flags, total):
             sample_rows(req_pool_indices, bs, cursors, verify_capacity, scratch, NUMBA_SCRATCH_TABLE, tn, total, requests)
@@ -642,15 +721,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         if cuda.threadIdx.x == 0:
             scratch[NUMBA_SCRATCH_ROW_FLAGS] = row_flags
             scratch[NUMBA_SCRATCH_TOTAL] = total
-            if not HAS_LUT:
+            if not CAN_BAD:
                 write_status(status, enable, num_valid, verify_capacity, sample, row_flags, total)
 
     def canary_plan_entries(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                             r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                             token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                             slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
-                            write_num_valid_reqs, scratch, cursors, sample, pool_rows,
-                            expected_token_pool_indices):
+                            write_num_valid_reqs, scratch, cursors, sample, pool_rows, page_size, kv_indptr,
+                            kv_indptr_wide, kv_nnz, expected_token_pool_indices):
         """After canary_plan_rows; any grid of ENTRY_THREADS-thread blocks."""
         s_samples = cuda.shared.array(_SAMPLES_LEN, int64)
         row_flags = scratch[NUMBA_SCRATCH_ROW_FLAGS]
@@ -670,17 +749,17 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         if (total <= verify_capacity or sampled) and (row_flags & CANARY_NO_ENTRIES) == 0:
             bad = emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
                                prevs, scratch, NUMBA_SCRATCH_TABLE, write_req_capacity + 1, s_samples, step, count,
-                               emitted, sampled)
+                               emitted, sampled, page_size)
         if sampled:  # the cursors' second half (canary_plan_rows reset them), a row a thread over the grid
             r = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
             while r < bs:
                 advance_cursor(req_pool_indices, cursors, scratch, NUMBA_SCRATCH_TABLE, write_req_capacity + 1, r)
                 r += int64(cuda.gridDim.x) * cuda.blockDim.x
-        if HAS_LUT:
+        if CAN_BAD:
             finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad,
                      req_pool_indices, bs, cursors, scratch, NUMBA_SCRATCH_TABLE, write_req_capacity + 1, int64(0), False)
 
-    sfx = suffix(HAS_LUT, HAS_POOL)
+    sfx = suffix(HAS_LUT, HAS_POOL, FORM)
     kernels = (canary_plan_fused, canary_plan_rows, canary_plan_entries)
     for k in kernels:
         k.__name__ = k.__qualname__ = f"{k.__name__}_{sfx}"
@@ -689,10 +768,11 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
 @functools.lru_cache(maxsize=None)
 def plan_kernels(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THREADS,
-                 entry_threads: int = ENTRY_THREADS):
-    """``(canary_plan_fused, canary_plan_rows, canary_plan_entries)`` of one specialization, compiled eagerly
-    (``SIGNATURE``, plan.cu's launch bounds) once per process for the current device's compute capability.
-    The module is loaded per device on first launch or by ``kernel.overloads[...].bind()``."""
+                 entry_threads: int = ENTRY_THREADS, form: int = CANARY_FORM_TOKENS):
+    """``(canary_plan_fused, canary_plan_rows, canary_plan_entries)`` of one specialization (``form``: the index
+    form, SPEC 3.8), compiled eagerly (``SIGNATURE``, plan.cu's launch bounds) once per process for the current
+    device's compute capability. The module is loaded per device on first launch or by
+    ``kernel.overloads[...].bind()``."""
     rows_threads, entry_threads = int(rows_threads), int(entry_threads)
     return tuple(cuda.jit(SIGNATURE, **_jit_options(k.__name__, rows_threads, entry_threads))(k)
-                 for k in kernel_functions(bool(has_lut), bool(has_pool), rows_threads, entry_threads))
+                 for k in kernel_functions(bool(has_lut), bool(has_pool), rows_threads, entry_threads, int(form)))

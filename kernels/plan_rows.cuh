@@ -20,8 +20,11 @@ struct Row {
 
 // rp, e and len are read for every row (padding rows' lengths may be stale garbage: they are read, never
 // trusted); valid_lens and the pool row q only for active rows, which is why they are loaded apart, after rp.
+// cap: the positions the row holds (max_seq_len; a page list's row its pages, row_key), key_bad: a page list's
+// kv_indptr pair out of order or range (a bad rp's consequences). Constants for req_to_token: the same code.
 template <bool HAS_POOL>
-__device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64 len, i64 vl, i64 q) {
+__device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64 len, i64 vl, i64 q, i64 cap,
+                                         bool key_bad) {
     Row f = {0, 0, 0, 0, 0};
     if (rp == 0) {  // padding row: only its E is ever trusted, and only when its tokens are among the step's
         if (p.padding_rows_carry_tokens && e > 0) {
@@ -34,11 +37,12 @@ __device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64
     f.len = len;
     if (rp < 0 || rp >= p.rp_bound) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
     if (HAS_POOL && (q < 0 || q >= p.pool_rows)) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
-    if (len < 0 || len > p.max_seq_len) f.flags |= CANARY_BAD_PREFIX_LEN;
+    if (key_bad) f.flags |= CANARY_BAD_REQ_POOL_INDEX;
+    if (len < 0 || len > cap) f.flags |= CANARY_BAD_PREFIX_LEN;
     if (HAS_POOL && vl > p.pool_cols) f.flags |= CANARY_BAD_VALID_LEN;
     // The new tokens must fit the row: e > room, never len + e, which garbage such as 2^62 would wrap. room >= 0,
     // so a negative e (lengths not to be trusted, SPEC 3.4) is the one other case flagged.
-    const i64 room = p.max_seq_len - (len < 0 ? 0 : (len > p.max_seq_len ? p.max_seq_len : len));
+    const i64 room = cap - (len < 0 ? 0 : (len > cap ? cap : len));
     if (e < 0 || e > room) f.flags |= CANARY_BAD_EXTEND_LEN;
     else f.wlen = e;
     if (!(f.flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN | CANARY_BAD_EXTEND_LEN)))
@@ -47,14 +51,14 @@ __device__ __forceinline__ Row row_facts(const PlanParams& p, i64 rp, i64 e, i64
 }
 
 // What an entry needs of its row, found by one search over off[]. Entry i of row r (off[r] <= i < off[r+1]):
-// position = i + pdelta[r], req_to_token index = base[r] + i; with col = position + token_offset, the
+// position = i + pdelta[r], virtual token index (plan_index.cuh) = base[r] + i; with col = position + token_offset, the
 // expected-token index is pbase[r] + col, valid while 0 <= col < vlim[r] (compared as the reference does:
 // valid_lens may be garbage such as INT64_MIN, and subtracting the offset from it would wrap).
 // A sampled step (SPEC 3.7) rewrites off, base and pdelta so that row r's entries start at its run:
 // position = i + pdelta[r] wraps once, from lo[r] + len[r] back to lo[r].
 struct RowTable {
     i64* off;     // [bs + 1] exclusive scan of the verify counts (sampled: of the takes)
-    i64* base;    // rp * r2t_row_stride + window_start - off[r]   (sampled: + run)
+    i64* base;    // key * r2t_row_stride + window_start - off[r]  (sampled: + run; key: row_key)
     i64* pdelta;  // window_start - off[r]                         (sampled: + run)
     i64* pbase;   // q * pool_row_stride                            (HAS_POOL)
     i64* vlim;    // valid_lens[r]                                  (HAS_POOL)
@@ -114,14 +118,15 @@ __device__ __forceinline__ void block_scan(const i64 (&v)[N], i64 (&excl)[N], i6
 // the OR of all row flags (every thread), seed_bad whether a seed fell outside the LUT. Only what every step
 // needs: a sampled step derives the rest of its table in sample_rows (a third scanned value and three more
 // stores here cost every plan registers, spills and 10-18% of its time).
-template <int THREADS, int BATCH, bool HAS_LUT, bool HAS_POOL, bool WRITE_SIDE>
+template <int THREADS, int BATCH, bool HAS_LUT, bool HAS_POOL, bool WRITE_SIDE, int FORM>
 __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& row_flags, int& seed_bad) {
     const i64 bs = p.bs;
+    const double inv_ps = FORM != CANARY_FORM_TOKENS ? 1.0 / (double)p.page_size : 0.0;
     i64 vcarry = 0, wcarry = 0;
     int flags = 0, bad = 0;
     for (i64 group = 0; group < bs; group += (i64)THREADS * BATCH) {  // uniform: the scans have barriers
         Row f[BATCH];
-        i64 rp[BATCH], e[BATCH], len[BATCH], vl[BATCH], seed[BATCH], q[BATCH];
+        i64 rp[BATCH], e[BATCH], len[BATCH], vl[BATCH], seed[BATCH], q[BATCH], lo[BATCH], hi[BATCH], key[BATCH];
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
@@ -135,15 +140,21 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                 vl[k] = p.valid_lens[r];
                 q[k] = p.expected_token_pool_indices ? p.expected_token_pool_indices[r] : rp[k];
             }
+            lo[k] = 0; hi[k] = 0;
+            if (FORM == CANARY_FORM_PAGES && r < bs && rp[k] != 0) { lo[k] = load_indptr(p, r); hi[k] = load_indptr(p, r + 1); }
         }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
-            f[k] = row_facts<HAS_POOL>(p, rp[k], e[k], len[k], vl[k], q[k]);
+            i64 cap = p.max_seq_len;
+            bool key_bad = false;
+            if (FORM == CANARY_FORM_PAGES) key[k] = row_key<FORM>(p, rp[k], lo[k], hi[k], cap, key_bad);
+            f[k] = row_facts<HAS_POOL>(p, rp[k], e[k], len[k], vl[k], q[k], cap, key_bad);
+            if (FORM != CANARY_FORM_PAGES) key[k] = f[k].rp;  // the row's rp (0 for padding rows): as before the forms
             seed[k] = -1;
             if (WRITE_SIDE && f[k].wlen > 0 && rp[k] == 0) seed[k] = CANARY_SKIP_SEED;
             else if (WRITE_SIDE && f[k].wlen > 0 && f[k].len > 0 &&
                      !(f[k].flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)))
-                seed[k] = (i64)p.req_to_token[f[k].rp * p.r2t_row_stride + (f[k].len - 1)];
+                seed[k] = load_raw<FORM>(p, key[k] * p.r2t_row_stride + (f[k].len - 1), inv_ps, bad);
         }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
@@ -157,7 +168,7 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                 t.off[r] = voff;
                 if (f[k].vcount > 0) {
                     const i64 start = f[k].len - f[k].vcount;
-                    t.base[r] = f[k].rp * p.r2t_row_stride + start - voff;
+                    t.base[r] = key[k] * p.r2t_row_stride + start - voff;
                     t.pdelta[r] = start - voff;
                     if (HAS_POOL) {
                         t.pbase[r] = q[k] * p.pool_row_stride;

@@ -84,20 +84,6 @@ __device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t, i64& h
     return carry;
 }
 
-// floor(a / b) for 0 <= a < 2^62, 1 <= b < 2^62, a / b < 2^50, given inv_b = 1.0 / (double)b: a 64-bit integer
-// division is a long subroutine on the GPU, this a multiply and one correction. Why one suffices: (double)a,
-// (double)b, the reciprocal and the product each round once, relative error at most u = 2^-53 each, so the
-// estimate is (a / b)(1 + d) with |d| < 5u, off by less than 2^50 * 5 * 2^-53 = 5/8 from a / b. It is >= 0 and
-// truncates to q - 1, q or q + 1 (q the exact floor), so rem = a - est * b lies in [-b, 2b): one step corrects
-// it, and est * b <= a + b < 2^63 does not overflow.
-__device__ __forceinline__ i64 floor_div(i64 a, i64 b, double inv_b) {
-    i64 q = (i64)((double)a * inv_b);
-    const i64 rem = a - q * b;
-    if (rem < 0) --q;
-    else if (rem >= b) ++q;
-    return q;
-}
-
 // What a sampled step's rows share (SPEC 3.7): the budget, the requests (rows with entries), the entries asked,
 // and the rotation head (cursors[0] as read, if in [0, requests)).
 struct Split {
@@ -136,7 +122,7 @@ __device__ __forceinline__ i64 first_entry(const Split& s, i64 m, i64 off) {
 // cursors' only reader): off[r] becomes first[r], the row's first output entry, and base / pdelta start the row at
 // its run; rank[r] keeps rp. The cursors of the rows that take entries are reset and the head moved here, from
 // registers (rank_rows' barrier: every read is done); the entries kernel advances them.
-template <int THREADS, int BATCH>
+template <int THREADS, int BATCH, int FORM>
 __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64 total, i64 requests, i64 head_raw) {
     const Split sp = split_of(p, total, requests, head_raw);
     const i64 cap = sp.cap, head = sp.head;
@@ -160,7 +146,9 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
                 const i64 take = first_entry(sp, m[k] + 1, off[k] + len[k]) - first;
                 const i64 pdelta = lo[k] + run_start(pd[k], take, len[k]) - first;
                 t.pdelta[r] = pdelta;
-                t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
+                // a row with entries has a good key: a page list's is its first page (plan_index.cuh row_key)
+                const i64 key = FORM == CANARY_FORM_PAGES ? load_indptr(p, r) : rp[k];
+                t.base[r] = key * p.r2t_row_stride + pdelta;
                 if (take > 0) p.cursors[rp[k]] = (i64)(-0x7fffffffffffffffLL - 1);
             }
             t.off[r] = first;
@@ -178,15 +166,22 @@ __device__ __forceinline__ void sample_rows(const PlanParams& p, RowTable t, i64
 // once, so each row's first entry is computed from registers and the table written once (the two rounds stored
 // five arrays and read them back across two more barriers). The table as sample_rows leaves it; head_raw as in
 // rank_rows. Returns the number of rows with entries; ends on a barrier.
-template <int THREADS, int BATCH>
+template <int THREADS, int BATCH, int FORM>
 __device__ __forceinline__ i64 sample_rows_at_once(const PlanParams& p, RowTable t, i64 total, i64& head_raw) {
     head_raw = p.cursors[0];
-    i64 o0[BATCH], len[BATCH], pd[BATCH], rp[BATCH], cur[BATCH];
+    i64 o0[BATCH], len[BATCH], pd[BATCH], rp[BATCH], cur[BATCH], key[BATCH];
 #pragma unroll
     for (int k = 0; k < BATCH; ++k) {
         const i64 r = k * THREADS + threadIdx.x;
         o0[k] = 0; len[k] = 0; pd[k] = 0; rp[k] = 0;
         if (r < p.bs) { o0[k] = t.off[r]; len[k] = t.off[r + 1]; pd[k] = t.pdelta[r]; rp[k] = p.req_pool_indices[r]; }
+    }
+    if (FORM == CANARY_FORM_PAGES) {
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {  // a row with entries has a good key: a page list's is its first page
+            const i64 r = k * THREADS + threadIdx.x;
+            key[k] = r < p.bs && len[k] > o0[k] ? load_indptr(p, r) : 0;
+        }
     }
     // The rank counts flags, not sums: a ballot and a population count in each warp, then the warps' counts
     // (block_scan over int64 cost about 150 instructions a warp, most of this function's, run 84 profile).
@@ -229,7 +224,7 @@ __device__ __forceinline__ i64 sample_rows_at_once(const PlanParams& p, RowTable
             const i64 take = first_entry(sp, excl[k] + 1, o0[k] + len[k]) - first;
             const i64 pdelta = lo + run_start(cursor_offset(cur[k], lo, len[k]), take, len[k]) - first;
             t.pdelta[r] = pdelta;
-            t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
+            t.base[r] = (FORM == CANARY_FORM_PAGES ? key[k] : rp[k]) * p.r2t_row_stride + pdelta;
             t.rank[r] = rp[k];
         }
         t.off[r] = first;

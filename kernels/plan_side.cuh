@@ -39,22 +39,26 @@ __device__ __forceinline__ RowTable side_table(const PlanParams& p) {
 //   rotation head's next value in next_cursors[0] (no row with entries has rp = 0).
 // Block 0's scan writes the status, the write side and the scan's table; the entries kernel reads this table
 // when SCRATCH_SIDE says so.
-template <bool HAS_POOL>
-__device__ __forceinline__ Row side_facts(const PlanParams& p, i64 r) {
+template <bool HAS_POOL, int FORM>
+__device__ __forceinline__ Row side_facts(const PlanParams& p, i64 r, i64& key) {
     const i64 rp = p.req_pool_indices[r], e = p.extend_seq_lens[r], len = p.prefix_lens[r];
-    i64 vl = 0, q = 0;
+    i64 vl = 0, q = 0, lo = 0, hi = 0;
     if (HAS_POOL && rp != 0) {
         vl = p.valid_lens[r];
         q = p.expected_token_pool_indices ? p.expected_token_pool_indices[r] : rp;
     }
-    return row_facts<HAS_POOL>(p, rp, e, len, vl, q);
+    if (FORM == CANARY_FORM_PAGES && rp != 0) { lo = load_indptr(p, r); hi = load_indptr(p, r + 1); }
+    i64 cap = p.max_seq_len;
+    bool key_bad = false;
+    if (FORM == CANARY_FORM_PAGES) key = row_key<FORM>(p, rp, lo, hi, cap, key_bad);
+    return row_facts<HAS_POOL>(p, rp, e, len, vl, q, cap, key_bad);
 }
 
 __device__ __forceinline__ u64* next_cursors(const PlanParams& p) {
     return reinterpret_cast<u64*>(p.scratch + SCRATCH_TABLE + TABLE_ARRAYS * (p.write_req_capacity + 1));
 }
 
-template <bool HAS_POOL>
+template <bool HAS_POOL, int FORM>
 __device__ __forceinline__ void side_rows(const PlanParams& p) {
     // OTHERS: other rows' loads a thread keeps in flight (3 spilled)
     constexpr int THREADS = ROWS_THREADS, BATCH = SIDE_BATCH, OTHERS = 2;
@@ -62,7 +66,7 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
     if (r0 >= bs) return;  // uniform: the tile lies past the batch (the grid is sized from R, not bs)
     __shared__ int s_flags;
     if (threadIdx.x == 0) s_flags = 0;
-    i64 rp[BATCH], lo[BATCH], cnt[BATCH], offset[BATCH], voff[BATCH], rank[BATCH];
+    i64 rp[BATCH], lo[BATCH], cnt[BATCH], offset[BATCH], voff[BATCH], rank[BATCH], key[BATCH];
     const i64 head_raw = p.cursors[0];
     int flags = 0;
     i64 sums[4] = {0, 0, 0, 0};  // verify entries and rows with entries before the tile; both in the batch
@@ -70,7 +74,8 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
     for (int k = 0; k < BATCH; ++k) {
         const i64 r = r0 + k * THREADS + threadIdx.x;
         Row f = {0, 0, 0, 0, 0};
-        if (r < bs) f = side_facts<HAS_POOL>(p, r);
+        key[k] = 0;
+        if (r < bs) f = side_facts<HAS_POOL, FORM>(p, r, key[k]);
         rp[k] = f.rp;
         cnt[k] = f.vcount;
         lo[k] = f.len - f.vcount;
@@ -82,7 +87,7 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
     }
     // Every other row, OTHERS a thread at a time, their loads issued together.
     for (i64 j0 = 0; j0 < bs; j0 += (i64)THREADS * OTHERS) {
-        i64 orp[OTHERS], oe[OTHERS], olen[OTHERS], ovl[OTHERS], oq[OTHERS];
+        i64 orp[OTHERS], oe[OTHERS], olen[OTHERS], ovl[OTHERS], oq[OTHERS], olo[OTHERS], ohi[OTHERS];
         bool other[OTHERS];
 #pragma unroll
         for (int u = 0; u < OTHERS; ++u) {
@@ -98,11 +103,19 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
                 ovl[u] = p.valid_lens[j];
                 oq[u] = p.expected_token_pool_indices ? p.expected_token_pool_indices[j] : orp[u];
             }
+            olo[u] = 0; ohi[u] = 0;
+            if (FORM == CANARY_FORM_PAGES && other[u] && orp[u] != 0) {
+                olo[u] = load_indptr(p, j);
+                ohi[u] = load_indptr(p, j + 1);
+            }
         }
 #pragma unroll
         for (int u = 0; u < OTHERS; ++u) {
             if (!other[u]) continue;
-            const Row f = row_facts<HAS_POOL>(p, orp[u], oe[u], olen[u], ovl[u], oq[u]);
+            i64 cap = p.max_seq_len;
+            bool key_bad = false;
+            if (FORM == CANARY_FORM_PAGES) row_key<FORM>(p, orp[u], olo[u], ohi[u], cap, key_bad);
+            const Row f = row_facts<HAS_POOL>(p, orp[u], oe[u], olen[u], ovl[u], oq[u], cap, key_bad);
             const i64 has = f.vcount > 0 ? 1 : 0;
             flags |= f.flags;
             sums[2] += f.vcount;
@@ -141,7 +154,7 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
             const i64 start = run_start(offset[k], take, cnt[k]);
             const i64 pdelta = lo[k] + start - first;
             t.pdelta[r] = pdelta;
-            t.base[r] = rp[k] * p.r2t_row_stride + pdelta;
+            t.base[r] = (FORM == CANARY_FORM_PAGES ? key[k] : rp[k]) * p.r2t_row_stride + pdelta;
             t.lo[r] = lo[k];
             t.len[r] = cnt[k];
             if (take > 0) {  // the next run ends where this one begins

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..interop.adapter import ArrayView
+from ..contract.kvindex import FORM_PAGES, FORM_TOKENS, NO_REQ_BOUND
 from ..contract.plans import VerifyViews, WriteViews
 
 
@@ -59,10 +60,60 @@ DEFAULT_LAUNCH = LaunchConfig()
 
 
 @dataclass(frozen=True)
+class KVIndex:
+    """The checked index of a plan in one of its forms (SPEC 3.8; ``canary/contract/kvindex.py``): ``table`` is
+    ``req_to_token`` ``[max_reqs, max_seq_len]`` (``FORM_TOKENS``), ``block_table`` ``[max_reqs, max_blocks]``
+    (``FORM_BLOCKS``) or ``kv_indices`` ``[nnz]`` (``FORM_PAGES``, with ``kv_indptr``), int32 each."""
+
+    form: int
+    table: ArrayView
+    page_size: int = 1
+    kv_indptr: ArrayView | None = None  # [>= bs + 1] int32 or int64, FORM_PAGES only
+
+    @property
+    def paged(self) -> bool:
+        return self.form != FORM_TOKENS
+
+    @property
+    def rows(self) -> int:
+        """Rows of a table keyed by ``req_pool_indices`` (0 for a page list, keyed by batch row)."""
+        return 0 if self.form == FORM_PAGES else self.table.shape[0]
+
+    @property
+    def row_stride(self) -> int:
+        """Elements between the table's rows (a one-row table: its row length; a page list: 0)."""
+        t = self.table
+        if self.form == FORM_PAGES:
+            return 0
+        return t.strides[0] if t.shape[0] > 1 else t.shape[1]
+
+    @property
+    def max_seq_len(self) -> int:
+        """Positions a row may hold: ``req_to_token``'s columns, ``max_blocks * S``, or ``nnz * S`` (no row of a
+        page list holds more than all its pages; each row's own bound is its pages, SPEC 3.8)."""
+        t = self.table
+        if self.form == FORM_PAGES:
+            return t.shape[0] * self.page_size
+        return t.shape[1] * self.page_size
+
+    @property
+    def key_stride(self) -> int:
+        """The kernels' virtual token index of position ``p`` of a row with key ``k`` is ``k * key_stride + p``
+        (key: ``rp``, or ``kv_indptr[r]`` for a page list); the paged forms read block ``v // S``."""
+        if self.form == FORM_PAGES:
+            return self.page_size
+        return self.row_stride * self.page_size
+
+    @property
+    def arrays(self) -> list[ArrayView]:
+        return [self.table] + ([self.kv_indptr] if self.kv_indptr is not None else [])
+
+
+@dataclass(frozen=True)
 class StaticArgs:
     """Everything a planner binds once. Views are already checked (SPEC 3.3)."""
 
-    req_to_token: ArrayView  # [max_reqs, max_seq_len] int32, row stride >= max_seq_len
+    req_to_token: ArrayView | None  # [max_reqs, max_seq_len] int32, row stride >= max_seq_len (None: index.paged)
     full_to_swa_index_mapping: ArrayView | None  # [lut_len] int64
     req_to_verify_expected_tokens: ArrayView | None  # [pool_rows, pool_cols] int32
     swa_window_size: int
@@ -87,6 +138,12 @@ class StaticArgs:
     # The outputs' byte ranges (overlap.Spans: addresses and names, no arrays): per-step inputs are checked
     # against them when first seen.
     output_spans: Any = None
+    # The bound index (SPEC 3.8); None: req_to_token's (KVIndex(FORM_TOKENS, req_to_token))
+    kv_index: KVIndex | None = None
+
+    @property
+    def index(self) -> KVIndex:
+        return self.kv_index if self.kv_index is not None else KVIndex(FORM_TOKENS, self.req_to_token)
 
     @property
     def sample(self) -> bool:
@@ -95,11 +152,21 @@ class StaticArgs:
 
     @property
     def max_reqs(self) -> int:
-        return self.req_to_token.shape[0]
+        """The bound of ``req_pool_indices``: the rows of ``req_to_token`` or of the block table; for a page list
+        (keyed by batch row) the sampling cursors' rows, else no bound (SPEC 3.8)."""
+        index = self.index
+        if index.form != FORM_PAGES:
+            return index.rows
+        return self.verify_cursors.shape[0] if self.verify_cursors is not None else NO_REQ_BOUND
+
+    @property
+    def cursor_rows(self) -> int:
+        """Rows of ``verify_cursors`` (0 without sampling): the scratch's next cursors (CuPy) have one a row."""
+        return 0 if self.verify_cursors is None else self.verify_cursors.shape[0]
 
     @property
     def max_seq_len(self) -> int:
-        return self.req_to_token.shape[1]
+        return self.index.max_seq_len
 
     @property
     def req_pool_index_bound(self) -> int:
@@ -117,7 +184,8 @@ class StaticArgs:
 @dataclass(frozen=True)
 class StepArgs:
     """The per-step inputs, ``[bs]`` int64 each (``valid_lens`` present iff an expected-token pool is bound;
-    ``pool_indices``, the optional ``expected_token_pool_indices``, only with a pool)."""
+    ``pool_indices``, the optional ``expected_token_pool_indices``, only with a pool), and the step's own index
+    arrays when it passed them (``index``, of the bound form)."""
 
     req_pool_indices: ArrayView
     prefix_lens: ArrayView
@@ -125,6 +193,7 @@ class StepArgs:
     valid_lens: ArrayView | None
     bs: int
     pool_indices: ArrayView | None = None
+    index: KVIndex | None = None  # this step's index (SPEC 3.8: an engine that rebuilds it); None: the bound one
 
 
 @dataclass(frozen=True)

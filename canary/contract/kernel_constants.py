@@ -23,6 +23,7 @@ from . import layers_layout as LL
 from . import plan_layout as PL
 from . import records_layout as RL
 from . import report_layout as RPL
+from .kvindex import FORM_BLOCKS, FORM_PAGES, FORM_TOKENS
 from .plans import MISSING_SLOT, SKIP_SEED
 from .ring import KIND_BITS, CheckFlags, FailReason, KernelTag
 
@@ -103,6 +104,10 @@ PLAN_SHARED = [
          "two-pass: row offsets sampled into shared memory to shorten the row search"),
     _int("ENTRY_MIN_BLOCKS", PL.ENTRY_MIN_BLOCKS,
          "resident blocks per SM the register budget must allow (__launch_bounds__)"),
+    _int("CANARY_FORM_TOKENS", FORM_TOKENS, "req_to_token",
+         doc="The index forms, the planner's FORM specialization (canary/contract/kvindex.py, SPEC 3.8)."),
+    _int("CANARY_FORM_BLOCKS", FORM_BLOCKS, "a block table and page_size"),
+    _int("CANARY_FORM_PAGES", FORM_PAGES, "a page list: kv_indptr, kv_indices and page_size"),
 ]
 
 PLAN_CUDA = [

@@ -39,7 +39,8 @@ _P64, _P32, _I64 = "const i64*", "const int*", "i64"
 PLAN_PARAMS = Struct("PlanParams", (
     M(_P64, "req_pool_indices"), M(_P64, "prefix_lens"), M(_P64, "extend_seq_lens"), M(_P64, "valid_lens"),
     M(_I64, "bs"),
-    M(_P32, "req_to_token"), M(_I64, "r2t_row_stride"),
+    M(_P32, "req_to_token", "the index's int32 table (SPEC 3.8): req_to_token, a block table or kv_indices"),
+    M(_I64, "r2t_row_stride", "the virtual token index's key stride: v = key * stride + position (KVIndex)"),
     M(_I64, "rp_bound", "max_reqs (the pool's rows bound the pool row q: row_facts)"),
     M(_I64, "max_seq_len"), M(_P64, "lut"), M(_I64, "lut_len"),
     M(_P32, "pool"), M(_I64, "pool_row_stride"), M(_I64, "pool_cols"), M(_I64, "token_offset"),
@@ -53,6 +54,10 @@ PLAN_PARAMS = Struct("PlanParams", (
     M("i64*", "cursors", "[max_reqs] rotation state of the sampled verification (SPEC 3.7)"),
     M(_I64, "sample", '1: on_overflow="sample" (cursors given); 0: "skip"'),
     M(_I64, "pool_rows"),
+    M(_I64, "page_size", "the paged forms' tokens a page (SPEC 3.8); 1 for req_to_token"),
+    M(_P32, "kv_indptr", "a page list's [>= bs + 1] offsets into kv_indices, as int32 words (two a row if wide)"),
+    M(_I64, "kv_indptr_wide", "1: kv_indptr holds int64, 0: int32"),
+    M(_I64, "kv_nnz", "a page list's kv_indices length (the bound of kv_indptr)"),
     M(_P64, "expected_token_pool_indices",
       "per step, HAS_POOL only: the pool row of each batch row (SPEC 3.2); null: req_pool_indices"),
 ), doc="One by-value kernel parameter; every field is 8 bytes, so the host packs it as an array of uint64 words in "
@@ -97,5 +102,5 @@ def rows_grid(write_req_capacity: int, sms: int, blocks_per_sm: int, sample: boo
 
 def scratch_words(write_req_capacity: int, max_reqs: int) -> int:
     """int64 words of planner scratch: the head words, the two-pass row tables (TABLE_ARRAYS arrays of R + 1),
-    then the side blocks' next cursors (one word a request row of ``req_to_token``)."""
+    then the side blocks' next cursors (one word a row of ``verify_cursors``: ``max_reqs``, 0 without sampling)."""
     return SCRATCH_TABLE + TABLE_ARRAYS * (write_req_capacity + 1) + int(max_reqs)

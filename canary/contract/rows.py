@@ -38,21 +38,27 @@ def extend_too_long(prefix, ext, max_seq_len: int) -> np.ndarray:
 
 
 def row_checks(rpi, prefix, ext, valid_lens, *, rp_bound, max_seq_len, pool_cols,
-               padding_rows_carry_tokens: bool = False, pool_indices=None, pool_rows: int = 0) -> RowChecks:
+               padding_rows_carry_tokens: bool = False, pool_indices=None, pool_rows: int = 0, row_len=None,
+               bad_key=None) -> RowChecks:
     """The checks of every batch row. An active row's ``E < 0`` is flagged 32 too (its lengths cannot be trusted).
     With ``padding_rows_carry_tokens``, a padding row's ``E`` is trusted (it counts in ``write_offsets``), so it is
     checked too, as a row with ``P = 0`` (its ``P`` is never read), and a negative one is silent (it carries nothing).
 
     ``pool_indices`` (``expected_token_pool_indices``, SPEC 3.2): the pool row of each batch row, checked against
-    ``pool_rows`` under the same bit as ``rp``, whose own bound ``rp_bound`` is then ``max_reqs`` alone."""
+    ``pool_rows`` under the same bit as ``rp``, whose own bound ``rp_bound`` is then ``max_reqs`` alone.
+    A page list (SPEC 3.8): ``row_len``, each row's positions, replaces ``max_seq_len`` in an active row's checks
+    (padding rows keep ``max_seq_len``), and ``bad_key``, its ``kv_indptr`` pair out of order or range, joins bit 2."""
     active = rpi != 0
     bad_rp = active & ((rpi < 0) | (rpi >= rp_bound))
     if pool_indices is not None:
         bad_rp |= active & ((pool_indices < 0) | (pool_indices >= pool_rows))
-    bad_p = active & ((prefix < 0) | (prefix > max_seq_len))
+    if bad_key is not None:
+        bad_rp |= bad_key
+    cap = max_seq_len if row_len is None else row_len
+    bad_p = active & ((prefix < 0) | (prefix > cap))
     bad_vl = active & (valid_lens > pool_cols) if valid_lens is not None else np.zeros_like(active)
     # A negative E on an active row joins bit 32: its lengths cannot be trusted (a padding row's stays silent).
-    bad_e = active & ((ext < 0) | extend_too_long(prefix, ext, max_seq_len))
+    bad_e = active & ((ext < 0) | extend_too_long(prefix, ext, cap))
     if padding_rows_carry_tokens:
         bad_e |= ~active & extend_too_long(np.zeros_like(ext), ext, max_seq_len)
     return RowChecks(active, bad_rp, bad_p, bad_vl, bad_e)
@@ -60,11 +66,13 @@ def row_checks(rpi, prefix, ext, valid_lens, *, rp_bound, max_seq_len, pool_cols
 
 def bad_slot_rows(checks: RowChecks, rpi, prefix, ext, *, window: int, lut_len: int, verify_ran: bool,
                   read_row: Callable[[int, int, int], np.ndarray]) -> np.ndarray:
-    """Rows that set ``BAD_SLOT`` (SPEC 3.4): a slot of theirs that the LUT is asked to translate is outside it.
+    """Rows that set ``BAD_SLOT`` (SPEC 3.4): a slot of theirs that the LUT is asked to translate is outside it, or
+    (a block table or page list, SPEC 3.8) whose block entry is negative.
 
     ``verify_ran``: whether the plan built its verify entries (no ``OVERFLOW`` and no row-level bit), so that each
     good row's window slots and their predecessors were translated; seeds are translated in every plan.
-    ``read_row(rp, lo, hi)`` returns ``req_to_token[rp, lo:hi]`` on the host. Only good rows are read (their
+    ``read_row(r, lo, hi)`` returns the raw slots of batch row ``r`` at positions ``lo:hi`` on the host
+    (``req_to_token[rpi[r], lo:hi]``; a bad block entry as a value ``>= lut_len``). Only good rows are read (their
     request index and prefix are in range), and only the columns the plan itself read.
     """
     bad = np.zeros(checks.active.shape, dtype=bool)
@@ -79,7 +87,7 @@ def bad_slot_rows(checks: RowChecks, rpi, prefix, ext, *, window: int, lut_len: 
             lo = p - 1  # the seed alone
         else:
             continue
-        values = np.asarray(read_row(int(rpi[r]), lo, p))
+        values = np.asarray(read_row(int(r), lo, p))
         bad[r] = bool((values >= lut_len).any())  # negatives pass the LUT untranslated
     return bad
 

@@ -21,6 +21,7 @@ from ..contract.plans import MISSING_SLOT, mark_missing
 from ..contract.ring import FailReason, KernelTag, decode
 from .block import ReportBlock
 from .groups import BoundGroup
+from .index import TokenIndex
 from .report import CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, Violations, kernel_name, \
     kind_of, log, log_violations, overflow_line, sightings
 from .stats import Stats
@@ -298,8 +299,10 @@ class ReportDecoder:
         position has no real slot now (a 0, or a real slot mapped to 0) and, when the row has a predecessor slot,
         whose previous position maps to it. Reads a column or two of the table (a sync, on the error path only)."""
         p = v.position
-        r2t = g.spec.req_to_token
-        max_reqs, max_seq_len = as_view(r2t, "req_to_token").shape
+        index = TokenIndex.of(g.spec)  # None: a page list, whose rows are another step's by now (SPEC 3.8)
+        if index is None:
+            return ()
+        max_reqs, max_seq_len = index.shape
         if not 0 <= p < max_seq_len:
             return ()
         candidates = self.candidates(rec, rpi)
@@ -313,10 +316,10 @@ class ReportDecoder:
                 return raw
             return int(np.asarray(to_host(lut[raw:raw + 1]))[0]) if raw < lut_len else -1
 
-        column = np.asarray(to_host(r2t[:, p])).astype(np.int64)
+        column = index.column(p)
         prev = v.predecessor_slot
         missing = prev is not None
-        before = np.asarray(to_host(r2t[:, p - 1])).astype(np.int64) if missing and prev > 0 and p > 0 else None
+        before = index.column(p - 1) if missing and prev > 0 and p > 0 else None
         out = []
         for rid, rp in candidates:
             if not 0 < rp < max_reqs:
@@ -380,8 +383,9 @@ class _RowCache:
     once each, translated to the group's own slots (an SWA group's through its full-to-SWA mapping, -1 past it)."""
 
     def __init__(self, g: BoundGroup):
-        self.r2t, self.lut = g.spec.req_to_token, g.spec.full_to_swa_index_mapping
-        self.max_reqs, self.max_seq_len = as_view(self.r2t, "req_to_token").shape
+        self.index, self.lut = TokenIndex.of(g.spec), g.spec.full_to_swa_index_mapping
+        # a page list names no rows here (TokenIndex.of): every search is empty
+        self.max_reqs, self.max_seq_len = (0, 0) if self.index is None else self.index.shape
         self._lut: np.ndarray | None = None
         self._cols: dict[int, np.ndarray] = {}
         self._rows: dict[int, np.ndarray] = {}
@@ -399,13 +403,13 @@ class _RowCache:
     def column(self, p: int) -> np.ndarray:
         got = self._cols.get(p)
         if got is None:
-            got = self._cols[p] = self._translate(np.asarray(to_host(self.r2t[:, p])))
+            got = self._cols[p] = self._translate(self.index.column(p))
         return got
 
     def row(self, rp: int) -> np.ndarray:
         got = self._rows.get(rp)
         if got is None:
-            got = self._rows[rp] = self._translate(np.asarray(to_host(self.r2t[rp])))
+            got = self._rows[rp] = self._translate(self.index.row(rp))
         return got
 
     def mapping(self, candidates: list[tuple[Hashable, int]], slot: int) -> list[tuple[Hashable, int]]:

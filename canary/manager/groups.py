@@ -9,12 +9,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import check_keywords, fail
-from ..interop.adapter import as_view, identity
+from ..interop.adapter import identity
 from ..plan.planner import CanaryPlanner
 from ..contract.plans import VerifyPlan, WritePlan
 from ..records.api import CanaryRecords
 from ..contract.realkv import RealKVMode, real_kv
 from ..contract.state import CanaryState
+from .index import check_index, planner_index
 from .layers import bind_layers
 
 
@@ -23,7 +24,14 @@ class KVGroup:
     """One KV pool an engine's attention reads, as the manager binds it.
 
     - ``name``: unique label used in reports, stats and metrics (``"full"``, ``"swa"``, ``"draft"``...).
-    - ``req_to_token``: ``[max_reqs, max_seq_len]`` int32, the engine's own table (row 0 = padding), read in place.
+    - The index the attention reads, the engine's own arrays read in place, exactly one form (SPEC 3.8):
+      ``req_to_token``, ``[max_reqs, max_seq_len]`` int32 (row 0 = padding); or ``block_table``,
+      ``[max_reqs, max_blocks]`` int32 block ids (row 0 = padding, block 0 = the padding block), and ``page_size``
+      (slot ``b * page_size + p % page_size``); or a page list, ``kv_indptr`` (``[>= max_batch_size + 1]`` int32
+      or int64) and ``kv_indices`` (``[nnz]`` int32) keyed by batch row, with ``page_size``, ``max_reqs`` (the
+      rows ``req_pool_indices`` names: the sampling cursors') and ``max_seq_len`` (the most tokens a request
+      holds: the expected-token pool's columns), which the page list cannot give. An engine that rebuilds its
+      block table or page list each step passes them to ``before_forward`` too.
     - ``num_slots``: slots of this group's KV pool (the canary keeps one record per slot; SWA: the SWA pool's).
     - ``verify_capacity``: verify entries per step (a cost budget: steps with more are sampled, SPEC 3.7).
     - ``real_kv_sources``: up to 4 sources as :func:`canary.real_kv` takes them, typically the K and V buffers:
@@ -45,9 +53,15 @@ class KVGroup:
     """
 
     name: str
-    req_to_token: Any
+    req_to_token: Any = None  # or one of the paged forms below (exactly one form)
     num_slots: int
     verify_capacity: int
+    block_table: Any = None
+    kv_indptr: Any = None
+    kv_indices: Any = None
+    page_size: int | None = None
+    max_reqs: int | None = None  # a page list only (SPEC 3.8: its rows are batch rows)
+    max_seq_len: int | None = None  # a page list only
     real_kv_sources: Sequence[Any] = ()
     real_kv_mode: Any = RealKVMode.ALL
     swa_window_size: int = 0
@@ -93,7 +107,8 @@ KVGroup.__init__ = _worded_init(KVGroup.__init__)
 
 
 def check_groups(groups: Any) -> list[KVGroup]:
-    """The groups list, checked: at least one, each a :class:`KVGroup`, unique names, one ``req_to_token`` shape."""
+    """The groups list, checked: at least one, each a :class:`KVGroup` with one index form (SPEC 3.8), unique
+    names, one ``max_seq_len``."""
     if isinstance(groups, KVGroup):
         groups = [groups]
     try:
@@ -118,14 +133,11 @@ def check_groups(groups: Any) -> list[KVGroup]:
         if not isinstance(g.layer_sources, (list, tuple)):
             raise fail(TypeError, f"groups[{i}].layer_sources: expected a list of per-layer source lists (one a "
                                   f"layer), got {type(g.layer_sources).__name__}")
-        shape = tuple(as_view(g.req_to_token, f"groups[{i}].req_to_token").shape)
-        if len(shape) != 2:
-            raise fail(ValueError, f"groups[{i}].req_to_token: expected a [max_reqs, max_seq_len] int32 array, got "
-                                   f"shape {shape}")
-        max_cols.add(shape[1])
+        max_cols.add(check_index(g, i)[1])
     if len(max_cols) > 1:
         raise fail(ValueError, f"groups: expected every req_to_token to have the same max_seq_len (the "
-                               f"expected-token pool is shared), got {sorted(max_cols)}")
+                               f"expected-token pool is shared; a block table's max_blocks * page_size), got "
+                               f"{sorted(max_cols)}")
     return groups
 
 
@@ -167,11 +179,7 @@ def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: st
     ``(ring, ring_write_index, slot_run_counter, kernel_run_counter, status)`` in the manager's
     :class:`~canary.manager.block.ReportBlock` (``None``: allocated here); ``reported_slots``: the group's array of
     :class:`~canary.manager.suppress.ReportedSlots` (``None``: the ring is not filtered)."""
-    r2t = as_view(spec.req_to_token, f"groups[{index}].req_to_token")
-    if len(r2t.shape) != 2:
-        raise fail(ValueError, f"groups[{index}].req_to_token: expected a 2-D [max_reqs, max_seq_len] array, got "
-                               f"shape {r2t.shape}")
-    max_reqs = r2t.shape[0]
+    max_reqs = check_index(spec, index)[0]
     vp = VerifyPlan.allocate(verify_capacity=int(spec.verify_capacity), device=device, library=library,
                              max_reqs=max_reqs)
     wp = WritePlan.allocate(write_req_capacity=max_batch_size, device=device, library=library)
@@ -181,11 +189,11 @@ def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: st
         ring, write_index, slots, launches, status = report
         state = CanaryState(canary_buffer=state.canary_buffer, ring=ring, ring_write_index=write_index,
                             slot_run_counter=slots, kernel_run_counter=launches, check_flags=state.check_flags)
+        vp = dataclasses.replace(vp, status=status)
     if reported_slots is not None:
         state = dataclasses.replace(state, reported_slots=reported_slots)
-        vp = dataclasses.replace(vp, status=status)
     planner = CanaryPlanner(
-        verify_plan_out=vp, write_plan_out=wp, req_to_token=spec.req_to_token, swa_window_size=spec.swa_window_size,
+        verify_plan_out=vp, write_plan_out=wp, **planner_index(spec), swa_window_size=spec.swa_window_size,
         full_to_swa_index_mapping=spec.full_to_swa_index_mapping, req_to_verify_expected_tokens=pool,
         kv_token_id_vs_position_offset=spec.kv_token_id_vs_position_offset,
         padding_rows_carry_tokens=spec.padding_rows_carry_tokens, max_batch_size=max_batch_size, backend=backend,
@@ -197,32 +205,36 @@ def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: st
                       bound=bound_of(spec))
 
 
-# The KVGroup attributes a bound group reads in place: the planner binds the first two, the records the others
-BOUND_ATTRS = ("req_to_token", "full_to_swa_index_mapping", "real_kv_sources", "layer_sources")
+# The KVGroup attributes a bound group reads in place: the planner binds the tables (the index in its form, SPEC
+# 3.8, and the mapping), the records the sources
+TABLE_ATTRS = ("req_to_token", "block_table", "kv_indptr", "kv_indices", "full_to_swa_index_mapping")
+BOUND_ATTRS = TABLE_ATTRS + ("real_kv_sources", "layer_sources")
 
 
 def bound_of(spec: KVGroup) -> tuple:
-    """What :func:`check_bound` compares: each bound attribute's object, and for the two tables their
+    """What :func:`check_bound` compares: each bound attribute's object, and for the tables their
     ``(data pointer, shape)`` where :func:`~canary.interop.adapter.identity` reads it cheaply (CuPy, torch)."""
-    r2t, lut = spec.req_to_token, spec.full_to_swa_index_mapping
-    return r2t, identity(r2t), lut, identity(lut), spec.real_kv_sources, spec.layer_sources
+    tables = tuple(getattr(spec, a) for a in TABLE_ATTRS)
+    return tables, tuple(identity(t) for t in tables), (spec.real_kv_sources, spec.layer_sources)
 
 
 def check_bound(groups: list[BoundGroup]) -> None:
     """Raise ``RuntimeError`` naming the buffer and ``rebind`` when a group's KVGroup no longer holds what was
     bound: another object assigned to the attribute, or a table whose storage moved (a torch ``set_`` /
-    ``resize_``). Per group and step: four identity compares and two pointer reads."""
+    ``resize_``). Per group and step: seven identity compares and, for the tables given, a pointer read each."""
     for g in groups:
-        spec, b = g.spec, g.bound
-        if (spec.req_to_token is b[0] and spec.full_to_swa_index_mapping is b[2] and spec.real_kv_sources is b[4]
-                and spec.layer_sources is b[5] and identity(b[0]) == b[1] and identity(b[2]) == b[3]):
+        spec, (tables, idents, sources) = g.spec, g.bound
+        if (spec.req_to_token is tables[0] and spec.block_table is tables[1] and spec.kv_indptr is tables[2]
+                and spec.kv_indices is tables[3] and spec.full_to_swa_index_mapping is tables[4]
+                and spec.real_kv_sources is sources[0] and spec.layer_sources is sources[1]
+                and all(t is None or identity(t) == i for t, i in zip(tables, idents))):
             continue
-        now = bound_of(spec)
+        now = tables + sources
         for k, attr in enumerate(BOUND_ATTRS):
-            obj = 2 * k if k < 2 else k + 2
-            if now[obj] is not b[obj]:
+            was = now[k]
+            if getattr(spec, attr) is not was:
                 what = "another object assigned to it"
-            elif k < 2 and identity(b[obj]) != b[obj + 1]:
+            elif k < len(TABLE_ATTRS) and was is not None and identity(was) != idents[k]:
                 what = "the same array with its storage moved (data pointer or shape changed)"
             else:
                 continue
@@ -236,13 +248,12 @@ def rebound(g: BoundGroup, spec: KVGroup, *, pool: Any, max_batch_size: int) -> 
     """``(planner, records, layers)`` of ``g`` bound again over ``spec`` (the group's KVGroup with its rebuilt
     buffers), over the same plans, canary state and expected-token ``pool``: the canary records already written
     stay. Raises as binding does; nothing of ``g`` is changed here."""
-    r2t = as_view(spec.req_to_token, f"groups[{g.index}].req_to_token")
-    old = tuple(g.planner.static.req_to_token.shape)
-    if tuple(r2t.shape) != old:
+    old, new = check_index(g.spec, g.index), check_index(spec, g.index)
+    if new != old:
         raise fail(ValueError, f"groups[{g.index}].req_to_token: expected the bound shape {old} (the plans and the "
-                               f"expected-token pool are sized by it), got shape {tuple(r2t.shape)}")
+                               f"expected-token pool are sized by it), got shape {new}")
     planner = CanaryPlanner(
-        verify_plan_out=g.verify_plan, write_plan_out=g.write_plan, req_to_token=spec.req_to_token,
+        verify_plan_out=g.verify_plan, write_plan_out=g.write_plan, **planner_index(spec),
         swa_window_size=spec.swa_window_size, full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
         req_to_verify_expected_tokens=pool, kv_token_id_vs_position_offset=spec.kv_token_id_vs_position_offset,
         padding_rows_carry_tokens=spec.padding_rows_carry_tokens, max_batch_size=max_batch_size,

@@ -19,7 +19,6 @@ import numpy as np
 
 from .. import backends
 from ..errors import fail, worded
-from ..interop.adapter import as_view
 from ..interop.cudart import runtime
 from ..interop.devices import allocator, cuda_ordinal
 from ..interop.hostcopy import to_host
@@ -29,6 +28,7 @@ from .decode import DecoderSetting, ReportDecoder
 from .eager import EagerGraphs
 from .groups import BOUND_ATTRS, BoundGroup, KVGroup, bind_group, bound_of, check_bound, check_groups, rebound
 from .guard import Guarded, request_call, step_call
+from .index import index_shape, step_arrays
 from .intake import TokenIntake
 from .pool import RequestPool
 from .report import SlotViolation
@@ -106,7 +106,7 @@ class CanaryManager(Guarded):
         self.max_batch_size = int(max_batch_size)
         self.ordinal = cuda_ordinal(device)
         empty = allocator(device, library)
-        max_reqs, max_seq_len = as_view(specs[0].req_to_token, "groups[0].req_to_token").shape
+        max_reqs, max_seq_len = index_shape(specs[0])
         rows = (2 * max_reqs if max_requests is None else int(max_requests)) + 1
         cols = max_seq_len + 1  # + 1: a draft group reads column position + 1
         self.pool_array = empty(rows * cols, np.int32).reshape(rows, cols)
@@ -211,9 +211,11 @@ class CanaryManager(Guarded):
     @step_call()
     def rebind(self, group: str | None = None, **buffers: Any) -> None:
         """Bind a group's rebuilt buffers (``group``: its name; ``None``: every group), between steps. An engine
-        that rebuilds a buffer a :class:`KVGroup` bound (``req_to_token``, ``full_to_swa_index_mapping``, the KV
-        pool behind ``real_kv_sources`` / ``layer_sources``) calls it before its next step; the keywords (those
-        four names) give the new values, set on the group's KVGroup too, and a name not given is read again from
+        that rebuilds a buffer a :class:`KVGroup` bound (its index: ``req_to_token``, ``block_table``, ``kv_indptr``,
+        ``kv_indices``; ``full_to_swa_index_mapping``, the KV pool behind ``real_kv_sources`` / ``layer_sources``)
+        calls it before its next step (or passes a rebuilt block table or page list to :meth:`before_forward`
+        each step); the keywords (those names) give the new values, set on the group's KVGroup too, and a name
+        not given is read again from
         the KVGroup (``rebind("full")`` after ``kv_group.req_to_token = new``). The plans, the canary records and
         the expected tokens stay: rebind buffers whose contents the engine carried over (the same slots hold the
         same KV, the same rows the same slots). CUDA graphs the engine captured over the manager's calls hold the
@@ -296,13 +298,17 @@ class CanaryManager(Guarded):
     @step_call()
     def before_forward(self, *, req_pool_indices: Any, prefix_lens: Any, extend_seq_lens: Any,
                        request_ids: Sequence[Hashable] | None, groups: Sequence[str] | None = None,
-                       stream: Any = None) -> None:
+                       stream: Any = None, block_table: Any = None, kv_indptr: Any = None,
+                       kv_indices: Any = None) -> None:
         """Plan and verify the step (before attention reads the KV), on ``stream``.
 
         ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens``: ``[bs]`` int64 arrays of the engine (device
         arrays on a GPU; row 0 of ``req_to_token`` = padding). ``request_ids``: host sequence of ``bs`` engine
         request ids (``None`` for padding rows). ``groups``: names of the groups this forward reads (default:
-        all; a draft model's forward passes its own group). Reports of earlier steps that have reached the
+        all; a draft model's forward passes its own group). ``block_table`` / ``kv_indptr`` / ``kv_indices``: the
+        step's index arrays in place of a group's bound ones (SPEC 3.8; an engine that rebuilds them each step): an
+        array for every planned group bound with that form, or ``{group name: array}``; checked on the host like the
+        bound ones. Reports of earlier steps that have reached the
         host are handled first: logged, raised (:class:`CanaryViolationError`) or passed to the callback;
         :class:`CanaryHealthError` when the kernels stopped running. While ``stream`` is capturing a CUDA graph
         only the launches are recorded: call :meth:`begin_step` before each replay and :meth:`end_step` after.
@@ -312,20 +318,8 @@ class CanaryManager(Guarded):
         sel = self._select(groups)
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and self._is_capturing(handle)
-        try:
-            shape = req_pool_indices.shape  # an attribute read: no DLPack export inside a capture
-            bs = int(shape[0])
-        except (AttributeError, IndexError, TypeError):
-            raise fail(TypeError, f"req_pool_indices: expected a [bs] int64 array, got {type(req_pool_indices).__name__}"
-                                  f"{' of shape ' + str(tuple(req_pool_indices.shape)) if hasattr(req_pool_indices, 'shape') else ''}"
-                       ) from None
-        if len(shape) != 1:  # its first extent is no batch size: request_ids would be blamed for it
-            raise fail(ValueError, f"req_pool_indices: expected a [bs] int64 array, got shape {tuple(shape)}")
-        # Checked before the step opens: a refused call leaves no step behind (a retry, or an after_kv_store
-        # that writes with the last step's plan, would otherwise follow).
-        if bs > self.max_batch_size:
-            raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {self.max_batch_size}, "
-                                   f"got {bs}")
+        bs = Steps.batch_size(req_pool_indices, self.max_batch_size)  # before the step opens, as every check here
+        index = step_arrays(sel, block_table=block_table, kv_indptr=kv_indptr, kv_indices=kv_indices)
         if not capturing:
             if isinstance(request_ids, (str, bytes, bytearray)):
                 raise fail(TypeError, f"request_ids: expected a sequence of request ids, got "
@@ -345,15 +339,15 @@ class CanaryManager(Guarded):
                 if not steps.prepared:
                     steps.prepare_verifies(st)
                 if self._eager is None:
-                    steps.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+                    steps.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st, index)
                 else:
-                    steps.eager_plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+                    steps.eager_plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st, index)
             except BaseException:
                 steps.recover(handle)
                 raise
         else:
             steps = self._steps
-            steps.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+            steps.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st, index)
             steps.graph_inputs[bs] = steps.inputs  # what begin_step / end_step report for this graph's replays
 
     @step_call()

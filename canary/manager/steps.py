@@ -26,6 +26,9 @@ from .pool import RowTokens
 from .slots import translate as translate_slots
 
 
+_NONE: dict = {}  # no index arrays of the step's own (plan_and_verify)
+
+
 class StepRecord:
     """One step: its index, request ids, groups, batch size and ``sweep``, the groups whose sweep runs at
     end_step (``None``: those of ``groups``); ``tokens``: the new tokens its before_forward planned when the host
@@ -246,12 +249,18 @@ class Steps:
                                    f"({list(step.groups)}), got {extra}")
         return groups, sel
 
-    def eager_plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st) -> None:
+    def eager_plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st,
+                              index: dict | None = None) -> None:
         # The staging's last expected-token scatter (its row and token counts in the key) joins the graph, and so
         # does an append's copy (its staging buffer and size in the key: a graph per buffer). It stays in
-        # self.deferred until launched, so that a call that raises first still launches it.
+        # self.deferred until launched, so that a call that raises first still launches it. A step's own index
+        # arrays (index.step_arrays) are objects of the call like the step arrays: a graph replays only for them.
         scatter = self.deferred
-        key, objs = (self.step.groups, bs, scatter), (req_pool_indices, prefix_lens, extend_seq_lens)
+        objs = (req_pool_indices, prefix_lens, extend_seq_lens)
+        if index:
+            objs += tuple(a for name in sorted(index) for _, a in sorted(index[name].items()))
+        key = (self.step.groups, bs, scatter, None if not index else tuple(
+            (name, tuple(sorted(index[name]))) for name in sorted(index)))
         got = self.eager.launch("before", key, objs, st)
         if got is not MISS:
             self.deferred = self.taken = None  # launched: never again (the device append is not idempotent)
@@ -263,12 +272,12 @@ class Steps:
             self.staging.launch_deferred(scatter, st.handle)
             self.deferred = self.taken = None
             self.staging.deferred_launched(scatter, st.handle)
-        self.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st)
+        self.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st, index)
 
         def body(stream):
             if scatter is not None:
                 self.staging.launch_deferred(scatter, stream.handle)
-            self.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, stream)
+            self.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, stream, index)
             return self.inputs
 
         self.eager.observe("before", key, objs, st, self.pool_array, body)
@@ -286,15 +295,19 @@ class Steps:
         self.step = None
         self.stats_.steps -= 1
 
-    def plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st: Any) -> None:
+    def plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st: Any,
+                        index: dict | None = None) -> None:
+        """``index``: the step's own index arrays by group name (canary/manager/index.py step_arrays), passed to
+        those groups' planners in place of the bound ones (SPEC 3.8)."""
         qv = self.step_inputs.get(bs)
         if qv is None:  # sliced once per batch size: the planner then reuses its views of the same objects
             qv = self.step_inputs[bs] = (self.q[:bs], self.valid[:bs])
         q, valid = qv
         for g in sel:
+            own = index.get(g.name, _NONE) if index else _NONE
             g.planner.plan(req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_seq_lens=extend_seq_lens,
                            req_to_verify_expected_tokens_valid_lens=valid, expected_token_pool_indices=q,
-                           stream=st)
+                           stream=st, **own)
             if g.verify_launch is not None:  # the group's own plan, checked and packed at warmup
                 g.records.launch_prepared(g.verify_launch, stream=st)
             else:
@@ -328,6 +341,24 @@ class Steps:
                 with OnDevice(self.rt, self.ordinal):
                     self.rt.memcpy_async(snap.ptr, rpi.ptr, 8 * bs, D2D, st.handle)
         return snap
+
+    @staticmethod
+    def batch_size(req_pool_indices: Any, max_batch_size: int) -> int:
+        """before_forward's ``bs`` from ``req_pool_indices``' shape (an attribute read: no DLPack export inside a
+        capture), checked before the step opens: a refused call leaves no step behind (a retry, or an
+        after_kv_store that writes with the last step's plan, would otherwise follow)."""
+        try:
+            shape = req_pool_indices.shape
+            bs = int(shape[0])
+        except (AttributeError, IndexError, TypeError):
+            raise fail(TypeError, f"req_pool_indices: expected a [bs] int64 array, got {type(req_pool_indices).__name__}"
+                                  f"{' of shape ' + str(tuple(req_pool_indices.shape)) if hasattr(req_pool_indices, 'shape') else ''}"
+                       ) from None
+        if len(shape) != 1:  # its first extent is no batch size: request_ids would be blamed for it
+            raise fail(ValueError, f"req_pool_indices: expected a [bs] int64 array, got shape {tuple(shape)}")
+        if bs > max_batch_size:
+            raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {max_batch_size}, got {bs}")
+        return bs
 
     @staticmethod
     def check_lengths(req_pool_indices: Any, extend_seq_lens: Any) -> None:

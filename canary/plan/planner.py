@@ -13,13 +13,14 @@ from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 from ..errors import PlanStatus, check_keywords, fail, worded
 from ..interop.adapter import ArrayView, as_view, check_same_device, check_view
 from ..interop.callviews import CallViews, Reuse, fingerprint
-from ..interop.hostcopy import part_to_host, to_host
+from ..interop.hostcopy import to_host
 from ..interop.overlap import Spans, check_disjoint, spans
 from ..contract.plans import (
     INT64, VERIFY_ENTRY_FIELDS, VERIFY_SCALAR_FIELDS, WRITE_FIELDS, VerifyPlan, WritePlan, raise_for_status,
     view_verify_plan, view_write_plan,
 )
-from ..contract.rows import bad_slot_rows, first_bad_row, row_checks
+from ..contract.kvindex import FORM_PAGES, FORM_TOKENS
+from .index import INDEX_ARRAYS, bind_index, first_bad_row_of, step_index
 
 
 # The bound of the int arguments that enter the plan's int64 index arithmetic: positions (< 2**31) plus or minus
@@ -37,7 +38,11 @@ def bind_static(
     *,
     verify_plan_out: VerifyPlan,
     write_plan_out: WritePlan,
-    req_to_token: Any,
+    req_to_token: Any = None,
+    block_table: Any = None,
+    kv_indptr: Any = None,
+    kv_indices: Any = None,
+    page_size: int | None = None,
     swa_window_size: int = 0,
     full_to_swa_index_mapping: Any = None,
     req_to_verify_expected_tokens: Any = None,
@@ -47,7 +52,8 @@ def bind_static(
     max_batch_size: int | None = None,
     on_overflow: str = "sample",
 ) -> StaticArgs:
-    """Validate and view everything a planner binds once (SPEC 3.3). Raises ``ValueError`` / ``TypeError``."""
+    """Validate and view everything a planner binds once (SPEC 3.3; the index in one of its forms, 3.8). Raises
+    ``ValueError`` / ``TypeError``."""
     vp = view_verify_plan(verify_plan_out, as_view, name="verify_plan_out", writable=True)
     wp = view_write_plan(write_plan_out, as_view, name="write_plan_out", writable=True)
     cap, r_cap = vp.capacity, wp.capacity
@@ -56,7 +62,8 @@ def bind_static(
             ValueError,
             f"verify_capacity: expected verify_plan_out.verify_slot_indices.shape[0] = {cap}, got {verify_capacity}",
         )
-    r2t = check_view(as_view(req_to_token, "req_to_token"), dtype=np.int32, ndim=2)
+    index = bind_index(req_to_token=req_to_token, block_table=block_table, kv_indptr=kv_indptr,
+                       kv_indices=kv_indices, page_size=page_size)
 
     window = _int_arg("swa_window_size", swa_window_size)
     if not 0 <= window <= MAX_INDEX_ARG:  # the plan's window arithmetic is int64 (SPEC 3.3)
@@ -83,14 +90,16 @@ def bind_static(
     mbs = r_cap if max_batch_size is None else _int_arg("max_batch_size", max_batch_size)
     if mbs < 0:
         raise fail(ValueError, f"max_batch_size: expected >= 0, got {mbs}")
-    cursors = _bind_sampling(on_overflow, verify_plan_out, cap=cap, max_batch_size=mbs, r2t_shape=r2t.shape)
+    cursors = _bind_sampling(on_overflow, verify_plan_out, cap=cap, max_batch_size=mbs, max_reqs=None if
+                             index.form == FORM_PAGES else index.rows, max_seq_len=index.max_seq_len)
     outputs = vp.all() + wp.all() + ([cursors] if cursors is not None else [])
-    inputs = [v for v in (r2t, lut, pool) if v is not None]
+    inputs = index.arrays + [v for v in (lut, pool) if v is not None]
     device_id = check_same_device(outputs + inputs)
     out_spans = spans(outputs)
     check_disjoint(out_spans, spans(inputs))
     return StaticArgs(
-        req_to_token=r2t,
+        req_to_token=index.table if index.form == FORM_TOKENS else None,
+        kv_index=index if index.paged else None,
         full_to_swa_index_mapping=lut,
         req_to_verify_expected_tokens=pool,
         swa_window_size=window,
@@ -111,18 +120,19 @@ ON_OVERFLOW = ("sample", "skip")
 
 
 def _bind_sampling(on_overflow: Any, verify_plan_out: VerifyPlan, *, cap: int, max_batch_size: int,
-                   r2t_shape: tuple[int, int]) -> ArrayView | None:
-    """Check ``on_overflow`` and, when sampling, view ``verify_cursors`` (SPEC 3.7); ``None`` for ``"skip"``."""
+                   max_reqs: int | None, max_seq_len: int) -> ArrayView | None:
+    """Check ``on_overflow`` and, when sampling, view ``verify_cursors`` (SPEC 3.7); ``None`` for ``"skip"``.
+    ``max_reqs``: the index's rows (``None`` for a page list, whose cursors may have any length: SPEC 3.8)."""
     if on_overflow not in ON_OVERFLOW:
         raise fail(ValueError, f"on_overflow: expected 'sample' (verify verify_capacity entries of a step that has "
                                f"more, rotating) or 'skip' (verify none of them), got {on_overflow!r}")
     if on_overflow == "skip":
         return None
-    max_reqs, max_seq_len = r2t_shape
     if verify_plan_out.verify_cursors is None:
-        raise fail(ValueError, f"verify_plan_out.verify_cursors: expected a [max_reqs] = [{max_reqs}] int64 array "
+        rows = "max_reqs" if max_reqs is None else max_reqs  # a page list: the rows req_pool_indices names
+        raise fail(ValueError, f"verify_plan_out.verify_cursors: expected a [max_reqs] = [{rows}] int64 array "
                                f"for on_overflow='sample' (the default; allocate it with VerifyPlan.allocate(..., "
-                               f"max_reqs={max_reqs})), or on_overflow='skip' (SGLang's: an overflowing step verifies "
+                               f"max_reqs={rows})), or on_overflow='skip' (SGLang's: an overflowing step verifies "
                                f"nothing), got None")
     cursors = check_view(as_view(verify_plan_out.verify_cursors, "verify_plan_out.verify_cursors"), dtype=INT64,
                          ndim=1, length=max_reqs, writable=True)
@@ -130,11 +140,15 @@ def _bind_sampling(on_overflow: Any, verify_plan_out: VerifyPlan, *, cap: int, m
         raise fail(ValueError, f"verify_capacity: expected >= 1 for on_overflow='sample' (a step samples "
                                f"verify_capacity entries), got {cap}; use on_overflow='skip' for a plan that never "
                                f"verifies")
-    # The sampled offsets multiply the capacity by a count of entries (at most bs * max_seq_len) in int64.
+    check_sampling_bound(cap, max_batch_size, max_seq_len)
+    return cursors
+
+
+def check_sampling_bound(cap: int, max_batch_size: int, max_seq_len: int) -> None:
+    """The sampled offsets multiply the capacity by a count of entries (at most bs * max_seq_len) in int64."""
     if cap * max(max_batch_size, 1) * max(max_seq_len, 1) >= 1 << 62:
         raise fail(ValueError, f"verify_capacity: expected verify_capacity * max_batch_size * max_seq_len < 2**62 "
                                f"for on_overflow='sample', got {cap} * {max_batch_size} * {max_seq_len}")
-    return cursors
 
 
 _BIND_PARAMETERS = inspect.signature(bind_static).parameters
@@ -148,7 +162,10 @@ class CanaryPlanner:
 
     - ``verify_plan_out`` / ``write_plan_out``: :class:`VerifyPlan` / :class:`WritePlan` over caller arrays;
       ``verify_capacity`` ``C`` and ``write_req_capacity`` ``R`` are their lengths.
-    - ``req_to_token``: ``[max_reqs, max_seq_len]`` int32 slot ids; row stride >= ``max_seq_len`` elements.
+    - The index the attention reads, exactly one form (SPEC 3.8): ``req_to_token``, ``[max_reqs, max_seq_len]``
+      int32 slot ids (row stride >= ``max_seq_len``); or ``block_table``, ``[max_reqs, max_blocks]`` int32 block
+      ids, and ``page_size`` ``S`` (slot ``b * S + p % S``, block 0 = padding); or ``kv_indptr`` (``[>= bs + 1]``
+      int32 / int64) and ``kv_indices`` (``[nnz]`` int32 block ids), rows keyed by batch row, and ``page_size``.
     - ``swa_window_size``: 0 (full attention) or the window ``W > 0`` in tokens (needs the LUT).
     - ``full_to_swa_index_mapping``: ``[lut_len]`` int64 full-pool slot -> SWA-pool slot, or ``None``.
     - ``req_to_verify_expected_tokens``: ``[pool_rows, pool_cols]`` int32 expected token ids, or ``None``.
@@ -225,7 +242,7 @@ class CanaryPlanner:
         """Compile and load everything a call needs, so that later calls only launch (graph-capturable)."""
         self._bound.warmup()
 
-    def _step(self, rpi, prefix, ext, valid_lens, go: CallViews, pool_indices=None) -> StepArgs:
+    def _step(self, rpi, prefix, ext, valid_lens, go: CallViews, pool_indices=None, index_arrays=None) -> StepArgs:
         s = self.static
 
         def view(obj, name, length=None):
@@ -272,11 +289,18 @@ class CanaryPlanner:
             )
         if bs > s.max_batch_size:
             raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {s.max_batch_size}, got bs = {bs}")
+        index = None
+        if index_arrays is not None or s.kv_index is not None:  # a page list's kv_indptr is checked every step
+            index = step_index(s.index, bs, go.view, **dict(zip(INDEX_ARRAYS[1:], index_arrays or ())))
+            if index is not None:
+                views += index.arrays
+                if s.sample:
+                    check_sampling_bound(s.verify_capacity, s.max_batch_size, index.max_seq_len)
         for v in views:
             if v.device_id != s.device_id:
                 where = "host memory" if s.device_id < 0 else f"cuda:{s.device_id}"
                 raise fail(ValueError, f"{v.name}: expected the plan's device ({where}), got {v.where}")
-        return StepArgs(views[0], views[1], views[2], vl, bs, q)
+        return StepArgs(views[0], views[1], views[2], vl, bs, q, index)
 
     @worded("CanaryPlanner.plan", method=True)
     def plan(
@@ -289,6 +313,9 @@ class CanaryPlanner:
         expected_token_pool_indices: Any = None,
         stream: Any = None,
         check: bool = False,
+        block_table: Any = None,
+        kv_indptr: Any = None,
+        kv_indices: Any = None,
     ) -> PlanStatus | None:
         """Build one step's plan into the bound buffers.
 
@@ -296,7 +323,10 @@ class CanaryPlanner:
         when a buffer is first seen; the same buffer as last step is not checked again).
         ``expected_token_pool_indices`` (only with an expected-token pool; ``None``: ``req_pool_indices``): the
         pool row each batch row reads, so that an engine can key the pool by request identity rather than by
-        the reusable ``req_to_token`` row (SPEC 3.2). ``stream``: where the
+        the reusable ``req_to_token`` row (SPEC 3.2). ``block_table`` / ``kv_indptr`` / ``kv_indices``: this step's
+        index arrays in place of the bound ones (SPEC 3.8; an engine that rebuilds them each step), of the bound
+        form only: ``[max_reqs, max_blocks]`` int32 of the bound shape; ``[>= bs + 1]`` int32 or int64, ``[nnz]``
+        int32 (either or both). ``stream``: where the
         kernels run (default: the current stream of the library that owns the outputs); host arrays take none
         (``ValueError``). Host outputs made read-only after binding are refused before anything is written.
         Never syncs unless ``check=True``, which syncs and raises :class:`CanaryInputError` on input-fault status
@@ -308,7 +338,7 @@ class CanaryPlanner:
         s = self.static
         go = CallViews(s.device_id, stream, s.verify_slot_indices.owner, s.output_spans, self._step_views)
         objs = (req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens,
-                expected_token_pool_indices)
+                expected_token_pool_indices, block_table, kv_indptr, kv_indices)
         hit = self._reuse
         if hit is not None and not check and go.reusable and hit.matches(objs, go.handle, None):
             self._bound.launch(hit.launch, go.handle)  # the same step buffers as a checked call: no views again
@@ -323,8 +353,9 @@ class CanaryPlanner:
                 raise fail(ValueError, f"{name}: expected the shape {shape} and strides {strides} it was bound with, "
                                        f"got {arr.shape} and {arr.strides} (reshaped in place after binding); bind "
                                        f"the planner again")
+        index_arrays = objs[5:] if any(a is not None for a in objs[5:]) else None
         step = self._step(req_pool_indices, prefix_lens, extend_seq_lens, req_to_verify_expected_tokens_valid_lens, go,
-                          expected_token_pool_indices)
+                          expected_token_pool_indices, index_arrays)
         self._bound.launch(step, go.handle)
         if go.reusable:
             prints = fingerprint(objs)
@@ -334,46 +365,11 @@ class CanaryPlanner:
             return None
         status = PlanStatus(int(to_host(self.static.status.owner)[0]))
         if status & ~(PlanStatus.OVERFLOW | PlanStatus.SAMPLED):
-            row, why = self._first_bad_row(status, req_pool_indices, prefix_lens, extend_seq_lens,
-                                           req_to_verify_expected_tokens_valid_lens, expected_token_pool_indices)
+            row, why = first_bad_row_of(self.static, step.index, status, req_pool_indices, prefix_lens,
+                                        extend_seq_lens, req_to_verify_expected_tokens_valid_lens,
+                                        expected_token_pool_indices)
             raise_for_status(status, row, **({"row_unknown": why} if why else {}))
         return status
-
-    def _first_bad_row(self, status: PlanStatus, rpi, prefix, ext, valid_lens,
-                       pool_indices=None) -> tuple[int | None, str | None]:
-        """The first batch row the plan flagged, recomputed on the host from the step's inputs (a sync), and when
-        there is none to name for sure, why (``None``: the default reason)."""
-        s = self.static
-        pool, lut = s.req_to_verify_expected_tokens, s.full_to_swa_index_mapping
-        rpi, prefix, ext = to_host(rpi), to_host(prefix), to_host(ext)
-        q = None if pool_indices is None else to_host(pool_indices)
-        c = row_checks(
-            rpi, prefix, ext, None if valid_lens is None else to_host(valid_lens),
-            rp_bound=s.req_pool_index_bound if q is None else s.max_reqs, max_seq_len=s.max_seq_len,
-            pool_cols=None if pool is None else pool.shape[1], padding_rows_carry_tokens=s.padding_rows_carry_tokens,
-            pool_indices=q, pool_rows=s.pool_rows,
-        )
-        if not (status & PlanStatus.BAD_SLOT and lut is not None):
-            return first_bad_row(c), None
-        row_bits = PlanStatus.OVERFLOW | PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | \
-            PlanStatus.BAD_VALID_LEN | PlanStatus.BAD_EXTEND_LEN
-        r2t = s.req_to_token
-        source = r2t.host if r2t.host is not None else r2t.owner
-        read_row = lambda rp, lo, hi: part_to_host(source, (rp, slice(lo, hi)))  # noqa: E731
-        verify_ran = not status & row_bits
-        # A sampled step translated only the entries it took (SPEC 3.7), which the host cannot tell apart once the
-        # cursors have moved: its seeds are certain, its windows only candidates.
-        sampled = verify_ran and bool(status & PlanStatus.SAMPLED)
-        row = first_bad_row(c, bad_slot_rows(c, rpi, prefix, ext, window=s.swa_window_size, lut_len=lut.shape[0],
-                                             verify_ran=verify_ran and not sampled, read_row=read_row))
-        if row is not None or not sampled:
-            return row, None
-        maybe = np.flatnonzero(bad_slot_rows(c, rpi, prefix, ext, window=s.swa_window_size, lut_len=lut.shape[0],
-                                             verify_ran=True, read_row=read_row))
-        rows = ", ".join(str(int(r)) for r in maybe[:8]) + (", ..." if maybe.size > 8 else "")
-        return None, (f"unknown (a sampled step translates only the entries it takes; batch rows holding slots "
-                      f"outside the LUT in their windows: {rows or 'none'})")
-
 
 _OUTPUT_FIELDS = VERIFY_ENTRY_FIELDS + VERIFY_SCALAR_FIELDS + WRITE_FIELDS
 
@@ -388,6 +384,7 @@ _BOUND: "OrderedDict[tuple, tuple]" = OrderedDict()
 _BOUND_CACHE_SIZE = 8
 _VIEW_FIELDS = ("req_to_token", "full_to_swa_index_mapping", "req_to_verify_expected_tokens", "verify_cursors"
                 ) + _OUTPUT_FIELDS
+_NO_INDEX = ((), None, None)
 
 
 def _view_key(v: ArrayView | None) -> tuple:
@@ -401,13 +398,19 @@ def _bare(v: ArrayView | None) -> ArrayView | None:
 def _one_shot_planner(static: StaticArgs, backend: str) -> CanaryPlanner:
     if static.device_id < 0:
         return CanaryPlanner._from_static(static, backends.resolve(backend, static.device_id), None)
+    kv = static.kv_index  # a block table or page list (SPEC 3.8): its views and page size are the launcher's too
+    index_key = _NO_INDEX if kv is None else (
+        (kv.form, kv.page_size), _view_key(kv.table), _view_key(kv.kv_indptr))
     key = (backend, static.swa_window_size, static.kv_token_id_vs_position_offset, static.max_batch_size,
-           static.padding_rows_carry_tokens) + tuple(
+           static.padding_rows_carry_tokens) + index_key + tuple(
         _view_key(getattr(static, f)) for f in _VIEW_FIELDS)
     hit = _BOUND.get(key)
     if hit is None:
         module = backends.resolve(backend, static.device_id)
         bare = dataclasses.replace(static, **{f: _bare(getattr(static, f)) for f in _VIEW_FIELDS})
+        if kv is not None:
+            bare = dataclasses.replace(bare, kv_index=dataclasses.replace(
+                kv, table=_bare(kv.table), kv_indptr=_bare(kv.kv_indptr)))
         hit = _BOUND[key] = (module, module.bind(bare, DEFAULT_LAUNCH))
         while len(_BOUND) > _BOUND_CACHE_SIZE:
             _BOUND.popitem(last=False)
@@ -424,7 +427,7 @@ def launch_canary_plan_kernels(
     req_pool_indices: Any,
     prefix_lens: Any,
     extend_seq_lens: Any,
-    req_to_token: Any,
+    req_to_token: Any = None,
     swa_window_size: int = 0,
     full_to_swa_index_mapping: Any = None,
     verify_capacity: int | None = None,
@@ -437,11 +440,17 @@ def launch_canary_plan_kernels(
     backend: str = "auto",
     stream: Any = None,
     check: bool = False,
+    block_table: Any = None,
+    kv_indptr: Any = None,
+    kv_indices: Any = None,
+    page_size: int | None = None,
 ) -> PlanStatus | None:
     """Build one canary plan (SPEC 3.2) into ``verify_plan_out`` and ``write_plan_out``: SGLang's entry point.
 
-    Same arguments as :class:`CanaryPlanner` plus the per-step arrays ``req_pool_indices``, ``prefix_lens``,
-    ``extend_seq_lens`` (``[bs]`` int64, row 0 of ``req_to_token`` = padding) and
+    Same arguments as :class:`CanaryPlanner` (the index in exactly one of its forms, SPEC 3.8: ``req_to_token``,
+    or ``block_table`` and ``page_size``, or ``kv_indptr``, ``kv_indices`` and ``page_size``) plus the per-step
+    arrays ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens`` (``[bs]`` int64, ``req_pool_indices == 0``
+    = padding) and
     ``req_to_verify_expected_tokens_valid_lens`` and ``expected_token_pool_indices`` (``[bs]`` int64, with the
     expected-token pool only; the second optional, SPEC 3.2).
     ``verify_capacity`` must equal ``verify_plan_out.verify_slot_indices.shape[0]`` (``ValueError`` naming
@@ -463,6 +472,10 @@ def launch_canary_plan_kernels(
         verify_capacity=verify_capacity,
         padding_rows_carry_tokens=padding_rows_carry_tokens,
         on_overflow=on_overflow,
+        block_table=block_table,
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        page_size=page_size,
     )
     planner = _one_shot_planner(static, backend)
     try:

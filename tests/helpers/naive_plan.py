@@ -30,10 +30,24 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
       cursors (``outputs["verify_cursors"]``, advanced in the returned copy) only when no row is untrusted.
     - with ``case.pool_indices`` (``expected_token_pool_indices``), an active row reads pool row
       ``q = pool_indices[r]``: ``rp < max_reqs`` and ``0 <= q < pool_rows``, else BAD_REQ_POOL_INDEX (SPEC 3.2, 3.4).
+    - ``case.form`` (SPEC 3.8): a block table's slot is ``b * S + p % S`` of block ``b = block_table[rp, p // S]``
+      (0 for b = 0; b < 0 sets BAD_SLOT and reads as -1), ``max_seq_len = max_blocks * S``; a page list's rows are
+      batch rows, row r's pages ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]`` (a pair out of order or past nnz:
+      BAD_REQ_POOL_INDEX, the row then bounded by ``nnz * S``; else its pages' positions replace max_seq_len),
+      and ``rp`` is bounded only by the cursors (sampling) and the pool keyed by it.
     """
     out = {k: np.array(v, copy=True) for k, v in outputs.items()}
     r2t = case.req_to_token
     max_reqs, max_seq_len = int(r2t.shape[0]), int(r2t.shape[1])
+    form = getattr(case, "form", "req_to_token")
+    S = int(getattr(case, "page_size", 1))
+    sample_mode = getattr(case, "on_overflow", "skip") == "sample"
+    if form == "block_table":
+        max_seq_len = int(case.block_table.shape[1]) * S
+    elif form == "page_list":
+        nnz = int(case.kv_indices.shape[0])
+        max_seq_len = nnz * S
+        max_reqs = int(out["verify_cursors"].shape[0]) if sample_mode else (1 << 63) - 1
     lut = case.lut
     pool = case.pool
     qs = getattr(case, "pool_indices", None)
@@ -45,9 +59,26 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     bs = len(case.req_pool_indices)
     status = 0
 
-    def read_slot(rp: int, p: int) -> int:
-        assert 0 <= rp < max_reqs and 0 <= p < max_seq_len, ("out-of-bounds read of req_to_token", rp, p)
-        return int(r2t[rp, p])
+    def read_slot(r: int, p: int) -> int:
+        """R(r, p) of batch row r (SPEC 3.8)."""
+        nonlocal status
+        rp = int(case.req_pool_indices[r])
+        if form == "req_to_token":
+            assert 0 <= rp < max_reqs and 0 <= p < max_seq_len, ("out-of-bounds read of req_to_token", rp, p)
+            return int(r2t[rp, p])
+        if form == "block_table":
+            bt = case.block_table
+            assert 0 <= rp < bt.shape[0] and 0 <= p // S < bt.shape[1], ("out-of-bounds read of block_table", rp, p)
+            b = int(bt[rp, p // S])
+        else:
+            at = int(case.kv_indptr[r]) + p // S
+            assert 0 <= p and p // S < int(case.kv_indptr[r + 1]) - int(case.kv_indptr[r]), ("past the row", r, p)
+            assert 0 <= at < nnz, ("out-of-bounds read of kv_indices", r, p)
+            b = int(case.kv_indices[at])
+        if b < 0:
+            status |= BAD_SLOT
+            return -1
+        return 0 if b == 0 else b * S + p % S
 
     def T(x: int) -> int:
         nonlocal status
@@ -74,16 +105,22 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             continue
         ok = True
         q = rp if qs is None else int(qs[r])  # the pool row; read for active rows only
-        if rp < 0 or rp >= max_reqs or (pool is not None and not 0 <= q < pool.shape[0]):
+        cap = max_seq_len
+        key_bad = False
+        if form == "page_list":  # the row's kv_indptr pair, read for active rows only
+            lo, hi = int(case.kv_indptr[r]), int(case.kv_indptr[r + 1])
+            key_bad = lo < 0 or hi < lo or hi > nnz
+            cap = max_seq_len if key_bad else (hi - lo) * S
+        if rp < 0 or rp >= max_reqs or (pool is not None and not 0 <= q < pool.shape[0]) or key_bad:
             status |= BAD_REQ_POOL_INDEX
             ok = False
-        if P < 0 or P > max_seq_len:
+        if P < 0 or P > cap:
             status |= BAD_PREFIX_LEN
             ok = False
         if pool is not None and int(case.valid_lens[r]) > pool.shape[1]:
             status |= BAD_VALID_LEN
         # Python ints do not wrap: the SPEC's formula as written.
-        if E < 0 or (E > 0 and min(max(P, 0), max_seq_len) + E > max_seq_len):
+        if E < 0 or (E > 0 and min(max(P, 0), cap) + E > cap):
             status |= BAD_EXTEND_LEN
             bad_extend[r] = True
             ok = False
@@ -106,11 +143,11 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if (total <= C or sample) and not untrusted:
         for i, (r, p) in enumerate(entries):
             rp = int(case.req_pool_indices[r])
-            raw = read_slot(rp, p)
+            raw = read_slot(r, p)
             slot = T(raw)
             if raw == 0 or (raw > 0 and slot == 0):  # no real slot where the window needs one
                 slot = MISSING_SLOT
-            prev = T(read_slot(rp, p - 1)) if p > 0 else -1
+            prev = T(read_slot(r, p - 1)) if p > 0 else -1
             expected = -1
             if pool is not None:
                 col = p + off
@@ -135,7 +172,7 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         running += wlen
         seed = -1
         if rp != 0 and row_ok[r] and E > 0 and P > 0:
-            seed = T(read_slot(rp, P - 1))
+            seed = T(read_slot(r, P - 1))
         elif rp == 0 and wlen > 0:
             seed = SKIP_SEED
         out["write_seed_slot_indices"][r] = seed

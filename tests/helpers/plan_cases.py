@@ -24,7 +24,11 @@ The pieces:
   ``draw`` (inside ``@st.composite``; structure is drawn so Hypothesis shrinks it, bulk slot values come
   from a drawn seed). Knobs: batch size range, SWA, LUT, pool (keyed by rp or apart), token offsets, padding fraction, fault
   probability (bad rp / P / E / valid_len / slot), capacity tightness, strided ``req_to_token``.
-  :func:`plan_cases` wraps it as a Hypothesis strategy.
+- :func:`plan_cases` wraps it as a Hypothesis strategy.
+- The index forms (SPEC 3.8): a case's ``form`` is ``"req_to_token"`` (default), ``"block_table"`` or
+  ``"page_list"``; a paged case carries its ``block_table`` or ``kv_indptr`` / ``kv_indices`` and ``page_size``,
+  and its ``req_to_token`` is the token table they stand for (shapes, the oracle's reading of the rules).
+  ``tests/helpers/index_forms.py`` builds the paged twins of a case and the bad-entry cases.
 - :func:`run_case`: converts the case to an array library (``xp`` = ``"numpy"``, ``"torch"`` (CPU),
   ``"cupy"``, ``"torch_cuda"``, ``"numba"``; the last three put every array on the current CUDA device, and
   keep ``req_to_token``'s row stride), fills the 10 output buffers with the ``poison`` pattern, runs the
@@ -103,6 +107,12 @@ class PlanCase:
     cursors: np.ndarray | None = None  # [max_reqs] int64 rotation state before the plan (None: zeros)
     expect_status: int | None = None  # what a hand case was built to produce
     notes: str = ""
+    # The index form the planner is bound with (SPEC 3.8); req_to_token is then the token table it stands for
+    form: str = "req_to_token"  # or "block_table", "page_list"
+    block_table: np.ndarray | None = None  # [max_reqs, max_blocks] int32
+    kv_indptr: np.ndarray | None = None  # [>= bs + 1] int32 or int64
+    kv_indices: np.ndarray | None = None  # [nnz] int32
+    page_size: int = 1
 
     def __post_init__(self):
         r2t = self.req_to_token
@@ -125,6 +135,15 @@ class PlanCase:
         assert self.on_overflow in ("sample", "skip")
         if self.cursors is not None:
             assert self.cursors.dtype == np.int64 and self.cursors.shape == (r2t.shape[0],)
+        assert self.form in ("req_to_token", "block_table", "page_list"), self.form
+        assert (self.block_table is not None) == (self.form == "block_table")
+        assert (self.kv_indices is not None) == (self.kv_indptr is not None) == (self.form == "page_list")
+        if self.form == "block_table":
+            assert self.block_table.dtype == np.int32 and self.block_table.ndim == 2
+            assert self.block_table.shape[0] == r2t.shape[0]
+        if self.form == "page_list":
+            assert self.kv_indices.dtype == np.int32 and self.kv_indices.ndim == 1
+            assert self.kv_indptr.dtype in (np.int32, np.int64) and self.kv_indptr.shape[0] >= bs + 1
 
     @property
     def initial_cursors(self) -> np.ndarray:
@@ -145,10 +164,18 @@ class PlanCase:
     def replace(self, **changes) -> "PlanCase":
         return dataclasses.replace(self, **changes)
 
+    def index_kwargs(self, conv: Callable[[np.ndarray], Any] = lambda a: a) -> dict[str, Any]:
+        """The index keywords of the case's form (SPEC 3.8)."""
+        if self.form == "block_table":
+            return dict(block_table=conv(self.block_table), page_size=self.page_size)
+        if self.form == "page_list":
+            return dict(kv_indptr=conv(self.kv_indptr), kv_indices=conv(self.kv_indices), page_size=self.page_size)
+        return dict(req_to_token=conv(self.req_to_token))
+
     def static_kwargs(self, conv: Callable[[np.ndarray], Any] = lambda a: a) -> dict[str, Any]:
         """The static keyword arguments of ``CanaryPlanner`` / ``launch_canary_plan_kernels`` (no plans)."""
         return dict(
-            req_to_token=conv(self.req_to_token),
+            **self.index_kwargs(conv),
             swa_window_size=self.swa_window_size,
             full_to_swa_index_mapping=None if self.lut is None else conv(self.lut),
             req_to_verify_expected_tokens=None if self.pool is None else conv(self.pool),
@@ -174,7 +201,7 @@ class PlanCase:
         lines = [
             f"PlanCase {self.name!r}: bs={self.bs} C={self.verify_capacity} R={self.write_req_capacity} "
             f"W={self.swa_window_size} off={self.token_offset} carry={self.padding_rows_carry_tokens} "
-            f"on_overflow={self.on_overflow} "
+            f"on_overflow={self.on_overflow} form={self.form} page_size={self.page_size} "
             f"r2t={self.req_to_token.shape} "
             f"(row stride {self.req_to_token.strides[0] // 4}) lut={None if self.lut is None else self.lut.shape} "
             f"pool={None if self.pool is None else self.pool.shape}",
@@ -188,6 +215,10 @@ class PlanCase:
             lines.append(f"  cursors={self.cursors.tolist()[:32]}")
         if self.pool_indices is not None:
             lines.append(f"  q ={self.pool_indices.tolist()[:32]}")
+        if self.block_table is not None:
+            lines.append(f"  block_table={self.block_table.tolist()[:8]}")
+        if self.kv_indptr is not None:
+            lines.append(f"  kv_indptr={self.kv_indptr.tolist()[:33]} kv_indices={self.kv_indices.tolist()[:64]}")
         return "\n".join(lines)
 
     __repr__ = describe
@@ -1106,7 +1137,7 @@ def expected_outputs(case: PlanCase, poison: Poison = POISON) -> dict[str, np.nd
 
     out = poisoned_outputs(case, poison)
     plan_arrays(
-        req_to_token=case.req_to_token, lut=case.lut, pool=case.pool, swa_window_size=case.swa_window_size,
+        **case.index_kwargs(), lut=case.lut, pool=case.pool, swa_window_size=case.swa_window_size,
         token_offset=case.token_offset, req_pool_indices=case.req_pool_indices, prefix_lens=case.prefix_lens,
         extend_seq_lens=case.extend_seq_lens, valid_lens=case.valid_lens, out=out,
         padding_rows_carry_tokens=case.padding_rows_carry_tokens, pool_indices=case.pool_indices,

@@ -25,19 +25,28 @@ needs_nvrtc = pytest.mark.skipif(not _has_cuda_core(), reason="needs cuda-core f
 SPECIALIZATIONS = [(lut, pool) for lut in (False, True) for pool in (False, True)]
 
 
+FORMS = {None: b"", 0: b"", 1: b"_blocks", 2: b"_pages"}  # CANARY_PLAN_FORM (None: plan.cu's default, 0)
+
+
 @pytest.mark.sim
 @needs_nvrtc
+@pytest.mark.parametrize("form", list(FORMS), ids=["default", "req_to_token", "block_table", "page_list"])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_plan_cu_compiles_every_specialization(arch):
+def test_plan_cu_compiles_every_specialization(arch, form):
+    """One module per index form (SPEC 3.8; the CuPy host defines CANARY_PLAN_FORM), each with its four (LUT,
+    pool) specializations and nothing else: req_to_token's kernels keep their names."""
     from cuda.core import Program, ProgramOptions
 
+    define = {} if form is None else {"define_macro": ("CANARY_PLAN_FORM", str(form))}
     # cubin, not PTX: cuda.core asks the (absent) driver whether it could load generated PTX.
-    cubin = Program(cuda_source("plan"), "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin").code
+    cubin = Program(cuda_source("plan"), "c++", ProgramOptions(arch=arch, std="c++17", **define)).compile("cubin").code
     symbols = set(re.findall(rb"canary_plan_\w+", cubin))
+    want = set()
     for lut, pool in SPECIALIZATIONS:
-        sfx = f"lut{int(lut)}_pool{int(pool)}".encode()
-        for kernel in (b"fused", b"rows", b"entries"):
-            assert b"canary_plan_" + kernel + b"_" + sfx in symbols
+        sfx = f"lut{int(lut)}_pool{int(pool)}".encode() + FORMS[form]
+        want |= {b"canary_plan_" + kernel + b"_" + sfx for kernel in (b"fused", b"rows", b"entries")}
+    assert want <= symbols
+    assert not {s for s in symbols if re.fullmatch(rb"canary_plan_(fused|rows|entries)_lut\d_pool\d\w*", s)} - want
 
 
 def test_plan_params_layout_matches_the_cuda_struct():

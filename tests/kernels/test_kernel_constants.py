@@ -71,7 +71,8 @@ def test_cuda_source_points_compiler_messages_at_the_right_lines():
 def test_plan_cu_is_split_by_job():
     raw = kernels_dir().joinpath("plan.cu").read_text()
     headers = re.findall(r'#include "(plan_\w+\.cuh)"', raw)
-    assert headers == ["plan_rows.cuh", "plan_sampling.cuh", "plan_entries.cuh", "plan_status.cuh", "plan_side.cuh"]
+    assert headers == ["plan_index.cuh", "plan_rows.cuh", "plan_sampling.cuh", "plan_entries.cuh", "plan_status.cuh",
+                       "plan_side.cuh"]
     assert len(raw.splitlines()) < 200  # the entry points; the device code lives in the headers
 
 

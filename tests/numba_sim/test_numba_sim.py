@@ -155,8 +155,9 @@ def nvvm():
 @pytest.mark.skipif(not HAS_NUMBA_CUDA, reason=NO_NUMBA_CUDA)
 @pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
 @pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
+@pytest.mark.parametrize("form", [0, 1, 2], ids=["req_to_token", "block_table", "page_list"])
 @pytest.mark.parametrize("has_lut,has_pool", [(False, False), (True, False), (False, True), (True, True)])
-def test_kernels_compile_for_sm90(monkeypatch, nvvm, has_lut, has_pool):
+def test_kernels_compile_for_sm90(monkeypatch, nvvm, has_lut, has_pool, form):
     from types import SimpleNamespace
 
     from numba import cuda
@@ -168,8 +169,8 @@ def test_kernels_compile_for_sm90(monkeypatch, nvvm, has_lut, has_pool):
 
     # Device functions compile for "the current device"; there is none here. Say it is an sm_90 (H200).
     monkeypatch.setattr(dispatcher, "get_current_device", lambda: SimpleNamespace(compute_capability=(9, 0)))
-    sfx = plan_numba.suffix(has_lut, has_pool)
-    for kernel in plan_numba.kernel_functions(has_lut, has_pool):
+    sfx = plan_numba.suffix(has_lut, has_pool, form)
+    for kernel in plan_numba.kernel_functions(has_lut, has_pool, form=form):
         ptx, _ = cuda.compile_ptx(kernel, plan_numba.SIGNATURE, cc=(9, 0),
                                   launch_bounds=plan_numba.launch_bounds(kernel.__name__))
         assert ".maxntid" in ptx  # plan.cu's __launch_bounds__

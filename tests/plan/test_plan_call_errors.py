@@ -109,7 +109,8 @@ def test_stream_with_host_arrays_is_refused(api, stream, shown):
     assert _bytes(raw) == before
 
 
-_ACCEPTED = ("backend, launch_config, verify_plan_out, write_plan_out, req_to_token, swa_window_size, "
+_ACCEPTED = ("backend, launch_config, verify_plan_out, write_plan_out, req_to_token, block_table, kv_indptr, "
+             "kv_indices, page_size, swa_window_size, "
              "full_to_swa_index_mapping, req_to_verify_expected_tokens, kv_token_id_vs_position_offset, "
              "padding_rows_carry_tokens, verify_capacity, max_batch_size, on_overflow")
 
@@ -128,7 +129,8 @@ def test_missing_keyword_and_positional_arguments_to_the_planner():
     del static["req_to_token"]
     with pytest.raises(TypeError) as info:
         CanaryPlanner(**static)
-    assert str(info.value) == "kv-canary: CanaryPlanner: missing required keyword argument 'req_to_token'"
+    assert str(info.value) == ("kv-canary: req_to_token: expected exactly one index form: req_to_token, or "
+                               "block_table with page_size, or kv_indptr and kv_indices with page_size, got none")
     with pytest.raises(TypeError) as info:
         CanaryPlanner(static["verify_plan_out"])
     assert str(info.value) == (f"kv-canary: CanaryPlanner: expected keyword arguments only ({_ACCEPTED}), got 1 "

@@ -96,7 +96,7 @@ def test_verify_plan_check_says_the_row_is_unknown_and_how_to_get_it(xp):
 
 def test_inputs_changed_after_the_plan_make_the_row_unknown(monkeypatch):
     """The row is recomputed from the inputs as they are at the check: if they no longer show it, say so."""
-    from canary.plan import planner as planner_module
+    from canary.plan import index as planner_module  # check=True's row search (canary/plan/index.py)
 
     case = make_case("slot", [(1, 3, 1), (2, 3, 0)], r2t=r2t_with(r2_p1=5000), lut=LUT)
     vp, wp, _raw = make_plans(case)

@@ -107,3 +107,21 @@ def test_the_reference_check_catches_a_wrong_plan():
 @pytest.mark.parametrize("name", ["profile_target", "plot", "torch_planner"])
 def test_the_other_scripts_compile(name):
     compile((BENCH / f"{name}.py").read_text(), name, "exec")
+
+
+def test_bench_plan_runs_every_index_form_dry(tmp_path):
+    """bench_plan.py --form all (SPEC 3.8): the block table and the page list are built, checked against the
+    reference and timed beside req_to_token, each with its ratio figure."""
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_plan.py"), "--dry", "--form", "all", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    result = json.loads((tmp_path / "plan.json").read_text())
+    harness.validate(result)
+    names = [f["name"] for f in result["figures"]]
+    for form in ("block_table", "page_list"):
+        assert f"plan bs8_decode[{form}] reference graph" in names
+        assert f"plan bs8_decode[{form}] reference graph / req_to_token" in names
+    assert all(f["error"] is None for f in result["figures"])
+    bad = subprocess.run([sys.executable, str(BENCH / "bench_plan.py"), "--dry", "--form", "tokens", "--out",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--form: expected among req_to_token, block_table, page_list" in bad.stderr

@@ -19,9 +19,11 @@ from cupy.cuda.function import CPointer  # noqa: E402 - what CuPy launches with:
 
 
 @functools.lru_cache(maxsize=None)
-def raw_module(name: str) -> "cupy.RawModule":
-    """``kernels/<name>.cu`` compiled once per process."""
-    return cupy.RawModule(code=cuda_source(name), options=("--std=c++17",))
+def raw_module(name: str, defines: tuple = ()) -> "cupy.RawModule":
+    """``kernels/<name>.cu`` compiled once per process and set of ``defines`` (``(("NAME", "value"), ...)``: the
+    plan's index form, one module each)."""
+    options = ("--std=c++17",) + tuple(f"-D{k}={v}" for k, v in defines)
+    return cupy.RawModule(code=cuda_source(name), options=options)
 
 
 class Stream:
@@ -73,11 +75,12 @@ class OnDevice(cudart.OnDevice):
         super().__init__(cudart.runtime(), device_id)
 
 
-def load_functions(device_id: int, source: str, launches) -> tuple:
+def load_functions(device_id: int, source: str, launches, defines: tuple = ()) -> tuple:
     """``kernels/<source>.cu``'s functions loaded on a device: ``launches`` = ``((name, block size), ...)``;
-    returns ``(functions, resident blocks per SM of each at its block size, the device's SM count)``."""
+    returns ``(functions, resident blocks per SM of each at its block size, the device's SM count)``.
+    ``defines``: as :func:`raw_module` takes them."""
     with cupy.cuda.Device(device_id):
-        module = raw_module(source)
+        module = raw_module(source, defines)
         fns = tuple(module.get_function(name).kernel for name, _ in launches)
         per_sm = tuple(occupancy(fn, threads) for fn, (_, threads) in zip(fns, launches))
         sms = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]

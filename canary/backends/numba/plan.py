@@ -25,7 +25,8 @@ import warnings
 
 import numpy as np
 
-from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
+from ..args import DEFAULT_LAUNCH, KVIndex, LaunchConfig, StaticArgs, StepArgs
+from ...contract.kvindex import FORM_PAGES
 from ...contract.plan_layout import entry_grid
 from ..sources import numba_kernels
 from . import ON_DEVICE, SIMULATOR, PerformanceWarning, cuda, device_array, flat_len
@@ -122,6 +123,15 @@ def _host_flat(view) -> np.ndarray:
                                            writeable=False)
 
 
+def _host_table(view) -> np.ndarray:
+    """Simulator: the index's int32 table as the kernels index it (a 2-D table flat, row stride kept)."""
+    return _host_flat(view) if len(view.shape) == 2 else view.host
+
+
+def _table_len(view) -> int:
+    return flat_len(view) if len(view.shape) == 2 else view.shape[0]
+
+
 class Bound:
     def __init__(self, static: StaticArgs, launch: LaunchConfig = DEFAULT_LAUNCH):
         s = static
@@ -129,7 +139,8 @@ class Bound:
         self.device_id = s.device_id
         has_lut = s.full_to_swa_index_mapping is not None
         has_pool = s.req_to_verify_expected_tokens is not None
-        lut, pool, r2t = s.full_to_swa_index_mapping, s.req_to_verify_expected_tokens, s.req_to_token
+        lut, pool = s.full_to_swa_index_mapping, s.req_to_verify_expected_tokens
+        self._index = index = s.index
         self.fused_max_bs = FUSED_MAX_BS if launch.fused_max_bs is None else min(launch.fused_max_bs, FUSED_MAX_BS)
         self._launchers: dict[int, tuple] = {}
         self._step_arrays: dict[tuple[int, int], object] = {}
@@ -142,10 +153,11 @@ class Bound:
             else:
                 self.rows_threads = self.entry_threads = launch.simulator_threads or SIMULATOR_THREADS
             sms = SIMULATOR_SMS
-            kernels = plan_numba.plan_kernels(has_lut, has_pool, self.rows_threads, self.entry_threads)
+            kernels = plan_numba.plan_kernels(has_lut, has_pool, self.rows_threads, self.entry_threads, index.form)
             self.scratch = np.zeros(n_scratch, dtype=np.int64)
             inp = cuda.In  # inputs are copied in only: a read-only caller array is never written back
-            r2t_a = inp(_host_flat(r2t))
+            self._dummy_i32 = inp(np.zeros(1, np.int32))  # kv_indptr without a page list
+            index_values = self._index_values(index)
             lut_a = inp(lut.host if has_lut else np.zeros(1, np.int64))
             pool_a = inp(_host_flat(pool) if has_pool else np.zeros(1, np.int32))
             self._dummy_i64 = inp(np.zeros(1, np.int64))
@@ -156,11 +168,13 @@ class Bound:
             self._gpu = cuda.gpus[self.device_id]
             self.rows_threads, self.entry_threads = ROWS_THREADS, ENTRY_THREADS
             with self._gpu:
-                kernels = plan_numba.plan_kernels(has_lut, has_pool, self.rows_threads, self.entry_threads)
+                kernels = plan_numba.plan_kernels(has_lut, has_pool, self.rows_threads, self.entry_threads,
+                                                  index.form)
                 sms = int(self._gpu.MULTIPROCESSOR_COUNT)
                 # Head words must start at zero; every launch leaves them so. A synchronous copy, at bind only.
                 self.scratch = cuda.to_device(np.zeros(n_scratch, dtype=np.int64))
-                r2t_a = device_array(r2t.ptr, flat_len(r2t), np.int32, owner=r2t.owner)
+                self._dummy_i32 = cuda.to_device(np.zeros(1, np.int32))  # kv_indptr without a page list
+                index_values = self._index_values(index)
                 lut_a = (device_array(lut.ptr, lut.shape[0], np.int64, owner=lut.owner) if has_lut
                          else cuda.to_device(np.zeros(1, np.int64)))
                 pool_a = (device_array(pool.ptr, flat_len(pool), np.int32, owner=pool.owner) if has_pool
@@ -178,8 +192,8 @@ class Bound:
         self.grid_fused = entry_grid(s.verify_capacity, sms, occupancy[0], self.entry_threads)
         self.grid = entry_grid(s.verify_capacity, sms, occupancy[1], self.entry_threads)  # the entries grid
         values = dict(
-            req_to_token=r2t_a, r2t_row_stride=r2t.strides[0], rp_bound=s.max_reqs, pool_rows=s.pool_rows,
-            max_seq_len=s.max_seq_len, lut=lut_a, lut_len=0 if lut is None else lut.shape[0], pool=pool_a,
+            rp_bound=s.max_reqs, pool_rows=s.pool_rows, lut=lut_a, lut_len=0 if lut is None else lut.shape[0],
+            pool=pool_a,
             pool_row_stride=0 if pool is None else pool.strides[0], pool_cols=0 if pool is None else pool.shape[1],
             token_offset=s.kv_token_id_vs_position_offset, window=s.swa_window_size,
             padding_rows_carry_tokens=int(s.padding_rows_carry_tokens), verify_capacity=s.verify_capacity,
@@ -189,12 +203,13 @@ class Bound:
             num_valid=out["verify_num_valid"], enable=out["enable"], status=out["status"],
             write_offsets=out["write_offsets"], seeds=out["write_seed_slot_indices"],
             write_num_valid_reqs=out["write_num_valid_reqs"], scratch=self.scratch,
-            cursors=cursors_a, sample=int(s.sample),
+            cursors=cursors_a, sample=int(s.sample), **index_values,
         )
         # The launch arguments between the per-step ones, in PlanParams order.
         fields = plan_numba.PARAM_FIELDS
-        self._static_args = tuple(values[name] for name in
-                                  fields[len(plan_numba.STEP_FIELDS):len(fields) - len(plan_numba.STEP_TAIL)])
+        self._static_names = fields[len(plan_numba.STEP_FIELDS):len(fields) - len(plan_numba.STEP_TAIL)]
+        self._values = values
+        self._static_args = tuple(values[name] for name in self._static_names)
         if not SIMULATOR and launch.numba_fast_launch:
             with self._gpu:
                 try:
@@ -206,19 +221,41 @@ class Bound:
                 except Exception:  # noqa: BLE001 - internal numba-cuda / cuda.core API: numba's launch instead
                     self._fast = None
 
-    def _launcher(self, stream: int) -> tuple:
+    def _index_values(self, index: KVIndex) -> dict:
+        """The index's kernel arguments (plan_numba.INDEX_FIELDS): its int32 table as a flat array, an int64
+        kv_indptr as its int32 words (``kv_indptr_wide``), the key stride and bounds (SPEC 3.8)."""
+        t, ptr = index.table, index.kv_indptr
+        words = 1 if ptr is None else ptr.dtype.itemsize // 4
+        if SIMULATOR:
+            table = cuda.In(_host_table(t))
+            indptr = self._dummy_i32 if ptr is None else cuda.In(ptr.host.view(np.int32))
+        else:
+            table = device_array(t.ptr, _table_len(t), np.int32, owner=t.owner)
+            indptr = (self._dummy_i32 if ptr is None
+                      else device_array(ptr.ptr, ptr.shape[0] * words, np.int32, owner=ptr.owner))
+        return dict(req_to_token=table, r2t_row_stride=index.key_stride, max_seq_len=index.max_seq_len,
+                    page_size=index.page_size, kv_indptr=indptr, kv_indptr_wide=int(words == 2),
+                    kv_nnz=t.shape[0] if index.form == FORM_PAGES else 0)
+
+    def _step_static_args(self, index: KVIndex) -> tuple:
+        """The bound arguments with a step's own index in place of the bound one."""
+        values = dict(self._values, **self._index_values(index))
+        return tuple(values[name] for name in self._static_names)
+
+    def _launcher(self, stream: int, plain: bool = False) -> tuple:
         """The three configured kernels for ``stream`` (a raw handle); made once per handle on a GPU.
         With the fast path: ``(stream object,)`` for ``cuda.core.launch``."""
-        pair = self._launchers.get(stream)
+        key = (stream, plain)  # plain: numba's own launch even where the fast path is bound
+        pair = self._launchers.get(key)
         if pair is not None:
             return pair
         # The simulator has no external streams and runs every launch synchronously.
         stream_obj = 0 if (SIMULATOR or stream == 0) else cuda.external_stream(stream)
-        if self._fast is not None:
+        if self._fast is not None and not plain:
             from numba.cuda.cudadrv import driver
 
             pair = (driver._to_core_stream(stream_obj),)
-            self._launchers[stream] = pair
+            self._launchers[key] = pair
             return pair
         with warnings.catch_warnings():
             # Small grids are by design here (one block for the rows): silence numba's low-occupancy warning.
@@ -229,7 +266,7 @@ class Bound:
                 self._entries[self.grid, self.entry_threads, stream_obj],
             )
         if not SIMULATOR:  # simulator kernels keep their configuration on the shared kernel object: redo it
-            self._launchers[stream] = pair
+            self._launchers[key] = pair
         return pair
 
     def _step_array(self, view):
@@ -248,15 +285,16 @@ class Bound:
 
     def launch(self, step: StepArgs, stream: int) -> None:
         if SIMULATOR:
+            static_args = self._static_args if step.index is None else self._step_static_args(step.index)
             inp = cuda.In
             vl = self._dummy_i64 if step.valid_lens is None else inp(step.valid_lens.host)
             rpi = inp(step.req_pool_indices.host)
             q = rpi if step.pool_indices is None else inp(step.pool_indices.host)
             args = (rpi, inp(step.prefix_lens.host), inp(step.extend_seq_lens.host), vl,
-                    step.bs) + self._static_args + (q,)
+                    step.bs) + static_args + (q,)
             self._run(self._launcher(0), args, step.bs)
             return
-        if self._fast is not None:
+        if self._fast is not None and step.index is None:
             # Six per-step words; everything else was marshalled at bind.
             words = _FastLaunch.array_words
             vl = self._dummy_words if step.valid_lens is None else words(step.valid_lens.ptr, step.valid_lens.shape[0])
@@ -278,12 +316,15 @@ class Bound:
                     entries(stream_obj, cfg_entries, step_words, tail_words)
             return
         with self._gpu:  # launch on the device holding the buffers, whatever the current device is
+            static_args = self._static_args if step.index is None else self._step_static_args(step.index)
             vl = self._dummy_i64 if step.valid_lens is None else self._step_array(step.valid_lens)
             rpi = self._step_array(step.req_pool_indices)
             q = rpi if step.pool_indices is None else self._step_array(step.pool_indices)
             args = (rpi, self._step_array(step.prefix_lens),
-                    self._step_array(step.extend_seq_lens), vl, step.bs) + self._static_args + (q,)
-            self._run(self._launcher(stream), args, step.bs)
+                    self._step_array(step.extend_seq_lens), vl, step.bs) + static_args + (q,)
+            # A step's own index: numba's launch, which lays out every argument (the fast path marshalled the
+            # bound ones at bind)
+            self._run(self._launcher(stream, plain=step.index is not None), args, step.bs)
 
     def _run(self, launchers: tuple, args: tuple, bs: int) -> None:
         fused, rows, entries = launchers

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import PlanStatus
+from ...contract.kvindex import FORM_BLOCKS, FORM_PAGES, FORM_TOKENS, NO_REQ_BOUND, page_rows, paged_raw
 from ...contract.plans import SKIP_SEED, mark_missing, translate
 from ...contract.rows import row_checks
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
@@ -26,14 +27,41 @@ def _flat_rows(a: np.ndarray) -> tuple[np.ndarray, int]:
     return np.lib.stride_tricks.as_strided(a, shape=(length,), strides=(a.itemsize,), writeable=False), stride
 
 
-def _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, per_entry, rpi, pos, q=None) -> PlanStatus:
+class _Index:
+    """The index as this planner reads it (SPEC 3.8): the raw slot at the virtual token index ``v = key * stride + p``
+    of a row with key ``key`` (``rp``; a page list's ``kv_indptr[r]``), ``R`` of ``canary.contract.kvindex``."""
+
+    def __init__(self, form: int, table: np.ndarray, page_size: int):
+        self.form, self.page_size = form, int(page_size)
+        if form == FORM_PAGES:
+            self.flat, self.key_stride = table, self.page_size
+        else:
+            self.flat, stride = _flat_rows(table)
+            self.key_stride = stride * self.page_size
+
+    def read(self, v: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(raw slots, bad entries)`` at ``v``; ``bad`` (negative block entries) is ``None`` for req_to_token."""
+        if self.form == FORM_TOKENS:
+            return np.take(self.flat, v).astype(np.int64), None
+        s = self.page_size
+        return paged_raw(np.take(self.flat, v // s), v % s, s)
+
+
+def _any(bad: np.ndarray | None, where: np.ndarray | None = None) -> bool:
+    if bad is None:
+        return False
+    return bool((bad if where is None else bad & where).any())
+
+
+def _write_entries(out, index: _Index, lut, pool, token_offset, valid_lens, per_entry, rpi, pos, q=None,
+                   keys=None) -> PlanStatus:
     """Entries ``[0, len(pos))`` at positions ``pos`` (SPEC 3.2). ``per_entry(a)`` spreads the batch-row array
     ``a`` over the entries (each entry gets its batch row's value): a ``np.repeat`` when every row's entries
-    are consecutive, a gather when sampled. ``rpi``: the request rows; ``q``: the pool rows (``None``: ``rpi``)."""
+    are consecutive, a gather when sampled. ``rpi``: the request rows; ``q``: the pool rows (``None``: ``rpi``);
+    ``keys``: the rows' keys into the index (``None``: ``rpi``)."""
     n = pos.shape[0]
-    flat, stride = _flat_rows(req_to_token)
-    at = per_entry(rpi * stride) + pos
-    raw = np.take(flat, at).astype(np.int64)
+    at = per_entry((rpi if keys is None else keys) * index.key_stride) + pos
+    raw, bad_raw = index.read(at)
     slot, bad_slot = translate(raw, lut)
     # A position the window needs whose slot is the padding slot (a cleared row, a freed SWA page): left as 0,
     # verify would skip it. Predecessors and seeds keep the 0 (outside the window, eviction is legitimate).
@@ -49,8 +77,10 @@ def _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, per_e
     prev_raw[1:] = raw[:-1]
     other = np.flatnonzero(~follows)
     fh = has_prev[other]
-    prev_raw[other] = np.where(fh, np.take(flat, np.where(fh, at[other] - 1, at[other])), -1)
+    before, bad_before = index.read(np.where(fh, at[other] - 1, at[other]))
+    prev_raw[other] = np.where(fh, before, -1)
     prev, bad_prev = translate(prev_raw, lut)
+    bad_prev |= _any(bad_raw) or _any(bad_before, fh)  # a negative block entry read as a slot or a predecessor
     out["verify_slot_indices"][:n] = slot
     out["verify_expected_positions"][:n] = pos
     out["verify_prev_slot_indices"][:n] = prev
@@ -111,7 +141,7 @@ def sampled_entries(count: np.ndarray, start: np.ndarray, rpi: np.ndarray, curso
 
 def plan_arrays(
     *,
-    req_to_token: np.ndarray,
+    req_to_token: np.ndarray | None = None,
     lut: np.ndarray | None,
     pool: np.ndarray | None,
     swa_window_size: int,
@@ -124,12 +154,18 @@ def plan_arrays(
     padding_rows_carry_tokens: bool = False,
     cursors: np.ndarray | None = None,
     pool_indices: np.ndarray | None = None,
+    block_table: np.ndarray | None = None,
+    kv_indptr: np.ndarray | None = None,
+    kv_indices: np.ndarray | None = None,
+    page_size: int | None = None,
 ) -> None:
     """Build one plan into the arrays of ``out`` (keys: the field names of ``VerifyPlan`` and ``WritePlan``).
 
-    ``cursors``: the ``[max_reqs]`` int64 rotation state of a planner that samples (SPEC 3.7), read and
-    advanced in place; ``None`` for ``on_overflow="skip"``. ``pool_indices``: ``expected_token_pool_indices``
-    (SPEC 3.2), the pool row of each batch row; ``None``: the pool is keyed by ``req_pool_indices``.
+    The index (SPEC 3.8): ``req_to_token``, or ``block_table`` and ``page_size``, or ``kv_indptr``, ``kv_indices``
+    and ``page_size`` (exactly one form; checked by the caller). ``cursors``: the ``[max_reqs]`` int64 rotation
+    state of a planner that samples (SPEC 3.7), read and advanced in place; ``None`` for ``on_overflow="skip"``.
+    ``pool_indices``: ``expected_token_pool_indices`` (SPEC 3.2), the pool row of each batch row; ``None``: the
+    pool is keyed by ``req_pool_indices``.
     """
     rpi = np.asarray(req_pool_indices, dtype=np.int64)
     prefix = np.asarray(prefix_lens, dtype=np.int64)
@@ -137,14 +173,26 @@ def plan_arrays(
     bs = rpi.shape[0]
     cap = out["verify_slot_indices"].shape[0]
     r_cap = out["write_seed_slot_indices"].shape[0]
-    max_reqs, max_seq_len = req_to_token.shape
+    ps = 1 if page_size is None else int(page_size)
+    keys = row_len = bad_key = None
+    if req_to_token is not None:
+        index = _Index(FORM_TOKENS, req_to_token, 1)
+        max_reqs, max_seq_len = req_to_token.shape
+    elif block_table is not None:
+        index = _Index(FORM_BLOCKS, block_table, ps)
+        max_reqs, max_seq_len = block_table.shape[0], block_table.shape[1] * ps
+    else:  # a page list: keyed by batch row; rp bounds only the tables it indexes (SPEC 3.8)
+        index = _Index(FORM_PAGES, kv_indices, ps)
+        max_reqs = NO_REQ_BOUND if cursors is None else cursors.shape[0]
+        max_seq_len = kv_indices.shape[0] * ps
+        keys, bad_key, row_len = page_rows(kv_indptr, bs, kv_indices.shape[0], rpi != 0, ps, max_seq_len)
     q = None if pool is None or pool_indices is None else np.asarray(pool_indices, dtype=np.int64)
     # Keyed by req_pool_indices, one index bounds both tables; keyed apart, each index is bounded by its own.
     rp_bound = max_reqs if pool is None or q is not None else min(max_reqs, pool.shape[0])
     checks = row_checks(
         rpi, prefix, ext, valid_lens, rp_bound=rp_bound, max_seq_len=max_seq_len,
         pool_cols=None if pool is None else pool.shape[1], padding_rows_carry_tokens=padding_rows_carry_tokens,
-        pool_indices=q, pool_rows=0 if pool is None else pool.shape[0],
+        pool_indices=q, pool_rows=0 if pool is None else pool.shape[0], row_len=row_len, bad_key=bad_key,
     )
     good = checks.good
 
@@ -182,7 +230,7 @@ def plan_arrays(
         def per_entry(a):
             return np.repeat(a, count)
     if sampled or (rows_ok and total <= cap):
-        status |= _write_entries(out, req_to_token, lut, pool, token_offset, valid_lens, per_entry, rpi, pos, q)
+        status |= _write_entries(out, index, lut, pool, token_offset, valid_lens, per_entry, rpi, pos, q, keys)
 
     # Write side: offsets count every active row with E > 0 except those flagged 32 (their E would wrap the
     # offsets; a negative E, flagged too, counts nothing anyway), and the padding rows' E when their tokens sit
@@ -194,9 +242,10 @@ def plan_arrays(
     offsets[1 : bs + 1] = np.cumsum(wlen)
     seeded = good & (ext > 0) & (prefix > 0)
     raw_seed = np.full(bs, -1, dtype=np.int64)
-    raw_seed[seeded] = req_to_token[rpi[seeded], prefix[seeded] - 1]
+    raw_seed[seeded], bad_block = index.read((rpi if keys is None else keys)[seeded] * index.key_stride
+                                             + prefix[seeded] - 1)
     seeds, bad_seed = translate(raw_seed, lut)
-    if bad_seed:
+    if bad_seed or _any(bad_block):
         status |= PlanStatus.BAD_SLOT
     seeds[~checks.active & (wlen > 0)] = SKIP_SEED  # padding tokens in the step's arrays: not to be written
     out["write_seed_slot_indices"][:bs] = seeds
@@ -223,8 +272,9 @@ class Bound:
 
     def launch(self, step: StepArgs, stream: int) -> None:
         s = self.static
+        index = step.index if step.index is not None else s.index
         plan_arrays(
-            req_to_token=s.req_to_token.host,
+            **_index_arrays(index),
             lut=self.lut,
             pool=self.pool,
             swa_window_size=s.swa_window_size,
@@ -241,6 +291,15 @@ class Bound:
 
     def warmup(self) -> None:
         pass
+
+
+def _index_arrays(index) -> dict:
+    """``plan_arrays``' index keywords of a bound or step index (``canary.backends.args.KVIndex``)."""
+    if index.form == FORM_TOKENS:
+        return dict(req_to_token=index.table.host)
+    if index.form == FORM_BLOCKS:
+        return dict(block_table=index.table.host, page_size=index.page_size)
+    return dict(kv_indptr=index.kv_indptr.host, kv_indices=index.table.host, page_size=index.page_size)
 
 
 def bind(static: StaticArgs, launch: LaunchConfig = DEFAULT_LAUNCH) -> Bound:
