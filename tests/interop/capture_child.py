@@ -94,7 +94,7 @@ def build(device, lib, make):
     if device != "cpu" and IS_CAI:
         vp = VerifyPlan(**{k: wrap(v) for k, v in vars(vp).items()})
         wp = WritePlan(**{k: wrap(v) for k, v in vars(wp).items()})
-        state = CanaryState(**{k: wrap(v) for k, v in vars(state).items()})
+        state = CanaryState(**{k: None if v is None else wrap(v) for k, v in vars(state).items()})
     planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, req_to_token=make(r2t_host))
     records = CanaryRecords(state)
     return vp, wp, state, planner, records
