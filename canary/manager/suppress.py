@@ -21,7 +21,7 @@ from typing import Hashable
 
 import numpy as np
 
-from ..contract.ring import FailReason, KernelTag
+from ..contract.ring import KernelTag
 
 SLOT_BIT, PREDECESSOR_BIT = 1, 2
 
@@ -58,10 +58,8 @@ class ReportedSlots:
         for v in rows:
             if v.kernel not in (KernelTag.VERIFY, KernelTag.VERIFY_LAYER):
                 continue
-            if FailReason.MISSING in v.reasons:
-                slot, bit = v.expected_aux, PREDECESSOR_BIT
-            else:
-                slot, bit = v.slot, SLOT_BIT
+            prev = v.predecessor_slot  # a MISSING row's slot names none: its predecessor does
+            slot, bit = (v.slot, SLOT_BIT) if prev is None else (prev, PREDECESSOR_BIT)
             if 0 <= slot < n:
                 marks.append((group, int(slot), bit))
         if not marks:

@@ -26,3 +26,30 @@ def test_without_the_marks_the_first_rows_starve_the_rest():
     with pytest.raises(AssertionError, match="never named"):
         run = mass_corruption(requests=4, prompt=10, ring_capacity=4, _no_marks=True)
         check_mass_corruption(run)
+
+
+def test_marks_a_missing_row_by_its_predecessor_and_release_it_with_its_request():
+    """suppress.py: a verify row marks its slot (bit 1), a MISSING row its predecessor slot (bit 2), a write row
+    nothing; a record naming no request marks nothing; a finished request releases its records' marks."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from canary.contract.plans import MISSING_SLOT
+    from canary.contract.ring import FailReason, KernelTag, Violation
+    from canary.manager.suppress import ReportedSlots
+
+    def row(kernel, slot, aux, reasons):
+        return Violation(kernel, 0, slot, 3, 0, -1, 0, aux, reasons)
+
+    marks = ReportedSlots([8], None)
+    owned = SimpleNamespace(requests=(("a", 3),), writers=(), prefixes=())
+    marks.mark(0, owned, [row(KernelTag.VERIFY, 5, 0, FailReason.CHAIN),
+                          row(KernelTag.VERIFY, MISSING_SLOT, 4, FailReason.MISSING),
+                          row(KernelTag.WRITE, 6, -1, FailReason.WRITE_TOKEN)])
+    marks.mark(0, SimpleNamespace(requests=(), writers=(), prefixes=()), [row(KernelTag.VERIFY, 7, 0, FailReason.CHAIN)])
+    assert marks.arrays[0].tolist() == [0, 0, 0, 0, 2, 1, 0, 0] and marks.marked == 2
+    marks.release_request("b")
+    assert marks.marked == 2
+    marks.release_request("a")
+    assert not np.any(marks.arrays[0]) and marks.marked == 0
