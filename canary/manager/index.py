@@ -152,15 +152,30 @@ def host_index(g) -> "TokenIndex | PageIndex | None":
     return TokenIndex(spec.req_to_token, 1, False)
 
 
-def page_rows_of(g, request_ids: tuple, index: dict | None) -> tuple:
-    """``g.page_rows`` for a step of ``request_ids`` (its batch rows, in order) that plans page-list group ``g``:
-    ``(request_ids, kv_indptr, kv_indices)``, the step's own arrays (``index``: canary/manager/index.py
-    :func:`step_arrays`'s answer) where it gives them, else the bound ones (refilled in place by the engine)."""
-    own = index.get(g.name) if index else None
-    spec = g.spec
-    if not own:
-        return request_ids, spec.kv_indptr, spec.kv_indices
-    return request_ids, own.get("kv_indptr", spec.kv_indptr), own.get("kv_indices", spec.kv_indices)
+def open_pages(groups, request_ids, index: dict | None, captured: dict | None = None) -> None:
+    """Set ``page_rows`` of the page-list groups among ``groups`` (bound groups a step opened with ``request_ids``
+    plans) to that step's: ``(its request ids, one per batch row, kv_indptr, kv_indices)``, the step's own arrays
+    (``index``: :func:`step_arrays`'s answer; ``captured``: a graph replay's, ``{bs: that answer}`` of the
+    engine's captures) where given, else the bound ones (refilled in place by the engine)."""
+    if request_ids is None:
+        ids = ()
+    elif type(request_ids) is tuple:
+        ids = request_ids
+    elif isinstance(request_ids, np.ndarray):
+        ids = tuple(request_ids.tolist())
+    else:  # a tuple of its own: an engine may refill its list before a later flush
+        try:
+            ids = tuple(request_ids)
+        except TypeError:  # refused by the step's intake (worded), after the reports are decoded
+            ids = ()
+    if captured is not None:
+        index = captured.get(len(ids))
+    for g in groups:
+        spec = g.spec
+        if form_of(spec) != "page_list":
+            continue
+        own = (index.get(g.name) if index else None) or {}
+        g.page_rows = (ids, own.get("kv_indptr", spec.kv_indptr), own.get("kv_indices", spec.kv_indices))
 
 
 class TokenIndex:

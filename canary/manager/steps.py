@@ -21,7 +21,7 @@ from ..interop.cudart import D2D, OnDevice, runtime
 from ..interop.streams import LaunchStream, current_stream, is_capturing, launch_stream, library_of, stream_handle
 from .eager import MISS
 from .groups import BoundGroup
-from .index import form_of, page_rows_of
+from .index import form_of, open_pages
 from .layers import verify_layers, write_layers
 from .pool import RowTokens
 from .slots import translate as translate_slots
@@ -184,8 +184,9 @@ class Steps:
         if self.step is not None:
             raise fail(RuntimeError, f"before_forward: expected the previous step ({self.step.index}) closed by "
                                      f"after_kv_store / end_step, got a new step first")
-        if self.paged:
-            self.open_pages(request_ids, groups, index)
+        if self.paged:  # before the poll: the reports it decodes read this step's page lists
+            open_pages(self.paged if groups is None else self.select(groups), request_ids, index,
+                       self.graph_index if index is MISS else None)
         if self.pending:
             poll()
         ids, q = self.rows(request_ids)
@@ -228,26 +229,6 @@ class Steps:
         names = self.all_names if groups is None else tuple(g.name for g in self.select(groups))
         self.step = StepRecord(self.stats_.steps, ids, names, bs)
         self.stats_.steps += 1
-
-    def open_pages(self, request_ids, groups, index: Any) -> None:
-        # The step's batch rows, as a tuple of their own (an engine may refill its list before a later flush)
-        if request_ids is None:
-            ids = ()
-        elif type(request_ids) is tuple:
-            ids = request_ids
-        elif isinstance(request_ids, np.ndarray):
-            ids = tuple(request_ids.tolist())
-        else:
-            try:
-                ids = tuple(request_ids)
-            except TypeError:  # refused by the intake below (worded), after the poll
-                ids = ()
-        if index is MISS:
-            index = self.graph_index.get(len(ids))
-        planned = self.paged if groups is None else [g for g in self.select(groups)
-                                                     if form_of(g.spec) == "page_list"]
-        for g in planned:
-            g.page_rows = page_rows_of(g, ids, index)
 
     def recover(self, handle: int) -> None:
         """After a before_forward that raised once its step was open: the staging it left to the call reaches the
