@@ -21,7 +21,7 @@ from ..contract.plans import MISSING_SLOT, mark_missing
 from ..contract.ring import FailReason, KernelTag, decode
 from .block import ReportBlock
 from .groups import BoundGroup
-from .index import TokenIndex
+from .index import NOT_HELD, host_index
 from .report import CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, Violations, kernel_name, \
     kind_of, log, log_violations, overflow_line, sightings
 from .stats import Stats
@@ -205,7 +205,7 @@ class ReportDecoder:
                     log.warning(overflow_line(name, rec.index, report.dropped, report.capacity))
                     if metrics:
                         metrics.dropped.labels(group=name).inc(report.dropped)
-                rows = _RowCache(g)  # the req_to_token reads of this report's attributions, shared
+                rows = _RowCache(g)  # the index reads of this report's attributions, shared
                 for viol, reasons, seen in sightings(report.violations):
                     # A MISSING row's slot names no request (MISSING_SLOT); its predecessor slot does, so that
                     # another request losing the same position is a new record, not a repeat
@@ -247,7 +247,7 @@ class ReportDecoder:
         layer = next((r.layer for r in seen if r.layer is not None), None)
         if layer is not None:
             kernel = "verify"  # the layer rotation's verify_layer: the row names its layer
-        owners = self.holders(g, v, rec, rpi)
+        owners = self.holders(g, v, rec, rpi, rows)
         return SlotViolation(group=g.name, kernel=kernel, slot=v.slot, position=v.position, reasons=reasons,
                              requests=owners, first_step=rec.index, last_step=rec.index,
                              count=1, stored_token=v.stored_token, expected_token=v.expected_token, raw=v,
@@ -263,16 +263,19 @@ class ReportDecoder:
         slot = v.slot
         if not 0 < slot < g.spec.num_slots or v.reasons & (FailReason.MISSING | FailReason.SLOT_RANGE):
             return ()  # no real slot: nothing maps it (slot 0, the padding slot, is in every unwritten entry)
+        index = rows.index
+        if index is None:
+            return ()
         write = v.kernel == KernelTag.WRITE
-        candidates = self.candidates(rec, rpi, live=not write or rpi is None)
+        candidates = self.candidates(rec, rpi, live=not write or rpi is None, index=index)
         if not candidates:
             return ()
         if write:
             exp = v.expected_position
-            if exp is not None and exp != v.position and 0 <= exp < rows.max_seq_len:
+            if exp is not None and exp != v.position and 0 <= exp < index.max_seq_len:
                 column = rows.column(exp)
-                hit = tuple((rid, exp) for rid, rp in candidates if (rid, exp) not in owners
-                            and 0 < rp < rows.max_reqs and column[rp] == slot)
+                hit = tuple((rid, exp) for rid, key in candidates if (rid, exp) not in owners
+                            and index.has(key) and column[key] == slot)
                 if hit:
                     return hit
         out: list[tuple[Hashable, int]] = []
@@ -281,31 +284,41 @@ class ReportDecoder:
                 out.append((rid, q))
         return tuple(out)
 
-    def candidates(self, rec, rpi: np.ndarray | None, live: bool = True) -> list[tuple[Hashable, int]]:
-        """``(request_id, req_to_token row)``: the step's batch rows, then (``live``) the running requests not in
-        the batch by their last row."""
+    def candidates(self, rec, rpi: np.ndarray | None, live: bool = True, index=None) -> list[tuple[Hashable, int]]:
+        """``(request_id, key)`` of the requests an attribution looks at, in order: the step's batch rows, then
+        (``live``) the running requests not in the batch. ``key`` is the request's row in ``index``: for a token
+        table or block table its ``req_to_token`` row (the step's, a running request's last one); for a page list
+        (``index.by_batch_row``) its batch row in the step whose page list is current (:class:`PageIndex`), found
+        by request id: a request not in that batch is left out (it cannot be attributed)."""
         out: list[tuple[Hashable, int]] = []
         if rpi is not None:
             out += [(rid, int(rp)) for rid, rp in zip(rec.request_ids, rpi.tolist()) if rid is not None and rp]
+        by_batch_row = index is not None and index.by_batch_row
         if live:
             in_batch = {rid for rid, _ in out}
             out += [(rid, req.last_req_pool_index) for rid, req in self.requests.live.items()
-                    if rid not in in_batch and req.last_req_pool_index]
+                    if rid not in in_batch and (req.last_req_pool_index or by_batch_row)]
+        if by_batch_row:
+            keys = [(rid, index.key(rid)) for rid, _ in out]
+            out = [(rid, r) for rid, r in keys if r is not None]
         return out
 
-    def holders(self, g: BoundGroup, v, rec, rpi: np.ndarray | None) -> tuple[tuple[Hashable, int], ...]:
-        """Requests whose ``req_to_token`` row maps ``v.position`` to ``v.slot`` now: the step's batch rows, then
-        running requests by their last row. A MISSING row (no real slot at the position) names the requests whose
-        position has no real slot now (a 0, or a real slot mapped to 0) and, when the row has a predecessor slot,
-        whose previous position maps to it. Reads a column or two of the table (a sync, on the error path only)."""
+    def holders(self, g: BoundGroup, v, rec, rpi: np.ndarray | None,
+                rows: "_RowCache") -> tuple[tuple[Hashable, int], ...]:
+        """Requests whose index maps ``v.position`` to ``v.slot`` now: the step's batch rows, then running requests
+        (:meth:`candidates`). "Now" is when the report is decoded: a token table's or block table's rows as they
+        are, a request by its row in the step (or its last row); a page list (rows keyed by batch row, rebuilt
+        each step) as the step whose page list is current reads it: the step being opened by the
+        ``before_forward`` / ``begin_step`` that decodes the report, else (``poll``, ``flush``, ``close``) the
+        last planned step, each request by its batch row there; a request not in that batch is not named. A
+        MISSING row (no real slot at the position) names the requests whose position has no real slot now (a 0,
+        or a real slot mapped to 0) and, when the row has a predecessor slot, whose previous position maps to
+        it. Reads a column or two of the index through ``rows`` (a sync, on the error path only)."""
         p = v.position
-        index = TokenIndex.of(g.spec)  # None: a page list, whose rows are another step's by now (SPEC 3.8)
-        if index is None:
+        index = rows.index
+        if index is None or not 0 <= p < index.max_seq_len:
             return ()
-        max_reqs, max_seq_len = index.shape
-        if not 0 <= p < max_seq_len:
-            return ()
-        candidates = self.candidates(rec, rpi)
+        candidates = self.candidates(rec, rpi, index=index)
         if not candidates:
             return ()
         lut = g.spec.full_to_swa_index_mapping
@@ -316,18 +329,20 @@ class ReportDecoder:
                 return raw
             return int(np.asarray(to_host(lut[raw:raw + 1]))[0]) if raw < lut_len else -1
 
-        column = index.column(p)
+        column = rows.raw_column(p)
         prev = v.predecessor_slot
         missing = prev is not None
-        before = index.column(p - 1) if missing and prev > 0 and p > 0 else None
+        before = rows.raw_column(p - 1) if missing and prev > 0 and p > 0 else None
         out = []
-        for rid, rp in candidates:
-            if not 0 < rp < max_reqs:
+        for rid, key in candidates:
+            if not index.has(key):
                 continue
-            raw = int(column[rp])
+            raw = int(column[key])
+            if raw == NOT_HELD:  # a page row that does not hold the position
+                continue
             if missing:
                 hit = int(mark_missing(raw, translate(raw))) == MISSING_SLOT and (
-                    before is None or translate(int(before[rp])) == prev)
+                    before is None or translate(int(before[key])) == prev)
             else:
                 hit = translate(raw) == v.slot
             if hit and (rid, p) not in out:
@@ -379,14 +394,15 @@ class ReportDecoder:
 
 
 class _RowCache:
-    """``g``'s ``req_to_token`` as the attributions of one report read it: columns and rows copied to the host
-    once each, translated to the group's own slots (an SWA group's through its full-to-SWA mapping, -1 past it)."""
+    """``g``'s index as the attributions of one report read it (:func:`~canary.manager.index.host_index`: a token
+    table or block table as it is, a page list as the step whose page list is current reads it): columns and rows
+    copied to the host once each, translated to the group's own slots (an SWA group's through its full-to-SWA
+    mapping, -1 past it; a page row's :data:`~canary.manager.index.NOT_HELD` stays)."""
 
     def __init__(self, g: BoundGroup):
-        self.index, self.lut = TokenIndex.of(g.spec), g.spec.full_to_swa_index_mapping
-        # a page list names no rows here (TokenIndex.of): every search is empty
-        self.max_reqs, self.max_seq_len = (0, 0) if self.index is None else self.index.shape
+        self.index, self.lut = host_index(g), g.spec.full_to_swa_index_mapping  # None: nothing to attribute
         self._lut: np.ndarray | None = None
+        self._raw: dict[int, np.ndarray] = {}
         self._cols: dict[int, np.ndarray] = {}
         self._rows: dict[int, np.ndarray] = {}
         self._index: dict[tuple, tuple] = {}
@@ -400,16 +416,23 @@ class _RowCache:
         inside = (raw >= 0) & (raw < self._lut.shape[0])
         return np.where(inside, self._lut[np.where(inside, raw, 0)], np.where(raw < 0, raw, -1))
 
+    def raw_column(self, p: int) -> np.ndarray:
+        """Every key's raw slot at position ``p`` (before the SWA mapping)."""
+        got = self._raw.get(p)
+        if got is None:
+            got = self._raw[p] = self.index.column(p)
+        return got
+
     def column(self, p: int) -> np.ndarray:
         got = self._cols.get(p)
         if got is None:
-            got = self._cols[p] = self._translate(self.index.column(p))
+            got = self._cols[p] = self._translate(self.raw_column(p))
         return got
 
-    def row(self, rp: int) -> np.ndarray:
-        got = self._rows.get(rp)
+    def row(self, key: int) -> np.ndarray:
+        got = self._rows.get(key)
         if got is None:
-            got = self._rows[rp] = self._translate(self.index.row(rp))
+            got = self._rows[key] = self._translate(self.index.row(key))
         return got
 
     def mapping(self, candidates: list[tuple[Hashable, int]], slot: int) -> list[tuple[Hashable, int]]:
@@ -420,9 +443,9 @@ class _RowCache:
         got = self._index.get(key)
         if got is None:
             slots, who, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-            for i, (_, rp) in enumerate(candidates):
-                if 0 < rp < self.max_reqs:
-                    row = self.row(rp)
+            for i, (_, k) in enumerate(candidates):
+                if self.index.has(k):
+                    row = self.row(k)
                     at = np.flatnonzero(row > 0)
                     slots.append(row[at]), who.append(np.full(at.shape[0], i, np.int64)), pos.append(at)
             slots, who, pos = np.concatenate(slots), np.concatenate(who), np.concatenate(pos)

@@ -158,6 +158,9 @@ class BoundGroup:
     scheduled: int = field(default=0)  # steps since the last report that listed this group
     verify_launch: Any = None  # records.prepare_verify of verify_plan (manager.warmup), when the backend has one
     bound: tuple = ()  # bound_of(spec) when the planner and records were bound (check_bound compares it)
+    # A page list's (request ids, kv_indptr, kv_indices) as the step whose page list is current reads it: set when
+    # a step that plans the group opens (steps.py), read by the report's attributions (index.py PageIndex)
+    page_rows: tuple | None = None
 
     @property
     def name(self) -> str:

@@ -4,7 +4,8 @@ table (``block_table``, ``page_size``) or a page list (``kv_indptr``, ``kv_indic
 What the manager needs of it: the one-form check and the shape the plans and the expected-token pool are sized by
 (:func:`check_index`, :func:`index_shape`), the planner's keywords (:func:`planner_index`), the arrays a step
 passes in place of the bound ones (:func:`step_arrays`, ``before_forward(block_table=..., ...)``), and the host
-reads of the report's attributions (:class:`TokenIndex`: a token table's columns and rows).
+reads of the report's attributions (:func:`host_index`: a :class:`TokenIndex` of a token table or block table, a
+:class:`PageIndex` of a page list as the step whose page list is current reads it).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 from ..contract.kvindex import paged_raw
 from ..errors import fail
 from ..interop.adapter import as_view
-from ..interop.hostcopy import to_host
+from ..interop.hostcopy import part_to_host, to_host
 
 INDEX_ARRAYS = ("req_to_token", "block_table", "kv_indptr", "kv_indices")
 FORMS = "req_to_token, or block_table with page_size, or kv_indptr and kv_indices with page_size"
@@ -129,25 +130,71 @@ def step_arrays(sel, **given: Any) -> dict | None:
     return out
 
 
+# What a page row reads at a position it does not hold (past its pages, a bad kv_indptr pair, a row past kv_indptr):
+# negative (no translation touches it), never a slot, never MISSING_SLOT (-2**62) nor a bad entry's -1.
+NOT_HELD = -(1 << 63)
+
+
+def host_index(g) -> "TokenIndex | PageIndex | None":
+    """The index of bound group ``g`` as the report's attributions read it: a :class:`TokenIndex` of its token
+    table or block table, a :class:`PageIndex` of its page list as ``g.page_rows`` holds it (``None``: no step has
+    planned the group yet). Makes no copy."""
+    spec = g.spec
+    form = form_of(spec)
+    if form == "page_list":
+        held = g.page_rows
+        if held is None:
+            return None
+        ids, kv_indptr, kv_indices = held
+        return PageIndex(ids, kv_indptr, kv_indices, int(spec.page_size), int(spec.max_seq_len))
+    if form == "block_table":
+        return TokenIndex(spec.block_table, int(spec.page_size), True)
+    return TokenIndex(spec.req_to_token, 1, False)
+
+
+def open_pages(groups, request_ids, index: dict | None, captured: dict | None = None) -> None:
+    """Set ``page_rows`` of the page-list groups among ``groups`` (bound groups a step opened with ``request_ids``
+    plans) to that step's: ``(its request ids, one per batch row, kv_indptr, kv_indices)``, the step's own arrays
+    (``index``: :func:`step_arrays`'s answer; ``captured``: a graph replay's, ``{bs: that answer}`` of the
+    engine's captures) where given, else the bound ones (refilled in place by the engine)."""
+    if request_ids is None:
+        ids = ()
+    elif type(request_ids) is tuple:
+        ids = request_ids
+    elif isinstance(request_ids, np.ndarray):
+        ids = tuple(request_ids.tolist())
+    else:  # a tuple of its own: an engine may refill its list before a later flush
+        try:
+            ids = tuple(request_ids)
+        except TypeError:  # refused by the step's intake (worded), after the reports are decoded
+            ids = ()
+    if captured is not None:
+        index = captured.get(len(ids))
+    for g in groups:
+        spec = g.spec
+        if form_of(spec) != "page_list":
+            continue
+        own = (index.get(g.name) if index else None) or {}
+        g.page_rows = (ids, own.get("kv_indptr", spec.kv_indptr), own.get("kv_indices", spec.kv_indices))
+
+
 class TokenIndex:
-    """A group's index as token rows on the host, for the report's attributions (copies, a sync each, on the
-    error path only): ``column(p)`` (every row's raw slot at position ``p``) and ``row(rp)`` (row ``rp``'s slots),
-    int64, a negative block entry as -1. ``None`` from :meth:`of` for a page list: its rows are the batch rows of
-    the step it was built for, which the engine has rebuilt by the time a report is read (SPEC 3.8)."""
+    """A group's token table or block table as token rows on the host, for the report's attributions (copies, a
+    sync each, on the error path only): ``column(p)`` (every row's raw slot at position ``p``) and ``row(rp)``
+    (row ``rp``'s slots), int64, a negative block entry as -1. Keyed by ``req_pool_indices`` (the reported step's
+    rows, a running request's last row), row 0 the padding row. A page list is a :class:`PageIndex`."""
+
+    by_batch_row = False
 
     def __init__(self, table: Any, page_size: int, paged: bool):
         self.table, self.page_size, self.paged = table, page_size, paged
         rows, cols = as_view(table, "req_to_token").shape
         self.shape = (rows, cols * page_size)
+        self.max_seq_len = self.shape[1]
 
-    @classmethod
-    def of(cls, spec) -> "TokenIndex | None":
-        form = form_of(spec)
-        if form == "page_list":
-            return None
-        if form == "block_table":
-            return cls(spec.block_table, int(spec.page_size), True)
-        return cls(spec.req_to_token, 1, False)
+    def has(self, rp: int) -> bool:
+        """Whether ``rp`` names a request row (not the padding row 0, inside the table)."""
+        return 0 < rp < self.shape[0]
 
     def column(self, p: int) -> np.ndarray:
         if not self.paged:
@@ -162,3 +209,104 @@ class TokenIndex:
         s = self.page_size
         blocks = np.repeat(np.asarray(to_host(self.table[rp])), s)
         return paged_raw(blocks, np.tile(np.arange(s, dtype=np.int64), blocks.shape[0] // s if s else 0), s)[0]
+
+
+def _host_span(obj: Any, start: int, stop: int, name: str) -> np.ndarray:
+    """Entries ``start:stop`` (clamped to its length) of a 1-D integer array as int64 on the host, one copy; empty
+    for anything else: the reports are decoded before the opening step's planner checks its arrays."""
+    try:
+        shape = tuple(as_view(obj, name).shape)
+    except (ValueError, TypeError):
+        return np.zeros(0, np.int64)
+    if len(shape) != 1:
+        return np.zeros(0, np.int64)
+    start, stop = min(start, shape[0]), min(stop, shape[0])
+    got = np.asarray(part_to_host(obj, (slice(start, max(start, stop)),)))
+    return got.astype(np.int64) if got.dtype.kind in "iu" else np.zeros(0, np.int64)
+
+
+class PageIndex:
+    """A page list on the host, as the step whose page list is current reads it, for the report's attributions
+    (SPEC 3.8: its rows are batch rows, rebuilt by the engine each step). That step is the one being opened when
+    its ``before_forward`` / ``begin_step`` decodes the reports (the engine has filled its page list by then), else
+    (``poll``, ``flush``, ``close``) the last planned step. Keys are that step's batch rows, found by request id
+    (:meth:`key`: rows move between steps, and ``req_pool_indices`` may too): a request not in that batch has no
+    row and cannot be attributed.
+
+    ``request_ids``: the step's ids, one per batch row (``bs``); ``kv_indptr`` ``[>= bs + 1]`` int32 / int64 and
+    ``kv_indices`` ``[nnz]`` int32 / int64 (host or device arrays), ``page_size`` ``S``. Row ``r`` holds
+    positions ``p < (kv_indptr[r + 1] - kv_indptr[r]) * S``, the raw slot ``B(kv_indices[kv_indptr[r] + p // S],
+    p % S)`` (SPEC 3.8; -1 for a negative block entry); :data:`NOT_HELD` at a position it does not hold, and at
+    every position of a row whose pair is out of order or range or lies past ``kv_indptr``. ``column(p)``
+    ``[bs]`` int64 and ``row(r)`` ``[held positions]`` int64, as :class:`TokenIndex`'s. Two host copies (a sync
+    each, on the error path only), both at the first read: ``kv_indptr[: bs + 1]``, then the good rows' pages
+    (one span of ``kv_indices``)."""
+
+    by_batch_row = True
+
+    def __init__(self, request_ids: tuple, kv_indptr: Any, kv_indices: Any, page_size: int, max_seq_len: int):
+        self.request_ids, self.kv_indptr, self.kv_indices = request_ids, kv_indptr, kv_indices
+        self.page_size, self.max_seq_len = page_size, max_seq_len
+        self.bs = len(request_ids)
+        self._rows: dict | None = None
+        self._pages: np.ndarray | None = None
+
+    def key(self, rid) -> int | None:
+        """Request ``rid``'s batch row in the step (its first, when listed twice), ``None`` when not in it."""
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = {}
+            for r, got in enumerate(self.request_ids):
+                try:
+                    rows.setdefault(got, r)
+                except TypeError:  # an unhashable id: the step's own call refuses it, and it names no row here
+                    pass
+        try:
+            return rows.get(rid)
+        except TypeError:
+            return None
+
+    def has(self, r: int) -> bool:
+        return 0 <= r < self.bs
+
+    def _load(self) -> None:
+        bs, s = self.bs, self.page_size
+        ptr = _host_span(self.kv_indptr, 0, bs + 1, "kv_indptr")
+        n = max(0, min(bs, ptr.shape[0] - 1))  # rows whose pair kv_indptr holds
+        try:
+            shape = tuple(as_view(self.kv_indices, "kv_indices").shape)
+        except (ValueError, TypeError):
+            shape = ()
+        nnz = shape[0] if len(shape) == 1 else 0
+        lo, hi = ptr[:n], ptr[1:n + 1]
+        good = (lo >= 0) & (hi >= lo) & (hi <= nnz) & (hi > lo)
+        first, pages = np.zeros(bs, np.int64), np.zeros(bs, np.int64)
+        first[:n], pages[:n] = np.where(good, lo, 0), np.where(good, hi - lo, 0)
+        if good.any():
+            start, stop = int(lo[good].min()), int(hi[good].max())
+            self._pages = _host_span(self.kv_indices, start, stop, "kv_indices")
+            if self._pages.shape[0] < stop - start:  # not an integer array: the step's planner refuses it
+                pages[:] = 0
+            first -= start
+        else:
+            self._pages = np.zeros(0, np.int64)
+        self.first, self.pages, self.held = first, pages, pages * np.int64(s)
+
+    def column(self, p: int) -> np.ndarray:
+        if self._pages is None:
+            self._load()
+        s = self.page_size
+        held = (p >= 0) & (p < self.held)
+        if not held.any():
+            return np.full(self.bs, NOT_HELD, np.int64)
+        blocks = self._pages[np.where(held, self.first + p // s, 0)]
+        return np.where(held, paged_raw(blocks, p % s, s)[0], np.int64(NOT_HELD))
+
+    def row(self, r: int) -> np.ndarray:
+        if self._pages is None:
+            self._load()
+        if not self.has(r) or not self.pages[r]:
+            return np.zeros(0, np.int64)
+        s, first, n = self.page_size, int(self.first[r]), int(self.pages[r])
+        blocks = np.repeat(self._pages[first:first + n], s)
+        return paged_raw(blocks, np.tile(np.arange(s, dtype=np.int64), n), s)[0]

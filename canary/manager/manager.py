@@ -334,7 +334,7 @@ class CanaryManager(Guarded):
             if n_ids != bs:
                 raise fail(ValueError, f"request_ids: expected one id per batch row (bs = {bs}), got {n_ids}")
             steps = self._steps
-            steps.begin(request_ids, groups, handle, self._poll_ready, defer_scatter=self._eager is not None)
+            steps.begin(request_ids, groups, handle, self._poll_ready, self._eager is not None, index)
             try:
                 if not steps.prepared:
                     steps.prepare_verifies(st)
@@ -349,6 +349,7 @@ class CanaryManager(Guarded):
             steps = self._steps
             steps.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st, index)
             steps.graph_inputs[bs] = steps.inputs  # what begin_step / end_step report for this graph's replays
+            steps.graph_index[bs] = index  # the page lists its replays read (their reports' attributions)
 
     @step_call()
     def after_kv_store(self, *, out_cache_loc: Any, input_ids: Any, positions: Any,

@@ -21,6 +21,7 @@ from ..interop.cudart import D2D, OnDevice, runtime
 from ..interop.streams import LaunchStream, current_stream, is_capturing, launch_stream, library_of, stream_handle
 from .eager import MISS
 from .groups import BoundGroup
+from .index import form_of, open_pages
 from .layers import verify_layers, write_layers
 from .pool import RowTokens
 from .slots import translate as translate_slots
@@ -143,6 +144,8 @@ class Steps:
         self.translates = any(g.loc_scratch is not None for g in groups)  # an SWA group translates slots
         self.rpi_snap = rpi_snap
         self.rpi_views: dict[int, Any] = {}  # bs -> the view of rpi_snap[:bs] (the same object every step)
+        self.paged = [g for g in groups if form_of(g.spec) == "page_list"]  # their page_rows are kept per step
+        self.graph_index: dict[int, dict | None] = {}  # bs -> the step arrays the engine's captured graph reads
         self.rt = runtime() if ordinal is not None else None
 
     def select(self, groups: Sequence[str] | None) -> list[BoundGroup]:
@@ -169,14 +172,21 @@ class Steps:
             for g in self.groups:
                 g.verify_launch = g.records.prepare_verify(g.verify_plan, launch_tag=g.verify_tag, stream=stream)
 
-    def begin(self, request_ids, groups, handle: int, poll: Callable, defer_scatter: bool = False) -> None:
+    def begin(self, request_ids, groups, handle: int, poll: Callable, defer_scatter: bool = False,
+              index: Any = MISS) -> None:
         """Open a step for ``request_ids`` over ``groups`` (names; ``None``: all) on stream ``handle``: ``poll``
         (the manager's) first when reports are queued, then the batch's pool rows and queued tokens staged
-        (``defer_scatter``: the last scatter left in ``deferred`` for the caller to launch)."""
+        (``defer_scatter``: the last scatter left in ``deferred`` for the caller to launch). ``index``: the step's
+        own index arrays (:func:`~canary.manager.index.step_arrays`; not given: a replay of the engine's graph,
+        whose captured ones). Before ``poll``, each planned page-list group's ``page_rows`` becomes this step's:
+        the engine has filled its page list for it, and the reports decoded now are attributed through it."""
         self.deferred = None
         if self.step is not None:
             raise fail(RuntimeError, f"before_forward: expected the previous step ({self.step.index}) closed by "
                                      f"after_kv_store / end_step, got a new step first")
+        if self.paged:  # before the poll: the reports it decodes read this step's page lists
+            open_pages(self.paged if groups is None else self.select(groups), request_ids, index,
+                       self.graph_index if index is MISS else None)
         if self.pending:
             poll()
         ids, q = self.rows(request_ids)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
@@ -59,3 +60,31 @@ def test_mass_corruption_names_every_slot_once_within_the_bound():
     except BackendUnavailableError as exc:
         pytest.skip(str(exc))
     check_mass_corruption(run)
+
+
+def test_a_page_lists_violations_name_the_requests_a_token_table_names():
+    """A byte flipped and a block handed to two requests, decoded at the next step (its batch rows in another
+    order): a page list (page size 4, int32 kv_indptr) names what a token table names, as the reference's
+    test_manager_page_attribution.py checks."""
+    from helpers.page_engine import PageListEngine
+
+    def run(form):
+        try:
+            e = PageListEngine(form, 4, np.int32, backend="numba")
+        except BackendUnavailableError as exc:
+            pytest.skip(str(exc))
+        e.add("a", 1, range(10, 19))
+        e.add("b", 3, range(40, 46))
+        out = [e.step([("a", 9), ("b", 6)])]
+        e.k[e.slot("a", 1), 3] ^= 0x10
+        p = e.rows["b"][2]
+        e.bt[e.rows["b"][0], p // 4] = e.bt[e.rows["a"][0], 0]  # b's next page is a's first block
+        out += [e.decode(["a", "b"], flush=False), e.decode(["b", "a"], flush=False), e.decode(["a", "b"])]
+        e.m.close()
+        return [[(v.kernel, v.slot, v.position, int(v.reasons), v.requests, v.writers) for v in vs] for vs in out]
+
+    want = run("req_to_token")
+    named = [v for vs in want for v in vs]
+    assert (("a", 1),) in [v[4] for v in named] and any(v[4] and v[5] for v in named)
+    assert run("page_list") == want
+    assert run("page_list_per_step") == want
