@@ -261,7 +261,8 @@ class ReportDecoder:
         else any position. A verify row: the batch rows, then running requests by their last row, mapping the slot
         at another position. Reads a column, or the candidates' rows (a sync each, on the error path only)."""
         slot = v.slot
-        if not 0 < slot < g.spec.num_slots or v.reasons & (FailReason.MISSING | FailReason.SLOT_RANGE):
+        first = 0 if g.spec.padding_slot == -1 else 1  # slot 0 is real when the engine says so (SPEC 3.2)
+        if not first <= slot < g.spec.num_slots or v.reasons & (FailReason.MISSING | FailReason.SLOT_RANGE):
             return ()  # no real slot: nothing maps it (slot 0, the padding slot, is in every unwritten entry)
         write = v.kernel == KernelTag.WRITE
         candidates = self.candidates(rec, rpi, live=not write or rpi is None)
@@ -319,14 +320,16 @@ class ReportDecoder:
         column = index.column(p)
         prev = v.predecessor_slot
         missing = prev is not None
-        before = index.column(p - 1) if missing and prev > 0 and p > 0 else None
+        pad = g.spec.padding_slot
+        # a predecessor that is a slot (MISSING_SLOT or 0 when it is none: SPEC 3.2) names the request
+        before = index.column(p - 1) if missing and prev >= (0 if pad == -1 else 1) and p > 0 else None
         out = []
         for rid, rp in candidates:
             if not 0 < rp < max_reqs:
                 continue
             raw = int(column[rp])
             if missing:
-                hit = int(mark_missing(raw, translate(raw))) == MISSING_SLOT and (
+                hit = int(mark_missing(raw, translate(raw), pad)) == MISSING_SLOT and (
                     before is None or translate(int(before[rp])) == prev)
             else:
                 hit = translate(raw) == v.slot
@@ -384,6 +387,7 @@ class _RowCache:
 
     def __init__(self, g: BoundGroup):
         self.index, self.lut = TokenIndex.of(g.spec), g.spec.full_to_swa_index_mapping
+        self.first_slot = 0 if g.spec.padding_slot == -1 else 1  # the lowest real slot (SPEC 3.2)
         # a page list names no rows here (TokenIndex.of): every search is empty
         self.max_reqs, self.max_seq_len = (0, 0) if self.index is None else self.index.shape
         self._lut: np.ndarray | None = None
@@ -423,7 +427,7 @@ class _RowCache:
             for i, (_, rp) in enumerate(candidates):
                 if 0 < rp < self.max_reqs:
                     row = self.row(rp)
-                    at = np.flatnonzero(row > 0)
+                    at = np.flatnonzero(row >= self.first_slot)
                     slots.append(row[at]), who.append(np.full(at.shape[0], i, np.int64)), pos.append(at)
             slots, who, pos = np.concatenate(slots), np.concatenate(who), np.concatenate(pos)
             order = np.argsort(slots, kind="stable")

@@ -133,10 +133,11 @@ class TokenIndex:
     """A group's index as token rows on the host, for the report's attributions (copies, a sync each, on the
     error path only): ``column(p)`` (every row's raw slot at position ``p``) and ``row(rp)`` (row ``rp``'s slots),
     int64, a negative block entry as -1. ``None`` from :meth:`of` for a page list: its rows are the batch rows of
-    the step it was built for, which the engine has rebuilt by the time a report is read (SPEC 3.8)."""
+    the step it was built for, which the engine has rebuilt by the time a report is read (SPEC 3.8).
+    ``padding_slot``: the group's (SPEC 3.2 "No reserved slot": -1 makes block 0 a real block)."""
 
-    def __init__(self, table: Any, page_size: int, paged: bool):
-        self.table, self.page_size, self.paged = table, page_size, paged
+    def __init__(self, table: Any, page_size: int, paged: bool, padding_slot: int = 0):
+        self.table, self.page_size, self.paged, self.padding_slot = table, page_size, paged, padding_slot
         rows, cols = as_view(table, "req_to_token").shape
         self.shape = (rows, cols * page_size)
 
@@ -146,19 +147,20 @@ class TokenIndex:
         if form == "page_list":
             return None
         if form == "block_table":
-            return cls(spec.block_table, int(spec.page_size), True)
-        return cls(spec.req_to_token, 1, False)
+            return cls(spec.block_table, int(spec.page_size), True, spec.padding_slot)
+        return cls(spec.req_to_token, 1, False, spec.padding_slot)
 
     def column(self, p: int) -> np.ndarray:
         if not self.paged:
             return np.asarray(to_host(self.table[:, p])).astype(np.int64)
         s = self.page_size
         blocks = np.asarray(to_host(self.table[:, p // s]))
-        return paged_raw(blocks, p % s, s)[0]
+        return paged_raw(blocks, p % s, s, self.padding_slot)[0]
 
     def row(self, rp: int) -> np.ndarray:
         if not self.paged:
             return np.asarray(to_host(self.table[rp])).astype(np.int64)
         s = self.page_size
         blocks = np.repeat(np.asarray(to_host(self.table[rp])), s)
-        return paged_raw(blocks, np.tile(np.arange(s, dtype=np.int64), blocks.shape[0] // s if s else 0), s)[0]
+        return paged_raw(blocks, np.tile(np.arange(s, dtype=np.int64), blocks.shape[0] // s if s else 0), s,
+                         self.padding_slot)[0]
