@@ -182,11 +182,7 @@ class CanaryPlanner:
       place in batch order, so ``write_offsets`` counts them and the row's seed is
       :data:`~canary.contract.plans.SKIP_SEED`, which makes the canary write skip them. The wrong choice shifts
       every later row's tokens: the canary then reports violations on a clean run.
-    - ``padding_slot``: ``0`` (default, SGLang's convention: slot 0 and block 0 are padding, never verified) or
-      ``-1`` (slot 0 and block 0 are real; a negative slot, block entry or LUT value marks padding or a cleared
-      mapping, whose in-window entries become :data:`~canary.MISSING_SLOT`), SPEC 3.2 "No reserved slot". Bind
-      the records that verify these plans with the same value (:class:`~canary.CanaryRecords`).
-      ``req_pool_indices == 0`` is the padding row in both. ``TypeError`` for a non-int, ``ValueError`` otherwise.
+    - ``padding_slot``: 0 (slot 0 / block 0 are padding) or -1 (real; negatives mark padding): SPEC 3.2.
     - ``verify_capacity``: optional; must equal ``C`` when given.
     - ``max_batch_size``: largest ``bs`` accepted (default ``R``); sizes the planner's scratch.
     - ``on_overflow``: what a step whose verify entries exceed ``C`` does (SPEC 3.7). ``"sample"`` (default):

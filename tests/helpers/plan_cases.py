@@ -808,7 +808,7 @@ def random_case(
     strided_r2t: bool | None = None,
     max_reqs: tuple[int, int] = (2, 10),
     max_seq_len: tuple[int, int] = (1, 40),
-    padding_slot: int | None = 0,
+    padding_slot: int | None = None,
     name: str = "random",
 ) -> PlanCase:
     """A random, valid-on-the-host plan case.
@@ -824,7 +824,8 @@ def random_case(
     ``"loose"`` (total .. total+16), ``"any"`` (0 .. 2*total+2), ``"sampled"`` (1 .. total-1 when total > 1);
     ``on_overflow``: ``"sample"``, ``"skip"`` or None (mostly sample; skip when C = 0, which cannot sample). The
     rotation state starts zero, inside the rows' windows, or as garbage. ``padding_slot``: the planner option
-    (SPEC 3.2 "No reserved slot"), 0, -1 or None (either); with -1 the LUT also maps some slots to 0 (a real slot).
+    (SPEC 3.2 "No reserved slot"), 0, -1 or None (either, drawn last: the rest of the case is the same either way);
+    with -1 the LUT also maps some slots to 0 (a real slot) and to MISSING_SLOT (a freed mapping).
     """
     src = _source(rng_or_draw)
     bulk = np.random.default_rng(src.seed())  # bulk values: not worth shrinking element by element
@@ -858,15 +859,10 @@ def random_case(
     if _maybe(src, strided_r2t):
         r2t = strided(r2t, src.int(1, 5))
 
-    pad = src.pick([0, -1]) if padding_slot is None else int(padding_slot)
     lut_arr = None
     if use_lut:
         lut_arr = bulk.integers(0, 1 << src.pick([20, 31, 40, 62]), size=lut_len, dtype=np.int64)
         lut_arr[bulk.random(lut_len) < 0.03] = -1
-        if pad == -1:  # slot 0 of the SWA pool is real; other negatives are freed mappings too
-            u = bulk.random(lut_len)
-            lut_arr[u < 0.03] = 0
-            lut_arr[(u >= 0.03) & (u < 0.05)] = -(1 << 62)
     pool_arr = None
     if use_pool:
         pool_arr = bulk.integers(-(1 << 31), (1 << 31) - 1, size=(pool_rows, pool_cols), dtype=np.int64).astype(
@@ -946,6 +942,11 @@ def random_case(
     elif kind == 2:
         cursors = bulk.choice(np.array(garbage + [0, 1, 2, 3], dtype=np.int64), size=n_reqs)
     R = n + src.int(0, 3)
+    pad = src.pick([0, -1]) if padding_slot is None else int(padding_slot)
+    if pad == -1 and lut_arr is not None:  # slot 0 of the SWA pool is real; other negatives are freed mappings
+        u = bulk.random(lut_len)
+        lut_arr[u < 0.03] = 0
+        lut_arr[(u >= 0.03) & (u < 0.05)] = -(1 << 62)
     return PlanCase(
         name=name, req_to_token=r2t, req_pool_indices=rpi_a, prefix_lens=P_a, extend_seq_lens=E_a,
         verify_capacity=C, write_req_capacity=R, lut=lut_arr, pool=pool_arr,
