@@ -11,7 +11,8 @@
 // entries kernel moves the cursors), and for huge batch capacities block 0 builds the table after its scan.
 // Grids are sized from the capacities (verify_capacity, write_req_capacity) and the device, never from data: a
 // captured graph is valid for any later input.
-// Specialized at compile time only on what changes the code path: HAS_LUT, HAS_POOL, and FORM, the index form
+// Specialized at compile time only on what changes the code path: HAS_LUT, HAS_POOL, CANARY_PADDING_NEG (below), and
+// FORM, the index form
 // (SPEC 3.8: req_to_token, a block table, a page list; plan_index.cuh). FORM is a template parameter, not a
 // runtime switch, so that req_to_token's kernels are the very code they were before the other forms existed (no
 // branch, no register, no division added to its entries), and one module is compiled per form
@@ -28,6 +29,12 @@ static_assert(FUSED_MAX_BS % ENTRY_THREADS == 0, "sample_rows_at_once: every fus
 
 #ifndef CANARY_PLAN_FORM
 #define CANARY_PLAN_FORM CANARY_FORM_TOKENS
+#endif
+// The planner's padding_slot (SPEC 3.2, "No reserved slot"): 0 (slot 0 is padding; the code it always was) or 1 for
+// padding_slot = -1 (slot 0 is real, a negative slot marks padding). A define like CANARY_PLAN_FORM, given by the host
+// (one module each), so that the default's kernels are unchanged and the mode costs no argument or register.
+#ifndef CANARY_PADDING_NEG
+#define CANARY_PADDING_NEG 0
 #endif
 
 #include "plan_index.cuh"

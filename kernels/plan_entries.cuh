@@ -85,8 +85,12 @@ __device__ __forceinline__ int emit_entries(const PlanParams& p, RowTable t, Row
             if (inside) prev = left;
             else if (pos[k] > 0) prev = translate<HAS_LUT>(load_raw<FORM>(p, idx[k] - 1, inv_ps, bad), p.lut, p.lut_len, bad);
             // The sentinel only in the stored slot: the lane to the right took slot[k] as its predecessor,
-            // which keeps the plain translation (an evicted predecessor skips the chain check).
-            p.slots[i] = (raw[k] == 0 || (HAS_LUT && raw[k] > 0 && slot[k] == 0)) ? CANARY_MISSING_SLOT : slot[k];
+            // which keeps the plain translation (an evicted predecessor skips the chain check). padding_slot = -1:
+            // any negative translation is no slot, and a predecessor that is none is MISSING_SLOT (verify's "no
+            // link"; -1 would read as position 0's anchor).
+            if (CANARY_PADDING_NEG && pos[k] > 0 && prev < 0) prev = CANARY_MISSING_SLOT;
+            if (CANARY_PADDING_NEG) p.slots[i] = slot[k] < 0 ? CANARY_MISSING_SLOT : slot[k];
+            else p.slots[i] = (raw[k] == 0 || (HAS_LUT && raw[k] > 0 && slot[k] == 0)) ? CANARY_MISSING_SLOT : slot[k];
             p.prevs[i] = prev;
             p.positions[i] = pos[k];
             p.expected[i] = HAS_POOL ? tok[k] : -1;

@@ -42,12 +42,14 @@ __device__ __forceinline__ i64 row_key(const PlanParams& p, i64 rp, i64 lo, i64 
 // The raw slot R at virtual index v (SPEC 3.8): req_to_token's value; for a block b of a paged form, 0 for b = 0
 // (the padding block: what a 0 of req_to_token means), b * page_size + v % page_size for b > 0, and -1 for b < 0,
 // which sets bad (BAD_SLOT, written as -1 like a slot past the LUT). inv_ps = 1.0 / page_size (paged forms only).
+// With CANARY_PADDING_NEG (padding_slot = -1) block 0 is real and b < 0 is the engine's padding marker: -1, not bad.
 template <int FORM>
 __device__ __forceinline__ i64 load_raw(const PlanParams& p, i64 v, double inv_ps, int& bad) {
     if (FORM == CANARY_FORM_TOKENS) return (i64)p.req_to_token[v];
     const i64 s = p.page_size;
     const i64 page = floor_div(v, s, inv_ps);  // v < 2^62 and v / s < 2^50 (checked at bind)
     const i64 b = (i64)p.req_to_token[page];
+    if (CANARY_PADDING_NEG) return b < 0 ? -1 : b * s + (v - page * s);
     if (b < 0) { bad = 1; return -1; }
     return b == 0 ? 0 : b * s + (v - page * s);
 }

@@ -43,7 +43,8 @@ Deliberate differences from plan.cu (speed structure only; the outputs are the s
   finish (``finalize``), where plan.cu gives its
   fused grid one extra block that moves them once the others have read them: the same cursors, no block more.
 - Compile-time specializations are the constants ``kernel_functions`` closes over (Numba folds them):
-  ``HAS_LUT``, ``HAS_POOL`` and ``FORM`` (the index form, SPEC 3.8: plan_index.cuh) as in plan.cu, and the two
+  ``HAS_LUT``, ``HAS_POOL``, ``FORM`` (the index form, SPEC 3.8: plan_index.cuh) and ``PAD_NEG`` (plan.cu's
+  ``CANARY_PADDING_NEG``: ``padding_slot = -1``, SPEC 3.2 "No reserved slot") as in plan.cu, and the two
   block sizes, which size shared arrays (the
   simulator, one Python thread per CUDA thread, runs the same code with small blocks, at least one warp).
   plan.cu's ``WRITE_SIDE`` template flag is a runtime argument. An absent LUT / pool / valid_lens is a
@@ -159,17 +160,19 @@ def _power_of_two(name: str, value: int, minimum: int = 1) -> int:
 
 @functools.lru_cache(maxsize=None)
 def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THREADS,
-                     entry_threads: int = ENTRY_THREADS, form: int = CANARY_FORM_TOKENS):
+                     entry_threads: int = ENTRY_THREADS, form: int = CANARY_FORM_TOKENS, padding_slot: int = 0):
     """The plain Python kernels of one specialization: ``(canary_plan_fused, canary_plan_rows,
     canary_plan_entries)``, not yet compiled (``plan_kernels`` compiles them; ``cuda.compile_ptx`` can compile
     them on a machine without a GPU). The block sizes are compile-time constants because they size shared
-    arrays; launch each kernel with exactly its block size (entry blocks: whole warps)."""
+    arrays; launch each kernel with exactly its block size (entry blocks: whole warps). ``padding_slot``: 0 or -1
+    (SPEC 3.2)."""
     HAS_LUT = bool(has_lut)  # noqa: N806 - compile-time constants, named like plan.cu's template parameters
     HAS_POOL = bool(has_pool)  # noqa: N806
     FORM = int(form)  # noqa: N806
     PAGES = FORM == CANARY_FORM_PAGES  # noqa: N806
     PAGED = FORM != CANARY_FORM_TOKENS  # noqa: N806
     CAN_BAD = HAS_LUT or PAGED  # noqa: N806 - plan.cu's: a bad slot past the row scan, so finalize composes status
+    PAD_NEG = int(padding_slot) == -1  # noqa: N806 - plan.cu's CANARY_PADDING_NEG
     ROWS_T = _power_of_two("rows_threads", rows_threads)  # noqa: N806
     ENTRY_T = _power_of_two("entry_threads", entry_threads, 32)  # noqa: N806
     FUSED_TABLE = NUMBA_TABLE_ARRAYS * _FUSED_STRIDE  # noqa: N806
@@ -223,6 +226,10 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             return int64(req_to_token[v]), int64(0)
         page = floor_div(v, page_size, inv_ps)
         b = int64(req_to_token[page])
+        if PAD_NEG:  # block 0 is real; a negative block is the engine's padding marker, not bad
+            if b < 0:
+                return int64(-1), int64(0)
+            return b * page_size + (v - page * page_size), int64(0)
         if b < 0:
             return int64(-1), int64(1)
         if b == 0:
@@ -395,7 +402,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                     elif (write_side and w > 0 and ln[k] > 0
                             and (f & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) == 0):
                         sv, b = load_raw(req_to_token, key[k] * r2t_row_stride + (ln[k] - 1), page_size, inv_ps)
-                        seed[k] = sv
+                        seed[k] = int64(CANARY_MISSING_SLOT) if (PAD_NEG and sv < 0) else sv
                         bad |= b
                 voff, woff, noff, vtot, wtot, ntot = block_scan3(vsum, wsum, nsum)
                 voff += vcarry
@@ -418,6 +425,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                         if write_side:
                             write_offsets[r] = woff
                             sv, b = translate(seed[k], lut, lut_len)
+                            if PAD_NEG and seed[k] >= 0 and sv < 0:  # a seed read from the index that is no slot
+                                sv = int64(CANARY_MISSING_SLOT)
                             seeds[r] = sv
                             bad |= b
                     voff += vc[k]
@@ -623,7 +632,12 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                     slot, b1 = translate(raw[k], lut, lut_len)
                     prev, b2 = translate(praw[k], lut, lut_len)  # -1 (no predecessor) passes through
                     bad |= b1 | b2
-                    if raw[k] == 0 or (HAS_LUT and raw[k] > 0 and slot == 0):
+                    if PAD_NEG:  # any negative translation is no slot; a predecessor that is none: no link
+                        if slot < 0:
+                            slot = int64(CANARY_MISSING_SLOT)
+                        if pos[k] > 0 and prev < 0:
+                            prev = int64(CANARY_MISSING_SLOT)
+                    elif raw[k] == 0 or (HAS_LUT and raw[k] > 0 and slot == 0):
                         slot = int64(CANARY_MISSING_SLOT)  # the predecessor (prev) keeps its plain translation
                     slots[i] = slot
                     prevs[i] = prev
@@ -768,11 +782,12 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
 @functools.lru_cache(maxsize=None)
 def plan_kernels(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THREADS,
-                 entry_threads: int = ENTRY_THREADS, form: int = CANARY_FORM_TOKENS):
+                 entry_threads: int = ENTRY_THREADS, form: int = CANARY_FORM_TOKENS, padding_slot: int = 0):
     """``(canary_plan_fused, canary_plan_rows, canary_plan_entries)`` of one specialization (``form``: the index
     form, SPEC 3.8), compiled eagerly (``SIGNATURE``, plan.cu's launch bounds) once per process for the current
     device's compute capability. The module is loaded per device on first launch or by
     ``kernel.overloads[...].bind()``."""
     rows_threads, entry_threads = int(rows_threads), int(entry_threads)
     return tuple(cuda.jit(SIGNATURE, **_jit_options(k.__name__, rows_threads, entry_threads))(k)
-                 for k in kernel_functions(bool(has_lut), bool(has_pool), rows_threads, entry_threads, int(form)))
+                 for k in kernel_functions(bool(has_lut), bool(has_pool), rows_threads, entry_threads, int(form),
+                                           int(padding_slot)))

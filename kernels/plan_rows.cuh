@@ -153,8 +153,10 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
             seed[k] = -1;
             if (WRITE_SIDE && f[k].wlen > 0 && rp[k] == 0) seed[k] = CANARY_SKIP_SEED;
             else if (WRITE_SIDE && f[k].wlen > 0 && f[k].len > 0 &&
-                     !(f[k].flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)))
+                     !(f[k].flags & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN))) {
                 seed[k] = load_raw<FORM>(p, key[k] * p.r2t_row_stride + (f[k].len - 1), inv_ps, bad);
+                if (CANARY_PADDING_NEG && seed[k] < 0) seed[k] = CANARY_MISSING_SLOT;
+            }
         }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
@@ -177,7 +179,10 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
                 }
                 if (WRITE_SIDE) {
                     p.write_offsets[r] = woff;
-                    p.seeds[r] = translate<HAS_LUT>(seed[k], p.lut, p.lut_len, bad);
+                    const i64 sv = translate<HAS_LUT>(seed[k], p.lut, p.lut_len, bad);
+                    // padding_slot = -1: a seed read from the index (the sentinels are negative already, and
+                    // a raw padding marker was made MISSING_SLOT at the load) that is no slot (SPEC 3.2).
+                    p.seeds[r] = CANARY_PADDING_NEG && seed[k] >= 0 && sv < 0 ? CANARY_MISSING_SLOT : sv;
                 }
                 flags |= f[k].flags;
             }

@@ -15,6 +15,16 @@
 
 #define WRITE_WARPS (WRITE_THREADS / 32)
 
+// The records' padding_slot (SPEC 3.2 "No reserved slot", 4), given by the host (one module each): 0, slot 0 is
+// padding (verify and verify_layer skip it; a predecessor 0 has no link), the code it always was; 1 for
+// padding_slot = -1, slot 0 is verified like any slot and a predecessor MISSING_SLOT has no link. The write has no
+// padding slot (slot < 0 skips it in both).
+#ifndef CANARY_PADDING_NEG
+#define CANARY_PADDING_NEG 0
+#endif
+#define FIRST_SLOT (CANARY_PADDING_NEG ? 0 : 1)
+#define NO_LINK (CANARY_PADDING_NEG ? CANARY_MISSING_SLOT : 0)
+
 __device__ __forceinline__ u64 splitmix64(u64 x) {
     x ^= x >> 30;
     x *= 0xBF58476D1CE4E5B9ULL;
@@ -337,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const
     unsigned long long processed = 0;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const i64 slot = p.verify_slot_indices[i];
-        if (slot == 0) continue;  // padding
+        if (!CANARY_PADDING_NEG && slot == 0) continue;  // padding
         ++processed;
         const u64 ep = (u64)p.verify_expected_positions[i];
         const u64 et = (u64)p.verify_expected_tokens[i];
@@ -358,12 +368,12 @@ extern "C" __global__ void __launch_bounds__(VERIFY_THREADS) canary_verify(const
         bool checked = true;
         if (prev == -1) {
             expected = ANCHOR_LINK;
-        } else if (prev > 0 && prev < st.num_slots) {
+        } else if (prev >= FIRST_SLOT && prev < st.num_slots) {
             const u64* prec = slot_record(st, prev);
             expected = chain_link(prec[2], prec[0], prec[1]);
         } else {
-            checked = false;  // 0: the predecessor page was freed (SWA); anything else is out of range
-            if (prev != 0) bits |= FAIL_SLOT_RANGE;
+            checked = false;  // NO_LINK: the predecessor page was freed (SWA); anything else is out of range
+            if (prev != NO_LINK) bits |= FAIL_SLOT_RANGE;
         }
         if (checked && hash != expected) bits |= FAIL_CHAIN;
         if (pos != ep) bits |= FAIL_POSITION;
@@ -502,7 +512,7 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) canary_verify_layer(
     unsigned long long processed = 0;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const i64 slot = p.verify_slot_indices[i];
-        if (slot == 0) continue;
+        if (!CANARY_PADDING_NEG && slot == 0) continue;
         ++processed;
         if (slot < 0 || slot >= st.num_slots) continue;
         const u64 stored = (u64)p.layer_hashes[slot * p.num_layers + layer];

@@ -261,9 +261,13 @@ def _jit_options(threads: int) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = VERIFY_THREADS,
-                     scatter_threads: int = SCATTER_THREADS):
+                     scatter_threads: int = SCATTER_THREADS, padding_slot: int = 0):
     """The plain Python kernels ``(canary_write, canary_verify, canary_scatter)`` for the given block sizes
-    (constants to Numba: they size shared arrays)."""
+    (constants to Numba: they size shared arrays) and the records' ``padding_slot`` (0 or -1: records.cu's
+    ``CANARY_PADDING_NEG``, SPEC 3.2 "No reserved slot"; verify only)."""
+    PAD_NEG = int(padding_slot) == -1  # noqa: N806 - slot 0 is real: verified, and a predecessor 0 has a link
+    FIRST_SLOT = 0 if PAD_NEG else 1  # noqa: N806
+    NO_LINK = MISSING_SLOT if PAD_NEG else 0  # noqa: N806 - the predecessor that has no link
     WT = int(write_threads)
     VT = int(verify_threads)
     for name, value in (("write_threads", WT), ("verify_threads", VT)):
@@ -502,7 +506,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
         stride = int64(cuda.gridDim.x) * cuda.blockDim.x
         while i < n:
             slot = verify_slot_indices[i]
-            if slot != 0:  # 0: padding
+            if PAD_NEG or slot != 0:  # 0: padding
                 processed += U1
                 ep = uint64(verify_expected_positions[i])
                 et = uint64(verify_expected_tokens[i])
@@ -526,12 +530,12 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                     checked = True
                     if prev == -1:
                         expected = ANCHOR_LINK
-                    elif prev > 0 and prev < num_slots:
+                    elif prev >= FIRST_SLOT and prev < num_slots:
                         pat = prev * slot_stride_words
                         expected = chain_link(canary[pat + 2], canary[pat], canary[pat + 1])
                     else:
-                        checked = False  # 0: the predecessor page was freed (SWA); anything else is out of range
-                        if prev != 0:
+                        checked = False  # NO_LINK: the predecessor page was freed (SWA); anything else: out of range
+                        if prev != NO_LINK:
                             bits |= FAIL_SLOT_RANGE
                     if checked and stored_hash != expected:
                         bits |= FAIL_CHAIN
@@ -573,10 +577,11 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
 
 @functools.lru_cache(maxsize=None)
 def canary_kernels(write_threads: int = WRITE_THREADS, verify_threads: int = VERIFY_THREADS,
-                   scatter_threads: int = SCATTER_THREADS):
+                   scatter_threads: int = SCATTER_THREADS, padding_slot: int = 0):
     """``(canary_write, canary_verify, canary_scatter_i64, canary_scatter_i32)``, compiled eagerly once per
-    process (records.cu's launch bounds)."""
-    write, verify, scatter = kernel_functions(int(write_threads), int(verify_threads), int(scatter_threads))
+    process and ``padding_slot`` (records.cu's launch bounds)."""
+    write, verify, scatter = kernel_functions(int(write_threads), int(verify_threads), int(scatter_threads),
+                                              int(padding_slot))
     out = [cuda.jit(_signature(WRITE_PARAMS), **_jit_options(write_threads))(write),
            cuda.jit(_signature(VERIFY_PARAMS), **_jit_options(verify_threads))(verify)]
     for ty in ("int64[::1]", "int32[::1]"):
@@ -630,8 +635,11 @@ def owner_of(write_offsets, nreq, num_entries, i):
 
 
 @functools.lru_cache(maxsize=None)
-def layer_kernel_functions(threads: int = LAYER_THREADS):
-    """The plain Python kernels ``(canary_write_layers, canary_verify_layer)`` for a block size (a power of two)."""
+def layer_kernel_functions(threads: int = LAYER_THREADS, padding_slot: int = 0):
+    """The plain Python kernels ``(canary_write_layers, canary_verify_layer)`` for a block size (a power of two)
+    and the records' ``padding_slot`` (0 or -1: whether verify_layer skips slot 0)."""
+    PAD_NEG = int(padding_slot) == -1  # noqa: N806
+    FIRST_SLOT = 0 if PAD_NEG else 1  # noqa: N806
     T = int(threads)
     if T < 1 or T & (T - 1):
         raise ValueError(f"threads: expected a power of two, got {T}")
@@ -687,9 +695,9 @@ def layer_kernel_functions(threads: int = LAYER_THREADS):
         stride = int64(cuda.gridDim.x) * cuda.blockDim.x
         while i < n:
             slot = verify_slot_indices[i]
-            if slot != 0:
+            if PAD_NEG or slot != 0:
                 processed += U1
-                if slot > 0 and slot < num_slots:
+                if slot >= FIRST_SLOT and slot < num_slots:
                     stored = layer_hashes[slot * num_layers + layer]
                     fresh = fold_layer(layer_words, kvp, num_sources, layer, slot)
                     if stored != fresh and not reported(reported_slots, has_reported_slots, num_slots, slot, 1):
@@ -703,9 +711,9 @@ def layer_kernel_functions(threads: int = LAYER_THREADS):
 
 
 @functools.lru_cache(maxsize=None)
-def layer_kernels(num_arrays: int, threads: int = LAYER_THREADS):
+def layer_kernels(num_arrays: int, threads: int = LAYER_THREADS, padding_slot: int = 0):
     """``(canary_write_layers, canary_verify_layer)`` compiled eagerly for a ``layer_words`` tuple of
-    ``num_arrays`` arrays (``num_layers * num_sources``)."""
+    ``num_arrays`` arrays (``num_layers * num_sources``) and ``padding_slot``."""
     sig = "void({})".format(", ".join(ty.format(int(num_arrays)) for _, ty in LAYER_PARAMS))
-    write, verify = layer_kernel_functions(int(threads))
+    write, verify = layer_kernel_functions(int(threads), int(padding_slot))
     return (cuda.jit(sig, **_jit_options(threads))(write), cuda.jit(sig, **_jit_options(threads))(verify))

@@ -138,6 +138,7 @@ class StaticArgs:
     # The outputs' byte ranges (overlap.Spans: addresses and names, no arrays): per-step inputs are checked
     # against them when first seen.
     output_spans: Any = None
+    padding_slot: int = 0  # SPEC 3.2 "No reserved slot": 0 (slot 0 is padding) or -1 (a negative slot is)
     # The bound index (SPEC 3.8); None: req_to_token's (KVIndex(FORM_TOKENS, req_to_token))
     kv_index: KVIndex | None = None
 

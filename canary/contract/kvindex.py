@@ -34,22 +34,27 @@ NO_REQ_BOUND = (1 << 63) - 1
 BAD_RAW = (1 << 63) - 1
 
 
-def paged_raw(blocks: np.ndarray, offsets: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+def paged_raw(blocks: np.ndarray, offsets: np.ndarray, page_size: int, padding_slot: int = 0
+              ) -> tuple[np.ndarray, np.ndarray]:
     """``(R, bad)`` of block entries ``blocks`` at in-page offsets ``offsets``: ``R`` = 0 for a 0 block,
-    ``b * S + offset`` for ``b > 0``, -1 for a negative block, which ``bad`` marks (``BAD_SLOT``, SPEC 3.8)."""
+    ``b * S + offset`` for ``b > 0``, -1 for a negative block, which ``bad`` marks (``BAD_SLOT``, SPEC 3.8).
+    ``padding_slot=-1`` (SPEC 3.2, "No reserved slot"): block 0 is real (``R = offset``) and a negative block is
+    the engine's padding marker, ``R = -1`` with no ``bad``."""
     b = np.asarray(blocks).astype(np.int64)
+    if padding_slot == -1:
+        return np.where(b >= 0, b * np.int64(page_size) + offsets, np.int64(-1)), np.zeros(b.shape, dtype=bool)
     bad = b < 0
     raw = np.where(b > 0, b * np.int64(page_size) + offsets, np.where(bad, np.int64(-1), np.int64(0)))
     return raw, bad
 
 
-def expand_block_table(block_table: np.ndarray, page_size: int) -> np.ndarray:
+def expand_block_table(block_table: np.ndarray, page_size: int, padding_slot: int = 0) -> np.ndarray:
     """The token table ``[rows, max_blocks * S]`` int64 a block table stands for: ``R`` at every position (-1 at the
-    positions of a negative block, which the plan reports as ``BAD_SLOT``)."""
+    positions of a negative block, which the plan reports as ``BAD_SLOT``, or with ``padding_slot=-1`` as no slot)."""
     bt = np.asarray(block_table)
     rows, blocks = bt.shape
     offsets = np.tile(np.arange(page_size, dtype=np.int64), blocks)
-    raw, _ = paged_raw(np.repeat(bt, page_size, axis=1), offsets[None, :], page_size)
+    raw, _ = paged_raw(np.repeat(bt, page_size, axis=1), offsets[None, :], page_size, padding_slot)
     return raw.reshape(rows, blocks * page_size)
 
 

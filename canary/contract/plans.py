@@ -29,10 +29,28 @@ SKIP_SEED = -(1 << 63)
 MISSING_SLOT = -(1 << 62)
 
 
-def mark_missing(raw: np.ndarray, slot: np.ndarray) -> np.ndarray:
+PADDING_SLOTS = (0, -1)
+
+
+def check_padding_slot(value: Any, name: str = "padding_slot") -> int:
+    """``padding_slot`` (SPEC 3.2, "No reserved slot"): 0 (slot 0 is the padding slot, the default) or -1 (slot 0
+    is real; a negative slot marks padding). Raises ``TypeError`` for a non-int, ``ValueError`` for another int;
+    ``name``: the argument the message names."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise fail(TypeError, f"{name}: expected an int (0 or -1), got {type(value).__name__} {value!r}")
+    if int(value) not in PADDING_SLOTS:
+        raise fail(ValueError, f"{name}: expected 0 (slot 0 is the padding slot) or -1 (slot 0 is real, a "
+                               f"negative slot marks padding), got {int(value)}")
+    return int(value)
+
+
+def mark_missing(raw: np.ndarray, slot: np.ndarray, padding_slot: int = 0) -> np.ndarray:
     """The verify slots of entries with req_to_token values ``raw`` and translations ``slot`` (``raw`` itself
     without a LUT): ``MISSING_SLOT`` where the position has no real slot (``raw == 0``, or ``raw > 0`` mapped to
-    0), ``slot`` elsewhere (SPEC 3.2, "cleared mappings")."""
+    0), ``slot`` elsewhere (SPEC 3.2, "cleared mappings"). ``padding_slot=-1``: where ``slot < 0`` instead (a
+    negative raw slot or translation; SPEC 3.2, "No reserved slot")."""
+    if padding_slot == -1:
+        return np.where(slot < 0, np.int64(MISSING_SLOT), slot)
     return np.where((raw == 0) | ((raw > 0) & (slot == 0)), np.int64(MISSING_SLOT), slot)
 
 

@@ -136,6 +136,10 @@ class StateViews:
     fields: np.ndarray | None  # host only
     spans: Spans | None = None  # the state arrays' byte ranges: what per-call arrays and sources must not touch
     reported_slots: ArrayView | None = None
+    # The convention of the records bound over these views (SPEC 3.2 "No reserved slot", 4): 0, slot 0 is padding
+    # (verify skips it, a predecessor 0 has no link); -1, slot 0 is a slot like any other and a predecessor
+    # MISSING_SLOT has no link. Set by CanaryRecords; the layer rotation bound to it follows.
+    padding_slot: int = 0
 
     def host(self, name: str) -> np.ndarray:
         return getattr(self, name).host

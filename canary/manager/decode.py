@@ -261,7 +261,8 @@ class ReportDecoder:
         else any position. A verify row: the batch rows, then running requests by their last row, mapping the slot
         at another position. Reads a column, or the candidates' rows (a sync each, on the error path only)."""
         slot = v.slot
-        if not 0 < slot < g.spec.num_slots or v.reasons & (FailReason.MISSING | FailReason.SLOT_RANGE):
+        first = 0 if g.spec.padding_slot == -1 else 1  # slot 0 is real when the engine says so (SPEC 3.2)
+        if not first <= slot < g.spec.num_slots or v.reasons & (FailReason.MISSING | FailReason.SLOT_RANGE):
             return ()  # no real slot: nothing maps it (slot 0, the padding slot, is in every unwritten entry)
         index = rows.index
         if index is None:
@@ -332,7 +333,9 @@ class ReportDecoder:
         column = rows.raw_column(p)
         prev = v.predecessor_slot
         missing = prev is not None
-        before = rows.raw_column(p - 1) if missing and prev > 0 and p > 0 else None
+        pad = g.spec.padding_slot
+        # a predecessor that is a slot (MISSING_SLOT or 0 when it is none: SPEC 3.2) names the request
+        before = rows.raw_column(p - 1) if missing and prev >= (0 if pad == -1 else 1) and p > 0 else None
         out = []
         for rid, key in candidates:
             if not index.has(key):
@@ -341,7 +344,7 @@ class ReportDecoder:
             if raw == NOT_HELD:  # a page row that does not hold the position
                 continue
             if missing:
-                hit = int(mark_missing(raw, translate(raw))) == MISSING_SLOT and (
+                hit = int(mark_missing(raw, translate(raw), pad)) == MISSING_SLOT and (
                     before is None or translate(int(before[key])) == prev)
             else:
                 hit = translate(raw) == v.slot
@@ -401,6 +404,7 @@ class _RowCache:
 
     def __init__(self, g: BoundGroup):
         self.index, self.lut = host_index(g), g.spec.full_to_swa_index_mapping  # None: nothing to attribute
+        self.first_slot = 0 if g.spec.padding_slot == -1 else 1  # the lowest real slot (SPEC 3.2)
         self._lut: np.ndarray | None = None
         self._raw: dict[int, np.ndarray] = {}
         self._cols: dict[int, np.ndarray] = {}
@@ -446,7 +450,7 @@ class _RowCache:
             for i, (_, k) in enumerate(candidates):
                 if self.index.has(k):
                     row = self.row(k)
-                    at = np.flatnonzero(row > 0)
+                    at = np.flatnonzero(row >= self.first_slot)
                     slots.append(row[at]), who.append(np.full(at.shape[0], i, np.int64)), pos.append(at)
             slots, who, pos = np.concatenate(slots), np.concatenate(who), np.concatenate(pos)
             order = np.argsort(slots, kind="stable")

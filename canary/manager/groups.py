@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import check_keywords, fail
 from ..interop.adapter import identity
 from ..plan.planner import CanaryPlanner
-from ..contract.plans import VerifyPlan, WritePlan
+from ..contract.plans import VerifyPlan, WritePlan, check_padding_slot
 from ..records.api import CanaryRecords
 from ..contract.realkv import RealKVMode, real_kv
 from ..contract.state import CanaryState
@@ -41,6 +41,10 @@ class KVGroup:
       int64 full slot -> SWA slot); its writes translate ``out_cache_loc`` through the mapping.
     - ``kv_token_id_vs_position_offset``: 0 for a target model, +1 for an EAGLE draft model's pool.
     - ``padding_rows_carry_tokens``: SPEC 3.2 (False: SGLang's layout).
+    - ``padding_slot``: ``0`` (default, SGLang's: slot 0 / block 0 are padding, never verified) or ``-1`` (the
+      engine's slot 0 and block 0 are real, a negative slot or block entry marks padding: Hugging Face
+      transformers' continuous batching), SPEC 3.2 "No reserved slot"; passed to the group's planner and
+      records alike. Row 0 of the index stays the padding row in both.
     - ``sweep_budget``: cached-prefix entries this group verifies per step (docs/integration.md 5b); ``None``
       takes the manager's ``sweep_budget``, 0 turns the sweep off. Sliding-window groups are not swept.
     - ``on_overflow``: ``"sample"`` (default) or ``"skip"``, as for :class:`canary.CanaryPlanner`.
@@ -68,6 +72,7 @@ class KVGroup:
     full_to_swa_index_mapping: Any = None
     kv_token_id_vs_position_offset: int = 0
     padding_rows_carry_tokens: bool = False
+    padding_slot: int = 0  # SPEC 3.2 "No reserved slot": -1 when the engine's slot 0 is a real slot
     sweep_budget: int | None = None
     on_overflow: str = "sample"  # the planner's (SPEC 3.7): "skip" verifies nothing on a step over the budget
     layer_sources: Sequence[Any] = ()
@@ -133,6 +138,7 @@ def check_groups(groups: Any) -> list[KVGroup]:
         if not isinstance(g.layer_sources, (list, tuple)):
             raise fail(TypeError, f"groups[{i}].layer_sources: expected a list of per-layer source lists (one a "
                                   f"layer), got {type(g.layer_sources).__name__}")
+        check_padding_slot(g.padding_slot, f"groups[{i}].padding_slot")
         max_cols.add(check_index(g, i)[1])
     if len(max_cols) > 1:
         raise fail(ValueError, f"groups: expected every req_to_token to have the same max_seq_len (the "
@@ -200,9 +206,10 @@ def bind_group(index: int, spec: KVGroup, *, pool: Any, device: Any, library: st
         full_to_swa_index_mapping=spec.full_to_swa_index_mapping, req_to_verify_expected_tokens=pool,
         kv_token_id_vs_position_offset=spec.kv_token_id_vs_position_offset,
         padding_rows_carry_tokens=spec.padding_rows_carry_tokens, max_batch_size=max_batch_size, backend=backend,
-        on_overflow=spec.on_overflow,
+        on_overflow=spec.on_overflow, padding_slot=spec.padding_slot,
     )
-    records = CanaryRecords(state, real_kv(spec.real_kv_sources, spec.real_kv_mode), backend=backend)
+    records = CanaryRecords(state, real_kv(spec.real_kv_sources, spec.real_kv_mode), backend=backend,
+                            padding_slot=spec.padding_slot)
     scratch = empty(max_step_tokens, np.int64) if spec.full_to_swa_index_mapping is not None else None
     return BoundGroup(index, spec, vp, wp, state, planner, records, scratch, layers=bind_layers(index, spec, records),
                       bound=bound_of(spec))
@@ -260,7 +267,8 @@ def rebound(g: BoundGroup, spec: KVGroup, *, pool: Any, max_batch_size: int) -> 
         swa_window_size=spec.swa_window_size, full_to_swa_index_mapping=spec.full_to_swa_index_mapping,
         req_to_verify_expected_tokens=pool, kv_token_id_vs_position_offset=spec.kv_token_id_vs_position_offset,
         padding_rows_carry_tokens=spec.padding_rows_carry_tokens, max_batch_size=max_batch_size,
-        backend=g.planner.backend, on_overflow=spec.on_overflow,
+        backend=g.planner.backend, on_overflow=spec.on_overflow, padding_slot=spec.padding_slot,
     )
-    records = CanaryRecords(g.state, real_kv(spec.real_kv_sources, spec.real_kv_mode), backend=g.records.backend)
+    records = CanaryRecords(g.state, real_kv(spec.real_kv_sources, spec.real_kv_mode), backend=g.records.backend,
+                            padding_slot=spec.padding_slot)
     return planner, records, bind_layers(g.index, spec, records)

@@ -146,10 +146,11 @@ def host_index(g) -> "TokenIndex | PageIndex | None":
         if held is None:
             return None
         ids, kv_indptr, kv_indices = held
-        return PageIndex(ids, kv_indptr, kv_indices, int(spec.page_size), int(spec.max_seq_len))
+        return PageIndex(ids, kv_indptr, kv_indices, int(spec.page_size), int(spec.max_seq_len),
+                         spec.padding_slot)
     if form == "block_table":
-        return TokenIndex(spec.block_table, int(spec.page_size), True)
-    return TokenIndex(spec.req_to_token, 1, False)
+        return TokenIndex(spec.block_table, int(spec.page_size), True, spec.padding_slot)
+    return TokenIndex(spec.req_to_token, 1, False, spec.padding_slot)
 
 
 def open_pages(groups, request_ids, index: dict | None, captured: dict | None = None) -> None:
@@ -182,12 +183,13 @@ class TokenIndex:
     """A group's token table or block table as token rows on the host, for the report's attributions (copies, a
     sync each, on the error path only): ``column(p)`` (every row's raw slot at position ``p``) and ``row(rp)``
     (row ``rp``'s slots), int64, a negative block entry as -1. Keyed by ``req_pool_indices`` (the reported step's
-    rows, a running request's last row), row 0 the padding row. A page list is a :class:`PageIndex`."""
+    rows, a running request's last row), row 0 the padding row. A page list is a :class:`PageIndex`.
+    ``padding_slot``: the group's (SPEC 3.2 "No reserved slot": -1 makes block 0 a real block)."""
 
     by_batch_row = False
 
-    def __init__(self, table: Any, page_size: int, paged: bool):
-        self.table, self.page_size, self.paged = table, page_size, paged
+    def __init__(self, table: Any, page_size: int, paged: bool, padding_slot: int = 0):
+        self.table, self.page_size, self.paged, self.padding_slot = table, page_size, paged, padding_slot
         rows, cols = as_view(table, "req_to_token").shape
         self.shape = (rows, cols * page_size)
         self.max_seq_len = self.shape[1]
@@ -201,14 +203,15 @@ class TokenIndex:
             return np.asarray(to_host(self.table[:, p])).astype(np.int64)
         s = self.page_size
         blocks = np.asarray(to_host(self.table[:, p // s]))
-        return paged_raw(blocks, p % s, s)[0]
+        return paged_raw(blocks, p % s, s, self.padding_slot)[0]
 
     def row(self, rp: int) -> np.ndarray:
         if not self.paged:
             return np.asarray(to_host(self.table[rp])).astype(np.int64)
         s = self.page_size
         blocks = np.repeat(np.asarray(to_host(self.table[rp])), s)
-        return paged_raw(blocks, np.tile(np.arange(s, dtype=np.int64), blocks.shape[0] // s if s else 0), s)[0]
+        return paged_raw(blocks, np.tile(np.arange(s, dtype=np.int64), blocks.shape[0] // s if s else 0), s,
+                         self.padding_slot)[0]
 
 
 def _host_span(obj: Any, start: int, stop: int, name: str) -> np.ndarray:
@@ -244,8 +247,10 @@ class PageIndex:
 
     by_batch_row = True
 
-    def __init__(self, request_ids: tuple, kv_indptr: Any, kv_indices: Any, page_size: int, max_seq_len: int):
+    def __init__(self, request_ids: tuple, kv_indptr: Any, kv_indices: Any, page_size: int, max_seq_len: int,
+                 padding_slot: int = 0):
         self.request_ids, self.kv_indptr, self.kv_indices = request_ids, kv_indptr, kv_indices
+        self.padding_slot = padding_slot
         self.page_size, self.max_seq_len = page_size, max_seq_len
         self.bs = len(request_ids)
         self._rows: dict | None = None
@@ -300,7 +305,7 @@ class PageIndex:
         if not held.any():
             return np.full(self.bs, NOT_HELD, np.int64)
         blocks = self._pages[np.where(held, self.first + p // s, 0)]
-        return np.where(held, paged_raw(blocks, p % s, s)[0], np.int64(NOT_HELD))
+        return np.where(held, paged_raw(blocks, p % s, s, self.padding_slot)[0], np.int64(NOT_HELD))
 
     def row(self, r: int) -> np.ndarray:
         if self._pages is None:
@@ -309,4 +314,4 @@ class PageIndex:
             return np.zeros(0, np.int64)
         s, first, n = self.page_size, int(self.first[r]), int(self.pages[r])
         blocks = np.repeat(self._pages[first:first + n], s)
-        return paged_raw(blocks, np.tile(np.arange(s, dtype=np.int64), n), s)[0]
+        return paged_raw(blocks, np.tile(np.arange(s, dtype=np.int64), n), s, self.padding_slot)[0]

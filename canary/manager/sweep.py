@@ -26,7 +26,7 @@ from ..errors import fail
 from ..interop.adapter import as_view
 from ..interop.cudart import H2D, OnDevice, runtime
 from ..interop.hostcopy import to_host
-from ..contract.plans import VerifyPlan
+from ..contract.plans import MISSING_SLOT, VerifyPlan
 from ..interop.libs import library_of
 from .groups import BoundGroup
 
@@ -265,8 +265,9 @@ class Sweeper:
         if t is not None and t.shape[0] != n:
             raise fail(ValueError, f"tokens: expected one token per slot ({n}), got {t.shape[0]}")
         if prev_slot is None:
-            # Position 0 chains from the anchor; a later start's predecessor is another node's: skip that link.
-            first_prev = -1 if start == 0 else 0
+            # Position 0 chains from the anchor; a later start's predecessor is another node's: skip that link
+            # (verify's "no link": 0, or MISSING_SLOT in a group whose slot 0 is real, SPEC 4).
+            first_prev = -1 if start == 0 else None
         else:
             if isinstance(prev_slot, bool) or not isinstance(prev_slot, (int, np.integer)):
                 raise fail(TypeError, f"prev_slot: expected None or an int, got {type(prev_slot).__name__}")
@@ -278,12 +279,13 @@ class Sweeper:
         for name in targets:
             g = self.sweeps[name].group
             num_slots = int(g.spec.num_slots)
-            bad = np.flatnonzero((s < 1) | (s >= num_slots))
+            lowest = 0 if g.spec.padding_slot == -1 else 1  # slot 0 is real there (SPEC 3.2)
+            bad = np.flatnonzero((s < lowest) | (s >= num_slots))
             if bad.size:
                 i = int(bad[0])
-                raise fail(ValueError, f"slots: expected slot ids in [1, {num_slots}) (group {name!r}'s pool; 0 is "
-                                       f"padding), got slots[{i}] = {int(s[i])}")
-            if not -1 <= first_prev < num_slots:
+                raise fail(ValueError, f"slots: expected slot ids in [{lowest}, {num_slots}) (group {name!r}'s pool"
+                                       f"{'' if lowest == 0 else '; 0 is padding'}), got slots[{i}] = {int(s[i])}")
+            if first_prev is not None and not -1 <= first_prev < num_slots:
                 raise fail(ValueError, f"prev_slot: expected -1 or a slot id below {num_slots} (group {name!r}), "
                                        f"got {first_prev}")
         for name in targets:
@@ -291,7 +293,8 @@ class Sweeper:
             block = np.empty((4, n), dtype=np.int64)
             block[SLOT] = s
             block[POSITION] = np.arange(start, start + n, dtype=np.int64)
-            block[PREV, :1] = first_prev
+            block[PREV, :1] = first_prev if first_prev is not None else (
+                MISSING_SLOT if sweep.group.spec.padding_slot == -1 else 0)
             block[PREV, 1:] = s[:-1]
             block[TOKEN] = -1
             if t is not None:

@@ -116,7 +116,7 @@ def step_index(bound: KVIndex, bs: int, view: Callable[[Any, str], ArrayView], *
     return step
 
 
-def row_reader(index: KVIndex, rpi: np.ndarray) -> Callable[[int, int, int], np.ndarray]:
+def row_reader(index: KVIndex, rpi: np.ndarray, padding_slot: int = 0) -> Callable[[int, int, int], np.ndarray]:
     """``read_row(r, lo, hi)``: batch row ``r``'s raw slots at positions ``lo:hi`` copied to the host (a sync each,
     on ``check=True``'s error path only), a bad block entry as ``BAD_RAW`` (past any LUT). Only called for rows
     whose key and prefix the plan trusted (``canary.contract.rows.bad_slot_rows``)."""
@@ -139,7 +139,7 @@ def row_reader(index: KVIndex, rpi: np.ndarray) -> Callable[[int, int, int], np.
         else:
             first = int(ptr[r])
             blocks = part_to_host(table, slice(first + b0, first + b1))
-        raw, bad = paged_raw(np.asarray(blocks)[pos // s - b0], pos % s, s)
+        raw, bad = paged_raw(np.asarray(blocks)[pos // s - b0], pos % s, s, padding_slot)
         return np.where(bad, np.int64(BAD_RAW), raw)
 
     return read_row
@@ -177,7 +177,7 @@ def first_bad_row_of(s, step_index: KVIndex | None, status, rpi, prefix, ext, va
         return first_bad_row(c), None
     row_bits = PlanStatus.OVERFLOW | PlanStatus.BAD_REQ_POOL_INDEX | PlanStatus.BAD_PREFIX_LEN | \
         PlanStatus.BAD_VALID_LEN | PlanStatus.BAD_EXTEND_LEN
-    read_row = row_reader(index, rpi)
+    read_row = row_reader(index, rpi, s.padding_slot)
     lut_len = BAD_RAW if lut is None else lut.shape[0]  # no LUT: only a bad block entry sets the bit
     verify_ran = not status & row_bits
     # A sampled step translated only the entries it took (SPEC 3.7), which the host cannot tell apart once the

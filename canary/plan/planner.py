@@ -16,8 +16,8 @@ from ..interop.callviews import CallViews, Reuse, fingerprint
 from ..interop.hostcopy import to_host
 from ..interop.overlap import Spans, check_disjoint, spans
 from ..contract.plans import (
-    INT64, VERIFY_ENTRY_FIELDS, VERIFY_SCALAR_FIELDS, WRITE_FIELDS, VerifyPlan, WritePlan, raise_for_status,
-    view_verify_plan, view_write_plan,
+    INT64, VERIFY_ENTRY_FIELDS, VERIFY_SCALAR_FIELDS, WRITE_FIELDS, VerifyPlan, WritePlan, check_padding_slot,
+    raise_for_status, view_verify_plan, view_write_plan,
 )
 from ..contract.kvindex import FORM_PAGES, FORM_TOKENS
 from .index import INDEX_ARRAYS, bind_index, first_bad_row_of, step_index
@@ -51,6 +51,7 @@ def bind_static(
     verify_capacity: int | None = None,
     max_batch_size: int | None = None,
     on_overflow: str = "sample",
+    padding_slot: int = 0,
 ) -> StaticArgs:
     """Validate and view everything a planner binds once (SPEC 3.3; the index in one of its forms, 3.8). Raises
     ``ValueError`` / ``TypeError``."""
@@ -86,6 +87,7 @@ def bind_static(
     if not isinstance(padding_rows_carry_tokens, (bool, np.bool_)):
         raise fail(TypeError, f"padding_rows_carry_tokens: expected a bool, got "
                               f"{type(padding_rows_carry_tokens).__name__} {padding_rows_carry_tokens!r}")
+    padding_slot = check_padding_slot(padding_slot)
 
     mbs = r_cap if max_batch_size is None else _int_arg("max_batch_size", max_batch_size)
     if mbs < 0:
@@ -113,6 +115,7 @@ def bind_static(
         verify_cursors=cursors,
         device_id=device_id,
         output_spans=Spans(out_spans, device_id),
+        padding_slot=padding_slot,
     )
 
 
@@ -179,6 +182,7 @@ class CanaryPlanner:
       place in batch order, so ``write_offsets`` counts them and the row's seed is
       :data:`~canary.contract.plans.SKIP_SEED`, which makes the canary write skip them. The wrong choice shifts
       every later row's tokens: the canary then reports violations on a clean run.
+    - ``padding_slot``: 0 (slot 0 / block 0 are padding) or -1 (real; negatives mark padding): SPEC 3.2.
     - ``verify_capacity``: optional; must equal ``C`` when given.
     - ``max_batch_size``: largest ``bs`` accepted (default ``R``); sizes the planner's scratch.
     - ``on_overflow``: what a step whose verify entries exceed ``C`` does (SPEC 3.7). ``"sample"`` (default):
@@ -402,7 +406,7 @@ def _one_shot_planner(static: StaticArgs, backend: str) -> CanaryPlanner:
     index_key = _NO_INDEX if kv is None else (
         (kv.form, kv.page_size), _view_key(kv.table), _view_key(kv.kv_indptr))
     key = (backend, static.swa_window_size, static.kv_token_id_vs_position_offset, static.max_batch_size,
-           static.padding_rows_carry_tokens) + index_key + tuple(
+           static.padding_rows_carry_tokens, static.padding_slot) + index_key + tuple(
         _view_key(getattr(static, f)) for f in _VIEW_FIELDS)
     hit = _BOUND.get(key)
     if hit is None:
@@ -437,6 +441,7 @@ def launch_canary_plan_kernels(
     kv_token_id_vs_position_offset: int = 0,
     padding_rows_carry_tokens: bool = False,
     on_overflow: str = "sample",
+    padding_slot: int = 0,
     backend: str = "auto",
     stream: Any = None,
     check: bool = False,
@@ -472,6 +477,7 @@ def launch_canary_plan_kernels(
         verify_capacity=verify_capacity,
         padding_rows_carry_tokens=padding_rows_carry_tokens,
         on_overflow=on_overflow,
+        padding_slot=padding_slot,
         block_table=block_table,
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,

@@ -11,6 +11,7 @@ and their Numba twin ``kernels/records_numba.py`` for CUDA arrays; each call lau
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,8 @@ from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check
 from ..interop.overlap import Spans, spans
 from ..interop.streams import launch_stream
 from ..interop.callviews import CallViews, Reuse, fingerprint
-from ..contract.plans import INT32, INT64, VerifyPlan, WritePlan, view_verify_plan, view_write_plan
+from ..contract.plans import (INT32, INT64, VerifyPlan, WritePlan, check_padding_slot, view_verify_plan,
+                              view_write_plan)
 from ..contract.realkv import RealKV
 from ..contract.realkv import real_kv as make_real_kv
 from ..contract.ring import KernelTag, RingReport, encode_tag
@@ -45,6 +47,12 @@ class CanaryRecords:
     ``launch_config``: :class:`~canary.LaunchConfig` (block sizes under Numba's simulator; engines keep the
     default).
 
+    ``padding_slot``: ``0`` (default: slot 0 is the padding slot, which verify skips, and a predecessor 0 has no
+    link) or ``-1`` (slot 0 is real: verified like any slot, a predecessor 0 is chain-checked, and a predecessor
+    :data:`~canary.MISSING_SLOT` has no link), SPEC 3.2 "No reserved slot" and 4. Use the value the planner of
+    the verified plans was bound with; a :class:`~canary.records.layers.CanaryLayers` bound to these records
+    follows it. The write is the same in both. ``TypeError`` for a non-int, ``ValueError`` for another int.
+
     Binding validates the state and the sources once (a source sharing memory with the state is refused: its
     hash would cover bytes the kernels rewrite) and, on a GPU backend, packs their pointers: the caller's
     arrays must stay alive and in place while the canary is used (the canary keeps references to them).
@@ -53,9 +61,10 @@ class CanaryRecords:
     """
 
     def __init__(self, state: CanaryState, real_kv: RealKV | Any = None, *, backend: str = "auto",
-                 launch_config: LaunchConfig = DEFAULT_LAUNCH):
+                 launch_config: LaunchConfig = DEFAULT_LAUNCH, padding_slot: int = 0):
         self.state = state
-        self.views = bind_state(state)
+        self.padding_slot = check_padding_slot(padding_slot)
+        self.views = dataclasses.replace(bind_state(state), padding_slot=self.padding_slot)
         if real_kv is None:
             real_kv = make_real_kv(())
         elif not isinstance(real_kv, RealKV):

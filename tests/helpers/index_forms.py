@@ -11,7 +11,8 @@
   page list whose padding rows carry tokens gets junk pages up to ``max_seq_len`` positions.
 - :func:`bad_entry_case`: a paged case with the faults no token table can hold (negative block entries, kv_indptr
   pairs out of order or past ``nnz``): checked against the naive oracle and across backends, not against a twin.
-- :func:`paged_hand_cases`: named cases of both forms, each with the status it was built to produce.
+- :func:`paged_hand_cases`: named cases of both forms, each with the status it was built to produce, and
+  :func:`padding_slot_hand_cases` (``padding_slot=-1``, SPEC 3.2 "No reserved slot") in all three forms.
 """
 from __future__ import annotations
 
@@ -29,12 +30,16 @@ def _rng(seed) -> np.random.Generator:
 
 
 def random_block_table(rows: int, blocks: int, page_size: int, *, lut_len: int | None, rng, zero: float = 0.05,
-                       stride_pad: int = 0) -> np.ndarray:
+                       stride_pad: int = 0, padding_slot: int = 0) -> np.ndarray:
     """``[rows, blocks]`` int32 block ids: mostly slots inside the LUT (or below 2**31 without one), some 0 (the
-    padding block), with a LUT some past it (BAD_SLOT); row 0 zeros (the padding row)."""
+    padding block), with a LUT some past it (BAD_SLOT); row 0 zeros (the padding row). ``padding_slot=-1``
+    (SPEC 3.2 "No reserved slot": block 0 is real) also some negative blocks, the engine's padding marker."""
     hi = max(2, (lut_len + page_size) // page_size) if lut_len is not None else max(2, ((1 << 31) - 1) // page_size)
     bt = rng.integers(1, hi, size=(rows, blocks), dtype=np.int64)
     bt[rng.random(bt.shape) < zero] = 0
+    if padding_slot == -1:
+        neg = rng.random(bt.shape) < zero
+        bt[neg] = rng.integers(-(1 << 31), 0, size=int(neg.sum()))
     if rows:
         bt[0] = 0
     return strided(bt.astype(np.int32), stride_pad) if stride_pad else bt.astype(np.int32)
@@ -54,8 +59,8 @@ def block_twins(case: PlanCase, page_size: int, seed=0, *, stride_pad: int | Non
     blocks = -(-case.max_seq_len // page_size) if case.max_seq_len else 0
     pad = int(rng.integers(0, 3)) if stride_pad is None else stride_pad
     bt = random_block_table(case.max_reqs, blocks, page_size, lut_len=None if case.lut is None else len(case.lut),
-                            rng=rng, stride_pad=pad)
-    r2t = expand_block_table(bt, page_size).astype(np.int32)
+                            rng=rng, stride_pad=pad, padding_slot=case.padding_slot)
+    r2t = expand_block_table(bt, page_size, case.padding_slot).astype(np.int32)
     tokens = case.replace(req_to_token=r2t, name=f"{case.name}-tokens-s{page_size}")
     return tokens, tokens.replace(form="block_table", block_table=bt, page_size=page_size,
                                   name=f"{case.name}-blocks-s{page_size}")
@@ -221,4 +226,54 @@ def paged_hand_cases() -> list[PlanCase]:
           expect=SAMPLED)
     pages("empty_indices", [(1, 0, 0), (0, 3, 1)], [0, 0, 0], [], C=0, on_overflow="skip",
           notes="nnz = 0: a row of no pages and P = 0 is fine")
-    return cases
+    return cases + padding_slot_hand_cases()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# padding_slot = -1 (SPEC 3.2 "No reserved slot"): slot 0 and block 0 are real, a negative slot is padding
+
+M = -(1 << 62)  # MISSING_SLOT
+PS = 2  # the page size of the cases below
+# rp 1: blocks 0, 3, -1, 5 -> slots 0 1 | 6 7 | -  - | 10 11; rp 2: blocks 2, -7, 4, 0 -> 4 5 | - - | 8 9 | 0 1
+REAL0_BLOCKS = np.array([[0, 0, 0, 0], [0, 3, -1, 5], [2, -7, 4, 0], [1, 1, 1, 1]], np.int32)
+# lut[x] = 1000 + x over 10 slots but for 0 -> 0 (a real SWA slot 0) and 9 -> -1 (a freed mapping)
+REAL0_LUT = np.array([0, 1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008, -1], np.int64)
+
+# name: (rows (rp, P, E), W, lut?, expected slots, prevs, seeds (per batch row), status)
+REAL0_CASES = {
+    "real0_decode": ([(1, 4, 1)], 0, False, [0, 1, 6, 7], [-1, 0, 1, 6], [7], 0),
+    "real0_missing_in_window": ([(1, 6, 1), (0, 9, 9)], 0, False, [0, 1, 6, 7, M, M], [-1, 0, 1, 6, 7, M],
+                                [M, -1], 0),
+    "real0_seed_cleared": ([(1, 5, 2)], 1, True, [M], [1007], [M], 0),
+    "real0_pred_outside_window": ([(2, 6, 1)], 2, True, [1008, M], [M, 1008], [M], 0),
+    "real0_lut_zero": ([(1, 2, 1), (2, 1, 0)], 2, True, [0, 1001, 1004], [-1, 0, -1], [1001, -1], 0),
+    "real0_block0_late": ([(2, 8, 0)], 0, False, [4, 5, M, M, 8, 9, 0, 1], [-1, 4, 5, M, M, 8, 9, 0], [-1], 0),
+    "real0_bad_slot_past_lut": ([(1, 7, 1)], 2, True, [M, M], [M, M], [M], 8),
+}
+
+
+def _real0_pages(rows) -> tuple[list[int], list[int]]:
+    """A page list of REAL0_BLOCKS' rows for the batch rows ``rows`` (a padding row gets junk pages)."""
+    indptr, pages = [0], []
+    for rp, _p, _e in rows:
+        pages += [int(b) for b in REAL0_BLOCKS[rp]] if rp else [-5, 77]
+        indptr.append(len(pages))
+    return indptr, pages
+
+
+def padding_slot_hand_cases() -> list[PlanCase]:
+    """REAL0_CASES in all three forms, ``padding_slot=-1`` (names ``<form>_<case>``; expected values in
+    REAL0_CASES, the same bytes in every form)."""
+    r2t = expand_block_table(REAL0_BLOCKS, PS, -1).astype(np.int32)
+    out = []
+    for name, (rows, W, lut, *_rest) in REAL0_CASES.items():
+        expect = _rest[-1]
+        base = make_case(name, rows, r2t=r2t, W=W, lut=REAL0_LUT if lut else None, expect_status=expect,
+                         on_overflow="skip").replace(padding_slot=-1)
+        out.append(base.replace(name="tokens_" + name))
+        out.append(base.replace(form="block_table", block_table=REAL0_BLOCKS.copy(), page_size=PS,
+                                name="blocks_" + name))
+        indptr, pages = _real0_pages(rows)
+        out.append(base.replace(form="page_list", kv_indptr=np.asarray(indptr, np.int64),
+                                kv_indices=np.asarray(pages, np.int32), page_size=PS, name="pages_" + name))
+    return out

@@ -38,6 +38,7 @@ class LayerCase:
     seed: int
     launches: list = field(default_factory=list)  # ("write", offsets, seeds, nvalid, loc) / ("verify", ...) / ("flip", ...)
     reported: np.ndarray | None = None  # [num_slots] uint8 reported_slots (SPEC 4); None: not given
+    padding_slot: int = 0  # the records' (SPEC 4): -1 makes verify_layer fold slot 0 like any slot
 
     def __repr__(self) -> str:
         return self.name
@@ -100,7 +101,7 @@ def run_case(case: LayerCase, backend: str, place, launch_config=None) -> Run:
     table = LayerTable(layer_hashes=place(rng.integers(-2**63, 2**63, (case.num_slots, case.num_layers),
                                                        dtype=np.int64)),
                        layer_cursor=place(np.array(case.cursor, dtype=np.int32)))
-    records = CanaryRecords(state, None, backend=backend)
+    records = CanaryRecords(state, None, backend=backend, padding_slot=case.padding_slot)
     layers = CanaryLayers(records, per_layer, mode=case.mode, table=table, dwell=case.dwell, backend=backend,
                           launch_config=launch_config or DEFAULT_LAUNCH)
     layers.warmup()
@@ -156,6 +157,7 @@ def random_case(seed: int) -> LayerCase:
                      int(rng.integers(1, 4)), (int(rng.integers(-2, layers + 2)), int(rng.integers(-1, 4))), seed)
     if rng.random() < 0.3:
         case.reported = rng.integers(0, 4, size=num_slots).astype(np.uint8)
+    case.padding_slot = int(rng.choice([0, -1]))
     for _ in range(int(rng.integers(2, 9))):
         r = rng.random()
         if r < 0.4:
@@ -207,6 +209,10 @@ def hand_cases() -> list[LayerCase]:
     v = ("verify", np.array([1, 2, 8, 0, 4, MISSING_SLOT, 9], dtype=np.int64), np.full(7, -1, dtype=np.int64),
          np.arange(7, dtype=np.int64), 7, 1, 5)
     c.launches = [w, v, ("flip", 1, 0, 4, 3), v, w, v]
+    out.append(c)
+    # padding_slot=-1: slot 0 (written by w, entry 3 of v) is folded and checked; a flip of its bytes is reported
+    c = LayerCase("real0_slot_zero", 9, 2, stacked=True, cursor=(0, 0), padding_slot=-1, **base)
+    c.launches = [w, v, ("flip", 0, 1, 0, 1), v, v]
     out.append(c)
     c = LayerCase("five_layers_separate", 9, 5, stacked=False, cursor=(7, 2), **base)  # a corrupt cursor: layer 0
     c.launches = [w, v, ("flip", 0, 4, 1, 0)] + [v, ("write",) + w[1:4] + (np.zeros(0, dtype=np.int64),)] * 6

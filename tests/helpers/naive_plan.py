@@ -35,6 +35,9 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
       batch rows, row r's pages ``kv_indices[kv_indptr[r]:kv_indptr[r + 1]]`` (a pair out of order or past nnz:
       BAD_REQ_POOL_INDEX, the row then bounded by ``nnz * S``; else its pages' positions replace max_seq_len),
       and ``rp`` is bounded only by the cursors (sampling) and the pool keyed by it.
+    - ``case.padding_slot == -1`` (SPEC 3.2 "No reserved slot"): a block b >= 0 is slot ``b * S + p % S`` (block
+      0 too), b < 0 reads as -1 without BAD_SLOT; a position whose raw slot or translation is negative is no slot:
+      its entry, its successor's predecessor and a seed read there are MISSING_SLOT; 0 is a slot like any other.
     """
     out = {k: np.array(v, copy=True) for k, v in outputs.items()}
     r2t = case.req_to_token
@@ -54,6 +57,7 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     W = int(case.swa_window_size)
     off = int(case.token_offset)
     carry = bool(getattr(case, "padding_rows_carry_tokens", False))
+    real0 = getattr(case, "padding_slot", 0) == -1
     C = int(out["verify_slot_indices"].shape[0])
     R = int(out["write_seed_slot_indices"].shape[0])
     bs = len(case.req_pool_indices)
@@ -76,9 +80,14 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             assert 0 <= at < nnz, ("out-of-bounds read of kv_indices", r, p)
             b = int(case.kv_indices[at])
         if b < 0:
-            status |= BAD_SLOT
+            if not real0:  # with padding_slot=-1, the engine's padding marker
+                status |= BAD_SLOT
             return -1
-        return 0 if b == 0 else b * S + p % S
+        return 0 if b == 0 and not real0 else b * S + p % S
+
+    def no_slot(value: int) -> int:
+        """A translated value read at a real position: MISSING_SLOT when it is no slot (padding_slot=-1 only)."""
+        return MISSING_SLOT if real0 and value < 0 else value
 
     def T(x: int) -> int:
         nonlocal status
@@ -145,9 +154,11 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             rp = int(case.req_pool_indices[r])
             raw = read_slot(r, p)
             slot = T(raw)
-            if raw == 0 or (raw > 0 and slot == 0):  # no real slot where the window needs one
+            if real0:
+                slot = no_slot(slot)
+            elif raw == 0 or (raw > 0 and slot == 0):  # no real slot where the window needs one
                 slot = MISSING_SLOT
-            prev = T(read_slot(r, p - 1)) if p > 0 else -1
+            prev = no_slot(T(read_slot(r, p - 1))) if p > 0 else -1
             expected = -1
             if pool is not None:
                 col = p + off
@@ -172,7 +183,7 @@ def naive_plan(case, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         running += wlen
         seed = -1
         if rp != 0 and row_ok[r] and E > 0 and P > 0:
-            seed = T(read_slot(r, P - 1))
+            seed = no_slot(T(read_slot(r, P - 1)))
         elif rp == 0 and wlen > 0:
             seed = SKIP_SEED
         out["write_seed_slot_indices"][r] = seed

@@ -69,6 +69,7 @@ class NaiveState:
     sources: list[Source] = field(default_factory=list)
     mode: int = 2  # 0 NONE, 1 PARTIAL, 2 ALL
     reported: list[int] | None = None  # SPEC 4's reported slots: bit 1 drops a slot's rows, bit 2 its MISSING rows
+    padding_slot: int = 0  # the records' (SPEC 4): -1 verifies slot 0 and has MISSING_SLOT as "no link"
 
     def is_reported(self, slot: int, bit: int) -> bool:
         return self.reported is not None and 0 <= slot < len(self.fields) and bool(self.reported[slot] & bit)
@@ -164,9 +165,11 @@ def verify(st: NaiveState, *, slots, exp_tokens, exp_positions, prev_slots, num_
         return
     num_slots = len(st.fields)
     token_on = bool(st.check_flags & 2)
+    real0 = st.padding_slot == -1
+    lowest, no_link = (0, MISSING_SLOT) if real0 else (1, 0)
     for i in range(clamp(num_valid, 0, len(slots))):
         slot = slots[i]
-        if slot == 0:
+        if slot == 0 and not real0:
             continue
         st.slot_runs[1] += 1
         ep, et, prev = exp_positions[i], exp_tokens[i], prev_slots[i]
@@ -174,18 +177,18 @@ def verify(st: NaiveState, *, slots, exp_tokens, exp_positions, prev_slots, num_
             if not st.is_reported(prev, 2):
                 st.append([tag, slot, ep, 0, et, 0, prev, 128])  # expected_aux: the predecessor, naming the request
             continue
-        if not 0 < slot < num_slots:
+        if not lowest <= slot < num_slots:
             st.append([tag, slot, ep, 0, et, 0, 0, 64])
             continue
         tok, pos, prev_hash, kv = st.fields[slot]
         bits = 0
         if prev == -1:
             checked, expected = True, LINK_NONE
-        elif 0 < prev < num_slots:
+        elif lowest <= prev < num_slots:
             checked, expected = True, st.link(prev)
         else:
             checked, expected = False, 0
-            if prev != 0:
+            if prev != no_link:
                 bits |= 64
         if checked and prev_hash != expected:
             bits |= 1

@@ -102,6 +102,7 @@ class PlanCase:
     swa_window_size: int = 0
     token_offset: int = 0  # kv_token_id_vs_position_offset
     padding_rows_carry_tokens: bool = False  # planner option (SPEC 3.2): padding rows' E counts in write_offsets
+    padding_slot: int = 0  # planner option (SPEC 3.2 "No reserved slot"): -1 when slot 0 is real
     max_batch_size: int | None = None  # planner option (None: write_req_capacity)
     on_overflow: str = "sample"  # planner option (SPEC 3.7)
     cursors: np.ndarray | None = None  # [max_reqs] int64 rotation state before the plan (None: zeros)
@@ -182,6 +183,7 @@ class PlanCase:
             kv_token_id_vs_position_offset=self.token_offset,
             padding_rows_carry_tokens=self.padding_rows_carry_tokens,
             on_overflow=self.on_overflow,
+            padding_slot=self.padding_slot,
         )
 
     def step_kwargs(self, conv: Callable[[np.ndarray], Any] = lambda a: a) -> dict[str, Any]:
@@ -201,6 +203,7 @@ class PlanCase:
         lines = [
             f"PlanCase {self.name!r}: bs={self.bs} C={self.verify_capacity} R={self.write_req_capacity} "
             f"W={self.swa_window_size} off={self.token_offset} carry={self.padding_rows_carry_tokens} "
+            f"padding_slot={self.padding_slot} "
             f"on_overflow={self.on_overflow} form={self.form} page_size={self.page_size} "
             f"r2t={self.req_to_token.shape} "
             f"(row stride {self.req_to_token.strides[0] // 4}) lut={None if self.lut is None else self.lut.shape} "
@@ -805,6 +808,7 @@ def random_case(
     strided_r2t: bool | None = None,
     max_reqs: tuple[int, int] = (2, 10),
     max_seq_len: tuple[int, int] = (1, 40),
+    padding_slot: int | None = None,
     name: str = "random",
 ) -> PlanCase:
     """A random, valid-on-the-host plan case.
@@ -819,7 +823,9 @@ def random_case(
     tenth of it per slot value of one beyond the LUT), ``capacity``: ``"tight"`` (total-1, total or total+1),
     ``"loose"`` (total .. total+16), ``"any"`` (0 .. 2*total+2), ``"sampled"`` (1 .. total-1 when total > 1);
     ``on_overflow``: ``"sample"``, ``"skip"`` or None (mostly sample; skip when C = 0, which cannot sample). The
-    rotation state starts zero, inside the rows' windows, or as garbage.
+    rotation state starts zero, inside the rows' windows, or as garbage. ``padding_slot``: the planner option
+    (SPEC 3.2 "No reserved slot"), 0, -1 or None (either, drawn last: the rest of the case is the same either way);
+    with -1 the LUT also maps some slots to 0 (a real slot) and to MISSING_SLOT (a freed mapping).
     """
     src = _source(rng_or_draw)
     bulk = np.random.default_rng(src.seed())  # bulk values: not worth shrinking element by element
@@ -936,11 +942,16 @@ def random_case(
     elif kind == 2:
         cursors = bulk.choice(np.array(garbage + [0, 1, 2, 3], dtype=np.int64), size=n_reqs)
     R = n + src.int(0, 3)
+    pad = src.pick([0, -1]) if padding_slot is None else int(padding_slot)
+    if pad == -1 and lut_arr is not None:  # slot 0 of the SWA pool is real; other negatives are freed mappings
+        u = bulk.random(lut_len)
+        lut_arr[u < 0.03] = 0
+        lut_arr[(u >= 0.03) & (u < 0.05)] = -(1 << 62)
     return PlanCase(
         name=name, req_to_token=r2t, req_pool_indices=rpi_a, prefix_lens=P_a, extend_seq_lens=E_a,
         verify_capacity=C, write_req_capacity=R, lut=lut_arr, pool=pool_arr,
         valid_lens=_i64(VL) if use_pool else None, pool_indices=q_a, swa_window_size=W, token_offset=off,
-        padding_rows_carry_tokens=carry, on_overflow=mode, cursors=cursors,
+        padding_rows_carry_tokens=carry, on_overflow=mode, cursors=cursors, padding_slot=pad,
     )
 
 
@@ -974,6 +985,9 @@ RULE_KNOBS = [
     dict(capacity="sampled", on_overflow="sample"),
     dict(capacity="sampled", on_overflow="sample", swa=True, pool=True, padding_fraction=0.4),
     dict(pool=True, pool_indices=True, fault_prob=0.1),
+    dict(padding_slot=-1, fault_prob=0.1),  # SPEC 3.2 "No reserved slot"
+    dict(padding_slot=-1, swa=True, pool=True, padding_fraction=0.4),
+    dict(padding_slot=-1, capacity="sampled", on_overflow="sample", swa=True),
 ]
 # The GPU matrices: the rules, and batch sizes on both sides of the fused / two-pass boundary.
 GPU_RANDOM_KNOBS = RULE_KNOBS + [
@@ -1141,7 +1155,7 @@ def expected_outputs(case: PlanCase, poison: Poison = POISON) -> dict[str, np.nd
         token_offset=case.token_offset, req_pool_indices=case.req_pool_indices, prefix_lens=case.prefix_lens,
         extend_seq_lens=case.extend_seq_lens, valid_lens=case.valid_lens, out=out,
         padding_rows_carry_tokens=case.padding_rows_carry_tokens, pool_indices=case.pool_indices,
-        cursors=out["verify_cursors"] if case.on_overflow == "sample" else None,
+        cursors=out["verify_cursors"] if case.on_overflow == "sample" else None, padding_slot=case.padding_slot,
     )
     return out
 

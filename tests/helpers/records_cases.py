@@ -54,6 +54,7 @@ class CanaryCase:
     mode: RealKVMode = RealKVMode.ALL
     seed: int = 0  # of the poison
     reported: np.ndarray | None = None  # [num_slots] uint8 reported_slots (SPEC 4); None: not given
+    padding_slot: int = 0  # CanaryRecords' option (SPEC 3.2 "No reserved slot", 4)
     # Worked out by hand (some hand cases): the (slot, reasons) of the last launch's ring rows, in entry order.
     expect: list[tuple[int, FailReason]] | None = None
 
@@ -110,6 +111,7 @@ def run_case(case: CanaryCase, backend: str, place: Callable, to_host: Callable,
     state, wide = make_state(case, place)
     sources = [(place(a), ps, nb, rb) for a, ps, nb, rb in case.sources]
     canary = CanaryRecords(state, real_kv(sources, case.mode) if sources else None, backend=backend,
+                           padding_slot=case.padding_slot,
                            **({} if launch_config is None else {"launch_config": launch_config}))
     out = []
     for launch in case.launches:
@@ -365,6 +367,29 @@ def hand_cases() -> list[CanaryCase]:
     add("slot_stride_padding_untouched", chain_then_verify(_a(3, 4, 9, 15, 1)), slot_stride_bytes=56)
     add("one_slot_canary", [write_launch([0, 2], [-1], _a(0, 1), _a(1, 2), _a(0, 1)),
                             verify_launch(_a(0, 1), _a(1, 2), _a(0, 1), _a(-1, 0))], num_slots=1)
+    # padding_slot=-1 (SPEC 3.2 "No reserved slot", 4): slot 0 is verified like any slot, a predecessor 0 is chain
+    # checked, a MISSING_SLOT predecessor has no link (no CHAIN, no SLOT_RANGE), a seed of MISSING_SLOT chains from
+    # the anchor. One request writes slots 0, 1, 2 (positions 0-2); verify: slot 0 (position wrong: POSITION), 1
+    # (chain from 0: clean), 2 with predecessor MISSING_SLOT (clean), 2 with predecessor 0 (CHAIN: 2's link is 1's),
+    # MISSING_SLOT with predecessor MISSING_SLOT (MISSING), slot 0 with predecessor -2 (SLOT_RANGE).
+    add("real0_verify_by_hand", [
+        write_launch([0, 3], [-1], _a(0, 1, 2), _a(10, 11, 12), _a(0, 1, 2)),
+        verify_launch(_a(0, 1, 2, 2, MISSING_SLOT, 0), _a(10, 11, 12, 12, 13, 10), _a(5, 1, 2, 2, 3, 0),
+                      _a(-1, 0, MISSING_SLOT, 0, MISSING_SLOT, -2))],
+        padding_slot=-1, expect=[(0, F.POSITION), (2, F.CHAIN), (MISSING_SLOT, F.MISSING), (0, F.SLOT_RANGE)])
+    add("real0_default_skips_the_same", [
+        write_launch([0, 3], [-1], _a(0, 1, 2), _a(10, 11, 12), _a(0, 1, 2)),
+        verify_launch(_a(0, 1, 2, 2, MISSING_SLOT, 0), _a(10, 11, 12, 12, 13, 10), _a(5, 1, 2, 2, 3, 0),
+                      _a(-1, 0, MISSING_SLOT, 0, MISSING_SLOT, -2))],
+        expect=[(2, F.SLOT_RANGE), (MISSING_SLOT, F.MISSING)])
+    add("real0_seed_missing_chains_from_anchor", [
+        write_launch([0, 2], [MISSING_SLOT], _a(3, 4), _a(10, 11), _a(5, 6)),
+        verify_launch(_a(3, 4), _a(10, 11), _a(5, 6), _a(MISSING_SLOT, 3))], padding_slot=-1,
+        check_flags=int(CheckFlags.VERIFY_TOKEN), expect=[])
+    add("real0_reported_slot_zero", [
+        verify_launch(_a(0, 1, MISSING_SLOT), _a(-1, -1, -1), _a(99, 99, 0), _a(-1, 0, 0))],
+        padding_slot=-1, reported=_rep(S, {0: 3}), records=np.tile(_a(40, 7, 123, 0), (S, 1)),
+        expect=[(1, F.POSITION | F.CHAIN)])
     scan_cases(add)
     for kinds, mode in (("p", RealKVMode.ALL), ("pt", RealKVMode.ALL), ("ptw", RealKVMode.PARTIAL),
                         ("tw", RealKVMode.NONE), ("ptwp", RealKVMode.ALL)):
@@ -521,6 +546,7 @@ def random_case(seed: int, *, max_slots: int = 40, max_entries: int = 80) -> Can
         case.records = rng.integers(-2, 6, size=(num_slots, 4))
     if rng.random() < 0.3:
         case.reported = rng.integers(0, 4, size=num_slots).astype(np.uint8)
+    case.padding_slot = int(rng.choice([0, -1]))  # SPEC 4: whether slot 0 is real
     written: list[int] = []
     for _ in range(int(rng.integers(1, 5))):
         if rng.random() < 0.55:
@@ -582,7 +608,8 @@ def _random_verify(rng, num_slots: int, written: list[int], max_entries: int) ->
     cap = int(rng.integers(0, max_entries))
     pool = np.array(written + [0, 1, num_slots - 1], dtype=np.int64)
     slots = np.where(rng.random(cap) < 0.8, rng.choice(pool, size=cap), rng.integers(-2, num_slots + 2, size=cap))
-    prev = np.where(rng.random(cap) < 0.6, np.roll(slots, 1), rng.choice([-1, 0, -2, num_slots, 1], size=cap))
+    prev = np.where(rng.random(cap) < 0.6, np.roll(slots, 1),
+                    rng.choice([-1, 0, -2, num_slots, 1, MISSING_SLOT], size=cap))
     toks = np.where(rng.random(cap) < 0.3, -1, rng.integers(-2, 50, size=cap))
     pos = rng.integers(-1, 9, size=cap)
     return verify_launch(slots, toks, pos, prev, num_valid=int(rng.choice([cap, cap, -1, cap + 3, cap // 2])),

@@ -30,14 +30,18 @@ FORMS = {None: b"", 0: b"", 1: b"_blocks", 2: b"_pages"}  # CANARY_PLAN_FORM (No
 
 @pytest.mark.sim
 @needs_nvrtc
+@pytest.mark.parametrize("padding_neg", [False, True], ids=["padding0", "padding-1"])
 @pytest.mark.parametrize("form", list(FORMS), ids=["default", "req_to_token", "block_table", "page_list"])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_plan_cu_compiles_every_specialization(arch, form):
-    """One module per index form (SPEC 3.8; the CuPy host defines CANARY_PLAN_FORM), each with its four (LUT,
-    pool) specializations and nothing else: req_to_token's kernels keep their names."""
+def test_plan_cu_compiles_every_specialization(arch, form, padding_neg):
+    """One module per index form (SPEC 3.8; the CuPy host defines CANARY_PLAN_FORM) and padding slot (SPEC 3.2 "No
+    reserved slot": CANARY_PADDING_NEG for padding_slot=-1), each with its four (LUT, pool) specializations and
+    nothing else: req_to_token's kernels keep their names."""
     from cuda.core import Program, ProgramOptions
 
-    define = {} if form is None else {"define_macro": ("CANARY_PLAN_FORM", str(form))}
+    macros = ([] if form is None else [("CANARY_PLAN_FORM", str(form))]) + (
+        [("CANARY_PADDING_NEG", "1")] if padding_neg else [])
+    define = {"define_macro": macros} if macros else {}
     # cubin, not PTX: cuda.core asks the (absent) driver whether it could load generated PTX.
     cubin = Program(cuda_source("plan"), "c++", ProgramOptions(arch=arch, std="c++17", **define)).compile("cubin").code
     symbols = set(re.findall(rb"canary_plan_\w+", cubin))
@@ -64,11 +68,14 @@ def test_plan_params_layout_matches_the_cuda_struct():
 
 @pytest.mark.sim
 @needs_nvrtc
+@pytest.mark.parametrize("padding_neg", [False, True], ids=["padding0", "padding-1"])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_canary_cu_compiles(arch):
+def test_canary_cu_compiles(arch, padding_neg):
     from cuda.core import Program, ProgramOptions
 
-    cubin = Program(cuda_source("records"), "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin").code
+    define = {"define_macro": [("CANARY_PADDING_NEG", "1")]} if padding_neg else {}
+    cubin = Program(cuda_source("records"), "c++", ProgramOptions(arch=arch, std="c++17", **define)
+                    ).compile("cubin").code
     for kernel in (b"canary_write", b"canary_verify", b"canary_scatter_i64", b"canary_scatter_i32",
                    b"canary_append_tokens_i64", b"canary_append_tokens_i32"):
         assert kernel in cubin

@@ -155,9 +155,10 @@ def nvvm():
 @pytest.mark.skipif(not HAS_NUMBA_CUDA, reason=NO_NUMBA_CUDA)
 @pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
 @pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
+@pytest.mark.parametrize("padding_slot", [0, -1], ids=["padding0", "padding-1"])  # SPEC 3.2 "No reserved slot"
 @pytest.mark.parametrize("form", [0, 1, 2], ids=["req_to_token", "block_table", "page_list"])
 @pytest.mark.parametrize("has_lut,has_pool", [(False, False), (True, False), (False, True), (True, True)])
-def test_kernels_compile_for_sm90(monkeypatch, nvvm, has_lut, has_pool, form):
+def test_kernels_compile_for_sm90(monkeypatch, nvvm, has_lut, has_pool, form, padding_slot):
     from types import SimpleNamespace
 
     from numba import cuda
@@ -170,7 +171,7 @@ def test_kernels_compile_for_sm90(monkeypatch, nvvm, has_lut, has_pool, form):
     # Device functions compile for "the current device"; there is none here. Say it is an sm_90 (H200).
     monkeypatch.setattr(dispatcher, "get_current_device", lambda: SimpleNamespace(compute_capability=(9, 0)))
     sfx = plan_numba.suffix(has_lut, has_pool, form)
-    for kernel in plan_numba.kernel_functions(has_lut, has_pool, form=form):
+    for kernel in plan_numba.kernel_functions(has_lut, has_pool, form=form, padding_slot=padding_slot):
         ptx, _ = cuda.compile_ptx(kernel, plan_numba.SIGNATURE, cc=(9, 0),
                                   launch_bounds=plan_numba.launch_bounds(kernel.__name__))
         assert ".maxntid" in ptx  # plan.cu's __launch_bounds__
@@ -182,7 +183,8 @@ def test_kernels_compile_for_sm90(monkeypatch, nvvm, has_lut, has_pool, form):
 @pytest.mark.skipif(not HAS_NUMBA_CUDA, reason=NO_NUMBA_CUDA)
 @pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
 @pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
-def test_canary_kernels_compile_for_sm90(monkeypatch, nvvm):
+@pytest.mark.parametrize("padding_slot", [0, -1], ids=["padding0", "padding-1"])
+def test_canary_kernels_compile_for_sm90(monkeypatch, nvvm, padding_slot):
     """The canary twin (kernels/records_numba.py): every kernel types and compiles, in u64 arithmetic only."""
     from types import SimpleNamespace
 
@@ -193,7 +195,7 @@ def test_canary_kernels_compile_for_sm90(monkeypatch, nvvm):
 
     cn = numba_kernels("records_numba")
     monkeypatch.setattr(dispatcher, "get_current_device", lambda: SimpleNamespace(compute_capability=(9, 0)))
-    write, verify, scatter = cn.kernel_functions()
+    write, verify, scatter = cn.kernel_functions(padding_slot=padding_slot)
     sigs = [(write, cn.WRITE_PARAMS), (verify, cn.VERIFY_PARAMS), (scatter, cn.scatter_params("int64[::1]")),
             (scatter, cn.scatter_params("int32[::1]"))]
     for kernel, params in sigs:

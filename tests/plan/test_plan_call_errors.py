@@ -112,7 +112,7 @@ def test_stream_with_host_arrays_is_refused(api, stream, shown):
 _ACCEPTED = ("backend, launch_config, verify_plan_out, write_plan_out, req_to_token, block_table, kv_indptr, "
              "kv_indices, page_size, swa_window_size, "
              "full_to_swa_index_mapping, req_to_verify_expected_tokens, kv_token_id_vs_position_offset, "
-             "padding_rows_carry_tokens, verify_capacity, max_batch_size, on_overflow")
+             "padding_rows_carry_tokens, verify_capacity, max_batch_size, on_overflow, padding_slot")
 
 
 def test_unknown_keyword_to_the_planner():

@@ -209,6 +209,11 @@ def test_the_hand_cases_find_their_flips():
     assert {v.layer for v in five if v.slot == 2} == {4}
     # The corrupt cursor (7) reads as layer 0; the verifies after the flip see layers 2, 3, 4, 0, 1, 2.
     assert sum(1 for v in five if v.slot == 2) == 1
+    # padding_slot=-1: slot 0 is written, folded and verified clean, then its flip in layer 1 is found (the
+    # default would skip slot 0 and never see it)
+    real0 = [sorted((v.layer, v.slot) for v in map(decode_row, map(np.array, rows)))
+             for rows in runs["real0_slot_zero"].rows]
+    assert real0 == [[], [(1, 4)], [(1, 0), (1, 4)], [(1, 0), (1, 4)]]
 
 
 # -- the CUDA source -----------------------------------------------------------------------------------------------
@@ -370,7 +375,7 @@ def test_numba_layer_kernels_compile_for_sm90(monkeypatch):
         "dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))\n"
         "for n in (2, 128):\n"
         "    sig = 'void({})'.format(', '.join(ty.format(n) for _, ty in cn.LAYER_PARAMS))\n"
-        "    for kernel in cn.layer_kernel_functions():\n"
+        "    for kernel in cn.layer_kernel_functions() + cn.layer_kernel_functions(padding_slot=-1):\n"
         "        ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))\n"
         "        assert kernel.__name__ in ptx\n"
         "        assert not re.search(r'\\bcvt\\.rn\\.f64|\\.f64\\b', ptx), kernel.__name__\n"

@@ -78,12 +78,13 @@ def test_reference_matches_naive_oracle(seed):
                                  reported_slots=bool(rng.random() < 0.4))
     if state.reported_slots is not None:
         state.reported_slots[:] = rng.integers(0, 4, size=num_slots)
-    views = bind_state(state)
+    padding_slot = _pick(rng, [0, -1])  # SPEC 4: -1 verifies slot 0, MISSING_SLOT predecessors have no link
+    views = dataclasses.replace(bind_state(state), padding_slot=padding_slot)
     views.fields[:] = rng.integers(-1, 4, size=views.fields.shape)
     state.ring_write_index[0] = _pick(rng, [0, 0, 3, -2])  # -2: the uint32 count 2**32 - 2, about to wrap
     kv, srcs, mode = _random_sources(rng, num_slots)
     ns = _naive_state(views)
-    ns.sources, ns.mode = srcs, mode
+    ns.sources, ns.mode, ns.padding_slot = srcs, mode, padding_slot
     ns.reported = None if state.reported_slots is None else state.reported_slots.tolist()
 
     for _ in range(2):  # write, then write again over the same slots
@@ -114,6 +115,8 @@ def test_reference_matches_naive_oracle(seed):
     slots = np.where(rng.random(cap) < 0.7, rng.choice(np.append(loc, 0), size=cap) if n else 0,
                      rng.integers(-2, num_slots + 2, size=cap))
     prev = np.where(rng.random(cap) < 0.5, np.roll(slots, 1), rng.integers(-2, num_slots + 2, size=cap))
+    prev = np.where(rng.random(cap) < 0.1, MISSING_SLOT, prev)
+    slots = np.where(rng.random(cap) < 0.1, MISSING_SLOT, slots)
     exp_pos = views.fields[np.clip(slots, 0, num_slots - 1), 1] + (rng.random(cap) < 0.2)
     exp_tok = views.fields[np.clip(slots, 0, num_slots - 1), 0] + (rng.random(cap) < 0.2)
     exp_tok = np.where(rng.random(cap) < 0.3, -1, exp_tok)

@@ -11,7 +11,7 @@ from ...contract.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig
 from ...contract.layers_layout import LAYER_FIELDS, LAYER_THREADS, layer_grid
 from . import OnDevice, Params, Streams, cupy, load_functions
-from .records import real_kv_words, state_words
+from .records import real_kv_words, records_defines, state_words
 
 NAME = "cupy"
 ON_DEVICE = True
@@ -37,7 +37,8 @@ class Bound:
         if self._fns is not None:
             return
         self._fns, self._per_sm, self._sms = load_functions(
-            self.device_id, "records", (("canary_write_layers", LAYER_THREADS), ("canary_verify_layer", LAYER_THREADS)))
+            self.device_id, "records", (("canary_write_layers", LAYER_THREADS), ("canary_verify_layer", LAYER_THREADS)),
+            records_defines(self.state))
 
     def write(self, plan, out_cache_loc, stream: int) -> None:
         if self._fns is None:

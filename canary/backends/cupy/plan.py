@@ -50,7 +50,8 @@ class Bound:
         sfx = suffix(s.full_to_swa_index_mapping is not None, s.req_to_verify_expected_tokens is not None,
                      index.form)
         self._names = tuple(f"canary_plan_{kernel}_{sfx}" for kernel in ("fused", "rows", "entries"))
-        self._defines = () if index.form == FORM_TOKENS else (("CANARY_PLAN_FORM", str(index.form)),)
+        self._defines = (() if index.form == FORM_TOKENS else (("CANARY_PLAN_FORM", str(index.form)),)) + (
+            (("CANARY_PADDING_NEG", "1"),) if s.padding_slot == -1 else ())  # SPEC 3.2 "No reserved slot"
         with cupy.cuda.Device(self.device_id):
             # Head words re-armed by every launch, the two-pass row tables (bs <= R), the next cursors.
             self.scratch = cupy.zeros(scratch_words(s.write_req_capacity, s.cursor_rows), dtype=cupy.int64)

@@ -44,6 +44,11 @@ def state_words(state: StateViews) -> dict:
     )
 
 
+def records_defines(state: StateViews) -> tuple:
+    """records.cu's defines for the records' ``padding_slot`` (SPEC 3.2 "No reserved slot"): one module each."""
+    return (("CANARY_PADDING_NEG", "1"),) if state.padding_slot == -1 else ()
+
+
 def real_kv_words(real_kv: RealKV) -> dict:
     """records.cu's ``RealKVParams``: ``num_sources = 0`` in mode NONE (nothing read, nothing compared)."""
     out = {name: 0 for name in REAL_KV_FIELDS}
@@ -75,7 +80,8 @@ class Bound:
         if self._fns is not None:
             return
         fns, per_sm, self._sms = load_functions(
-            self.device_id, "records", (("canary_write", WRITE_THREADS), ("canary_verify", VERIFY_THREADS)))
+            self.device_id, "records", (("canary_write", WRITE_THREADS), ("canary_verify", VERIFY_THREADS)),
+            records_defines(self.state))
         self._write_blocks_per_sm, self._verify_blocks_per_sm = per_sm
         self._fns = fns
 

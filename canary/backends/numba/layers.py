@@ -47,7 +47,8 @@ class Bound:
         self._table_args = (kvp, kv.num_sources, tuple(words), kv.num_layers, views.dwell,
                             arr.words(h.ptr, h.shape[0] * h.shape[1], np.uint64, h.owner, h.host),
                             arr.words(c.ptr, c.shape[0], np.int32, c.owner, c.host))
-        self._write_kernel, self._verify_kernel = records_numba.layer_kernels(len(words), self.threads)
+        self._write_kernel, self._verify_kernel = records_numba.layer_kernels(len(words), self.threads,
+                                                                               state.padding_slot)
         self._sms = records.sms
 
     def warmup(self) -> None:

@@ -153,7 +153,8 @@ class Bound:
             else:
                 self.rows_threads = self.entry_threads = launch.simulator_threads or SIMULATOR_THREADS
             sms = SIMULATOR_SMS
-            kernels = plan_numba.plan_kernels(has_lut, has_pool, self.rows_threads, self.entry_threads, index.form)
+            kernels = plan_numba.plan_kernels(has_lut, has_pool, self.rows_threads, self.entry_threads, index.form,
+                                              s.padding_slot)
             self.scratch = np.zeros(n_scratch, dtype=np.int64)
             inp = cuda.In  # inputs are copied in only: a read-only caller array is never written back
             self._dummy_i32 = inp(np.zeros(1, np.int32))  # kv_indptr without a page list
@@ -169,7 +170,7 @@ class Bound:
             self.rows_threads, self.entry_threads = ROWS_THREADS, ENTRY_THREADS
             with self._gpu:
                 kernels = plan_numba.plan_kernels(has_lut, has_pool, self.rows_threads, self.entry_threads,
-                                                  index.form)
+                                                  index.form, s.padding_slot)
                 sms = int(self._gpu.MULTIPROCESSOR_COUNT)
                 # Head words must start at zero; every launch leaves them so. A synchronous copy, at bind only.
                 self.scratch = cuda.to_device(np.zeros(n_scratch, dtype=np.int64))

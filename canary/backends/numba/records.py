@@ -43,8 +43,8 @@ def _threads(launch: LaunchConfig = DEFAULT_LAUNCH) -> tuple[int, int, int]:
     return records_numba.WRITE_THREADS, records_numba.VERIFY_THREADS, records_numba.SCATTER_THREADS
 
 
-def _kernels(launch: LaunchConfig = DEFAULT_LAUNCH):
-    return records_numba.canary_kernels(*_threads(launch))
+def _kernels(launch: LaunchConfig = DEFAULT_LAUNCH, padding_slot: int = 0):
+    return records_numba.canary_kernels(*_threads(launch), padding_slot)
 
 
 class Arrays:
@@ -130,7 +130,7 @@ class Bound:
         self.real_kv = real_kv
         self.device_id = state.device_id
         self.arrays = arr = Arrays(state.device_id)
-        self._write_kernel, self._verify_kernel = _kernels(launch)[:2]
+        self._write_kernel, self._verify_kernel = _kernels(launch, state.padding_slot)[:2]
         self.write_threads, self.verify_threads, _ = _threads(launch)
         s = state
         buf = s.canary_buffer

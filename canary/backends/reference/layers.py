@@ -83,10 +83,11 @@ def verify_layer(state: StateViews, *, layer_hashes: np.ndarray, layer_cursor: n
         return
     cap = verify_slot_indices.shape[0]
     n = min(max(int(verify_num_valid[0]), 0), cap)
-    live = np.flatnonzero(verify_slot_indices[:n] != 0)
+    real0 = state.padding_slot == -1  # slot 0 is a real slot: verified like any (SPEC 4)
+    live = np.arange(n) if real0 else np.flatnonzero(verify_slot_indices[:n] != 0)
     state.host("slot_run_counter")[ci] += live.shape[0]
     slot = verify_slot_indices[live]
-    ok = (slot > 0) & (slot < state.num_slots)
+    ok = (slot >= (0 if real0 else 1)) & (slot < state.num_slots)
     live, slot = live[ok], slot[ok]
     if slot.shape[0] == 0:
         return

@@ -9,7 +9,7 @@ import numpy as np
 
 from ...errors import PlanStatus
 from ...contract.kvindex import FORM_BLOCKS, FORM_PAGES, FORM_TOKENS, NO_REQ_BOUND, page_rows, paged_raw
-from ...contract.plans import SKIP_SEED, mark_missing, translate
+from ...contract.plans import MISSING_SLOT, SKIP_SEED, mark_missing, translate
 from ...contract.rows import row_checks
 from ..args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 
@@ -31,8 +31,8 @@ class _Index:
     """The index as this planner reads it (SPEC 3.8): the raw slot at the virtual token index ``v = key * stride + p``
     of a row with key ``key`` (``rp``; a page list's ``kv_indptr[r]``), ``R`` of ``canary.contract.kvindex``."""
 
-    def __init__(self, form: int, table: np.ndarray, page_size: int):
-        self.form, self.page_size = form, int(page_size)
+    def __init__(self, form: int, table: np.ndarray, page_size: int, padding_slot: int = 0):
+        self.form, self.page_size, self.padding_slot = form, int(page_size), int(padding_slot)
         if form == FORM_PAGES:
             self.flat, self.key_stride = table, self.page_size
         else:
@@ -44,7 +44,7 @@ class _Index:
         if self.form == FORM_TOKENS:
             return np.take(self.flat, v).astype(np.int64), None
         s = self.page_size
-        return paged_raw(np.take(self.flat, v // s), v % s, s)
+        return paged_raw(np.take(self.flat, v // s), v % s, s, self.padding_slot)
 
 
 def _any(bad: np.ndarray | None, where: np.ndarray | None = None) -> bool:
@@ -65,7 +65,9 @@ def _write_entries(out, index: _Index, lut, pool, token_offset, valid_lens, per_
     slot, bad_slot = translate(raw, lut)
     # A position the window needs whose slot is the padding slot (a cleared row, a freed SWA page): left as 0,
     # verify would skip it. Predecessors and seeds keep the 0 (outside the window, eviction is legitimate).
-    slot = mark_missing(raw, slot)
+    # padding_slot=-1: a negative slot is the padding marker, and a predecessor that is one becomes MISSING_SLOT
+    # (verify's "no link"), since -1 would be read as position 0's anchor.
+    slot = mark_missing(raw, slot, index.padding_slot)
     # The predecessor of an entry whose column follows the previous entry's is that entry's slot, already read;
     # only the others (each row's first entry, a sampled window's wrap) read req_to_token again.
     has_prev = pos > 0
@@ -80,6 +82,8 @@ def _write_entries(out, index: _Index, lut, pool, token_offset, valid_lens, per_
     before, bad_before = index.read(np.where(fh, at[other] - 1, at[other]))
     prev_raw[other] = np.where(fh, before, -1)
     prev, bad_prev = translate(prev_raw, lut)
+    if index.padding_slot == -1:
+        prev = np.where(has_prev & (prev < 0), np.int64(MISSING_SLOT), prev)
     bad_prev |= _any(bad_raw) or _any(bad_before, fh)  # a negative block entry read as a slot or a predecessor
     out["verify_slot_indices"][:n] = slot
     out["verify_expected_positions"][:n] = pos
@@ -152,6 +156,7 @@ def plan_arrays(
     valid_lens: np.ndarray | None,
     out: dict[str, np.ndarray],
     padding_rows_carry_tokens: bool = False,
+    padding_slot: int = 0,
     cursors: np.ndarray | None = None,
     pool_indices: np.ndarray | None = None,
     block_table: np.ndarray | None = None,
@@ -165,7 +170,7 @@ def plan_arrays(
     and ``page_size`` (exactly one form; checked by the caller). ``cursors``: the ``[max_reqs]`` int64 rotation
     state of a planner that samples (SPEC 3.7), read and advanced in place; ``None`` for ``on_overflow="skip"``.
     ``pool_indices``: ``expected_token_pool_indices`` (SPEC 3.2), the pool row of each batch row; ``None``: the
-    pool is keyed by ``req_pool_indices``.
+    pool is keyed by ``req_pool_indices``. ``padding_slot``: 0 or -1 (SPEC 3.2, "No reserved slot").
     """
     rpi = np.asarray(req_pool_indices, dtype=np.int64)
     prefix = np.asarray(prefix_lens, dtype=np.int64)
@@ -176,13 +181,13 @@ def plan_arrays(
     ps = 1 if page_size is None else int(page_size)
     keys = row_len = bad_key = None
     if req_to_token is not None:
-        index = _Index(FORM_TOKENS, req_to_token, 1)
+        index = _Index(FORM_TOKENS, req_to_token, 1, padding_slot)
         max_reqs, max_seq_len = req_to_token.shape
     elif block_table is not None:
-        index = _Index(FORM_BLOCKS, block_table, ps)
+        index = _Index(FORM_BLOCKS, block_table, ps, padding_slot)
         max_reqs, max_seq_len = block_table.shape[0], block_table.shape[1] * ps
     else:  # a page list: keyed by batch row; rp bounds only the tables it indexes (SPEC 3.8)
-        index = _Index(FORM_PAGES, kv_indices, ps)
+        index = _Index(FORM_PAGES, kv_indices, ps, padding_slot)
         max_reqs = NO_REQ_BOUND if cursors is None else cursors.shape[0]
         max_seq_len = kv_indices.shape[0] * ps
         keys, bad_key, row_len = page_rows(kv_indptr, bs, kv_indices.shape[0], rpi != 0, ps, max_seq_len)
@@ -245,6 +250,8 @@ def plan_arrays(
     raw_seed[seeded], bad_block = index.read((rpi if keys is None else keys)[seeded] * index.key_stride
                                              + prefix[seeded] - 1)
     seeds, bad_seed = translate(raw_seed, lut)
+    if padding_slot == -1:  # a seed position that is no slot (SPEC 3.2): MISSING_SLOT, chained from the anchor
+        seeds[seeded & (seeds < 0)] = MISSING_SLOT
     if bad_seed or _any(bad_block):
         status |= PlanStatus.BAD_SLOT
     seeds[~checks.active & (wlen > 0)] = SKIP_SEED  # padding tokens in the step's arrays: not to be written
@@ -285,6 +292,7 @@ class Bound:
             valid_lens=None if step.valid_lens is None else step.valid_lens.host,
             out=self.out,
             padding_rows_carry_tokens=s.padding_rows_carry_tokens,
+            padding_slot=s.padding_slot,
             cursors=self.cursors,
             pool_indices=None if step.pool_indices is None else step.pool_indices.host,
         )

@@ -83,9 +83,9 @@ def _link_of(fields_rows: np.ndarray) -> np.ndarray:
 
 
 def _links(fields: np.ndarray, num_slots: int, slot: np.ndarray, slot_ok: np.ndarray, rec: np.ndarray,
-           prev: np.ndarray) -> np.ndarray:
-    """``link`` of each entry: the link of its predecessor's record when ``prev`` is a slot (in ``(0,
-    num_slots)``), else ``ANCHOR_LINK``.
+           prev: np.ndarray, first_slot: int = 1) -> np.ndarray:
+    """``link`` of each entry: the link of its predecessor's record when ``prev`` is a slot (in ``[first_slot,
+    num_slots)``: 1, or 0 when slot 0 is real), else ``ANCHOR_LINK``.
 
     An entry's predecessor is nearly always the previous entry's slot (a request's positions in order), whose
     record is already in ``rec``: those links come from one ``link`` over ``rec``, shifted by one, and only the
@@ -98,7 +98,7 @@ def _links(fields: np.ndarray, num_slots: int, slot: np.ndarray, slot_ok: np.nda
     reuse[1:] = (prev[1:] == slot[:-1]) & slot_ok[:-1]  # slot_ok: rec holds the real record, not zeros
     other = np.flatnonzero(~reuse)
     p = prev[other]
-    inside = (p > 0) & (p < num_slots)
+    inside = (p >= first_slot) & (p < num_slots)
     anchor = np.uint64(ANCHOR_LINK & MASK64)
     if inside.any():
         link[other] = np.where(inside, _link_of(rows_of(fields, np.where(inside, p, 0))), anchor)
@@ -133,7 +133,11 @@ def verify(
     num_slots = state.num_slots
     cap = verify_slot_indices.shape[0]
     n = min(max(int(verify_num_valid[0]), 0), cap)
-    nonzero = verify_slot_indices[:n] != 0  # slot 0 (padding) is skipped, not processed
+    # SPEC 4: slot 0 (padding) is skipped, not processed, unless slot 0 is real (padding_slot=-1), and the
+    # predecessor that has no link is 0, or MISSING_SLOT when slot 0 is real.
+    real0 = state.padding_slot == -1
+    first_slot, no_link = (0, MISSING_SLOT) if real0 else (1, 0)
+    nonzero = np.ones(n, dtype=bool) if real0 else verify_slot_indices[:n] != 0
     count = int(np.count_nonzero(nonzero))
     slot_runs[ci] += count
     if count == 0:
@@ -147,14 +151,14 @@ def verify(
         exp_pos, exp_tok = verify_expected_positions[live], verify_expected_tokens[live]
     flags = CheckFlags(int(state.host("check_flags")[0]) & int(CheckFlags.WRITE_POSITION_CHAIN | CheckFlags.VERIFY_TOKEN))
 
-    all_ok = int(slot.min()) > 0 and int(slot.max()) < num_slots
+    all_ok = int(slot.min()) >= first_slot and int(slot.max()) < num_slots
     if all_ok:
         slot_ok = np.ones(count, dtype=bool)
         rec = rows_of(fields, slot)
     else:
-        slot_ok = (slot > 0) & (slot < num_slots)
+        slot_ok = (slot >= first_slot) & (slot < num_slots)
         rec = gather_fields(fields, slot, slot_ok)
-    link = _links(fields, num_slots, slot, slot_ok, rec, prev)
+    link = _links(fields, num_slots, slot, slot_ok, rec, prev, first_slot)
     check_token = CheckFlags.VERIFY_TOKEN in flags
     fresh = None
     if real_kv.active:
@@ -176,9 +180,9 @@ def verify(
         return
     slot, prev, exp_pos, exp_tok, rec, link = slot[at], prev[at], exp_pos[at], exp_tok[at], rec[at], link[at]
     slot_ok = slot_ok[at]
-    prev_in = (prev > 0) & (prev < num_slots)
+    prev_in = (prev >= first_slot) & (prev < num_slots)
     prev_none = prev == -1
-    prev_bad = ~(prev_in | prev_none | (prev == 0))
+    prev_bad = ~(prev_in | prev_none | (prev == no_link))
 
     missing = slot == MISSING_SLOT  # the position has no SWA slot at all (SPEC 3.2): nothing is read
     bits = np.where(slot_ok, 0, np.where(missing, int(FailReason.MISSING), int(FailReason.SLOT_RANGE))).astype(_I64)
