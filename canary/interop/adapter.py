@@ -366,16 +366,30 @@ def as_view(obj: Any, name: str, *, stream_ptr: int = -1, launch_stream: int | N
     )
 
 
+# The integer arrays an engine keeps in either width (SPEC 2 (*)): check_view's dtype=INT_WIDTHS.
+INT_WIDTHS = (np.dtype(np.int32), np.dtype(np.int64))
+
+
 def check_view(
     view: ArrayView,
     *,
-    dtype: np.dtype | type,
+    dtype: np.dtype | type | tuple,
     ndim: int,
     length: int | None = None,
     writable: bool = False,
 ) -> ArrayView:
-    """Enforce dtype (no silent casts), rank, leading length, unit inner stride and writability."""
-    want = np.dtype(dtype)
+    """Enforce dtype (no silent casts; a tuple of dtypes: any one of them, native byte order), rank, leading
+    length, unit inner stride and writability."""
+    if isinstance(dtype, tuple):
+        allowed = tuple(np.dtype(d) for d in dtype)
+        want = view.dtype if view.dtype in allowed else None
+        if want is None:
+            names = " or ".join(d.name for d in allowed)
+            native = any(view.dtype.name == d.name for d in allowed)
+            got = view.dtype.name if not native else f"{view.dtype.str} (non-native byte order)"
+            raise fail(TypeError, f"{view.name}: expected dtype {names}, got {got}")
+    else:
+        want = np.dtype(dtype)
     if view.dtype != want:
         got = view.dtype.name if view.dtype.name != want.name else f"{view.dtype.str} (non-native byte order)"
         raise fail(TypeError, f"{view.name}: expected dtype {want.name}, got {got}")

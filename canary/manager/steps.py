@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import fail
-from ..interop.adapter import as_view
+from ..interop.adapter import INT_WIDTHS, as_view
 from ..interop.cudart import D2D, OnDevice, runtime
 from ..interop.streams import LaunchStream, current_stream, is_capturing, launch_stream, library_of, stream_handle
 from .eager import MISS
@@ -438,15 +438,15 @@ class Steps:
 
     @staticmethod
     def check_group_loc(name: str, loc: Any, n: int | None) -> None:
-        """``out_cache_loc_by_group[name]``: ``[n]`` int64, one per token of ``input_ids`` (``n``: its length,
+        """``out_cache_loc_by_group[name]``: ``[n]`` int32 or int64, one per token of ``input_ids`` (``n``: its length,
         ``None`` when it is not 1-D); the write checks the rest."""
         arg = f"out_cache_loc_by_group[{name!r}]"
         view = as_view(loc, arg)
         if len(view.shape) != 1 or (n is not None and view.shape[0] != n):
             raise fail(ValueError, f"{arg}: expected [N] slots, one per token of input_ids ([{n}]), "
                                    f"got shape {tuple(view.shape)}")
-        if view.dtype != np.dtype(np.int64):
-            raise fail(TypeError, f"{arg}: expected int64 slots, got dtype {view.dtype}")
+        if view.dtype not in INT_WIDTHS:
+            raise fail(TypeError, f"{arg}: expected dtype int32 or int64 slots, got {view.dtype}")
 
     def end(self, handle: int, st: Any, reported: bool = False) -> None:
         """``reported``: the step's report kernel ran inside the replayed graph (only its host half is left)."""
