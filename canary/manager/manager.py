@@ -302,8 +302,8 @@ class CanaryManager(Guarded):
                        kv_indices: Any = None) -> None:
         """Plan and verify the step (before attention reads the KV), on ``stream``.
 
-        ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens``: ``[bs]`` int64 arrays of the engine (device
-        arrays on a GPU; row 0 of ``req_to_token`` = padding). ``request_ids``: host sequence of ``bs`` engine
+        ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens``: ``[bs]`` int32 / int64 (SPEC 2; device arrays
+        on a GPU, rp int64 there; row 0 of ``req_to_token`` = padding). ``request_ids``: host sequence of ``bs`` engine
         request ids (``None`` for padding rows). ``groups``: names of the groups this forward reads (default:
         all; a draft model's forward passes its own group). ``block_table`` / ``kv_indptr`` / ``kv_indices``: the
         step's index arrays in place of a group's bound ones (SPEC 3.8; an engine that rebuilds them each step): an
@@ -318,7 +318,7 @@ class CanaryManager(Guarded):
         sel = self._select(groups)
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and self._is_capturing(handle)
-        bs = Steps.batch_size(req_pool_indices, self.max_batch_size)  # before the step opens, as every check here
+        bs = self._steps.batch_size(req_pool_indices, self.max_batch_size)  # before the step opens, as every check
         index = step_arrays(sel, block_table=block_table, kv_indptr=kv_indptr, kv_indices=kv_indices)
         if not capturing:
             if isinstance(request_ids, (str, bytes, bytearray)):
@@ -357,14 +357,14 @@ class CanaryManager(Guarded):
         """Write the canary records of the step's new tokens (after the step's KV stores), then queue the step's
         report for the host (read at a later :meth:`before_forward`).
 
-        ``out_cache_loc``, ``input_ids``, ``positions``: ``[N]`` int64 (slot, token id, position of each new
+        ``out_cache_loc``, ``input_ids``, ``positions``: ``[N]`` int32 / int64 (slot, token id, position of each new
         token; slot < 0: skipped). An SWA group's slots are ``full_to_swa_index_mapping[out_cache_loc]``,
         computed into a preallocated buffer on the launch stream (torch, CuPy and NumPy arrays; a negative slot
         stays negative, a slot past the mapping becomes one the write reports as ``SLOT_RANGE``:
-        ``canary/manager/slots.py``), unless ``out_cache_loc_by_group[name]`` (``[N]`` int64) gives them. Every
+        ``canary/manager/slots.py``), unless ``out_cache_loc_by_group[name]`` (``[N]`` int32/64) gives them. Every
         group's slots are checked or translated before any group writes. ``groups``: the step's (its
         :meth:`before_forward`'s) by default; a group it did not plan is a ``ValueError``. ``stream`` as in
-        :meth:`before_forward`. Raises ``TypeError`` for slots that are not int64.
+        :meth:`before_forward`. Raises ``TypeError`` for arrays that are not int32 or int64.
         """
         sel = self._select(groups)
         handle, st = self._launch(stream)

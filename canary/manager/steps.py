@@ -330,7 +330,8 @@ class Steps:
                 self.step.tokens = (int(ext.sum()), True) if active.all() else (int(ext[active].sum()), False)
 
     def snapshot_rows(self, rpi, bs: int, st: Any):
-        """Copy ``bs`` rows of ``rpi`` (an int64 view) into ``rpi_snap`` on ``st``; returns the copy's view."""
+        """Copy ``bs`` rows of ``rpi`` into ``rpi_snap`` on ``st``; returns the copy's view. ``rpi``: int32 or
+        int64 on the host (widened by the assignment), int64 on a device (:meth:`batch_size` refused others)."""
         snap = self.rpi_views.get(bs)
         if snap is None:
             snap = self.rpi_views[bs] = as_view(self.rpi_snap[:bs], "req_pool_indices")
@@ -342,11 +343,13 @@ class Steps:
                     self.rt.memcpy_async(snap.ptr, rpi.ptr, 8 * bs, D2D, st.handle)
         return snap
 
-    @staticmethod
-    def batch_size(req_pool_indices: Any, max_batch_size: int) -> int:
+    def batch_size(self, req_pool_indices: Any, max_batch_size: int) -> int:
         """before_forward's ``bs`` from ``req_pool_indices``' shape (an attribute read: no DLPack export inside a
         capture), checked before the step opens: a refused call leaves no step behind (a retry, or an
-        after_kv_store that writes with the last step's plan, would otherwise follow)."""
+        after_kv_store that writes with the last step's plan, would otherwise follow). A device manager takes
+        int64 ``req_pool_indices`` only: the report's copy of them (``rpi_snap``, a device-to-device copy on the
+        step's stream) is int64 words, and a copy cannot widen int32 ones (the planner itself, a host manager
+        and every other step array take int32 too, SPEC 2 (*))."""
         try:
             shape = req_pool_indices.shape
             bs = int(shape[0])
@@ -358,6 +361,9 @@ class Steps:
             raise fail(ValueError, f"req_pool_indices: expected a [bs] int64 array, got shape {tuple(shape)}")
         if bs > max_batch_size:
             raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {max_batch_size}, got {bs}")
+        if self.ordinal is not None and str(getattr(req_pool_indices, "dtype", "")) not in ("int64", "torch.int64"):
+            raise fail(TypeError, f"req_pool_indices: expected int64 on a CUDA manager (its report copies them as "
+                                  f"int64 words), got dtype {getattr(req_pool_indices, 'dtype', None)}")
         return bs
 
     @staticmethod
