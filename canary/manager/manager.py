@@ -267,7 +267,7 @@ class CanaryManager(Guarded):
         self.requests.accept(request_id, token_ids)
 
     @request_call
-    def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any) -> None:
+    def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any, *, stream: Any = None) -> None:
         """:meth:`accept_tokens` for a whole decode batch at once: ``token_ids[i]`` is the one token request
         ``request_ids[i]`` accepted this step (a plain decode step's sampled tokens). Requests must be running and
         distinct; ``None`` marks a padding row (a batch padded to a graph size), whose token is ignored. One update
@@ -276,15 +276,15 @@ class CanaryManager(Guarded):
         request (speculative decoding), call :meth:`accept_tokens` per request.
 
         ``token_ids``: ``[bs]`` host ints (a list, a NumPy array, a CPU tensor), or the engine's device array of
-        sampled token ids (int64 or int32, contiguous, on this manager's device; any DLPack / CUDA-array-interface
-        array). A device array is read where it is by the next :meth:`before_forward` (or :meth:`begin_step`), on
-        its launch stream (CuPy backend): keep its values until then, and use another buffer for a second accept
-        before that step. On a Numba-backend or CPU manager its values are copied to the host here (a sync).
+        sampled token ids (int64 or int32, contiguous, on this manager's device; DLPack / CUDA array interface). A
+        device array is copied here, on ``stream`` (default: its library's current stream), into the manager's own
+        device ring (CuPy backend; canary/manager/accepted.py): the engine may reuse or zero its buffer at once, and
+        each accept before a step keeps its tokens. Numba-backend or CPU manager: copied to the host (a sync).
 
         Raises ``KeyError`` for a request not running; ``ValueError`` for a request listed twice, a length
         mismatch, a request past ``max_seq_len + 1`` tokens (nothing is accepted then), a device array on another
         device or not contiguous; ``TypeError`` for token ids that are not integers."""
-        self._intake.accept_batch(request_ids, token_ids)
+        self._intake.accept_batch(request_ids, token_ids, stream)
 
     @request_call
     def finish_request(self, request_id: Hashable) -> None:
