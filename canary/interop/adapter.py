@@ -294,10 +294,11 @@ _IDENTITY_KIND: dict = {}  # type -> 1 (CuPy ndarray), 2 (torch Tensor), 0 (neit
 
 
 def identity(obj: Any) -> tuple | None:
-    """``(data pointer, shape)`` of a CuPy array or torch tensor, read cheaply; ``None`` for other types.
+    """``(data pointer, shape, dtype)`` of a CuPy array or torch tensor, read cheaply; ``None`` for other types.
 
     Lets a caller that keeps static step buffers (as CUDA-graph engines do) reuse last call's view of the same
-    object: same object, same pointer, same shape means the same view.
+    object: same object, same pointer, same shape and dtype means the same view (the dtype too: an array may be
+    int32 or int64, SPEC 2 (*), and a launch or graph bakes in the width it read).
     """
     t = type(obj)
     kind = _IDENTITY_KIND.get(t)
@@ -306,10 +307,10 @@ def identity(obj: Any) -> tuple | None:
         kind = _IDENTITY_KIND[t] = (1 if module.startswith("cupy") and name == "ndarray"
                                     else 2 if module == "torch" and name == "Tensor" else 0)
     if kind == 1:
-        return obj.data.ptr, obj.shape
+        return obj.data.ptr, obj.shape, obj.dtype
     if kind == 2:
         try:
-            return obj.data_ptr(), obj.shape
+            return obj.data_ptr(), obj.shape, obj.dtype
         except RuntimeError:  # no storage (a sparse tensor): never cached, as_view refuses it
             return None
     return None
