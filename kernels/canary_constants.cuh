@@ -44,6 +44,12 @@ typedef unsigned long long u64;
 #define CANARY_FORM_TOKENS 0              // req_to_token
 #define CANARY_FORM_BLOCKS 1              // a block table and page_size
 #define CANARY_FORM_PAGES 2               // a page list: kv_indptr, kv_indices and page_size
+// PlanParams.step_wide's bits (plan_layout.py STEP_WIDE): that step array holds int64, else int32 (SPEC 2 (*)).
+#define STEP_WIDE_REQ_POOL_INDICES 1
+#define STEP_WIDE_PREFIX_LENS 2
+#define STEP_WIDE_EXTEND_SEQ_LENS 4
+#define STEP_WIDE_VALID_LENS 8
+#define STEP_WIDE_EXPECTED_TOKEN_POOL_INDICES 16
 // plan.cu's own speed structure and scratch layout (the CuPy host sizes the scratch from them; the Numba twin has its
 // own, plan_numba.py NUMBA_*). ROW_BATCH: row tiles whose loads the rows kernel issues together (4 spilled: 64
 // registers at 1024 threads)
@@ -77,6 +83,13 @@ typedef unsigned long long u64;
 #define REPORT_SLOT_HEADER_WORDS 1
 // LAYER_KIND_SHIFT: a VERIFY_LAYER row's tag: the layer sits just above the kernel-kind byte (ring.py KIND_BITS)
 #define LAYER_KIND_SHIFT 8
+// WriteParams.entry_wide's bits (records_layout.py ENTRY_WIDE): that token array holds int64, else int32 (SPEC 2
+// (*)).
+#define ENTRY_WIDE_OUT_CACHE_LOC 1
+#define ENTRY_WIDE_INPUT_IDS 2
+#define ENTRY_WIDE_POSITIONS 4
+#define ENTRY_WIDE_EXPECTED_INPUT_IDS 8
+#define ENTRY_WIDE_EXPECTED_POSITIONS 16
 // Fail-reason bits of a ring row (canary/contract/ring.py FailReason).
 #define FAIL_CHAIN 1
 #define FAIL_POSITION 2
@@ -109,16 +122,17 @@ typedef unsigned long long u64;
 // One by-value kernel parameter; every field is 8 bytes, so the host packs it as an array of uint64 words in this
 // order (canary/contract/plan_layout.py PARAM_FIELDS) and updates only the per-step words per call.
 struct PlanParams {
-    const i64* req_pool_indices;
-    const i64* prefix_lens;
-    const i64* extend_seq_lens;
-    const i64* valid_lens;
+    const void* req_pool_indices;             // [bs] int32 or int64 (step_wide), as the next three
+    const void* prefix_lens;
+    const void* extend_seq_lens;
+    const void* valid_lens;
     i64 bs;
-    // the index's int32 table (SPEC 3.8): req_to_token, a block table or kv_indices
+    // the index's table (SPEC 3.8): req_to_token, a block table or kv_indices (as int32 words, two an entry if
+    // table_wide)
     const int* req_to_token;
     // the virtual token index's key stride: v = key * stride + position (KVIndex)
     i64 r2t_row_stride;
-    i64 rp_bound;                            // max_reqs (the pool's rows bound the pool row q: row_facts)
+    i64 rp_bound;                             // max_reqs (the pool's rows bound the pool row q: row_facts)
     i64 max_seq_len;
     const i64* lut;
     i64 lut_len;
@@ -127,7 +141,7 @@ struct PlanParams {
     i64 pool_cols;
     i64 token_offset;
     i64 window;
-    i64 padding_rows_carry_tokens;           // 0 or 1 (SPEC 3.2): a padding row's E counts in write_offsets
+    i64 padding_rows_carry_tokens;            // 0 or 1 (SPEC 3.2): a padding row's E counts in write_offsets
     i64 verify_capacity;
     i64 write_req_capacity;
     i64* slots;
@@ -141,16 +155,20 @@ struct PlanParams {
     i64* seeds;
     int* write_num_valid_reqs;
     i64* scratch;
-    i64* cursors;                            // [max_reqs] rotation state of the sampled verification (SPEC 3.7)
-    i64 sample;                              // 1: on_overflow="sample" (cursors given); 0: "skip"
+    i64* cursors;                             // [max_reqs] rotation state of the sampled verification (SPEC 3.7)
+    i64 sample;                               // 1: on_overflow="sample" (cursors given); 0: "skip"
     i64 pool_rows;
-    i64 page_size;                           // the paged forms' tokens a page (SPEC 3.8); 1 for req_to_token
+    i64 page_size;                            // the paged forms' tokens a page (SPEC 3.8); 1 for req_to_token
     // a page list's [>= bs + 1] offsets into kv_indices, as int32 words (two a row if wide)
     const int* kv_indptr;
-    i64 kv_indptr_wide;                      // 1: kv_indptr holds int64, 0: int32
-    i64 kv_nnz;                              // a page list's kv_indices length (the bound of kv_indptr)
+    i64 kv_indptr_wide;                       // 1: kv_indptr holds int64, 0: int32
+    i64 kv_nnz;                               // a page list's kv_indices length (the bound of kv_indptr)
+    // 1: the paged forms' table holds int64 entries, 0: int32 (req_to_token: always 0)
+    i64 table_wide;
     // per step, HAS_POOL only: the pool row of each batch row (SPEC 3.2); null: req_pool_indices
-    const i64* expected_token_pool_indices;
+    const void* expected_token_pool_indices;
+    // per step: bit STEP_WIDE_* set when that step array holds int64 (else int32)
+    i64 step_wide;
 };
 
 // Where violations and health go; shared by write and verify. Fixed at bind except `tag`.
@@ -189,12 +207,13 @@ struct WriteParams {
     const i64* write_seed_slot_indices;
     const int* write_num_valid_reqs;
     i64 write_req_capacity;              // R
-    const i64* out_cache_loc;            // [N]
-    const i64* input_ids;
-    const i64* positions;
+    const void* out_cache_loc;           // [N] int32 or int64 (entry_wide), as each of the next four
+    const void* input_ids;
+    const void* positions;
     i64 num_entries;                     // N
-    const i64* expected_input_ids;       // null: not given
-    const i64* expected_positions;       // null: not given
+    const void* expected_input_ids;      // null: not given
+    const void* expected_positions;      // null: not given
+    i64 entry_wide;                      // bit ENTRY_WIDE_*: that token array holds int64 (else int32)
 };
 
 struct VerifyParams {
@@ -247,7 +266,7 @@ struct LayerParams {
     const i64* write_seed_slot_indices;
     const int* write_num_valid_reqs;
     i64 write_req_capacity;
-    const i64* out_cache_loc;
+    const void* out_cache_loc;             // int32 or int64: entry_wide bit ENTRY_WIDE_OUT_CACHE_LOC
     i64 num_entries;
     const i64* verify_slot_indices;        // verify_layer: the step's verify plan
     const i64* verify_expected_tokens;
@@ -255,6 +274,7 @@ struct LayerParams {
     i64 verify_capacity;
     const int* verify_num_valid;
     const int* enable;
+    i64 entry_wide;                        // write_layers: records_layout.ENTRY_WIDE bits (out_cache_loc's only)
 };
 
 // report.cu canary_report: one report block and the step's rows into the next mailbox slot.

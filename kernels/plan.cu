@@ -23,6 +23,7 @@
 // the order they depend on each other (canary/backends/sources.py inlines them); this file holds the entry points.
 
 #include "canary_constants.cuh"
+#include "canary_ints.cuh"
 
 #define FUSED_BATCH (FUSED_MAX_BS / ENTRY_THREADS)  // the fused scan: every row in one batch, no more registers
 static_assert(FUSED_MAX_BS % ENTRY_THREADS == 0, "sample_rows_at_once: every fused row in one batch");

@@ -19,6 +19,23 @@ __device__ __forceinline__ i64 floor_div(i64 a, i64 b, double inv_b) {
     return q;
 }
 
+// The per-step arrays, int32 or int64 each (PlanParams.step_wide, SPEC 2 (*)), element r widened.
+__device__ __forceinline__ i64 step_rp(const PlanParams& p, i64 r) {
+    return load_int(p.req_pool_indices, p.step_wide & STEP_WIDE_REQ_POOL_INDICES, r);
+}
+__device__ __forceinline__ i64 step_extend(const PlanParams& p, i64 r) {
+    return load_int(p.extend_seq_lens, p.step_wide & STEP_WIDE_EXTEND_SEQ_LENS, r);
+}
+__device__ __forceinline__ i64 step_prefix(const PlanParams& p, i64 r) {
+    return load_int(p.prefix_lens, p.step_wide & STEP_WIDE_PREFIX_LENS, r);
+}
+__device__ __forceinline__ i64 step_valid(const PlanParams& p, i64 r) {
+    return load_int(p.valid_lens, p.step_wide & STEP_WIDE_VALID_LENS, r);
+}
+__device__ __forceinline__ i64 step_pool_row(const PlanParams& p, i64 r) {
+    return load_int(p.expected_token_pool_indices, p.step_wide & STEP_WIDE_EXPECTED_TOKEN_POOL_INDICES, r);
+}
+
 // kv_indptr[r], int32 or int64 (one launch reads one width: a uniform branch).
 __device__ __forceinline__ i64 load_indptr(const PlanParams& p, i64 r) {
     return p.kv_indptr_wide ? reinterpret_cast<const i64*>(p.kv_indptr)[r] : (i64)p.kv_indptr[r];
@@ -40,15 +57,18 @@ __device__ __forceinline__ i64 row_key(const PlanParams& p, i64 rp, i64 lo, i64 
 }
 
 // The raw slot R at virtual index v (SPEC 3.8): req_to_token's value; for a block b of a paged form, 0 for b = 0
-// (the padding block: what a 0 of req_to_token means), b * page_size + v % page_size for b > 0, and -1 for b < 0,
-// which sets bad (BAD_SLOT, written as -1 like a slot past the LUT). inv_ps = 1.0 / page_size (paged forms only).
+// (the padding block: what a 0 of req_to_token means), b * page_size + v % page_size for 0 < b <= INT32_MAX, and -1
+// for b < 0 or (an int64 table's) b > INT32_MAX, which sets bad (BAD_SLOT, written as -1 like a slot past the LUT):
+// the bound keeps b * page_size in the range an int32 table's entries have. inv_ps = 1.0 / page_size (paged forms).
+// p.table_wide: the table holds int64 entries (SPEC 2 (*)), read as two int32 words.
 // With CANARY_PADDING_NEG (padding_slot = -1) block 0 is real and b < 0 is the engine's padding marker: -1, not bad.
 template <int FORM>
 __device__ __forceinline__ i64 load_raw(const PlanParams& p, i64 v, double inv_ps, int& bad) {
     if (FORM == CANARY_FORM_TOKENS) return (i64)p.req_to_token[v];
     const i64 s = p.page_size;
     const i64 page = floor_div(v, s, inv_ps);  // v < 2^62 and v / s < 2^50 (checked at bind)
-    const i64 b = (i64)p.req_to_token[page];
+    const i64 b = load_int(p.req_to_token, p.table_wide, page);
+    if (b > 0x7fffffffLL) { bad = 1; return -1; }
     if (CANARY_PADDING_NEG) return b < 0 ? -1 : b * s + (v - page * s);
     if (b < 0) { bad = 1; return -1; }
     return b == 0 ? 0 : b * s + (v - page * s);

@@ -50,8 +50,10 @@ Deliberate differences from plan.cu (speed structure only; the outputs are the s
   plan.cu's ``WRITE_SIDE`` template flag is a runtime argument. An absent LUT / pool / valid_lens is a
   one-element dummy array (plan.cu gets a null pointer); the specialization never reads it.
 - ``expected_token_pool_indices``, absent, is ``req_pool_indices`` itself (plan.cu: a null pointer, read as
-  that array); an absent ``kv_indptr`` is a one-element dummy. ``kv_indptr`` is an int32 array in both: an int64
-  one arrives as its int32 words (two a row, ``kv_indptr_wide``), read back into an int64 here, cast there.
+  that array, its ``step_wide`` bit then req_pool_indices'); an absent ``kv_indptr`` is a one-element dummy.
+  ``kv_indptr`` is an int32 array in both: an int64 one arrives as its int32 words (two a row, ``kv_indptr_wide``),
+  read back into an int64 here (``load_int``), cast there. So do the step arrays (``step_wide``) and a paged
+  table (``table_wide``), which plan.cu reads through untyped pointers (canary_ints.cuh ``load_int``).
 - A sampled table's base moves by the run's shift (``sample_rows``), so it keeps the row's key as the scan wrote
   it; plan.cu rebuilds it from the key (``rp``, a page list's ``kv_indptr[r]``).
 - Output parameters become returned tuples (``translate`` returns ``(value, bad)``); the row table is one
@@ -73,7 +75,8 @@ from canary.contract.kernel_constants import (
     CANARY_BAD_EXTEND_LEN, CANARY_BAD_PREFIX_LEN, CANARY_BAD_REQ_POOL_INDEX, CANARY_BAD_SLOT, CANARY_BAD_VALID_LEN,
     CANARY_FORM_BLOCKS, CANARY_FORM_PAGES, CANARY_FORM_TOKENS, CANARY_MISSING_SLOT, CANARY_NO_ENTRIES,
     CANARY_OVERFLOW, CANARY_SAMPLED, CANARY_SKIP_SEED, ENTRY_CHUNK, ENTRY_MIN_BLOCKS, ENTRY_THREADS, FUSED_MAX_BS,
-    ITEMS, ROW_SAMPLES, ROWS_THREADS,
+    ITEMS, ROW_SAMPLES, ROWS_THREADS, STEP_WIDE_EXPECTED_TOKEN_POOL_INDICES, STEP_WIDE_EXTEND_SEQ_LENS,
+    STEP_WIDE_PREFIX_LENS, STEP_WIDE_REQ_POOL_INDICES, STEP_WIDE_VALID_LENS,
 )
 
 INT64_MIN = -(1 << 63)  # a sampled row's cursor reset (SPEC 3.7), as plan.cu's reset_cursors
@@ -103,7 +106,7 @@ def scratch_words(write_req_capacity: int) -> int:
 # (``int64[::1]`` for ``i64*``, ``int32[::1]`` for ``int*``; ``req_to_token`` and ``pool`` are flat views).
 _A64, _A32, _I64 = "int64[::1]", "int32[::1]", "int64"
 PARAMS = (
-    ("req_pool_indices", _A64), ("prefix_lens", _A64), ("extend_seq_lens", _A64), ("valid_lens", _A64),
+    ("req_pool_indices", _A32), ("prefix_lens", _A32), ("extend_seq_lens", _A32), ("valid_lens", _A32),
     ("bs", _I64), ("req_to_token", _A32), ("r2t_row_stride", _I64), ("rp_bound", _I64), ("max_seq_len", _I64),
     ("lut", _A64), ("lut_len", _I64), ("pool", _A32), ("pool_row_stride", _I64), ("pool_cols", _I64),
     ("token_offset", _I64), ("window", _I64), ("padding_rows_carry_tokens", _I64), ("verify_capacity", _I64),
@@ -111,19 +114,19 @@ PARAMS = (
     ("slots", _A64), ("expected", _A64), ("positions", _A64), ("prevs", _A64), ("num_valid", _A32),
     ("enable", _A32), ("status", _A32), ("write_offsets", _A64), ("seeds", _A64),
     ("write_num_valid_reqs", _A32), ("scratch", _A64), ("cursors", _A64), ("sample", _I64), ("pool_rows", _I64),
-    ("page_size", _I64), ("kv_indptr", _A32), ("kv_indptr_wide", _I64), ("kv_nnz", _I64),
-    ("expected_token_pool_indices", _A64),
+    ("page_size", _I64), ("kv_indptr", _A32), ("kv_indptr_wide", _I64), ("kv_nnz", _I64), ("table_wide", _I64),
+    ("expected_token_pool_indices", _A32), ("step_wide", _I64),
 )
 PARAM_FIELDS = tuple(name for name, _ in PARAMS)
 SIGNATURE = "void({})".format(", ".join(ty for _, ty in PARAMS))
 STEP_FIELDS = PARAM_FIELDS[:5]  # what changes per call; the rest is bound once, but for STEP_TAIL
 # Per step too, appended to the struct after the bound fields. No null pointer here: when absent, the host
 # passes req_pool_indices itself, which is what plan.cu reads for a null pointer.
-STEP_TAIL = PARAM_FIELDS[-1:]
+STEP_TAIL = PARAM_FIELDS[-2:]
 # A step that passes its own index (SPEC 3.8) changes these bound fields too: the host then launches with every
 # argument laid out again.
 INDEX_FIELDS = ("req_to_token", "r2t_row_stride", "max_seq_len", "page_size", "kv_indptr", "kv_indptr_wide",
-                "kv_nnz")
+                "kv_nnz", "table_wide")
 
 
 _FORM_SUFFIX = {CANARY_FORM_TOKENS: "", CANARY_FORM_BLOCKS: "_blocks", CANARY_FORM_PAGES: "_pages"}
@@ -200,12 +203,13 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return q
 
     @cuda.jit(device=True)
-    def load_indptr(kv_indptr, wide, r):
-        """plan.cu's ``load_indptr``: ``kv_indptr[r]`` of an int32 array, or of an int64 one as its int32 words
-        (little-endian: the low word first)."""
+    def load_int(words, wide, r):
+        """plan.cu's ``load_int`` (and ``load_indptr``): element ``r`` of an int32 array, or of an int64 one as its
+        int32 words (little-endian: the low word first), as an int64 (SPEC 2 (*)); every step array, the paged
+        table and kv_indptr arrive so."""
         if wide != 0:
-            return (int64(kv_indptr[2 * r]) & int64(0xFFFFFFFF)) | (int64(kv_indptr[2 * r + 1]) << 32)
-        return int64(kv_indptr[r])
+            return (int64(words[2 * r]) & int64(0xFFFFFFFF)) | (int64(words[2 * r + 1]) << 32)
+        return int64(words[r])
 
     @cuda.jit(device=True)
     def row_key(rp, lo, hi, kv_nnz, page_size, max_seq_len):
@@ -219,13 +223,16 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return lo, (hi - lo) * page_size, False
 
     @cuda.jit(device=True)
-    def load_raw(req_to_token, v, page_size, inv_ps):
+    def load_raw(req_to_token, v, page_size, inv_ps, table_wide):
         """plan.cu's ``load_raw``: ``(R, bad)`` at virtual index ``v``: req_to_token's value; for a paged form's
-        block b, 0 for b = 0, b * page_size + v % page_size for b > 0, -1 and bad = 1 for b < 0."""
+        block b (int32 or, ``table_wide``, int64 entries), 0 for b = 0, b * page_size + v % page_size for
+        0 < b <= INT32_MAX, -1 and bad = 1 for b < 0 or b > INT32_MAX (PAD_NEG: block 0 real, b < 0 -1 not bad)."""
         if not PAGED:
             return int64(req_to_token[v]), int64(0)
         page = floor_div(v, page_size, inv_ps)
-        b = int64(req_to_token[page])
+        b = load_int(req_to_token, table_wide, page)
+        if b > int64(0x7FFFFFFF):
+            return int64(-1), int64(1)
         if PAD_NEG:  # block 0 is real; a negative block is the engine's padding marker, not bad
             if b < 0:
                 return int64(-1), int64(0)
@@ -326,7 +333,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                       r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window,
                       padding_rows_carry_tokens, write_req_capacity, write_offsets, seeds, write_num_valid_reqs,
                       tab, t0, tn, write_side, pool_rows, pool_indices, cursors, sample, page_size, kv_indptr,
-                      kv_indptr_wide, kv_nnz):
+                      kv_indptr_wide, kv_nnz, table_wide, step_wide):
             """Scan all rows with THREADS threads, NUMBA_ROW_BATCH consecutive rows per thread per batch, carrying
             the running sums across batches; a batch's loads (then its seeds) are issued together.
 
@@ -349,6 +356,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             hi = cuda.local.array(NUMBA_ROW_BATCH, int64)
             key = cuda.local.array(NUMBA_ROW_BATCH, int64)
             inv_ps = 1.0 / float64(page_size)
+            pool_wide = step_wide & STEP_WIDE_EXPECTED_TOKEN_POOL_INDICES  # of the array passed (rpi when absent)
             vcarry = int64(0)
             wcarry = int64(0)
             ncarry = int64(0)
@@ -365,20 +373,20 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                     vl[k] = 0
                     q[k] = 0
                     if r < bs:
-                        rp[k] = req_pool_indices[r]
-                        e[k] = extend_seq_lens[r]
-                        ln[k] = prefix_lens[r]
+                        rp[k] = load_int(req_pool_indices, step_wide & STEP_WIDE_REQ_POOL_INDICES, r)
+                        e[k] = load_int(extend_seq_lens, step_wide & STEP_WIDE_EXTEND_SEQ_LENS, r)
+                        ln[k] = load_int(prefix_lens, step_wide & STEP_WIDE_PREFIX_LENS, r)
                 if HAS_POOL:  # valid_lens only for active rows: after rp is known
                     for k in range(NUMBA_ROW_BATCH):
                         if r0 + k < bs and rp[k] != 0:
-                            vl[k] = valid_lens[r0 + k]
-                            q[k] = pool_indices[r0 + k]
+                            vl[k] = load_int(valid_lens, step_wide & STEP_WIDE_VALID_LENS, r0 + k)
+                            q[k] = load_int(pool_indices, pool_wide, r0 + k)
                 for k in range(NUMBA_ROW_BATCH):
                     lo[k] = 0
                     hi[k] = 0
                     if PAGES and r0 + k < bs and rp[k] != 0:  # a page list's pair: active rows only
-                        lo[k] = load_indptr(kv_indptr, kv_indptr_wide, r0 + k)
-                        hi[k] = load_indptr(kv_indptr, kv_indptr_wide, r0 + k + 1)
+                        lo[k] = load_int(kv_indptr, kv_indptr_wide, r0 + k)
+                        hi[k] = load_int(kv_indptr, kv_indptr_wide, r0 + k + 1)
                 vsum = int64(0)
                 wsum = int64(0)
                 nsum = int64(0)
@@ -401,7 +409,8 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                         seed[k] = CANARY_SKIP_SEED
                     elif (write_side and w > 0 and ln[k] > 0
                             and (f & (CANARY_BAD_REQ_POOL_INDEX | CANARY_BAD_PREFIX_LEN)) == 0):
-                        sv, b = load_raw(req_to_token, key[k] * r2t_row_stride + (ln[k] - 1), page_size, inv_ps)
+                        sv, b = load_raw(req_to_token, key[k] * r2t_row_stride + (ln[k] - 1), page_size, inv_ps,
+                                         table_wide)
                         seed[k] = int64(CANARY_MISSING_SLOT) if (PAD_NEG and sv < 0) else sv
                         bad |= b
                 voff, woff, noff, vtot, wtot, ntot = block_scan3(vsum, wsum, nsum)
@@ -479,7 +488,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         return min(m, head + cap - requests) + max(m - head, int64(0))
 
     @cuda.jit(device=True)
-    def sample_rows(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, total, requests):
+    def sample_rows(req_pool_indices, rp_wide, bs, cursors, verify_capacity, tab, t0, tn, total, requests):
         """plan.cu's ``sample_rows``: the row table becomes a sampled step's (off[r] = the row's first output
         entry; base / pdelta start the row at its run, which ends where its cursor says the last run began).
         Each thread rewrites only its own rows."""
@@ -495,7 +504,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
             if ln > 0:  # a row with entries is trusted: 0 < rp < max_reqs
                 take = first_entry(cap, requests, total, head, inv, m + 1, off + ln) - first
                 lo = tab[t0 + 5 * tn + r]
-                at = cursors[req_pool_indices[r]]
+                at = cursors[load_int(req_pool_indices, rp_wide, r)]
                 run = (at - lo if (at >= lo and at < lo + ln) else int64(0)) - take
                 if run < 0:  # take <= ln: one addition wraps
                     run += ln
@@ -509,33 +518,33 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         cuda.syncthreads()
 
     @cuda.jit(device=True)
-    def reset_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests):
+    def reset_cursors(req_pool_indices, rp_wide, bs, cursors, verify_capacity, tab, t0, tn, requests):
         """plan.cu's ``reset_cursors`` (after every reader has read the cursors): each sampled row's cursor to
         INT64_MIN, the rotation head moved (thread 0 alone reads and writes cursors[0])."""
         r = int64(cuda.threadIdx.x)
         while r < bs:
             if tab[t0 + r + 1] > tab[t0 + r]:
-                cursors[req_pool_indices[r]] = INT64_MIN
+                cursors[load_int(req_pool_indices, rp_wide, r)] = INT64_MIN
             r += cuda.blockDim.x
         if cuda.threadIdx.x == 0 and verify_capacity < requests:  # head < requests, cap < requests: no modulo
             nxt = rotation_head(cursors, requests) + verify_capacity
             cursors[0] = nxt - requests if nxt >= requests else nxt
 
     @cuda.jit(device=True)
-    def advance_cursor(req_pool_indices, cursors, tab, t0, tn, r):
+    def advance_cursor(req_pool_indices, rp_wide, cursors, tab, t0, tn, r):
         """plan.cu's ``advance_cursor`` (after the reset): a request row in two batch rows keeps the larger new
         cursor, whatever the order of the atomics."""
         if tab[t0 + r + 1] > tab[t0 + r]:  # the next run ends where this one began: lo + run = pdelta + first
-            cuda.atomic.max(cursors, req_pool_indices[r], tab[t0 + 2 * tn + r] + tab[t0 + r])
+            cuda.atomic.max(cursors, load_int(req_pool_indices, rp_wide, r), tab[t0 + 2 * tn + r] + tab[t0 + r])
 
     @cuda.jit(device=True)
-    def update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests):
+    def update_cursors(req_pool_indices, rp_wide, bs, cursors, verify_capacity, tab, t0, tn, requests):
         """plan.cu's ``update_cursors``: both halves with one block (the fused launch)."""
-        reset_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests)
+        reset_cursors(req_pool_indices, rp_wide, bs, cursors, verify_capacity, tab, t0, tn, requests)
         cuda.syncthreads()
         r = int64(cuda.threadIdx.x)
         while r < bs:
-            advance_cursor(req_pool_indices, cursors, tab, t0, tn, r)
+            advance_cursor(req_pool_indices, rp_wide, cursors, tab, t0, tn, r)
             r += cuda.blockDim.x
 
     @cuda.jit(device=True)
@@ -570,7 +579,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
     @cuda.jit(device=True)
     def emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions, prevs,
-                     tab, t0, tn, samples, step, count, total, sampled, page_size):
+                     tab, t0, tn, samples, step, count, total, sampled, page_size, table_wide):
         """The verify entries of this block. Each pass of a warp covers ENTRY_CHUNK consecutive entries
         (lane-major inside each of the ITEMS groups); all loads of a pass are issued before any store.
 
@@ -613,11 +622,11 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                 raw[k] = int64(0)
                 praw[k] = int64(-1)
                 if live:
-                    raw[k], b1 = load_raw(req_to_token, idx[k], page_size, inv_ps)
+                    raw[k], b1 = load_raw(req_to_token, idx[k], page_size, inv_ps, table_wide)
                     bad |= b1
                     # The window does not reset the chain: a window head keeps its real predecessor.
                     if pos[k] > 0:
-                        praw[k], b2 = load_raw(req_to_token, idx[k] - 1, page_size, inv_ps)
+                        praw[k], b2 = load_raw(req_to_token, idx[k] - 1, page_size, inv_ps, table_wide)
                         bad |= b2
             if HAS_POOL:
                 for k in range(ITEMS):
@@ -661,7 +670,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
 
     @cuda.jit(device=True)
     def finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad_slot,
-                 req_pool_indices, bs, cursors, tab, t0, tn, requests, move_cursors):
+                 req_pool_indices, rp_wide, bs, cursors, tab, t0, tn, requests, move_cursors):
         """With a LUT, any block may find a BAD_SLOT; with sampling, the cursors may move only once every block
         has read them. Then every block calls this once, last thing, and the last block to arrive composes the
         status, advances the cursors (its whole block, over its own row table) and re-arms the scratch words."""
@@ -680,7 +689,7 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                 scratch[NUMBA_SCRATCH_DONE] = 0
         cuda.syncthreads()
         if move_cursors and s_last[0] != 0:
-            update_cursors(req_pool_indices, bs, cursors, verify_capacity, tab, t0, tn, requests)
+            update_cursors(req_pool_indices, rp_wide, bs, cursors, verify_capacity, tab, t0, tn, requests)
 
     # The kernels. Every one takes PlanParams' fields in order (see PARAMS).
 
@@ -689,49 +698,52 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                           token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                           slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
                           write_num_valid_reqs, scratch, cursors, sample, pool_rows, page_size, kv_indptr,
-                          kv_indptr_wide, kv_nnz, expected_token_pool_indices):
+                          kv_indptr_wide, kv_nnz, table_wide, expected_token_pool_indices, step_wide):
         """bs <= FUSED_MAX_BS; any grid of ENTRY_THREADS-thread blocks."""
+        rp_wide = step_wide & STEP_WIDE_REQ_POOL_INDICES
         tab = cuda.shared.array(FUSED_TABLE, int64)  # the row table, stride FUSED_MAX_BS + 1
         total, row_flags, seed_bad, requests = scan_rows_entry(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
             rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
             write_req_capacity, write_offsets, seeds, write_num_valid_reqs, tab, 0, _FUSED_STRIDE,
             cuda.blockIdx.x == 0, pool_rows, expected_token_pool_indices, cursors, sample, page_size, kv_indptr,
-            kv_indptr_wide, kv_nnz)
+            kv_indptr_wide, kv_nnz, table_wide, step_wide)
         sampled = sampling(sample, verify_capacity, row_flags, total)
         if not CAN_BAD and not sampled:  # the row scan alone decides everything: block 0 writes it
             if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
                 write_status(status, enable, num_valid, verify_capacity, sample, row_flags, total)
         if sampled:
-            sample_rows(req_pool_indices, bs, cursors, verify_capacity, tab, 0, _FUSED_STRIDE, total, requests)
+            sample_rows(req_pool_indices, rp_wide, bs, cursors, verify_capacity, tab, 0, _FUSED_STRIDE, total, requests)
         bad = seed_bad
         if (total <= verify_capacity or sampled) and (row_flags & CANARY_NO_ENTRIES) == 0:
             bad |= emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
                                 prevs, tab, 0, _FUSED_STRIDE, tab, 0, 0,
-                                verify_capacity if sampled else total, sampled, page_size)
+                                verify_capacity if sampled else total, sampled, page_size, table_wide)
         if CAN_BAD or sampled:
             finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad,
-                     req_pool_indices, bs, cursors, tab, 0, _FUSED_STRIDE, requests, sampled)
+                     req_pool_indices, rp_wide, bs, cursors, tab, 0, _FUSED_STRIDE, requests, sampled)
 
     def canary_plan_rows(req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token,
                          r2t_row_stride, rp_bound, max_seq_len, lut, lut_len, pool, pool_row_stride, pool_cols,
                          token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                          slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
                          write_num_valid_reqs, scratch, cursors, sample, pool_rows, page_size, kv_indptr,
-                         kv_indptr_wide, kv_nnz, expected_token_pool_indices):
+                         kv_indptr_wide, kv_nnz, table_wide, expected_token_pool_indices, step_wide):
         """Grid 1, block ROWS_THREADS: scans, seeds, row table and row flags into the scratch; for a sampled
         step also the sampled table and the cursors' reset (this block is the cursors' only reader; the entries
         kernel advances them)."""
         tn = write_req_capacity + 1
+        rp_wide = step_wide & STEP_WIDE_REQ_POOL_INDICES
         total, row_flags, seed_bad, requests = scan_rows_rows(
             req_pool_indices, prefix_lens, extend_seq_lens, valid_lens, bs, req_to_token, r2t_row_stride,
             rp_bound, max_seq_len, lut, lut_len, pool_row_stride, pool_cols, window, padding_rows_carry_tokens,
             write_req_capacity, write_offsets, seeds, write_num_valid_reqs, scratch, NUMBA_SCRATCH_TABLE, tn, True,
-            pool_rows, expected_token_pool_indices, cursors, sample, page_size, kv_indptr, kv_indptr_wide, kv_nnz)
+            pool_rows, expected_token_pool_indices, cursors, sample, page_size, kv_indptr, kv_indptr_wide, kv_nnz,
+            table_wide, step_wide)
         row_flags |= CANARY_BAD_SLOT if seed_bad != 0 else 0
         if sampling(sample, verify_capacity, row_flags, total):
-            sample_rows(req_pool_indices, bs, cursors, verify_capacity, scratch, NUMBA_SCRATCH_TABLE, tn, total, requests)
-            reset_cursors(req_pool_indices, bs, cursors, verify_capacity, scratch, NUMBA_SCRATCH_TABLE, tn, requests)
+            sample_rows(req_pool_indices, rp_wide, bs, cursors, verify_capacity, scratch, NUMBA_SCRATCH_TABLE, tn, total, requests)
+            reset_cursors(req_pool_indices, rp_wide, bs, cursors, verify_capacity, scratch, NUMBA_SCRATCH_TABLE, tn, requests)
         if cuda.threadIdx.x == 0:
             scratch[NUMBA_SCRATCH_ROW_FLAGS] = row_flags
             scratch[NUMBA_SCRATCH_TOTAL] = total
@@ -743,8 +755,9 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
                             token_offset, window, padding_rows_carry_tokens, verify_capacity, write_req_capacity,
                             slots, expected, positions, prevs, num_valid, enable, status, write_offsets, seeds,
                             write_num_valid_reqs, scratch, cursors, sample, pool_rows, page_size, kv_indptr,
-                            kv_indptr_wide, kv_nnz, expected_token_pool_indices):
+                            kv_indptr_wide, kv_nnz, table_wide, expected_token_pool_indices, step_wide):
         """After canary_plan_rows; any grid of ENTRY_THREADS-thread blocks."""
+        rp_wide = step_wide & STEP_WIDE_REQ_POOL_INDICES
         s_samples = cuda.shared.array(_SAMPLES_LEN, int64)
         row_flags = scratch[NUMBA_SCRATCH_ROW_FLAGS]
         total = scratch[NUMBA_SCRATCH_TOTAL]
@@ -763,15 +776,15 @@ def kernel_functions(has_lut: bool, has_pool: bool, rows_threads: int = ROWS_THR
         if (total <= verify_capacity or sampled) and (row_flags & CANARY_NO_ENTRIES) == 0:
             bad = emit_entries(bs, req_to_token, lut, lut_len, pool, token_offset, slots, expected, positions,
                                prevs, scratch, NUMBA_SCRATCH_TABLE, write_req_capacity + 1, s_samples, step, count,
-                               emitted, sampled, page_size)
+                               emitted, sampled, page_size, table_wide)
         if sampled:  # the cursors' second half (canary_plan_rows reset them), a row a thread over the grid
             r = int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
             while r < bs:
-                advance_cursor(req_pool_indices, cursors, scratch, NUMBA_SCRATCH_TABLE, write_req_capacity + 1, r)
+                advance_cursor(req_pool_indices, rp_wide, cursors, scratch, NUMBA_SCRATCH_TABLE, write_req_capacity + 1, r)
                 r += int64(cuda.gridDim.x) * cuda.blockDim.x
         if CAN_BAD:
             finalize(scratch, status, enable, num_valid, verify_capacity, sample, row_flags, total, bad,
-                     req_pool_indices, bs, cursors, scratch, NUMBA_SCRATCH_TABLE, write_req_capacity + 1, int64(0), False)
+                     req_pool_indices, rp_wide, bs, cursors, scratch, NUMBA_SCRATCH_TABLE, write_req_capacity + 1, int64(0), False)
 
     sfx = suffix(HAS_LUT, HAS_POOL, FORM)
     kernels = (canary_plan_fused, canary_plan_rows, canary_plan_entries)

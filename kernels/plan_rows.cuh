@@ -131,14 +131,14 @@ __device__ __forceinline__ i64 scan_rows(const PlanParams& p, RowTable t, int& r
         for (int k = 0; k < BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
             rp[k] = 0; e[k] = 0; len[k] = 0; vl[k] = 0; q[k] = 0;
-            if (r < bs) { rp[k] = p.req_pool_indices[r]; e[k] = p.extend_seq_lens[r]; len[k] = p.prefix_lens[r]; }
+            if (r < bs) { rp[k] = step_rp(p, r); e[k] = step_extend(p, r); len[k] = step_prefix(p, r); }
         }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
             if (HAS_POOL && r < bs && rp[k] != 0) {
-                vl[k] = p.valid_lens[r];
-                q[k] = p.expected_token_pool_indices ? p.expected_token_pool_indices[r] : rp[k];
+                vl[k] = step_valid(p, r);
+                q[k] = p.expected_token_pool_indices ? step_pool_row(p, r) : rp[k];
             }
             lo[k] = 0; hi[k] = 0;
             if (FORM == CANARY_FORM_PAGES && r < bs && rp[k] != 0) { lo[k] = load_indptr(p, r); hi[k] = load_indptr(p, r + 1); }

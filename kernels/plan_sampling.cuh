@@ -53,7 +53,7 @@ __device__ __forceinline__ i64 rank_rows(const PlanParams& p, RowTable t, i64& h
         for (int k = 0; k < BATCH; ++k) {
             const i64 r = group + k * THREADS + threadIdx.x;
             o0[k] = 0; len[k] = 0; pd[k] = 0; rp[k] = 0;
-            if (r < p.bs) { o0[k] = t.off[r]; len[k] = t.off[r + 1]; pd[k] = t.pdelta[r]; rp[k] = p.req_pool_indices[r]; }
+            if (r < p.bs) { o0[k] = t.off[r]; len[k] = t.off[r + 1]; pd[k] = t.pdelta[r]; rp[k] = step_rp(p, r); }
         }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {  // a row with entries is trusted: 0 < rp < max_reqs
@@ -174,7 +174,7 @@ __device__ __forceinline__ i64 sample_rows_at_once(const PlanParams& p, RowTable
     for (int k = 0; k < BATCH; ++k) {
         const i64 r = k * THREADS + threadIdx.x;
         o0[k] = 0; len[k] = 0; pd[k] = 0; rp[k] = 0;
-        if (r < p.bs) { o0[k] = t.off[r]; len[k] = t.off[r + 1]; pd[k] = t.pdelta[r]; rp[k] = p.req_pool_indices[r]; }
+        if (r < p.bs) { o0[k] = t.off[r]; len[k] = t.off[r + 1]; pd[k] = t.pdelta[r]; rp[k] = step_rp(p, r); }
     }
     if (FORM == CANARY_FORM_PAGES) {
 #pragma unroll

@@ -41,11 +41,11 @@ __device__ __forceinline__ RowTable side_table(const PlanParams& p) {
 // when SCRATCH_SIDE says so.
 template <bool HAS_POOL, int FORM>
 __device__ __forceinline__ Row side_facts(const PlanParams& p, i64 r, i64& key) {
-    const i64 rp = p.req_pool_indices[r], e = p.extend_seq_lens[r], len = p.prefix_lens[r];
+    const i64 rp = step_rp(p, r), e = step_extend(p, r), len = step_prefix(p, r);
     i64 vl = 0, q = 0, lo = 0, hi = 0;
     if (HAS_POOL && rp != 0) {
-        vl = p.valid_lens[r];
-        q = p.expected_token_pool_indices ? p.expected_token_pool_indices[r] : rp;
+        vl = step_valid(p, r);
+        q = p.expected_token_pool_indices ? step_pool_row(p, r) : rp;
     }
     if (FORM == CANARY_FORM_PAGES && rp != 0) { lo = load_indptr(p, r); hi = load_indptr(p, r + 1); }
     i64 cap = p.max_seq_len;
@@ -94,14 +94,14 @@ __device__ __forceinline__ void side_rows(const PlanParams& p) {
             const i64 j = j0 + u * THREADS + threadIdx.x;
             other[u] = j < bs && !(j >= r0 && j < r0 + SIDE_ROWS);
             orp[u] = 0; oe[u] = 0; olen[u] = 0; ovl[u] = 0; oq[u] = 0;
-            if (other[u]) { orp[u] = p.req_pool_indices[j]; oe[u] = p.extend_seq_lens[j]; olen[u] = p.prefix_lens[j]; }
+            if (other[u]) { orp[u] = step_rp(p, j); oe[u] = step_extend(p, j); olen[u] = step_prefix(p, j); }
         }
 #pragma unroll
         for (int u = 0; u < OTHERS; ++u) {
             const i64 j = j0 + u * THREADS + threadIdx.x;
             if (HAS_POOL && other[u] && orp[u] != 0) {
-                ovl[u] = p.valid_lens[j];
-                oq[u] = p.expected_token_pool_indices ? p.expected_token_pool_indices[j] : orp[u];
+                ovl[u] = step_valid(p, j);
+                oq[u] = p.expected_token_pool_indices ? step_pool_row(p, j) : orp[u];
             }
             olo[u] = 0; ohi[u] = 0;
             if (FORM == CANARY_FORM_PAGES && other[u] && orp[u] != 0) {

@@ -12,6 +12,7 @@
 // The constants, sentinels and parameter structs come from canary_constants.cuh (generated from
 // canary/contract/records_layout.py, layers_layout.py, ring.py, hashes.py and plans.py).
 #include "canary_constants.cuh"
+#include "canary_ints.cuh"
 
 #define WRITE_WARPS (WRITE_THREADS / 32)
 
@@ -228,10 +229,11 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& s
         ChainElem run = chain_identity();
 #pragma unroll 4  // batches the loads: only run.b's mulmod is serial
         for (i64 i = i0; i < i1; ++i) {
-            const i64 slot = p.out_cache_loc[i];
+            const i64 slot = load_int(p.out_cache_loc, p.entry_wide & ENTRY_WIDE_OUT_CACHE_LOC, i);
             if (slot >= 0 && slot < st.num_slots) {
-                const u64 pos = (u64)p.positions[i];
-                run.b = addmod_p(mulmod_p(CHAIN_MUL, run.b), chain_g((u64)p.input_ids[i], pos));
+                const u64 pos = (u64)load_int(p.positions, p.entry_wide & ENTRY_WIDE_POSITIONS, i);
+                run.b = addmod_p(mulmod_p(CHAIN_MUL, run.b),
+                                 chain_g((u64)load_int(p.input_ids, p.entry_wide & ENTRY_WIDE_INPUT_IDS, i), pos));
                 run.a = mulmod_p(CHAIN_MUL, run.a);
                 run.pos = pos;
                 run.has = 1;
@@ -249,11 +251,13 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& s
         u64 tok = 0, pos = 0, et = ~0ULL, ep = ~0ULL, kvh = 0;
         ChainElem e = chain_identity();
         if (i < hi) {
-            slot = p.out_cache_loc[i];
-            tok = (u64)p.input_ids[i];
-            pos = (u64)p.positions[i];
-            if (p.expected_input_ids) et = (u64)p.expected_input_ids[i];
-            if (p.expected_positions) ep = (u64)p.expected_positions[i];
+            slot = load_int(p.out_cache_loc, p.entry_wide & ENTRY_WIDE_OUT_CACHE_LOC, i);
+            tok = (u64)load_int(p.input_ids, p.entry_wide & ENTRY_WIDE_INPUT_IDS, i);
+            pos = (u64)load_int(p.positions, p.entry_wide & ENTRY_WIDE_POSITIONS, i);
+            if (p.expected_input_ids)
+                et = (u64)load_int(p.expected_input_ids, p.entry_wide & ENTRY_WIDE_EXPECTED_INPUT_IDS, i);
+            if (p.expected_positions)
+                ep = (u64)load_int(p.expected_positions, p.entry_wide & ENTRY_WIDE_EXPECTED_POSITIONS, i);
             if (slot >= 0 && slot < st.num_slots) {  // out-of-range entries neither store nor advance the chain
                 kvh = fold_slot(p.kv, slot);
                 e = ChainElem{CHAIN_MUL, chain_g(tok, pos), pos, 1};
@@ -491,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(LAYER_THREADS) canary_write_layers(
         const i64 i = j / p.num_layers, layer = j % p.num_layers;
         const i64 r = owner_of(p, nreq, i);
         if (r < 0 || i >= clamp64(p.write_offsets[r + 1], 0, n) || p.write_seed_slot_indices[r] == CANARY_SKIP_SEED) continue;
-        const i64 slot = p.out_cache_loc[i];
+        const i64 slot = load_int(p.out_cache_loc, p.entry_wide & ENTRY_WIDE_OUT_CACHE_LOC, i);
         if (slot < 0 || slot >= p.st.num_slots) continue;
         p.layer_hashes[slot * p.num_layers + layer] = (i64)fold_layer(p, layer, slot);
     }

@@ -37,7 +37,9 @@ from numba import cuda, int32, int64, uint32, uint64
 # (kernels/canary_constants.cuh is generated from the same source), not restated here.
 from canary.contract import kernel_constants as _K
 from canary.contract.kernel_constants import (
-    CHECK_VERIFY_TOKEN, CHECK_WRITE_POSITION_CHAIN, COUNTER_VERIFY, COUNTER_WRITE, FAIL_CHAIN, FAIL_MISSING,
+    CHECK_VERIFY_TOKEN, CHECK_WRITE_POSITION_CHAIN, COUNTER_VERIFY, COUNTER_WRITE, ENTRY_WIDE_EXPECTED_INPUT_IDS,
+    ENTRY_WIDE_EXPECTED_POSITIONS, ENTRY_WIDE_INPUT_IDS, ENTRY_WIDE_OUT_CACHE_LOC, ENTRY_WIDE_POSITIONS, FAIL_CHAIN,
+    FAIL_MISSING,
     FAIL_POSITION, FAIL_REAL_KV, FAIL_SLOT_RANGE, FAIL_VERIFY_TOKEN, FAIL_WRITE_POSITION, FAIL_WRITE_TOKEN,
     LAYER_KIND_SHIFT, LAYER_THREADS, MAX_SOURCES, SCATTER_THREADS, VERIFY_THREADS, WRITE_MAX_SEGMENTS, WRITE_THREADS,
 )
@@ -92,9 +94,10 @@ REAL_KV_PARAMS = (("kv0", _AU64), ("kv1", _AU64), ("kv2", _AU64), ("kv3", _AU64)
                   ("num_sources", _I64))
 WRITE_PARAMS = STATE_PARAMS + REAL_KV_PARAMS + (
     ("write_offsets", _AI64), ("write_seed_slot_indices", _AI64), ("write_num_valid_reqs", _AI32),
-    ("write_req_capacity", _I64), ("out_cache_loc", _AI64), ("input_ids", _AI64), ("positions", _AI64),
-    ("num_entries", _I64), ("expected_input_ids", _AI64), ("expected_positions", _AI64),
-    ("has_expected_input_ids", _I64), ("has_expected_positions", _I64),
+    # The token arrays as int32 words, two an element for an int64 array (entry_wide: records.cu's load_int)
+    ("write_req_capacity", _I64), ("out_cache_loc", _AI32), ("input_ids", _AI32), ("positions", _AI32),
+    ("num_entries", _I64), ("expected_input_ids", _AI32), ("expected_positions", _AI32),
+    ("has_expected_input_ids", _I64), ("has_expected_positions", _I64), ("entry_wide", _I64),
 )
 VERIFY_PARAMS = STATE_PARAMS + REAL_KV_PARAMS + (
     ("verify_slot_indices", _AI64), ("verify_expected_tokens", _AI64), ("verify_expected_positions", _AI64),
@@ -111,6 +114,15 @@ def scatter_params(token_type: str):
 
 def _signature(params) -> str:
     return "void({})".format(", ".join(ty for _, ty in params))
+
+
+@cuda.jit(device=True)
+def load_int(words, wide, i):
+    """records.cu's ``load_int``: element ``i`` of an int32 array, or of an int64 one given as its int32 words
+    (little-endian: the low word first), as an int64 (SPEC 2 (*))."""
+    if wide != 0:
+        return (int64(words[2 * i]) & int64(0xFFFFFFFF)) | (int64(words[2 * i + 1]) << 32)
+    return int64(words[i])
 
 
 @cuda.jit(device=True)
@@ -345,7 +357,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                      slot_run_counter, kernel_run_counter, check_flags, reported_slots, has_reported_slots, tag, kv0, kv1, kv2, kv3, kvp, num_sources,
                      write_offsets, write_seed_slot_indices, write_num_valid_reqs, write_req_capacity,
                      out_cache_loc, input_ids, positions, num_entries, expected_input_ids, expected_positions,
-                     has_expected_input_ids, has_expected_positions):
+                     has_expected_input_ids, has_expected_positions, entry_wide):
         """Any grid, block WT: work items (request, segment) taken in turn (records.cu's canary_write)."""
         s_items = cuda.shared.array(WT, int64)
         s_nitems = cuda.shared.array(1, int32)
@@ -404,10 +416,11 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                     rp = U0
                     rh = 0
                     for i in range(i0, i1):
-                        sl = out_cache_loc[i]
+                        sl = load_int(out_cache_loc, entry_wide & ENTRY_WIDE_OUT_CACHE_LOC, i)
                         if sl >= 0 and sl < num_slots:
-                            pi = uint64(positions[i])
-                            rb = addmod_p(mulmod_p(CHAIN_MUL, rb), chain_g(uint64(input_ids[i]), pi))
+                            pi = uint64(load_int(positions, entry_wide & ENTRY_WIDE_POSITIONS, i))
+                            rb = addmod_p(mulmod_p(CHAIN_MUL, rb),
+                                          chain_g(uint64(load_int(input_ids, entry_wide & ENTRY_WIDE_INPUT_IDS, i)), pi))
                             ra = mulmod_p(CHAIN_MUL, ra)
                             rp = pi
                             rh = 1
@@ -429,13 +442,13 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                     eb = U0
                     eh = 0
                     if i < hi:
-                        slot = out_cache_loc[i]
-                        tok = uint64(input_ids[i])
-                        pos = uint64(positions[i])
+                        slot = load_int(out_cache_loc, entry_wide & ENTRY_WIDE_OUT_CACHE_LOC, i)
+                        tok = uint64(load_int(input_ids, entry_wide & ENTRY_WIDE_INPUT_IDS, i))
+                        pos = uint64(load_int(positions, entry_wide & ENTRY_WIDE_POSITIONS, i))
                         if has_expected_input_ids != 0:
-                            et = uint64(expected_input_ids[i])
+                            et = uint64(load_int(expected_input_ids, entry_wide & ENTRY_WIDE_EXPECTED_INPUT_IDS, i))
                         if has_expected_positions != 0:
-                            ep = uint64(expected_positions[i])
+                            ep = uint64(load_int(expected_positions, entry_wide & ENTRY_WIDE_EXPECTED_POSITIONS, i))
                         if slot >= 0 and slot < num_slots:  # out-of-range entries neither store nor advance the chain
                             kvh = fold_slot(kv0, kv1, kv2, kv3, kvp, num_sources, slot)
                             ea = CHAIN_MUL
@@ -598,9 +611,9 @@ LAYER_PARAMS = STATE_PARAMS + (
     ("kvp", _AI64), ("num_sources", _I64), ("layer_words", _AU64_TUPLE), ("num_layers", _I64), ("dwell", _I64),
     ("layer_hashes", _AU64), ("layer_cursor", _AI32),
     ("write_offsets", _AI64), ("write_seed_slot_indices", _AI64), ("write_num_valid_reqs", _AI32),
-    ("write_req_capacity", _I64), ("out_cache_loc", _AI64), ("num_entries", _I64),
+    ("write_req_capacity", _I64), ("out_cache_loc", _AI32), ("num_entries", _I64),
     ("verify_slot_indices", _AI64), ("verify_expected_tokens", _AI64), ("verify_expected_positions", _AI64),
-    ("verify_capacity", _I64), ("verify_num_valid", _AI32), ("enable", _AI32),
+    ("verify_capacity", _I64), ("verify_num_valid", _AI32), ("enable", _AI32), ("entry_wide", _I64),
 )
 
 
@@ -651,7 +664,7 @@ def layer_kernel_functions(threads: int = LAYER_THREADS, padding_slot: int = 0):
                             layer_words, num_layers, dwell, layer_hashes, layer_cursor, write_offsets,
                             write_seed_slot_indices, write_num_valid_reqs, write_req_capacity, out_cache_loc,
                             num_entries, verify_slot_indices, verify_expected_tokens, verify_expected_positions,
-                            verify_capacity, verify_num_valid, enable):
+                            verify_capacity, verify_num_valid, enable, entry_wide):
         """Any grid: grid-stride over (entry, layer) pairs; thread 0 advances the cursor (records.cu)."""
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
             layer = cursor_layer(layer_cursor, num_layers)
@@ -671,7 +684,7 @@ def layer_kernel_functions(threads: int = LAYER_THREADS, padding_slot: int = 0):
             r = owner_of(write_offsets, nreq, num_entries, i)
             if r >= 0 and i < clamp64(write_offsets[r + 1], int64(0), num_entries) and \
                     write_seed_slot_indices[r] != SKIP_SEED:
-                slot = out_cache_loc[i]
+                slot = load_int(out_cache_loc, entry_wide & ENTRY_WIDE_OUT_CACHE_LOC, i)
                 if slot >= 0 and slot < num_slots:
                     layer_hashes[slot * num_layers + layer] = fold_layer(layer_words, kvp, num_sources, layer, slot)
             j += stride
@@ -681,7 +694,7 @@ def layer_kernel_functions(threads: int = LAYER_THREADS, padding_slot: int = 0):
                             layer_words, num_layers, dwell, layer_hashes, layer_cursor, write_offsets,
                             write_seed_slot_indices, write_num_valid_reqs, write_req_capacity, out_cache_loc,
                             num_entries, verify_slot_indices, verify_expected_tokens, verify_expected_positions,
-                            verify_capacity, verify_num_valid, enable):
+                            verify_capacity, verify_num_valid, enable, entry_wide):
         """Any grid: one thread per verify entry, grid-stride (records.cu's canary_verify_layer)."""
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
             cuda.atomic.add(kernel_run_counter, COUNTER_VERIFY, U1)

@@ -9,6 +9,8 @@ import numpy as np
 from ..interop.adapter import ArrayView
 from ..contract.kvindex import FORM_PAGES, FORM_TOKENS, NO_REQ_BOUND
 from ..contract.plans import VerifyViews, WriteViews
+from ..contract.plan_layout import STEP_WIDE
+from ..contract.records_layout import ENTRY_WIDE, wide_bits
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ DEFAULT_LAUNCH = LaunchConfig()
 class KVIndex:
     """The checked index of a plan in one of its forms (SPEC 3.8; ``canary/contract/kvindex.py``): ``table`` is
     ``req_to_token`` ``[max_reqs, max_seq_len]`` (``FORM_TOKENS``), ``block_table`` ``[max_reqs, max_blocks]``
-    (``FORM_BLOCKS``) or ``kv_indices`` ``[nnz]`` (``FORM_PAGES``, with ``kv_indptr``), int32 each."""
+    (``FORM_BLOCKS``) or ``kv_indices`` ``[nnz]`` (``FORM_PAGES``, with ``kv_indptr``): int32, or int64 for the
+    paged forms (SPEC 2 (*): ``table_wide``)."""
 
     form: int
     table: ArrayView
@@ -73,6 +76,11 @@ class KVIndex:
     @property
     def paged(self) -> bool:
         return self.form != FORM_TOKENS
+
+    @property
+    def table_wide(self) -> int:
+        """1 when the table holds int64 entries (a paged form's block table or kv_indices), else 0."""
+        return int(self.table.dtype.itemsize == 8)
 
     @property
     def rows(self) -> int:
@@ -184,7 +192,7 @@ class StaticArgs:
 
 @dataclass(frozen=True)
 class StepArgs:
-    """The per-step inputs, ``[bs]`` int64 each (``valid_lens`` present iff an expected-token pool is bound;
+    """The per-step inputs, ``[bs]`` int32 or int64 each (``valid_lens`` present iff an expected-token pool is bound;
     ``pool_indices``, the optional ``expected_token_pool_indices``, only with a pool), and the step's own index
     arrays when it passed them (``index``, of the bound form)."""
 
@@ -196,11 +204,19 @@ class StepArgs:
     pool_indices: ArrayView | None = None
     index: KVIndex | None = None  # this step's index (SPEC 3.8: an engine that rebuilds it); None: the bound one
 
+    @property
+    def step_wide(self) -> int:
+        """PlanParams.step_wide: a bit (plan_layout.STEP_WIDE) for each step array that holds int64."""
+        return wide_bits(STEP_WIDE, dict(
+            req_pool_indices=self.req_pool_indices, prefix_lens=self.prefix_lens,
+            extend_seq_lens=self.extend_seq_lens, valid_lens=self.valid_lens,
+            expected_token_pool_indices=self.pool_indices))
+
 
 @dataclass(frozen=True)
 class RecordWriteArgs:
-    """One write launch's inputs, checked (docs/records.md 4): the write plan's views, ``[N]`` int64 entry arrays
-    (the expected ones ``None`` when not given), the launch tag."""
+    """One write launch's inputs, checked (docs/records.md 4): the write plan's views, ``[N]`` int32 or int64
+    entry arrays (the expected ones ``None`` when not given), the launch tag."""
 
     plan: WriteViews
     out_cache_loc: ArrayView
@@ -209,6 +225,13 @@ class RecordWriteArgs:
     expected_input_ids: ArrayView | None
     expected_positions: ArrayView | None
     launch_tag: int
+
+    @property
+    def entry_wide(self) -> int:
+        """WriteParams.entry_wide: a bit (records_layout.ENTRY_WIDE) for each entry array that holds int64."""
+        return wide_bits(ENTRY_WIDE, dict(
+            out_cache_loc=self.out_cache_loc, input_ids=self.input_ids, positions=self.positions,
+            expected_input_ids=self.expected_input_ids, expected_positions=self.expected_positions))
 
 
 @dataclass(frozen=True)

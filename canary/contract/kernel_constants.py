@@ -108,7 +108,9 @@ PLAN_SHARED = [
          doc="The index forms, the planner's FORM specialization (canary/contract/kvindex.py, SPEC 3.8)."),
     _int("CANARY_FORM_BLOCKS", FORM_BLOCKS, "a block table and page_size"),
     _int("CANARY_FORM_PAGES", FORM_PAGES, "a page list: kv_indptr, kv_indices and page_size"),
-]
+] + [_int(f"STEP_WIDE_{name.upper()}", bit, doc="PlanParams.step_wide's bits (plan_layout.py STEP_WIDE): that step "
+                                              "array holds int64, else int32 (SPEC 2 (*))." if not k else "")
+     for k, (name, bit) in enumerate(PL.STEP_WIDE.items())]
 
 PLAN_CUDA = [
     _int("ROW_BATCH", PL.ROW_BATCH,
@@ -146,7 +148,9 @@ RECORDS = [
          "a mailbox slot's sequence number, before its block and rows (report_layout.py)"),
     _int("LAYER_KIND_SHIFT", KIND_BITS,
          "a VERIFY_LAYER row's tag: the layer sits just above the kernel-kind byte (ring.py KIND_BITS)"),
-]
+] + [_int(f"ENTRY_WIDE_{name.upper()}", bit, doc="WriteParams.entry_wide's bits (records_layout.py ENTRY_WIDE): "
+                                               "that token array holds int64, else int32 (SPEC 2 (*))." if not k
+          else "") for k, (name, bit) in enumerate(RL.ENTRY_WIDE.items())]
 
 RING = (
     [d._replace(doc="Fail-reason bits of a ring row (canary/contract/ring.py FailReason).") if i == 0 else d

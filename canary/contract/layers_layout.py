@@ -23,7 +23,7 @@ LAYER_PARAMS = Struct("LayerParams", (
     M(_P64, "write_seed_slot_indices"),
     M("const int*", "write_num_valid_reqs"),
     M(_I64, "write_req_capacity"),
-    M(_P64, "out_cache_loc"),
+    M("const void*", "out_cache_loc", "int32 or int64: entry_wide bit ENTRY_WIDE_OUT_CACHE_LOC"),
     M(_I64, "num_entries"),
     M(_P64, "verify_slot_indices", "verify_layer: the step's verify plan"),
     M(_P64, "verify_expected_tokens"),
@@ -31,6 +31,7 @@ LAYER_PARAMS = Struct("LayerParams", (
     M(_I64, "verify_capacity"),
     M("const int*", "verify_num_valid"),
     M("const int*", "enable"),
+    M(_I64, "entry_wide", "write_layers: records_layout.ENTRY_WIDE bits (out_cache_loc's only)"),
 ))
 LAYER_FIELDS = LAYER_PARAMS.fields()
 CONSTANTS = {"LAYER_THREADS": LAYER_THREADS}

@@ -36,10 +36,19 @@ CONSTANTS = dict(ROWS_THREADS=ROWS_THREADS, ENTRY_THREADS=ENTRY_THREADS, FUSED_M
                  ROW_BATCH=ROW_BATCH, SCRATCH_TABLE=SCRATCH_TABLE, TABLE_ARRAYS=TABLE_ARRAYS, SIDE_BATCH=SIDE_BATCH)
 
 _P64, _P32, _I64 = "const i64*", "const int*", "i64"
+_PINT = "const void*"  # an int32 or int64 array (SPEC 2 (*)), read through load_int
+
+# The per-step arrays, each int32 or int64 (SPEC 2 (*)): bit k of PlanParams.step_wide says that array k holds
+# int64. The index's block table / kv_indices has its own word, table_wide (req_to_token is int32 only).
+STEP_WIDE_ARRAYS = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "valid_lens",
+                    "expected_token_pool_indices")
+STEP_WIDE = {name: 1 << k for k, name in enumerate(STEP_WIDE_ARRAYS)}
 PLAN_PARAMS = Struct("PlanParams", (
-    M(_P64, "req_pool_indices"), M(_P64, "prefix_lens"), M(_P64, "extend_seq_lens"), M(_P64, "valid_lens"),
+    M(_PINT, "req_pool_indices", "[bs] int32 or int64 (step_wide), as the next three"),
+    M(_PINT, "prefix_lens"), M(_PINT, "extend_seq_lens"), M(_PINT, "valid_lens"),
     M(_I64, "bs"),
-    M(_P32, "req_to_token", "the index's int32 table (SPEC 3.8): req_to_token, a block table or kv_indices"),
+    M(_P32, "req_to_token", "the index's table (SPEC 3.8): req_to_token, a block table or kv_indices (as int32 "
+                            "words, two an entry if table_wide)"),
     M(_I64, "r2t_row_stride", "the virtual token index's key stride: v = key * stride + position (KVIndex)"),
     M(_I64, "rp_bound", "max_reqs (the pool's rows bound the pool row q: row_facts)"),
     M(_I64, "max_seq_len"), M(_P64, "lut"), M(_I64, "lut_len"),
@@ -58,8 +67,10 @@ PLAN_PARAMS = Struct("PlanParams", (
     M(_P32, "kv_indptr", "a page list's [>= bs + 1] offsets into kv_indices, as int32 words (two a row if wide)"),
     M(_I64, "kv_indptr_wide", "1: kv_indptr holds int64, 0: int32"),
     M(_I64, "kv_nnz", "a page list's kv_indices length (the bound of kv_indptr)"),
-    M(_P64, "expected_token_pool_indices",
+    M(_I64, "table_wide", "1: the paged forms' table holds int64 entries, 0: int32 (req_to_token: always 0)"),
+    M(_PINT, "expected_token_pool_indices",
       "per step, HAS_POOL only: the pool row of each batch row (SPEC 3.2); null: req_pool_indices"),
+    M(_I64, "step_wide", "per step: bit STEP_WIDE_* set when that step array holds int64 (else int32)"),
 ), doc="One by-value kernel parameter; every field is 8 bytes, so the host packs it as an array of uint64 words in "
        "this order (canary/contract/plan_layout.py PARAM_FIELDS) and updates only the per-step words per call.")
 # struct PlanParams of plan.cu, field by field (each 8 bytes): the CuPy host's word order.

@@ -17,6 +17,17 @@ VERIFY_THREADS = 256
 SCATTER_THREADS = 128
 
 _P64, _I64 = "const i64*", "i64"
+_PINT = "const void*"  # an int32 or int64 array (SPEC 2 (*)), read through load_int
+
+# The write's token arrays, each int32 or int64 (SPEC 2 (*)): bit k of WriteParams.entry_wide (and of
+# LayerParams.entry_wide, which has out_cache_loc only) says that array k holds int64.
+ENTRY_WIDE_ARRAYS = ("out_cache_loc", "input_ids", "positions", "expected_input_ids", "expected_positions")
+ENTRY_WIDE = {name: 1 << k for k, name in enumerate(ENTRY_WIDE_ARRAYS)}
+
+
+def wide_bits(bits: dict, views: dict) -> int:
+    """The width word of a launch: ``bits[name]`` for each present view of ``views`` whose dtype is 8 bytes."""
+    return sum(bits[name] for name, v in views.items() if v is not None and v.dtype.itemsize == 8)
 STATE_PARAMS = Struct("StateParams", (
     M("unsigned char*", "canary",
       "canary_buffer: slot s at s * slot_stride (int64 token, position, prev_hash, real_kv_hash)"),
@@ -49,12 +60,13 @@ WRITE_PARAMS = Struct("WriteParams", (
     M(_P64, "write_seed_slot_indices"),
     M("const int*", "write_num_valid_reqs"),
     M(_I64, "write_req_capacity", "R"),
-    M(_P64, "out_cache_loc", "[N]"),
-    M(_P64, "input_ids"),
-    M(_P64, "positions"),
+    M(_PINT, "out_cache_loc", "[N] int32 or int64 (entry_wide), as each of the next four"),
+    M(_PINT, "input_ids"),
+    M(_PINT, "positions"),
     M(_I64, "num_entries", "N"),
-    M(_P64, "expected_input_ids", "null: not given"),
-    M(_P64, "expected_positions", "null: not given"),
+    M(_PINT, "expected_input_ids", "null: not given"),
+    M(_PINT, "expected_positions", "null: not given"),
+    M(_I64, "entry_wide", "bit ENTRY_WIDE_*: that token array holds int64 (else int32)"),
 ))
 VERIFY_PARAMS = Struct("VerifyParams", (
     M(STATE_PARAMS, "st"), M(REAL_KV_PARAMS, "kv"),

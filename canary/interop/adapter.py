@@ -294,10 +294,11 @@ _IDENTITY_KIND: dict = {}  # type -> 1 (CuPy ndarray), 2 (torch Tensor), 0 (neit
 
 
 def identity(obj: Any) -> tuple | None:
-    """``(data pointer, shape)`` of a CuPy array or torch tensor, read cheaply; ``None`` for other types.
+    """``(data pointer, shape, dtype)`` of a CuPy array or torch tensor, read cheaply; ``None`` for other types.
 
     Lets a caller that keeps static step buffers (as CUDA-graph engines do) reuse last call's view of the same
-    object: same object, same pointer, same shape means the same view.
+    object: same object, same pointer, same shape and dtype means the same view (the dtype too: an array may be
+    int32 or int64, SPEC 2 (*), and a launch or graph bakes in the width it read).
     """
     t = type(obj)
     kind = _IDENTITY_KIND.get(t)
@@ -306,10 +307,10 @@ def identity(obj: Any) -> tuple | None:
         kind = _IDENTITY_KIND[t] = (1 if module.startswith("cupy") and name == "ndarray"
                                     else 2 if module == "torch" and name == "Tensor" else 0)
     if kind == 1:
-        return obj.data.ptr, obj.shape
+        return obj.data.ptr, obj.shape, obj.dtype
     if kind == 2:
         try:
-            return obj.data_ptr(), obj.shape
+            return obj.data_ptr(), obj.shape, obj.dtype
         except RuntimeError:  # no storage (a sparse tensor): never cached, as_view refuses it
             return None
     return None
@@ -366,16 +367,30 @@ def as_view(obj: Any, name: str, *, stream_ptr: int = -1, launch_stream: int | N
     )
 
 
+# The integer arrays an engine keeps in either width (SPEC 2 (*)): check_view's dtype=INT_WIDTHS.
+INT_WIDTHS = (np.dtype(np.int32), np.dtype(np.int64))
+
+
 def check_view(
     view: ArrayView,
     *,
-    dtype: np.dtype | type,
+    dtype: np.dtype | type | tuple,
     ndim: int,
     length: int | None = None,
     writable: bool = False,
 ) -> ArrayView:
-    """Enforce dtype (no silent casts), rank, leading length, unit inner stride and writability."""
-    want = np.dtype(dtype)
+    """Enforce dtype (no silent casts; a tuple of dtypes: any one of them, native byte order), rank, leading
+    length, unit inner stride and writability."""
+    if isinstance(dtype, tuple):
+        allowed = tuple(np.dtype(d) for d in dtype)
+        want = view.dtype if view.dtype in allowed else None
+        if want is None:
+            names = " or ".join(d.name for d in allowed)
+            native = any(view.dtype.name == d.name for d in allowed)
+            got = view.dtype.name if not native else f"{view.dtype.str} (non-native byte order)"
+            raise fail(TypeError, f"{view.name}: expected dtype {names}, got {got}")
+    else:
+        want = np.dtype(dtype)
     if view.dtype != want:
         got = view.dtype.name if view.dtype.name != want.name else f"{view.dtype.str} (non-native byte order)"
         raise fail(TypeError, f"{view.name}: expected dtype {want.name}, got {got}")

@@ -63,7 +63,7 @@ def fingerprint(objs) -> tuple | None:
             out.append(None)
             continue
         if _IDENTITY_KIND.get(type(o)) == 1:  # a CuPy array: identity's common case inline (every eager call)
-            out.append((o.data.ptr, o.shape))
+            out.append((o.data.ptr, o.shape, o.dtype))
             continue
         ident = identity(o)
         if ident is None:

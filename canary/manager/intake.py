@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import fail
 from ..interop.adapter import HOST, as_view, identity
 from ..interop.hostcopy import to_host
+from ..interop.streams import launch_stream
 from .pool import RequestPool, host_token_array
 
 
@@ -28,14 +29,16 @@ class TokenIntake:
         self._ids_cache: tuple | None = None  # (type, snapshot, tuple) of the last request ids (ids)
         self.rows_cache: tuple | None = None  # (request ids, pool members version, pool rows) of rows
 
-    def accept_batch(self, request_ids: Any, token_ids: Any) -> None:
-        """The manager's :meth:`~canary.CanaryManager.accept_tokens_batch` (its docstring)."""
+    def accept_batch(self, request_ids: Any, token_ids: Any, stream: Any = None) -> None:
+        """The manager's :meth:`~canary.CanaryManager.accept_tokens_batch` (its docstring; the device path's rule:
+        canary/manager/accepted.py). ``stream``: where a device array's copy runs (default: the current stream
+        of its library)."""
         ids = self.ids(request_ids)
         if token_ids is None:
             raise fail(TypeError, f"token_ids: expected one token id per request ([{len(ids)}] host ints or a device "
                                   f"array), got None")
         if type(token_ids) not in (list, tuple, np.ndarray):
-            token_ids = self._device_tokens(ids, token_ids)
+            token_ids = self._device_tokens(ids, token_ids, stream)
             if token_ids is None:
                 return
         toks = host_token_array(token_ids, "token_ids")
@@ -45,10 +48,11 @@ class TokenIntake:
         if len(ids):
             self.requests.accept_batch(ids, toks.astype(np.int64, copy=True), self._batch_rows)
 
-    def _device_tokens(self, ids: tuple, token_ids: Any) -> Any:
-        """accept_tokens_batch's arrays that are not NumPy's: device token ids are queued zero-copy when this
-        manager appends on the device (returns ``None``); otherwise returns host values for the host path (a
-        device array copied to the host: a sync, e.g. a Numba-backend manager)."""
+    def _device_tokens(self, ids: tuple, token_ids: Any, stream: Any = None) -> Any:
+        """accept_tokens_batch's arrays that are not NumPy's: device token ids are copied on ``stream`` into the
+        manager's ring when this manager appends on the device (returns ``None``; canary/manager/accepted.py);
+        otherwise returns host values for the host path (a device array copied to the host: a sync, e.g. a
+        Numba-backend manager)."""
         ident = identity(token_ids)  # an engine's static buffer: its checked view reused while the same array
         last = self._tokens_view
         if ident is not None and last is not None and last[0] is token_ids and last[1] == ident:
@@ -81,6 +85,10 @@ class TokenIntake:
                                    f"{tuple(view.shape)}")
         if len(ids):
             self.requests.accept_batch(ids, None, self._batch_rows, device=(view, token_ids))
+            ring = self.staging.accept
+            if ring is not None:  # copied now, on the accepting stream: the engine may reuse its buffer at once
+                update = self.requests.updates[-1]
+                update.device = ring.hold(view, launch_stream(self.ordinal, stream, token_ids)[0], update)
         return None
 
     def ids(self, request_ids: Any) -> tuple:

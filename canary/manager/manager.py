@@ -267,7 +267,7 @@ class CanaryManager(Guarded):
         self.requests.accept(request_id, token_ids)
 
     @request_call
-    def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any) -> None:
+    def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any, *, stream: Any = None) -> None:
         """:meth:`accept_tokens` for a whole decode batch at once: ``token_ids[i]`` is the one token request
         ``request_ids[i]`` accepted this step (a plain decode step's sampled tokens). Requests must be running and
         distinct; ``None`` marks a padding row (a batch padded to a graph size), whose token is ignored. One update
@@ -276,15 +276,15 @@ class CanaryManager(Guarded):
         request (speculative decoding), call :meth:`accept_tokens` per request.
 
         ``token_ids``: ``[bs]`` host ints (a list, a NumPy array, a CPU tensor), or the engine's device array of
-        sampled token ids (int64 or int32, contiguous, on this manager's device; any DLPack / CUDA-array-interface
-        array). A device array is read where it is by the next :meth:`before_forward` (or :meth:`begin_step`), on
-        its launch stream (CuPy backend): keep its values until then, and use another buffer for a second accept
-        before that step. On a Numba-backend or CPU manager its values are copied to the host here (a sync).
+        sampled token ids (int64 or int32, contiguous, on this manager's device; DLPack / CUDA array interface). A
+        device array is copied here, on ``stream`` (default: its library's current stream), into the manager's own
+        device ring (CuPy backend; canary/manager/accepted.py): the engine may reuse or zero its buffer at once, and
+        each accept before a step keeps its tokens. Numba-backend or CPU manager: copied to the host (a sync).
 
         Raises ``KeyError`` for a request not running; ``ValueError`` for a request listed twice, a length
         mismatch, a request past ``max_seq_len + 1`` tokens (nothing is accepted then), a device array on another
         device or not contiguous; ``TypeError`` for token ids that are not integers."""
-        self._intake.accept_batch(request_ids, token_ids)
+        self._intake.accept_batch(request_ids, token_ids, stream)
 
     @request_call
     def finish_request(self, request_id: Hashable) -> None:
@@ -302,8 +302,8 @@ class CanaryManager(Guarded):
                        kv_indices: Any = None) -> None:
         """Plan and verify the step (before attention reads the KV), on ``stream``.
 
-        ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens``: ``[bs]`` int64 arrays of the engine (device
-        arrays on a GPU; row 0 of ``req_to_token`` = padding). ``request_ids``: host sequence of ``bs`` engine
+        ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens``: ``[bs]`` int32 / int64 (SPEC 2; device arrays
+        on a GPU, rp int64 there; row 0 of ``req_to_token`` = padding). ``request_ids``: host sequence of ``bs`` engine
         request ids (``None`` for padding rows). ``groups``: names of the groups this forward reads (default:
         all; a draft model's forward passes its own group). ``block_table`` / ``kv_indptr`` / ``kv_indices``: the
         step's index arrays in place of a group's bound ones (SPEC 3.8; an engine that rebuilds them each step): an
@@ -318,7 +318,7 @@ class CanaryManager(Guarded):
         sel = self._select(groups)
         handle, st = self._launch(stream)
         capturing = self.ordinal is not None and self._is_capturing(handle)
-        bs = Steps.batch_size(req_pool_indices, self.max_batch_size)  # before the step opens, as every check here
+        bs = self._steps.batch_size(req_pool_indices, self.max_batch_size)  # before the step opens, as every check
         index = step_arrays(sel, block_table=block_table, kv_indptr=kv_indptr, kv_indices=kv_indices)
         if not capturing:
             if isinstance(request_ids, (str, bytes, bytearray)):
@@ -358,14 +358,14 @@ class CanaryManager(Guarded):
         """Write the canary records of the step's new tokens (after the step's KV stores), then queue the step's
         report for the host (read at a later :meth:`before_forward`).
 
-        ``out_cache_loc``, ``input_ids``, ``positions``: ``[N]`` int64 (slot, token id, position of each new
+        ``out_cache_loc``, ``input_ids``, ``positions``: ``[N]`` int32 / int64 (slot, token id, position of each new
         token; slot < 0: skipped). An SWA group's slots are ``full_to_swa_index_mapping[out_cache_loc]``,
         computed into a preallocated buffer on the launch stream (torch, CuPy and NumPy arrays; a negative slot
         stays negative, a slot past the mapping becomes one the write reports as ``SLOT_RANGE``:
-        ``canary/manager/slots.py``), unless ``out_cache_loc_by_group[name]`` (``[N]`` int64) gives them. Every
+        ``canary/manager/slots.py``), unless ``out_cache_loc_by_group[name]`` (``[N]`` int32/64) gives them. Every
         group's slots are checked or translated before any group writes. ``groups``: the step's (its
         :meth:`before_forward`'s) by default; a group it did not plan is a ``ValueError``. ``stream`` as in
-        :meth:`before_forward`. Raises ``TypeError`` for slots that are not int64.
+        :meth:`before_forward`. Raises ``TypeError`` for arrays that are not int32 or int64.
         """
         sel = self._select(groups)
         handle, st = self._launch(stream)

@@ -77,7 +77,9 @@ class RowTokens:
         if self.tokens is None:
             from ..interop.hostcopy import to_host
 
-            self.tokens = np.asarray(to_host(self.device[1])).astype(np.int64).reshape(-1)
+            held = self.device[1]  # the manager's copy (canary/manager/accepted.py), else the caller's array
+            self.tokens = (held.read_host() if hasattr(held, "read_host")
+                           else np.asarray(to_host(held)).astype(np.int64).reshape(-1))
         return self.tokens
 
 

@@ -31,21 +31,23 @@ def _cupy_kernel() -> Any:
         import cupy
 
         _CUPY_KERNEL = cupy.ElementwiseKernel(
-            "raw int64 lut, int64 n, int64 loc", "int64 out",
-            f"out = loc < 0 ? loc : (loc < n ? lut[loc] : {OUT_OF_MAPPING}LL)", "kv_canary_swa_slots")
+            "raw int64 lut, int64 n, T loc", "int64 out",  # T: int32 or int64 (one instantiation each, lazily)
+            f"const long long s = (long long)loc; out = s < 0 ? s : (s < n ? lut[s] : {OUT_OF_MAPPING}LL)",
+            "kv_canary_swa_slots")
     return _CUPY_KERNEL
 
 
 def translate(lut: Any, loc: Any, out: Any, stream_handle: int) -> Any:
-    """``out[:n] = T(loc)`` (module docstring) for ``loc`` ``[n]`` int64 of the library of ``out``; returns the
-    filled ``out[:n]`` (``loc`` of another array library is viewed zero-copy). Raises ``ValueError`` past
-    ``out``'s length (``max_step_tokens``), ``TypeError`` for a ``loc`` that is not int64."""
+    """``out[:n] = T(loc)`` (module docstring) for ``loc`` ``[n]`` int32 or int64 (SPEC 2 (*)) of the library of
+    ``out`` (int64); returns the filled ``out[:n]`` (``loc`` of another array library is viewed zero-copy). Raises
+    ``ValueError`` past ``out``'s length (``max_step_tokens``), ``TypeError`` for a ``loc`` of another dtype."""
     n, cap = int(loc.shape[0]), int(out.shape[0])
     if n > cap:
         raise fail(ValueError, f"out_cache_loc: expected at most max_step_tokens = {cap} tokens, got {n}")
     dtype = str(getattr(loc, "dtype", ""))
-    if dtype not in ("int64", "torch.int64"):
-        raise fail(TypeError, f"out_cache_loc: expected int64 slots, got dtype {dtype or type(loc).__name__}")
+    if dtype not in ("int64", "torch.int64", "int32", "torch.int32"):
+        raise fail(TypeError, f"out_cache_loc: expected dtype int32 or int64 slots, got "
+                              f"{dtype or type(loc).__name__}")
     out = out[:n]
     size = int(lut.shape[0])
     module = library_of(out)
@@ -58,7 +60,7 @@ def translate(lut: Any, loc: Any, out: Any, stream_handle: int) -> Any:
                 nullcontext():
             if size:
                 torch.index_select(lut, 0, loc.clamp(0, size - 1), out=out)
-            big = torch.full_like(loc, OUT_OF_MAPPING)
+            big = torch.full_like(out, OUT_OF_MAPPING)  # int64 whatever loc's width
             out.copy_(torch.where(loc < 0, loc, torch.where(loc < size, out, big)))
     elif module == "cupy":
         cupy = __import__("cupy")

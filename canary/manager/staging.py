@@ -18,6 +18,7 @@ import numpy as np
 
 from ..interop.adapter import as_view
 from ..interop.cudart import H2D, OnDevice, on_device, runtime
+from .accepted import HeldTokens
 from .pool import RowTokens
 from .transfer import Pinned
 
@@ -27,7 +28,7 @@ _INT64 = np.dtype(np.int64)
 class HostStaging:
     """Host arrays: every transfer is a copy done in the call."""
 
-    append = device_append = None  # a GPU staging's alone
+    append = device_append = accept = None  # a GPU staging's alone
 
     def stage(self, pool: np.ndarray, updates, q_out, valid_out, q: np.ndarray, valid: np.ndarray, stream,
               defer_scatter: bool = False) -> None:
@@ -60,8 +61,11 @@ class CudaStaging:
     """
 
     def __init__(self, ordinal: int, *, staging: dict[str, Any], u_cap: int, scatter, progress,
-                 append: Any = None, device_append: Any = None, depth: int = 3):
+                 append: Any = None, device_append: Any = None, depth: int = 3, accept_ring: Any = None):
         self.ordinal = ordinal
+        # device token ids are copied at the accept into this ring's slots (canary/manager/accepted.py); None:
+        # no device append, so an accept copies them to the host
+        self.accept = accept_ring
         self.scatter = scatter
         self.general = scatter  # the DeviceScatter itself (tests may wrap self.scatter)
         self.append = append
@@ -172,7 +176,12 @@ class CudaStaging:
         rt.memcpy_async(self.upd_ptr, buf.ptr + 8 * o, 8 * (3 * u + 1), H2D, stream)
         rt.event_record(buf.ev, stream)
         self._used(buf, stream)
+        held = x.device[1]
+        if type(held) is HeldTokens:
+            self.accept.before_read(held, stream)
         self.general.launch_with_tokens(x.device[0], k, stream)
+        if type(held) is HeldTokens:
+            self.accept.release(held, stream)
 
     def stage_append(self, q: np.ndarray, valid: np.ndarray, tokens: np.ndarray, stream: int,
                      defer: bool = False) -> tuple | None:
@@ -219,6 +228,8 @@ class CudaStaging:
         else:
             view, obj = one.device
             ptr, dtype = view.ptr, view.dtype
+            if type(obj) is HeldTokens:  # the manager's copy (accepted.py): behind the accept's copy
+                self.accept.before_read(obj, stream)
         key = (ptr, dtype)
         call = self._append_calls.get(key)
         if call is None or call.obj is not obj:
@@ -247,7 +258,10 @@ class CudaStaging:
 
     def deferred_launched(self, deferred: tuple, stream: int) -> None:
         """After :meth:`launch_deferred` ran on ``stream`` (directly or inside a replayed graph): its staging
-        buffer is free once the stream gets here."""
+        buffer is free once the stream gets here (and an accepted tokens' slot, accepted.py, once it is read)."""
+        fn = deferred[0]
+        if type(fn) is _AppendCall and type(fn.obj) is HeldTokens:
+            self.accept.release(fn.obj, stream)
         copy = deferred[3]
         if copy is not None:
             buf = self.stage_bufs[copy[0]]
@@ -262,6 +276,8 @@ class CudaStaging:
             for b in self.stage_bufs:
                 b.wait()
                 b.free()
+            if self.accept is not None:
+                self.accept.close()
 
 
 class _AppendCall:

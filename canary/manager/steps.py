@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import fail
-from ..interop.adapter import as_view
+from ..interop.adapter import INT_WIDTHS, as_view
 from ..interop.cudart import D2D, OnDevice, runtime
 from ..interop.streams import LaunchStream, current_stream, is_capturing, launch_stream, library_of, stream_handle
 from .eager import MISS
@@ -340,7 +340,8 @@ class Steps:
                 self.step.tokens = (int(ext.sum()), True) if active.all() else (int(ext[active].sum()), False)
 
     def snapshot_rows(self, rpi, bs: int, st: Any):
-        """Copy ``bs`` rows of ``rpi`` (an int64 view) into ``rpi_snap`` on ``st``; returns the copy's view."""
+        """Copy ``bs`` rows of ``rpi`` into ``rpi_snap`` on ``st``; returns the copy's view. ``rpi``: int32 or
+        int64 on the host (widened by the assignment), int64 on a device (:meth:`batch_size` refused others)."""
         snap = self.rpi_views.get(bs)
         if snap is None:
             snap = self.rpi_views[bs] = as_view(self.rpi_snap[:bs], "req_pool_indices")
@@ -352,11 +353,13 @@ class Steps:
                     self.rt.memcpy_async(snap.ptr, rpi.ptr, 8 * bs, D2D, st.handle)
         return snap
 
-    @staticmethod
-    def batch_size(req_pool_indices: Any, max_batch_size: int) -> int:
+    def batch_size(self, req_pool_indices: Any, max_batch_size: int) -> int:
         """before_forward's ``bs`` from ``req_pool_indices``' shape (an attribute read: no DLPack export inside a
         capture), checked before the step opens: a refused call leaves no step behind (a retry, or an
-        after_kv_store that writes with the last step's plan, would otherwise follow)."""
+        after_kv_store that writes with the last step's plan, would otherwise follow). A device manager takes
+        int64 ``req_pool_indices`` only: the report's copy of them (``rpi_snap``, a device-to-device copy on the
+        step's stream) is int64 words, and a copy cannot widen int32 ones (the planner itself, a host manager
+        and every other step array take int32 too, SPEC 2 (*))."""
         try:
             shape = req_pool_indices.shape
             bs = int(shape[0])
@@ -368,6 +371,9 @@ class Steps:
             raise fail(ValueError, f"req_pool_indices: expected a [bs] int64 array, got shape {tuple(shape)}")
         if bs > max_batch_size:
             raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {max_batch_size}, got {bs}")
+        if self.ordinal is not None and str(getattr(req_pool_indices, "dtype", "")) not in ("int64", "torch.int64"):
+            raise fail(TypeError, f"req_pool_indices: expected int64 on a CUDA manager (its report copies them as "
+                                  f"int64 words), got dtype {getattr(req_pool_indices, 'dtype', None)}")
         return bs
 
     @staticmethod
@@ -448,15 +454,15 @@ class Steps:
 
     @staticmethod
     def check_group_loc(name: str, loc: Any, n: int | None) -> None:
-        """``out_cache_loc_by_group[name]``: ``[n]`` int64, one per token of ``input_ids`` (``n``: its length,
+        """``out_cache_loc_by_group[name]``: ``[n]`` int32 or int64, one per token of ``input_ids`` (``n``: its length,
         ``None`` when it is not 1-D); the write checks the rest."""
         arg = f"out_cache_loc_by_group[{name!r}]"
         view = as_view(loc, arg)
         if len(view.shape) != 1 or (n is not None and view.shape[0] != n):
             raise fail(ValueError, f"{arg}: expected [N] slots, one per token of input_ids ([{n}]), "
                                    f"got shape {tuple(view.shape)}")
-        if view.dtype != np.dtype(np.int64):
-            raise fail(TypeError, f"{arg}: expected int64 slots, got dtype {view.dtype}")
+        if view.dtype not in INT_WIDTHS:
+            raise fail(TypeError, f"{arg}: expected dtype int32 or int64 slots, got {view.dtype}")
 
     def end(self, handle: int, st: Any, reported: bool = False) -> None:
         """``reported``: the step's report kernel ran inside the replayed graph (only its host half is left)."""

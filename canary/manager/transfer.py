@@ -160,6 +160,12 @@ def open_transfer(ordinal: int | None, *, block, pool, qv, q, valid, upd, u_cap:
     scatter = DeviceScatter.over(pool, upd, u_cap, backend)
     append = None if device_append else append_scatter(empty, pool, qv, upd, ordinal, backend)
     mailbox = CudaMailbox(ordinal, block=block, b_cap=int(as_view(qv, "qv").shape[0]) // 2, report_kernel=report)
+    accept = None
+    if device_append:  # device token ids stay on the device: copied at the accept into the manager's ring
+        from .accepted import ACCEPT_SLOTS, AcceptRing
+
+        b = int(as_view(qv, "qv").shape[0]) // 2
+        accept = AcceptRing(ordinal, empty(ACCEPT_SLOTS * b, np.int64), b)
     staging = CudaStaging(ordinal, staging={"qv": qv, "upd": upd}, u_cap=u_cap, scatter=scatter, progress=mailbox,
-                          append=append, device_append=device_append)
+                          append=append, device_append=device_append, accept_ring=accept)
     return Transfer(staging, mailbox)

@@ -12,7 +12,7 @@ from ..contract.kvindex import (
 )
 from ..contract.rows import bad_slot_rows, first_bad_row, row_checks
 from ..errors import PlanStatus, fail
-from ..interop.adapter import ArrayView, as_view, check_view
+from ..interop.adapter import INT_WIDTHS, ArrayView, as_view, check_view
 from ..interop.hostcopy import part_to_host, to_host
 
 INDEX_ARRAYS = ("req_to_token", "block_table", "kv_indptr", "kv_indices")
@@ -72,13 +72,13 @@ def bind_index(*, req_to_token: Any, block_table: Any, kv_indptr: Any, kv_indice
         return KVIndex(FORM_TOKENS, check_view(view(req_to_token, "req_to_token"), dtype=INT32, ndim=2))
     if block_table is not None:
         s = _page_size(page_size, FORM_BLOCKS)
-        return _check_extent(KVIndex(FORM_BLOCKS, check_view(view(block_table, "block_table"), dtype=INT32, ndim=2),
+        return _check_extent(KVIndex(FORM_BLOCKS, check_view(view(block_table, "block_table"), dtype=INT_WIDTHS, ndim=2),
                                      s))
     for name, value in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
         if value is None:
             raise fail(ValueError, f"{name}: expected a page list's kv_indptr and kv_indices together, got {name}=None")
     s = _page_size(page_size, FORM_PAGES)
-    indices = check_view(view(kv_indices, "kv_indices"), dtype=INT32, ndim=1)
+    indices = check_view(view(kv_indices, "kv_indices"), dtype=INT_WIDTHS, ndim=1)
     return _check_extent(KVIndex(FORM_PAGES, indices, s, indptr_view(view(kv_indptr, "kv_indptr"))))
 
 
@@ -99,14 +99,14 @@ def step_index(bound: KVIndex, bs: int, view: Callable[[Any, str], ArrayView], *
             raise fail(ValueError, f"{wrong[0]}: expected None: the planner was bound with {bound_as}, and a step may "
                                    f"only pass the bound form's arrays again, got an array")
         if block_table is not None:
-            table = check_view(view(block_table, "block_table"), dtype=INT32, ndim=2)
+            table = check_view(view(block_table, "block_table"), dtype=INT_WIDTHS, ndim=2)
             if table.shape != bound.table.shape:
                 raise fail(ValueError, f"block_table: expected the bound shape {bound.table.shape} (rows and blocks a "
                                        f"row), got {table.shape}")
             step = _check_extent(KVIndex(FORM_BLOCKS, table, bound.page_size))
         else:
-            table = bound.table if kv_indices is None else check_view(view(kv_indices, "kv_indices"), dtype=INT32,
-                                                                        ndim=1)
+            table = bound.table if kv_indices is None else check_view(view(kv_indices, "kv_indices"),
+                                                                        dtype=INT_WIDTHS, ndim=1)
             ptr = bound.kv_indptr if kv_indptr is None else indptr_view(view(kv_indptr, "kv_indptr"))
             step = _check_extent(KVIndex(FORM_PAGES, table, bound.page_size, ptr))
     index = step if step is not None else bound
@@ -160,15 +160,17 @@ def first_bad_row_of(s, step_index: KVIndex | None, status, rpi, prefix, ext, va
     ``step_index``: the index the step passed (``None``: the bound one)."""
     index = step_index if step_index is not None else s.index
     pool, lut = s.req_to_verify_expected_tokens, s.full_to_swa_index_mapping
-    rpi, prefix, ext = to_host(rpi), to_host(prefix), to_host(ext)
-    q = None if pool_indices is None else to_host(pool_indices)
+    # int32 or int64 each (SPEC 2 (*)): widened, as the kernels read them
+    rpi, prefix, ext = (np.asarray(to_host(a)).astype(np.int64) for a in (rpi, prefix, ext))
+    q = None if pool_indices is None else np.asarray(to_host(pool_indices)).astype(np.int64)
+    valid_lens = None if valid_lens is None else np.asarray(to_host(valid_lens)).astype(np.int64)
     row_len = bad_key = None
     ptr = host_page_rows(index)
     if ptr is not None:
         _, bad_key, row_len = page_rows(ptr, rpi.shape[0], index.table.shape[0], rpi != 0, index.page_size,
                                         index.max_seq_len)
     c = row_checks(
-        rpi, prefix, ext, None if valid_lens is None else to_host(valid_lens),
+        rpi, prefix, ext, valid_lens,
         rp_bound=s.req_pool_index_bound if q is None else s.max_reqs, max_seq_len=index.max_seq_len,
         pool_cols=None if pool is None else pool.shape[1], padding_rows_carry_tokens=s.padding_rows_carry_tokens,
         pool_indices=q, pool_rows=s.pool_rows, row_len=row_len, bad_key=bad_key,

@@ -11,12 +11,12 @@ import numpy as np
 from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, StaticArgs, StepArgs
 from ..errors import PlanStatus, check_keywords, fail, worded
-from ..interop.adapter import ArrayView, as_view, check_same_device, check_view
+from ..interop.adapter import INT_WIDTHS, ArrayView, as_view, check_same_device, check_view
 from ..interop.callviews import CallViews, Reuse, fingerprint
 from ..interop.hostcopy import to_host
 from ..interop.overlap import Spans, check_disjoint, spans
 from ..contract.plans import (
-    INT64, VERIFY_ENTRY_FIELDS, VERIFY_SCALAR_FIELDS, WRITE_FIELDS, VerifyPlan, WritePlan, check_padding_slot,
+    INT32, INT64, VERIFY_ENTRY_FIELDS, VERIFY_SCALAR_FIELDS, WRITE_FIELDS, VerifyPlan, WritePlan, check_padding_slot,
     raise_for_status, view_verify_plan, view_write_plan,
 )
 from ..contract.kvindex import FORM_PAGES, FORM_TOKENS
@@ -38,10 +38,7 @@ def bind_static(
     *,
     verify_plan_out: VerifyPlan,
     write_plan_out: WritePlan,
-    req_to_token: Any = None,
-    block_table: Any = None,
-    kv_indptr: Any = None,
-    kv_indices: Any = None,
+    req_to_token: Any = None, block_table: Any = None, kv_indptr: Any = None, kv_indices: Any = None,
     page_size: int | None = None,
     swa_window_size: int = 0,
     full_to_swa_index_mapping: Any = None,
@@ -166,9 +163,9 @@ class CanaryPlanner:
     - ``verify_plan_out`` / ``write_plan_out``: :class:`VerifyPlan` / :class:`WritePlan` over caller arrays;
       ``verify_capacity`` ``C`` and ``write_req_capacity`` ``R`` are their lengths.
     - The index the attention reads, exactly one form (SPEC 3.8): ``req_to_token``, ``[max_reqs, max_seq_len]``
-      int32 slot ids (row stride >= ``max_seq_len``); or ``block_table``, ``[max_reqs, max_blocks]`` int32 block
-      ids, and ``page_size`` ``S`` (slot ``b * S + p % S``, block 0 = padding); or ``kv_indptr`` (``[>= bs + 1]``
-      int32 / int64) and ``kv_indices`` (``[nnz]`` int32 block ids), rows keyed by batch row, and ``page_size``.
+      int32 slot ids (row stride >= ``max_seq_len``); or ``block_table``, ``[max_reqs, max_blocks]`` int32 or int64
+      block ids, and ``page_size`` ``S`` (slot ``b * S + p % S``, block 0 = padding); or ``kv_indptr`` (``[>= bs + 1]``
+      int32 / int64) and ``kv_indices`` (``[nnz]`` int32 / int64 block ids), rows keyed by batch row, and ``page_size``.
     - ``swa_window_size``: 0 (full attention) or the window ``W > 0`` in tokens (needs the LUT).
     - ``full_to_swa_index_mapping``: ``[lut_len]`` int64 full-pool slot -> SWA-pool slot, or ``None``.
     - ``req_to_verify_expected_tokens``: ``[pool_rows, pool_cols]`` int32 expected token ids, or ``None``.
@@ -252,10 +249,11 @@ class CanaryPlanner:
         def view(obj, name, length=None):
             v = go.view(obj, name)  # last step's view when the same buffer is ordered on the same stream
             shape = v.shape
-            if v.dtype == INT64 and len(shape) == 1 and (length is None or shape[0] == length) and (
-                    shape[0] <= 1 or v.strides[0] == 1):
+            dt = v.dtype
+            if (dt == INT64 or dt == INT32) and len(shape) == 1 and (length is None or shape[0] == length) and (
+                    shape[0] <= 1 or v.strides[0] == 1) and v.ptr % dt.itemsize == 0:
                 return v  # the common case, checked in one expression; check_view words any failure
-            return check_view(v, dtype=INT64, ndim=1, length=length)
+            return check_view(v, dtype=INT_WIDTHS, ndim=1, length=length)  # int32 or int64 each (SPEC 2 (*))
 
         first = view(rpi, "req_pool_indices")
         bs = first.shape[0]
@@ -323,14 +321,15 @@ class CanaryPlanner:
     ) -> PlanStatus | None:
         """Build one step's plan into the bound buffers.
 
-        Per-step arrays: ``[bs]`` int64 each, on the plan's device, not sharing memory with any output (checked
+        Per-step arrays: ``[bs]`` int32 or int64 each (independently, read as their dtype: SPEC 2 (*); another
+        dtype is a ``TypeError``), on the plan's device, not sharing memory with any output (checked
         when a buffer is first seen; the same buffer as last step is not checked again).
         ``expected_token_pool_indices`` (only with an expected-token pool; ``None``: ``req_pool_indices``): the
         pool row each batch row reads, so that an engine can key the pool by request identity rather than by
         the reusable ``req_to_token`` row (SPEC 3.2). ``block_table`` / ``kv_indptr`` / ``kv_indices``: this step's
         index arrays in place of the bound ones (SPEC 3.8; an engine that rebuilds them each step), of the bound
-        form only: ``[max_reqs, max_blocks]`` int32 of the bound shape; ``[>= bs + 1]`` int32 or int64, ``[nnz]``
-        int32 (either or both). ``stream``: where the
+        form only: ``[max_reqs, max_blocks]`` int32 / int64 of the bound shape; ``[>= bs + 1]`` int32 or int64,
+        ``[nnz]`` int32 or int64 (either or both). ``stream``: where the
         kernels run (default: the current stream of the library that owns the outputs); host arrays take none
         (``ValueError``). Host outputs made read-only after binding are refused before anything is written.
         Never syncs unless ``check=True``, which syncs and raises :class:`CanaryInputError` on input-fault status
@@ -454,9 +453,9 @@ def launch_canary_plan_kernels(
 
     Same arguments as :class:`CanaryPlanner` (the index in exactly one of its forms, SPEC 3.8: ``req_to_token``,
     or ``block_table`` and ``page_size``, or ``kv_indptr``, ``kv_indices`` and ``page_size``) plus the per-step
-    arrays ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens`` (``[bs]`` int64, ``req_pool_indices == 0``
+    arrays ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens`` (``[bs]`` int32 or int64, ``req_pool_indices == 0``
     = padding) and
-    ``req_to_verify_expected_tokens_valid_lens`` and ``expected_token_pool_indices`` (``[bs]`` int64, with the
+    ``req_to_verify_expected_tokens_valid_lens`` and ``expected_token_pool_indices`` (``[bs]`` int32 or int64, with the
     expected-token pool only; the second optional, SPEC 3.2).
     ``verify_capacity`` must equal ``verify_plan_out.verify_slot_indices.shape[0]`` (``ValueError`` naming
     both). Validates everything on the host each call; on a GPU backend it keeps up to 8 bound launchers keyed

@@ -19,7 +19,7 @@ import numpy as np
 from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
 from ..errors import fail, worded
-from ..interop.adapter import HOST, ArrayView, as_view, check_same_device, check_view
+from ..interop.adapter import HOST, INT_WIDTHS, ArrayView, as_view, check_same_device, check_view
 from ..interop.overlap import Spans, spans
 from ..interop.streams import launch_stream
 from ..interop.callviews import CallViews, Reuse, fingerprint
@@ -122,9 +122,10 @@ class CanaryRecords:
         """Write the canary records of a step's new tokens (docs/records.md, "Write").
 
         ``write_plan``: the step's :class:`WritePlan` (``write_offsets`` index the entry arrays).
-        ``out_cache_loc``, ``input_ids``, ``positions``: ``[N]`` int64 (KV slot, token id, position of each new
-        token; slot < 0 = skip). ``expected_input_ids`` / ``expected_positions``: optional ``[N]`` int64 asserts
-        (-1 = no expectation). ``launch_tag``: call-site id recorded in ring rows, in [0, 2**55). ``stream``:
+        ``out_cache_loc``, ``input_ids``, ``positions``: ``[N]`` (KV slot, token id, position of each new
+        token; slot < 0 = skip). ``expected_input_ids`` / ``expected_positions``: optional ``[N]`` asserts
+        (-1 = no expectation). Each of the five is int32 or int64, independently, read as its dtype (no cast,
+        no copy; SPEC 2 (*)); another dtype is a ``TypeError``. ``launch_tag``: call-site id recorded in ring rows, in [0, 2**55). ``stream``:
         where the kernel runs (a CuPy / torch / cuda.core / Numba stream or a raw handle; default: the current
         stream of the library that owns ``state.canary_buffer``; host arrays take none). Never syncs. Raises
         ``TypeError`` / ``ValueError`` (``kv-canary:``, naming the argument) before anything is launched, among
@@ -145,12 +146,14 @@ class CanaryRecords:
             self._check_host_state()
         _vec = go.vec
         wp = view_write_plan(write_plan, go.view, name="write_plan", writable=False)
-        loc = _vec(out_cache_loc, "out_cache_loc", INT64)
+        loc = _vec(out_cache_loc, "out_cache_loc", INT_WIDTHS)
         n = loc.shape[0]
-        ids = _vec(input_ids, "input_ids", INT64, length=n)
-        pos = _vec(positions, "positions", INT64, length=n)
-        exp_ids = None if expected_input_ids is None else _vec(expected_input_ids, "expected_input_ids", INT64, length=n)
-        exp_pos = None if expected_positions is None else _vec(expected_positions, "expected_positions", INT64, length=n)
+        ids = _vec(input_ids, "input_ids", INT_WIDTHS, length=n)
+        pos = _vec(positions, "positions", INT_WIDTHS, length=n)
+        exp_ids = (None if expected_input_ids is None
+                   else _vec(expected_input_ids, "expected_input_ids", INT_WIDTHS, length=n))
+        exp_pos = (None if expected_positions is None
+                   else _vec(expected_positions, "expected_positions", INT_WIDTHS, length=n))
         views = wp.all() + [loc, ids, pos] + [v for v in (exp_ids, exp_pos) if v is not None]
         _same_device(views, self.views.device_id, "state.canary_buffer")
         args = RecordWriteArgs(wp, loc, ids, pos, exp_ids, exp_pos, int(launch_tag))

@@ -33,7 +33,7 @@ import numpy as np
 from .. import backends
 from ..backends.args import DEFAULT_LAUNCH, LaunchConfig
 from ..errors import fail
-from ..interop.adapter import HOST, ArrayView, as_view, check_view
+from ..interop.adapter import HOST, INT_WIDTHS, ArrayView, as_view, check_view
 from ..interop.callviews import CallViews
 from ..interop.devices import allocator, on_device_of
 from ..interop.hostcopy import to_host
@@ -256,12 +256,12 @@ class CanaryLayers:
     def write(self, write_plan: WritePlan, *, out_cache_loc: Any, stream: Any = None) -> None:
         """Fold every layer of every slot the step wrote into ``layer_hashes``, then advance the cursor
         (docs/records.md 10.2). Call it after the step's KV stores of every layer and after the step's
-        :meth:`verify`, with the step's ``write_plan`` and ``out_cache_loc`` (``[N]`` int64, as
+        :meth:`verify`, with the step's ``write_plan`` and ``out_cache_loc`` (``[N]`` int32 or int64, as
         :meth:`CanaryRecords.write` takes them). Never syncs; ``TypeError`` / ``ValueError`` before any launch."""
         go = CallViews(self.records.views.device_id, stream, self.records.state.canary_buffer,
                        self.records.views.spans, self._views)
         wp = view_write_plan(write_plan, go.view, name="write_plan", writable=False)
-        loc = go.vec(out_cache_loc, "out_cache_loc", INT64)
+        loc = go.vec(out_cache_loc, "out_cache_loc", INT_WIDTHS)
         self._check(wp.all() + [loc])
         self._bound.write(wp, loc, go.handle)
 

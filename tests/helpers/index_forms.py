@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from helpers.plan_cases import (
     BAD_EXTEND_LEN, BAD_PREFIX_LEN, BAD_REQ_POOL_INDEX, BAD_SLOT, HUGE, OVERFLOW, SAMPLED, PlanCase, make_case,
-    std_lut, std_pool, strided,
+    random_case, std_lut, std_pool, strided,
 )
 
 from canary.contract.kvindex import expand_block_table
@@ -277,3 +277,29 @@ def padding_slot_hand_cases() -> list[PlanCase]:
         out.append(base.replace(form="page_list", kv_indptr=np.asarray(indptr, np.int64),
                                 kv_indices=np.asarray(pages, np.int32), page_size=PS, name="pages_" + name))
     return out
+
+
+def wide_table_edge_cases() -> list[tuple[PlanCase, PlanCase]]:
+    """``(case, twin)`` pairs of paged cases with one block entry at an edge (SPEC 3.8): ``case`` holds INT32_MIN,
+    -1 or INT32_MAX (in int32 range: :func:`plan_cases.with_widths` narrows it; the same plan either width), or,
+    int64 only, 2**31 or INT64_MAX, which must plan as the bad entry -1 does (``twin``, the same case with -1)."""
+    lo, hi = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+    out = []
+    for k, v in enumerate((lo, -1, hi, hi + 1, (1 << 63) - 1)):
+        for form in ("block_table", "page_list"):
+            rng = np.random.default_rng([11, k, form == "page_list"])
+            base = random_case(rng, bs=(3, 6), max_seq_len=(4, 16), padding_slot=0, name=f"edge-{form}-{v}")
+            _, blocks, pages = page_twins(base, 4, rng)
+            case = blocks if form == "block_table" else pages
+            field = "block_table" if form == "block_table" else "kv_indices"
+            arr = np.array(getattr(case, field), dtype=np.int64)
+            if not arr.size:
+                continue
+            flat = arr.reshape(-1)
+            at = int(rng.integers(0, flat.size))
+            flat[at] = v
+            twin = np.array(arr)
+            twin.reshape(-1)[at] = -1 if v > hi else v
+            out.append((case.replace(**{field: arr}), case.replace(**{field: twin}, name=case.name + "-twin")))
+    return out
+

@@ -84,8 +84,9 @@ class Run:
     rows: list  # per ring-writing launch: sorted ring rows
 
 
-def run_case(case: LayerCase, backend: str, place, launch_config=None) -> Run:
-    """Run ``case`` on ``backend`` with arrays made by ``place`` (``np.array`` copies for host backends)."""
+def run_case(case: LayerCase, backend: str, place, launch_config=None, loc_dtype=np.int64) -> Run:
+    """Run ``case`` on ``backend`` with arrays made by ``place`` (``np.array`` copies for host backends);
+    ``loc_dtype``: the writes' out_cache_loc width (int32 or int64, SPEC 2 (*): the same run either way)."""
     from canary.backends.args import DEFAULT_LAUNCH
 
     rng = np.random.default_rng(case.seed + 1)
@@ -116,7 +117,7 @@ def run_case(case: LayerCase, backend: str, place, launch_config=None) -> Run:
             _, offsets, seeds, nvalid, loc = launch
             wp = WritePlan(write_offsets=place(offsets), write_seed_slot_indices=place(seeds),
                            write_num_valid_reqs=place(np.array([nvalid], dtype=np.int32)))
-            layers.write(wp, out_cache_loc=place(loc))
+            layers.write(wp, out_cache_loc=place(np.asarray(loc).astype(loc_dtype)))
         else:
             _, slots, toks, poss, nvalid, enable, tag = launch
             cap = slots.shape[0]

@@ -30,6 +30,9 @@ class ToyEngine:
                  num_slots: int = NUM_SLOTS, max_batch_size: int = 4, verify_capacity: int = 512,
                  max_seq_len: int = MAX_SEQ_LEN, **manager_kw):
         self.xp = xp
+        # widths: {array name: dtype} of the step arrays the engine passes (rpi, prefix, ext, loc, tok, pos), int32
+        # or int64 each (SPEC 2 (*)); int64 by default
+        self.widths = dict(manager_kw.pop("widths", None) or {})
         # static: the step arrays are the same objects every step (one buffer per name and length, refilled), as
         # an engine with static step buffers passes them: the manager then replays its eager calls as CUDA graphs
         self.static = static
@@ -87,7 +90,7 @@ class ToyEngine:
         self.req_to_token[row, lo:hi] = self.xp.asarray(self.r2t_host[row, lo:hi])
 
     def a(self, values, dtype=np.int64, name: str | None = None):
-        arr = self.xp.asarray(np.asarray(values, dtype=dtype))
+        arr = self.xp.asarray(np.asarray(values, dtype=self.widths.get(name, dtype)))
         if not self.static or name is None:
             return arr
         buf = self._bufs.get((name, arr.shape[0]))

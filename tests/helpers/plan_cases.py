@@ -120,15 +120,15 @@ class PlanCase:
         assert r2t.dtype == np.int32 and r2t.ndim == 2, (r2t.dtype, r2t.shape)
         assert r2t.strides[1] == 4 and (r2t.shape[0] <= 1 or r2t.strides[0] >= 4 * r2t.shape[1]), r2t.strides
         bs = self.req_pool_indices.shape[0]
-        for a in (self.req_pool_indices, self.prefix_lens, self.extend_seq_lens):
-            assert a.dtype == np.int64 and a.shape == (bs,), (a.dtype, a.shape)
+        for a in (self.req_pool_indices, self.prefix_lens, self.extend_seq_lens):  # int32 or int64: SPEC 2 (*)
+            assert a.dtype in WIDTHS and a.shape == (bs,), (a.dtype, a.shape)
         assert (self.pool is None) == (self.valid_lens is None)
         if self.pool is not None:
             assert self.pool.dtype == np.int32 and self.pool.ndim == 2
-            assert self.valid_lens.dtype == np.int64 and self.valid_lens.shape == (bs,)
+            assert self.valid_lens.dtype in WIDTHS and self.valid_lens.shape == (bs,)
         if self.pool_indices is not None:
             assert self.pool is not None
-            assert self.pool_indices.dtype == np.int64 and self.pool_indices.shape == (bs,)
+            assert self.pool_indices.dtype in WIDTHS and self.pool_indices.shape == (bs,)
         if self.lut is not None:
             assert self.lut.dtype == np.int64 and self.lut.ndim == 1
         assert self.swa_window_size == 0 or self.lut is not None
@@ -140,10 +140,10 @@ class PlanCase:
         assert (self.block_table is not None) == (self.form == "block_table")
         assert (self.kv_indices is not None) == (self.kv_indptr is not None) == (self.form == "page_list")
         if self.form == "block_table":
-            assert self.block_table.dtype == np.int32 and self.block_table.ndim == 2
+            assert self.block_table.dtype in WIDTHS and self.block_table.ndim == 2
             assert self.block_table.shape[0] == r2t.shape[0]
         if self.form == "page_list":
-            assert self.kv_indices.dtype == np.int32 and self.kv_indices.ndim == 1
+            assert self.kv_indices.dtype in WIDTHS and self.kv_indices.ndim == 1
             assert self.kv_indptr.dtype in (np.int32, np.int64) and self.kv_indptr.shape[0] >= bs + 1
 
     @property
@@ -1000,6 +1000,56 @@ GPU_RANDOM_KNOBS = RULE_KNOBS + [
     dict(bs=(900, 1100), max_seq_len=(1, 40), max_reqs=(50, 400), capacity="sampled", on_overflow="sample"),
     dict(swa=True, pool=True, fault_prob=0.05, strided_r2t=True),
 ]
+
+
+WIDTHS = (np.dtype(np.int32), np.dtype(np.int64))
+# The arrays that take int32 or int64 (SPEC 2 (*)), each independently.
+WIDE_ARRAYS = ("req_pool_indices", "prefix_lens", "extend_seq_lens", "valid_lens", "pool_indices", "block_table",
+               "kv_indices", "kv_indptr")
+_I32 = np.iinfo(np.int32)
+
+
+def with_widths(case: PlanCase, seed: int | None = None, *, all32: bool = False, all64: bool = False) -> PlanCase:
+    """``case`` with each array of ``WIDE_ARRAYS`` int32 or int64, drawn independently (``all32``: int32 wherever
+    the values fit; ``all64``: int64 everywhere). An array whose values do not fit int32 stays int64. Its plan
+    must be byte-identical to ``case``'s."""
+    rng = np.random.default_rng(seed)
+    changes = {}
+    for name in WIDE_ARRAYS:
+        a = getattr(case, name)
+        if a is None:
+            continue
+        fits = a.size == 0 or (int(a.min()) >= _I32.min and int(a.max()) <= _I32.max)
+        if all64:
+            changes[name] = a.astype(np.int64)
+        elif fits and (all32 or rng.random() < 0.5):
+            changes[name] = a.astype(np.int32)
+        else:
+            changes[name] = a.astype(np.int64)
+    return case.replace(name=f"{case.name}-w{'32' if all32 else '64' if all64 else seed}", **changes)
+
+
+def int32_edge_cases() -> list[PlanCase]:
+    """Step arrays holding int32's extremes and negative values (every row check's edge: rp, prefix, extend,
+    valid_lens, the pool row, a block entry), in int32 range, so that :func:`with_widths` narrows them: the same
+    status bits and outputs as the int64 values."""
+    lo, hi = int(_I32.min), int(_I32.max)
+    out = []
+    for k, (field, values) in enumerate([
+        ("req_pool_indices", (lo, -1, hi)), ("prefix_lens", (lo, -1, hi)), ("extend_seq_lens", (lo, -1, hi)),
+        ("valid_lens", (lo, -1, hi)), ("pool_indices", (lo, -1, hi)),
+    ]):
+        for j, v in enumerate(values):
+            rng = np.random.default_rng([k, j])
+            base = random_case(rng, bs=(3, 6), pool=field in ("valid_lens", "pool_indices") or None,
+                               pool_indices=True if field == "pool_indices" else False, name=f"edge-{field}-{v}")
+            arr = getattr(base, field)
+            if arr is None:
+                continue
+            arr = arr.astype(np.int64)
+            arr[int(rng.integers(0, arr.shape[0]))] = v
+            out.append(base.replace(**{field: arr}))
+    return out
 
 
 def plan_cases(**knobs):

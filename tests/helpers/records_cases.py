@@ -530,6 +530,39 @@ def _real_kv_flip(case: CanaryCase, written_sources: list) -> CanaryCase:
     return case
 
 
+TOKEN_ARRAYS = ("out_cache_loc", "input_ids", "positions", "expected_input_ids", "expected_positions")
+_I32 = np.iinfo(np.int32)
+
+
+def with_widths(case: CanaryCase, seed: int, *, all32: bool = False) -> CanaryCase:
+    """``case`` with each write launch's token arrays (SPEC 2 (*)) int32 or int64, drawn independently per array
+    and launch (``all32``: int32 wherever the values fit); an array whose values do not fit int32 stays int64. The
+    records written must be byte-identical to ``case``'s."""
+    rng = np.random.default_rng(seed)
+    launches = []
+    for launch in case.launches:
+        args = dict(launch.args)
+        if launch.kind == "write":
+            for name in TOKEN_ARRAYS:
+                a = args.get(name)
+                fits = a is not None and (a.size == 0 or (a.min() >= _I32.min and a.max() <= _I32.max))
+                if fits and (all32 or rng.random() < 0.5):
+                    args[name] = a.astype(np.int32)
+        launches.append(Launch(launch.kind, args))
+    return replace(case, name=f"{case.name}_w{seed}", launches=launches)
+
+
+def int32_edge_case() -> CanaryCase:
+    """Token arrays at int32's edges (negative slots and tokens, INT32_MIN / INT32_MAX positions and ids): run as
+    int64 and through :func:`with_widths` (``all32``), the same ring rows and records."""
+    lo, hi = int(_I32.min), int(_I32.max)
+    w = write_launch([0, 3, 6], [-1, -1], [1, -1, 2, 3, lo, 4], [hi, lo, -1, 5, 7, -2], [0, 1, 2, hi - 1, hi, lo],
+                     exp_ids=[hi, -1, lo, 5, 0, -2], exp_pos=[0, -1, 3, hi - 1, -1, lo])
+    return CanaryCase(name="int32_edges", num_slots=6, launches=[w, verify_launch([1, 2, 3, 4], [hi, -1, 5, -2],
+                                                                              [0, 2, hi - 1, lo], [-1, 1, -1, 3])],
+                      ring_capacity=64, check_flags=3)
+
+
 def random_case(seed: int, *, max_slots: int = 40, max_entries: int = 80) -> CanaryCase:
     """A random sequence of write and verify launches, garbage included, free of the documented races."""
     rng = np.random.default_rng(seed)

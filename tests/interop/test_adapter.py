@@ -229,8 +229,8 @@ def test_torch_inputs_wrong_dtype_and_shape(torch):
     vp, wp, _ = make_plans(case, "torch")
     planner = CanaryPlanner(verify_plan_out=vp, write_plan_out=wp, **case.static_kwargs(lambda a: to_xp(a, "torch")))
     step = case.step_kwargs(lambda a: to_xp(a, "torch"))
-    with pytest.raises(TypeError, match="^kv-canary: prefix_lens: expected dtype int64, got int32$"):
-        planner.plan(**{**step, "prefix_lens": step["prefix_lens"].to(torch.int32)})
+    with pytest.raises(TypeError, match="^kv-canary: prefix_lens: expected dtype int32 or int64, got int16$"):
+        planner.plan(**{**step, "prefix_lens": step["prefix_lens"].to(torch.int16)})
     with pytest.raises(ValueError, match="^kv-canary: extend_seq_lens: expected length 1, got 2$"):
         planner.plan(**{**step, "extend_seq_lens": torch.ones(2, dtype=torch.int64)})
 

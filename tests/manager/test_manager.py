@@ -369,7 +369,7 @@ def test_a_refused_before_forward_leaves_no_step_open():
     with pytest.raises(RuntimeError, match=r"^kv-canary: after_kv_store: expected a step opened"):
         m.after_kv_store(out_cache_loc=np.full(1, 3, np.int64), input_ids=one, positions=one)
     with pytest.raises((TypeError, ValueError), match=r"^kv-canary: prefix_lens"):  # the planner's, inside the step
-        m.before_forward(req_pool_indices=one, prefix_lens=one.astype(np.int32), extend_seq_lens=one,
+        m.before_forward(req_pool_indices=one, prefix_lens=one.astype(np.int16), extend_seq_lens=one,
                          request_ids=["a"])
     with pytest.raises(RuntimeError, match=r"^kv-canary: after_kv_store: expected a step opened"):
         m.after_kv_store(out_cache_loc=np.full(1, 3, np.int64), input_ids=one, positions=one)

@@ -243,3 +243,39 @@ def test_graph_replays_survive_a_batch_size_that_changes_every_few_steps():
     # a call of its own shape
     assert got == [] and st["graph_replays"] - first >= 6 and st["graph_captures"] <= 12, st
     e.manager.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+@pytest.mark.parametrize("static", [False, True], ids=["fresh-arrays", "static-buffers"])
+def test_a_device_accept_survives_the_engine_zeroing_its_buffer(lib, static):
+    """canary/manager/accepted.py: device token ids are copied at the accept, so an engine that zeroes (or
+    refills) its sampled-id buffer before the next forward, as transformers does, gets no false VERIFY_TOKEN; two
+    accepts before one step keep both; int32 and int64 buffers."""
+    got = []
+    e = _engine(got, static=static)
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        bufs = [torch.zeros(2, dtype=dt, device="cuda:0") for dt in (torch.int64, torch.int32)]
+    else:
+        cupy = pytest.importorskip("cupy")
+        bufs = [cupy.zeros(2, dtype=dt) for dt in (cupy.int64, cupy.int32)]
+    for n in range(6):
+        e.forward([(rid, len(e.reqs[rid]["tokens"]) - e.reqs[rid]["kv_len"]) for rid in ("a", "b")])
+        for j in range(2 if n == 3 else 1):
+            toks = [2000 + 10 * n + j, 3000 + 10 * n + j]
+            for rid, t in zip(("a", "b"), toks):
+                e.reqs[rid]["tokens"].append(t)
+            buf = bufs[(n + j) % 2]
+            buf.copy_(torch.as_tensor(toks, device="cuda:0")) if lib == "torch" else buf.set(np.array(toks))
+            e.manager.accept_tokens_batch(["a", "b"], buf)
+            buf.zero_() if lib == "torch" else buf.fill(0)  # the engine reuses its buffer at once
+    e.forward([(rid, len(e.reqs[rid]["tokens"]) - e.reqs[rid]["kv_len"]) for rid in ("a", "b")])
+    e.manager.flush()
+    assert got == [], got
+    pool = e.manager.pool_array.get()
+    for rid in ("a", "b"):
+        req = e.manager.requests.live[rid]
+        n = int(e.manager.requests.counts[req.row])
+        assert pool[req.row, :n].tolist() == e.reqs[rid]["tokens"][:n]
+    e.manager.close()

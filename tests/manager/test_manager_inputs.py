@@ -56,13 +56,13 @@ def _slot_range_rows(got):
     return sorted(v.slot for vs in got for v in vs if v.reasons & FailReason.SLOT_RANGE)
 
 
-def _check_swa_translation(xp, device, **kw):
+def _check_swa_translation(xp, device, width=np.int64, **kw):
     m, got = _manager(xp, device, groups=("swa",), **kw)
     _step(m, xp)
     before = _records(m, "swa")
-    loc = xp.asarray(np.array([16, -1, 100], np.int64))  # a stored token, one skipped, one past the mapping
-    m.after_kv_store(out_cache_loc=loc, input_ids=xp.asarray(np.array([1, 2, 3], np.int64)),
-                     positions=xp.asarray(np.array([0, 1, 2], np.int64)))
+    loc = xp.asarray(np.array([16, -1, 100], width))  # a stored token, one skipped, one past the mapping
+    m.after_kv_store(out_cache_loc=loc, input_ids=xp.asarray(np.array([1, 2, 3], width)),
+                     positions=xp.asarray(np.array([0, 1, 2], width)))
     m.flush()
     after = _records(m, "swa")
     changed = sorted(set(np.flatnonzero((before != after).any(axis=1)).tolist()))
@@ -71,8 +71,19 @@ def _check_swa_translation(xp, device, **kw):
     m.close()
 
 
-def test_swa_slots_keep_minus_one_and_report_a_slot_past_the_mapping():
-    _check_swa_translation(np, "cpu")
+@pytest.mark.parametrize("width", [np.int64, np.int32])
+def test_swa_slots_keep_minus_one_and_report_a_slot_past_the_mapping(width):
+    _check_swa_translation(np, "cpu", width)
+
+
+def test_swa_slots_of_int32_torch_cpu_tensors():
+    torch = pytest.importorskip("torch")
+
+    class T:
+        @staticmethod
+        def asarray(a):
+            return torch.as_tensor(a)
+    _check_swa_translation(T, "cpu", np.int32)
 
 
 @pytest.mark.gpu
@@ -105,14 +116,15 @@ def test_a_bad_group_slot_fails_the_call_before_any_group_writes():
     for by_group, exc, words in [
         ({"swa": np.array([16], np.int64)}, ValueError, r"out_cache_loc_by_group\['swa'\]: expected \[N\] slots, "
                                                         r"one per token of input_ids \(\[3\]\), got shape \(1,\)"),
-        ({"swa": np.array([16, 17, 18], np.int32)}, TypeError, r"out_cache_loc_by_group\['swa'\]: expected int64"),
+        ({"swa": np.array([16, 17, 18], np.int16)}, TypeError,
+         r"out_cache_loc_by_group\['swa'\]: expected dtype int32 or int64 slots, got int16"),
     ]:
         with pytest.raises(exc, match="^kv-canary: " + words):
             m.after_kv_store(out_cache_loc=np.array([16, 17, 18], np.int64), input_ids=ids, positions=pos,
                              out_cache_loc_by_group=by_group)
         assert all(np.array_equal(before[n], _records(m, n)) for n in before)
-    with pytest.raises(TypeError, match=r"^kv-canary: out_cache_loc: expected int64 slots, got dtype int32"):
-        m.after_kv_store(out_cache_loc=np.array([16, 17, 18], np.int32), input_ids=ids, positions=pos)
+    with pytest.raises(TypeError, match=r"^kv-canary: out_cache_loc: expected dtype int32 or int64 slots, got int16"):
+        m.after_kv_store(out_cache_loc=np.array([16, 17, 18], np.int16), input_ids=ids, positions=pos)
     assert all(np.array_equal(before[n], _records(m, n)) for n in before)
     m.after_kv_store(out_cache_loc=np.array([16, 17, 18], np.int64), input_ids=ids, positions=pos)  # a retry works
     m.flush()

@@ -360,6 +360,39 @@ for rid, first in (("e", 140), ("f", 150)):
     assert pool[r, start3[rid]:start3[rid] + 4].tolist() == [first, first + 1, first + 2, first + 3], pool[r]
     assert m.requests.counts[r] == start3[rid] + 4
 assert not pool[0].any() and m.requests.counts[0] == 0
+# Copy at the accept (canary/manager/accepted.py): the engine zeroes or refills its sampled-id buffer right after
+# each accept, before the step, and two accepts before one step, or more than the ring holds (the oldest then read
+# to the host), each keep their tokens; int32 ids too, on an explicit stream.
+from canary.manager.accepted import ACCEPT_SLOTS  # noqa: E402
+
+m.add_request("p", [5])  # fresh rows: room for the accepts below
+m.add_request("q", [6])
+start4 = {rid: int(m.requests.counts[m.requests.live[rid].row]) for rid in ("p", "q")}
+want4 = {"p": [], "q": []}
+d32 = cupy.asarray(np.zeros(2, dtype=np.int32))
+for t, accepts in enumerate((1, 2, 1, ACCEPT_SLOTS + 2, 1)):
+    for j in range(accepts):
+        e_tok, f_tok = 300 + 10 * t + j, 500 + 10 * t + j
+        buf = d32 if (t + j) % 2 else dev
+        buf[:] = cupy.asarray(np.array([e_tok, f_tok]))
+        m.accept_tokens_batch(["p", "q"], buf, stream=0 if j % 2 else None)
+        buf[:] = 0  # the engine reuses its buffer at once
+        want4["p"].append(e_tok)
+        want4["q"].append(f_tok)
+    dev[:] = -1
+    d32[:] = -1
+    m.before_forward(request_ids=["p", "q"], **before)
+    m.after_kv_store(**after)
+m.flush()
+pool = m.pool_array._a
+for rid in ("p", "q"):
+    r = m.requests.live[rid].row
+    n = len(want4[rid])
+    assert pool[r, start4[rid]:start4[rid] + n].tolist() == want4[rid], (rid, pool[r, start4[rid]:], want4[rid])
+    assert m.requests.counts[r] == start4[rid] + n
+assert all(h.update is None for h in m._transfer.staging.accept.slots)  # every slot read and released
+m.finish_request("p")
+m.finish_request("q")
 # The graph launch and then the relaunch of the staged append both fail (a persistent CUDA error): no step is left
 # open, and the update is queued again, so the next step stages it afresh (no column skipped or written twice).
 m.accept_tokens_batch(ids3, cupy.asarray(np.array([160, 170, 7])))

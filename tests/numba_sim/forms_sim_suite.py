@@ -126,3 +126,33 @@ def test_forms_through_the_planner():
         planner.plan(**first.step_kwargs(), **arrays)
         assert_same({k: np.asarray(v).copy() for k, v in raw.items()},
                     expected_outputs(second.replace(cursors=cursors)), second)
+
+
+@pytest.mark.parametrize("path", [FUSED, TWO_PASS])
+def test_forms_wide_tables(path):
+    """SPEC 2 (*), 3.8: an int64 block table / kv_indices plans as the int32 one does; an int64 entry past
+    2**31 - 1 as a negative (bad) one; every array's width drawn on its own."""
+    from helpers.index_forms import wide_table_edge_cases
+    from helpers.plan_cases import with_widths
+
+    for case, twin in wide_table_edge_cases():
+        want = expected_outputs(twin)
+        assert_same(run_numba(case, path), want, case)
+        assert_same(run_numba(with_widths(case, all32=True), path), want, case)
+    for case in paged_hand_cases():
+        want = expected_outputs(case)
+        for narrowed in (with_widths(case, all64=True), with_widths(case, 5)):
+            assert_same(run_numba(narrowed, path), want, narrowed)
+
+
+@pytest.mark.parametrize("form", ["block_table", "page_list"])
+def test_forms_a_step_index_of_the_other_width(form):
+    """A planner bound to an int32 table, a step passing an int64 one (and back): the index words follow."""
+    from helpers.plan_cases import with_widths
+
+    base = random_case(31, bs=(6, 6), max_reqs=(7, 7), max_seq_len=(12, 12), capacity="loose", name="own")
+    _t1, b1, p1 = page_twins(base, 4, 1)
+    _t2, b2, p2 = page_twins(base, 4, 2)
+    first, second = (b1, b2) if form == "block_table" else (p1, p2)
+    got = run_numba(first, FUSED, step_case=with_widths(second, all64=True))
+    assert_same(got, expected_outputs(second.replace(cursors=first.cursors)), second)

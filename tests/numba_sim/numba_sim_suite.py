@@ -130,6 +130,27 @@ def test_random_cases_hypothesis():
     check()
 
 
+@pytest.mark.parametrize("path", [FUSED, TWO_PASS])
+@pytest.mark.parametrize("seed", range(12))
+def test_step_array_widths(seed, path):
+    """SPEC 2 (*): each step array int32 or int64 (drawn per array; all int32 where the values fit): the plan of
+    the int64 case, on both launch paths, sampled steps and faults included."""
+    from helpers.plan_cases import with_widths
+
+    case = random_case(seed, name=f"widths-{seed}", **{"pool_indices": None, **RANDOM_KNOBS[seed % len(RANDOM_KNOBS)]})
+    want = expected_outputs(case)
+    for narrowed in (with_widths(case, all32=True), with_widths(case, seed)):
+        assert_same(run_numba(narrowed, path), want, narrowed)
+
+
+@pytest.mark.parametrize("path", [FUSED, TWO_PASS])
+def test_step_array_int32_extremes(path):
+    from helpers.plan_cases import int32_edge_cases, with_widths
+
+    for case in int32_edge_cases():
+        assert_same(run_numba(with_widths(case, all32=True), path), expected_outputs(case), case)
+
+
 def test_pool_indices_hypothesis():
     """``expected_token_pool_indices`` (the pool keyed apart from rp), both launch paths."""
     hypothesis = pytest.importorskip("hypothesis")
@@ -260,6 +281,22 @@ def test_canary_random_cases_hypothesis():
         _twin(cc.random_case(seed))
 
     check()
+
+
+@pytest.mark.parametrize("case", cc.hand_cases() + [cc.int32_edge_case()], ids=repr)
+def test_canary_token_array_widths_hand(case):
+    """SPEC 2 (*): the token arrays int32 wherever they fit, and widths drawn per array: the numba twin writes what
+    the reference writes for the int64 case."""
+    want = cc.run_case(case, "reference", _host, np.asarray)
+    for narrowed in (cc.with_widths(case, 0, all32=True), cc.with_widths(case, 3)):
+        cc.assert_twin(case, cc.run_case(narrowed, "numba", _host, np.asarray), want)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_canary_token_array_widths_random(seed):
+    case = cc.random_case(seed)
+    want = cc.run_case(case, "reference", _host, np.asarray)
+    cc.assert_twin(case, cc.run_case(cc.with_widths(case, seed), "numba", _host, np.asarray), want)
 
 
 @pytest.mark.parametrize("name", ["long_request_many_chunks", "verify_by_hand", "real_kv_pt_all",

@@ -37,6 +37,38 @@ def test_hand_cases(backend, case, xp):
 RANDOM_KNOBS = GPU_RANDOM_KNOBS
 
 
+@pytest.mark.parametrize("seed", range(120))
+def test_array_widths(backend, seed):
+    """SPEC 2 (*): every step array and a paged table int32 or int64, drawn per array (all int32 where they fit
+    on every fourth seed), against the reference's plan of the int64 case; cupy / torch / numba arrays."""
+    from helpers.index_forms import page_twins
+    from helpers.plan_cases import with_widths
+
+    knobs = RANDOM_KNOBS[seed % len(RANDOM_KNOBS)]
+    case = random_case(seed, name=f"widths-{seed}", **knobs)
+    if seed % 3:
+        case = page_twins(case, (1, 4, 16)[seed % 3], seed)[seed % 3]
+    want = expected_outputs(case)
+    narrowed = with_widths(case, all32=True) if seed % 4 == 0 else with_widths(case, seed)
+    xp = ("cupy", "torch_cuda", "numba")[seed % 3] if backend == "numba" else ("cupy", "torch_cuda")[seed % 2]
+    if xp == "torch_cuda":
+        pytest.importorskip("torch")
+    assert_same(run_case(narrowed, backend, xp), want, narrowed)
+
+
+@pytest.mark.parametrize("xp", ["cupy", "torch_cuda"])
+def test_array_width_edges(backend, xp):
+    from helpers.index_forms import wide_table_edge_cases
+    from helpers.plan_cases import int32_edge_cases, with_widths
+
+    if xp == "torch_cuda":
+        pytest.importorskip("torch")
+    for case in int32_edge_cases():
+        assert_same(run_case(with_widths(case, all32=True), backend, xp), expected_outputs(case), case)
+    for case, twin in wide_table_edge_cases():
+        assert_same(run_case(case, backend, xp), expected_outputs(twin), case)
+
+
 @pytest.mark.parametrize("seed", range(600))
 def test_random_cases(backend, seed):
     knobs = RANDOM_KNOBS[seed % len(RANDOM_KNOBS)]

@@ -212,14 +212,16 @@ def test_page_size_with_req_to_token_is_refused():
 
 def test_dtypes_and_ranks_are_checked():
     case, plans = _setup("page_list")
-    with pytest.raises(TypeError, match=r"^kv-canary: block_table: expected dtype int32, got int64$"):
-        CanaryPlanner(**plans, block_table=np.zeros((4, 2), np.int64), page_size=4)
+    for bad in (np.int16, np.uint32, np.float32):  # SPEC 2 (*): int32 or int64, nothing else
+        with pytest.raises(TypeError, match=rf"^kv-canary: block_table: expected dtype int32 or int64, got "
+                                            rf"{np.dtype(bad).name}$"):
+            CanaryPlanner(**plans, block_table=np.zeros((4, 2), bad), page_size=4)
     with pytest.raises(ValueError, match=r"^kv-canary: block_table: expected a 2-D array, got shape \(8,\)$"):
         CanaryPlanner(**plans, block_table=np.zeros(8, np.int32), page_size=4)
     with pytest.raises(TypeError, match=r"^kv-canary: kv_indptr: expected dtype int32 or int64, got uint32$"):
         CanaryPlanner(**plans, kv_indptr=case.kv_indptr.astype(np.uint32), kv_indices=case.kv_indices, page_size=4)
-    with pytest.raises(TypeError, match=r"^kv-canary: kv_indices: expected dtype int32, got int64$"):
-        CanaryPlanner(**plans, kv_indptr=case.kv_indptr, kv_indices=case.kv_indices.astype(np.int64), page_size=4)
+    with pytest.raises(TypeError, match=r"^kv-canary: kv_indices: expected dtype int32 or int64, got uint64$"):
+        CanaryPlanner(**plans, kv_indptr=case.kv_indptr, kv_indices=case.kv_indices.astype(np.uint64), page_size=4)
     with pytest.raises(ValueError, match=r"^kv-canary: kv_indptr: expected a unit inner stride, got stride 2"):
         CanaryPlanner(**plans, kv_indptr=np.zeros(16, np.int64)[::2], kv_indices=case.kv_indices, page_size=4)
 

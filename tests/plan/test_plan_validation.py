@@ -189,10 +189,10 @@ STATIC_DTYPES = [
     ("full_to_swa_index_mapping", np.float64),
     ("req_to_verify_expected_tokens", np.int64), ("req_to_verify_expected_tokens", np.uint32),
 ]
-STEP_DTYPES = [
-    ("req_pool_indices", np.int32), ("prefix_lens", np.uint64), ("extend_seq_lens", np.float64),
-    ("req_to_verify_expected_tokens_valid_lens", np.int32),
-]
+# Step arrays are int32 or int64 (SPEC 2 (*)): every other dtype, on every step array.
+STEP_DTYPES = [(name, dtype) for name in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
+                                          "req_to_verify_expected_tokens_valid_lens")
+               for dtype in (np.int16, np.uint32, np.uint64, np.float64, np.bool_)]
 
 
 @pytest.mark.parametrize("name,dtype", STATIC_DTYPES + STEP_DTYPES, ids=lambda x: getattr(x, "__name__", x))
@@ -200,7 +200,7 @@ STEP_DTYPES = [
 def test_wrong_input_dtype_is_a_type_error(name, dtype, api):
     _, static, step, raw = setup()
     src = static.get(name, step.get(name))
-    want = np.dtype(src.dtype).name
+    want = np.dtype(src.dtype).name if name in static else "int32 or int64"
     raises(TypeError, plan_with, name, f"expected dtype {want}", f"got {np.dtype(dtype).name}",
            static=static, step=step, api=api, **{name: src.astype(dtype)})
     assert raw["status"][0] == POISON.i32

@@ -146,8 +146,9 @@ def test_q_without_a_pool_is_refused(api):
 @pytest.mark.parametrize("api", APIS)
 def test_q_dtype_is_checked(api):
     case, static, _ = _setup()
-    step = dict(case.step_kwargs(), expected_token_pool_indices=np.array([2, 0], dtype=np.int32))
-    _raises(TypeError, api, static, step, "int64", "int32")
+    for bad in (np.int16, np.uint32, np.float32):  # int32 and int64 are both taken (SPEC 2 (*))
+        step = dict(case.step_kwargs(), expected_token_pool_indices=np.array([2, 0], dtype=bad))
+        _raises(TypeError, api, static, step, "int32 or int64", np.dtype(bad).name)
 
 
 @pytest.mark.parametrize("api", APIS)

@@ -46,6 +46,14 @@ def test_random_cases_hypothesis():
     check()
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_int32_out_cache_loc(seed):
+    """SPEC 2 (*): an int32 out_cache_loc folds what the int64 one folds."""
+    case = lc.hand_cases()[seed] if seed < len(lc.hand_cases()) else lc.random_case(seed)
+    lc.assert_twin(case, lc.run_case(case, "numba", np.array, loc_dtype=np.int32),
+                   lc.run_case(case, "reference", np.array))
+
+
 @pytest.mark.parametrize("threads", [8, 64])
 def test_block_sizes(threads):
     for case in lc.hand_cases()[:2]:

@@ -196,6 +196,7 @@ def test_reference_is_deterministic_on_the_twin_cases(case):
     a = lc.run_case(case, "reference", np.array)
     b = lc.run_case(case, "reference", np.array)
     lc.assert_twin(case, a, b)
+    lc.assert_twin(case, lc.run_case(case, "reference", np.array, loc_dtype=np.int32), a)  # SPEC 2 (*)
 
 
 def test_the_hand_cases_find_their_flips():
@@ -282,6 +283,7 @@ def test_gpu_twins_match_the_reference(backend, case):
     want = lc.run_case(case, "reference", np.array)
     got = lc.run_case(case, backend, place)
     lc.assert_twin(case, got, want)
+    lc.assert_twin(case, lc.run_case(case, backend, place, loc_dtype=np.int32), want)  # SPEC 2 (*)
 
 
 @pytest.mark.gpu

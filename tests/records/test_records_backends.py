@@ -64,6 +64,24 @@ def test_random_cases(backend, seed):
     _twin(cc.random_case(seed, max_slots=300, max_entries=600), backend, ("cupy", "torch")[seed % 2])
 
 
+@pytest.mark.parametrize("case", cc.hand_cases() + [cc.int32_edge_case()], ids=repr)
+@pytest.mark.parametrize("xp", ["cupy", "torch"])
+def test_token_array_widths_hand(backend, case, xp):
+    """SPEC 2 (*): int32 token arrays (all where they fit, and drawn per array) write what int64 writes."""
+    place, to_host, sync = _placement(xp)
+    want = _reference(case)
+    for narrowed in (cc.with_widths(case, 0, all32=True), cc.with_widths(case, 5)):
+        cc.assert_twin(case, cc.run_case(narrowed, backend, place, to_host, sync=sync), want)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_token_array_widths_random(backend, seed):
+    place, to_host, sync = _placement(("cupy", "torch")[seed % 2])
+    case = cc.random_case(seed, max_slots=300, max_entries=600)
+    cc.assert_twin(case, cc.run_case(cc.with_widths(case, seed), backend, place, to_host, sync=sync),
+                   _reference(case))
+
+
 def test_random_cases_hypothesis(backend):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st

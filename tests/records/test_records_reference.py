@@ -475,7 +475,8 @@ def test_write_verify_validation():
     wp = _write_plan([0, 1], [-1])
     ok = {"out_cache_loc": _a(1), "input_ids": _a(1), "positions": _a(0)}
     for bad, exc, msg in [
-        ({"out_cache_loc": np.array([1], np.int32)}, TypeError, "out_cache_loc: expected dtype int64, got int32"),
+        ({"out_cache_loc": np.array([1], np.int16)}, TypeError,
+         "out_cache_loc: expected dtype int32 or int64, got int16"),
         ({"input_ids": _a(1, 2)}, ValueError, "input_ids: expected length 1, got 2"),
         ({"positions": np.zeros((1, 1), np.int64)}, ValueError, "positions: expected a 1-D array"),
         ({"expected_positions": _a()}, ValueError, "expected_positions: expected length 1, got 0"),
@@ -497,6 +498,45 @@ def test_write_verify_validation():
     vp.enable = np.zeros(1, np.int64)
     with pytest.raises(TypeError, match="kv-canary: verify_plan.enable: expected dtype int32, got int64"):
         c.verify(vp)
+
+
+@pytest.mark.parametrize("name", cc.TOKEN_ARRAYS)
+@pytest.mark.parametrize("dtype", [np.int16, np.uint32, np.uint64, np.float32, np.float64, np.bool_])
+def test_write_token_arrays_take_int32_or_int64_only(name, dtype):
+    """SPEC 2 (*): each token array is int32 or int64; any other dtype is a TypeError naming it (no cast)."""
+    _state, c = _canary(num_slots=8)
+    wp = _write_plan([0, 1], [-1])
+    args = {"out_cache_loc": _a(1), "input_ids": _a(1), "positions": _a(0)}
+    for width in (np.int32, np.int64):  # either width, alone or mixed, is accepted
+        c.write(wp, **{**args, name: np.array([1], width)})
+    with pytest.raises(TypeError, match=f"kv-canary: {name}: expected dtype int32 or int64, got "
+                                        f"{np.dtype(dtype).name}"):
+        c.write(wp, **{**args, name: np.array([1], dtype)})
+    big = np.array([1], np.dtype(np.int32).newbyteorder())
+    with pytest.raises(TypeError, match=f"kv-canary: {name}: expected dtype int32 or int64, got >i4 "
+                                        "\\(non-native byte order\\)"):
+        c.write(wp, **{**args, name: big})
+
+
+def _reference_run(case):
+    return cc.run_case(case, "reference", lambda a: a.copy(), np.asarray)
+
+
+@pytest.mark.parametrize("case", cc.hand_cases() + [cc.int32_edge_case()], ids=repr)
+def test_int32_token_arrays_write_what_int64_writes_hand(case):
+    """Every hand case with its token arrays int32 wherever the values fit, and with widths drawn per array:
+    the same records, ring rows and counters as int64 (SPEC 2 (*))."""
+    want = _reference_run(case)
+    for seed in (None, 1, 2):
+        narrowed = cc.with_widths(case, 0, all32=True) if seed is None else cc.with_widths(case, seed)
+        cc.assert_twin(case, _reference_run(narrowed), want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_int32_token_arrays_write_what_int64_writes_random(seed):
+    case = cc.random_case(seed)
+    cc.assert_twin(case, _reference_run(cc.with_widths(case, seed)), _reference_run(case))
 
 
 def test_kvcanary_binding_validation():

@@ -48,6 +48,7 @@ class Bound:
             write_offsets=plan.write_offsets.ptr, write_seed_slot_indices=plan.write_seed_slot_indices.ptr,
             write_num_valid_reqs=plan.write_num_valid_reqs.ptr,
             write_req_capacity=plan.write_seed_slot_indices.shape[0], out_cache_loc=out_cache_loc.ptr, num_entries=n,
+            entry_wide=int(out_cache_loc.dtype.itemsize == 8),  # ENTRY_WIDE_OUT_CACHE_LOC
         ))
         grid = layer_grid(n * self.views.num_layers, self._sms, self._per_sm[0])
         with OnDevice(self.device_id):

@@ -4,9 +4,9 @@ One compile per process and index form (the (LUT, pool) specializations of a for
 ``CANARY_PLAN_FORM``; CuPy also caches it on disk), one module load per device. ``bind`` packs every launch
 argument into one by-value ``PlanParams`` struct (uint64 words in a NumPy array whose address CuPy hands to
 ``cuLaunchKernel``) and allocates the scratch; ``warmup`` (or the first call) compiles, loads and fixes the grids
-from the capacities and the device. A call then writes six words (the per-step pointers and ``bs``; a step that
-passes its own index arrays, SPEC 3.8, the index's words too) and issues one launch (``bs <= FUSED_MAX_BS``) or
-two, on the caller's stream: no allocation, compilation, module load or host sync, so the call can be captured
+from the capacities and the device. A call then writes seven words (the per-step pointers, ``bs`` and the arrays'
+widths; a step that passes its own index arrays, SPEC 3.8, the index's words too) and issues one launch
+(``bs <= FUSED_MAX_BS``) or two, on the caller's stream: no allocation, compilation, module load or host sync, so the call can be captured
 in a CUDA graph.
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ NAME = "cupy"
 ON_DEVICE = True
 
 _STEP_WORDS = tuple(PARAM_FIELDS.index(n) for n in ("req_pool_indices", "prefix_lens", "extend_seq_lens",
-                                                     "valid_lens", "bs", "expected_token_pool_indices"))
+                                                     "valid_lens", "bs", "expected_token_pool_indices",
+                                                     "step_wide"))
 
 
 _FORM_SUFFIX = {FORM_TOKENS: "", FORM_BLOCKS: "_blocks", FORM_PAGES: "_pages"}
@@ -39,7 +40,7 @@ def index_words(index: KVIndex) -> dict:
     return dict(req_to_token=index.table.ptr, r2t_row_stride=index.key_stride, max_seq_len=index.max_seq_len,
                 page_size=index.page_size, kv_indptr=0 if ptr is None else ptr.ptr,
                 kv_indptr_wide=int(ptr is not None and ptr.dtype.itemsize == 8),
-                kv_nnz=index.table.shape[0] if index.form == FORM_PAGES else 0)
+                kv_nnz=index.table.shape[0] if index.form == FORM_PAGES else 0, table_wide=index.table_wide)
 
 
 class Bound:
@@ -71,7 +72,7 @@ class Bound:
             cursors=0 if s.verify_cursors is None else s.verify_cursors.ptr, sample=int(s.sample),
             **index_words(index),
         )
-        # The struct's bytes, word by word: a call rewrites the six per-step words and costs no argument
+        # The struct's bytes, word by word: a call rewrites the seven per-step words and costs no argument
         # conversion at all.
         self._params = Params(PARAM_FIELDS, values)
         self._words, self._args = self._params.words, self._params.args
@@ -115,6 +116,7 @@ class Bound:
             w[i[3]] = 0 if step.valid_lens is None else step.valid_lens.ptr
             w[i[4]] = step.bs
             w[i[5]] = 0 if step.pool_indices is None else step.pool_indices.ptr
+            w[i[6]] = step.step_wide
             index = self._index if step.index is None else step.index
             if index is not self._words_index:  # a step that passes its own index, or the first after one
                 self._params.set(index_words(index))

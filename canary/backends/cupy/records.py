@@ -94,6 +94,7 @@ class Bound:
             write_req_capacity=a.plan.write_seed_slot_indices.shape[0], out_cache_loc=a.out_cache_loc.ptr,
             input_ids=a.input_ids.ptr, positions=a.positions.ptr, num_entries=a.out_cache_loc.shape[0],
             expected_input_ids=_ptr(a.expected_input_ids), expected_positions=_ptr(a.expected_positions),
+            entry_wide=a.entry_wide,
         )
 
     @staticmethod

@@ -58,16 +58,18 @@ class Bound:
         v, d = self._arr.vector, self._arr.dummy
         if write is not None:
             w = (v(write.write_offsets), v(write.write_seed_slot_indices), v(write.write_num_valid_reqs),
-                 write.write_seed_slot_indices.shape[0], v(loc), loc.shape[0])
+                 write.write_seed_slot_indices.shape[0], self._arr.int_words(loc), loc.shape[0])
+            wide = int(loc.dtype.itemsize == 8)  # ENTRY_WIDE_OUT_CACHE_LOC
         else:
-            w = (d(np.int64), d(np.int64), d(np.int32), 0, d(np.int64), 0)
+            w = (d(np.int64), d(np.int64), d(np.int32), 0, d(np.int32), 0)
+            wide = 0
         if verify is not None:
             r = (v(verify.verify_slot_indices), v(verify.verify_expected_tokens),
                  v(verify.verify_expected_positions), verify.verify_slot_indices.shape[0], v(verify.verify_num_valid),
                  v(verify.enable))
         else:
             r = (d(np.int64), d(np.int64), d(np.int64), 0, d(np.int32), d(np.int32))
-        return self._state_args + (np.uint64(tag),) + self._table_args + w + r
+        return self._state_args + (np.uint64(tag),) + self._table_args + w + r + (wide,)
 
     def write(self, plan, out_cache_loc, stream: int) -> None:
         args = self._args(encode_tag(KernelTag.WRITE), write=plan, loc=out_cache_loc)

@@ -5,7 +5,7 @@ compilation of the (LUT, pool) specialization (with plan.cu's launch bounds), de
 buffers (zero-copy, from their pointers, never synchronizing as numba does by default for
 CUDA-Array-Interface arguments), the scratch (plan.cu's layout: head words + the two-pass row table, zeroed
 once), the grids (from verify_capacity, the SM count and each kernel's occupancy, as the CuPy backend) and the
-launch arguments (plan.cu's ``PlanParams`` order), marshalled once: a call lays out only the six per-step
+launch arguments (plan.cu's ``PlanParams`` order), marshalled once: a call lays out only the seven per-step
 words and launches through ``cuda.core.launch`` (``_FastLaunch``; where this numba-cuda's internals differ,
 numba's ordinary ``kernel[grid, block, stream](*args)`` instead, per-step device arrays cached by pointer).
 ``warmup`` loads the module on the device. A call issues one launch (bs <= ``FUSED_MAX_BS``) or two on the
@@ -66,8 +66,8 @@ class _FastLaunch:
     """A pre-specialized kernel launched through ``cuda.core.launch`` with its arguments marshalled once.
 
     Numba's ``kernel[grid, block, stream](*args)`` types and converts all 32 arguments on every call; here the
-    static ones are converted once (by the kernel's own ``_prepare_args``) and a call only lays out the six
-    per-step words (``STEP_FIELDS`` first, ``STEP_TAIL`` last). Built only when the layout of a 1-D int64 device array argument is the one this class
+    static ones are converted once (by the kernel's own ``_prepare_args``) and a call only lays out the seven
+    per-step words (``STEP_FIELDS`` first, ``STEP_TAIL`` last). Built only when the layout of a 1-D int32 device array argument is the one this class
     writes (checked at bind); otherwise the backend keeps numba's ordinary launch.
     """
 
@@ -85,7 +85,7 @@ class _FastLaunch:
         if len(types) != len(plan_numba.PARAMS) or len(static_args) != len(types) - n_step - n_tail:
             raise ValueError("unexpected kernel signature")
         got: list = []
-        overload._prepare_args(types[0], probe, 0, [], got)  # a 1-D int64 device array
+        overload._prepare_args(types[0], probe, 0, [], got)  # a 1-D int32 device array (a step array's words)
         if got != self.array_words(probe.device_ctypes_pointer.value, probe.shape[0]):
             raise ValueError(f"unexpected array argument layout: {got}")
         static: list = []
@@ -100,9 +100,15 @@ class _FastLaunch:
 
     @staticmethod
     def array_words(ptr: int, n: int) -> list:
-        """What numba passes for a 1-D contiguous int64 array: meminfo, parent, size, itemsize, data, shape,
-        strides."""
-        return [0, 0, n, 8, ptr, n, 8]
+        """What numba passes for a 1-D contiguous int32 array of ``n`` elements (a step array as its int32
+        words, plan_numba.load_int): meminfo, parent, size, itemsize, data, shape, strides."""
+        return [0, 0, n, 4, ptr, n, 4]
+
+    @staticmethod
+    def view_words(view) -> list:
+        """:meth:`array_words` of a per-step int32 or int64 view: its int32 words (two an int64 element)."""
+        n = view.shape[0] * (view.dtype.itemsize // 4)
+        return [0, 0, n, 4, view.ptr, n, 4]
 
     def config(self, grid: int, block: int):
         key = (grid, block)
@@ -161,7 +167,6 @@ class Bound:
             index_values = self._index_values(index)
             lut_a = inp(lut.host if has_lut else np.zeros(1, np.int64))
             pool_a = inp(_host_flat(pool) if has_pool else np.zeros(1, np.int32))
-            self._dummy_i64 = inp(np.zeros(1, np.int64))
             out = {name: getattr(s, name).host for name in _OUTPUTS}
             cursors_a = s.verify_cursors.host if s.sample else np.zeros(1, np.int64)
             occupancy = (BLOCKS_PER_SM, BLOCKS_PER_SM)
@@ -180,7 +185,6 @@ class Bound:
                          else cuda.to_device(np.zeros(1, np.int64)))
                 pool_a = (device_array(pool.ptr, flat_len(pool), np.int32, owner=pool.owner) if has_pool
                           else cuda.to_device(np.zeros(1, np.int32)))
-                self._dummy_i64 = cuda.to_device(np.zeros(1, np.int64))  # valid_lens when there is no pool
                 out = {}
                 for name in _OUTPUTS:
                     v = getattr(s, name)
@@ -214,29 +218,30 @@ class Bound:
         if not SIMULATOR and launch.numba_fast_launch:
             with self._gpu:
                 try:
-                    self._fast = tuple(_FastLaunch(k, self._static_args, self._dummy_i64) for k in kernels)
+                    self._fast = tuple(_FastLaunch(k, self._static_args, self._dummy_i32) for k in kernels)
                     self._fast_configs = (self._fast[0].config(self.grid_fused, self.entry_threads),
                                           self._fast[1].config(1, self.rows_threads),
                                           self._fast[2].config(self.grid, self.entry_threads))
-                    self._dummy_words = _FastLaunch.array_words(self._dummy_i64.device_ctypes_pointer.value, 1)
+                    self._dummy_words = _FastLaunch.array_words(self._dummy_i32.device_ctypes_pointer.value, 1)
                 except Exception:  # noqa: BLE001 - internal numba-cuda / cuda.core API: numba's launch instead
                     self._fast = None
 
     def _index_values(self, index: KVIndex) -> dict:
-        """The index's kernel arguments (plan_numba.INDEX_FIELDS): its int32 table as a flat array, an int64
-        kv_indptr as its int32 words (``kv_indptr_wide``), the key stride and bounds (SPEC 3.8)."""
+        """The index's kernel arguments (plan_numba.INDEX_FIELDS): its table as a flat array of int32 words (two
+        an entry for an int64 paged table, ``table_wide``), an int64 kv_indptr as its int32 words
+        (``kv_indptr_wide``), the key stride and bounds (SPEC 3.8)."""
         t, ptr = index.table, index.kv_indptr
         words = 1 if ptr is None else ptr.dtype.itemsize // 4
         if SIMULATOR:
-            table = cuda.In(_host_table(t))
+            table = cuda.In(_host_table(t).view(np.int32))
             indptr = self._dummy_i32 if ptr is None else cuda.In(ptr.host.view(np.int32))
         else:
-            table = device_array(t.ptr, _table_len(t), np.int32, owner=t.owner)
+            table = device_array(t.ptr, _table_len(t) * (t.dtype.itemsize // 4), np.int32, owner=t.owner)
             indptr = (self._dummy_i32 if ptr is None
                       else device_array(ptr.ptr, ptr.shape[0] * words, np.int32, owner=ptr.owner))
         return dict(req_to_token=table, r2t_row_stride=index.key_stride, max_seq_len=index.max_seq_len,
                     page_size=index.page_size, kv_indptr=indptr, kv_indptr_wide=int(words == 2),
-                    kv_nnz=t.shape[0] if index.form == FORM_PAGES else 0)
+                    kv_nnz=t.shape[0] if index.form == FORM_PAGES else 0, table_wide=index.table_wide)
 
     def _step_static_args(self, index: KVIndex) -> tuple:
         """The bound arguments with a step's own index in place of the bound one."""
@@ -271,40 +276,42 @@ class Bound:
         return pair
 
     def _step_array(self, view):
-        """Device array over a per-step ``[bs]`` int64 input, cached by (pointer, length).
+        """Device array over a per-step ``[bs]`` int32 or int64 input as its int32 words (plan_numba.load_int),
+        cached by (pointer, words).
 
         Safe without holding the caller's array: the device array is only a pointer and a length on this
         planner's device, so a new array at the same address is described exactly the same way.
         """
-        key = (view.ptr, view.shape[0])
+        key = (view.ptr, view.shape[0] * (view.dtype.itemsize // 4))
         a = self._step_arrays.get(key)
         if a is None:
             if len(self._step_arrays) >= STEP_CACHE_SIZE:
                 self._step_arrays.clear()
-            a = self._step_arrays[key] = device_array(view.ptr, view.shape[0], np.int64)
+            a = self._step_arrays[key] = device_array(view.ptr, key[1], np.int32)
         return a
 
     def launch(self, step: StepArgs, stream: int) -> None:
+        wide = _step_wide(step)
         if SIMULATOR:
             static_args = self._static_args if step.index is None else self._step_static_args(step.index)
-            inp = cuda.In
-            vl = self._dummy_i64 if step.valid_lens is None else inp(step.valid_lens.host)
-            rpi = inp(step.req_pool_indices.host)
-            q = rpi if step.pool_indices is None else inp(step.pool_indices.host)
-            args = (rpi, inp(step.prefix_lens.host), inp(step.extend_seq_lens.host), vl,
-                    step.bs) + static_args + (q,)
+
+            def inp(v):  # a step array's int32 words, copied in only
+                return cuda.In(v.host.view(np.int32))
+            vl = self._dummy_i32 if step.valid_lens is None else inp(step.valid_lens)
+            rpi = inp(step.req_pool_indices)
+            q = rpi if step.pool_indices is None else inp(step.pool_indices)
+            args = (rpi, inp(step.prefix_lens), inp(step.extend_seq_lens), vl,
+                    step.bs) + static_args + (q, wide)
             self._run(self._launcher(0), args, step.bs)
             return
         if self._fast is not None and step.index is None:
             # Six per-step words; everything else was marshalled at bind.
-            words = _FastLaunch.array_words
-            vl = self._dummy_words if step.valid_lens is None else words(step.valid_lens.ptr, step.valid_lens.shape[0])
-            rpi = words(step.req_pool_indices.ptr, step.req_pool_indices.shape[0])
+            words = _FastLaunch.view_words
+            vl = self._dummy_words if step.valid_lens is None else words(step.valid_lens)
+            rpi = words(step.req_pool_indices)
             q = step.pool_indices
-            tail_words = rpi if q is None else words(q.ptr, q.shape[0])
-            step_words = (rpi
-                          + words(step.prefix_lens.ptr, step.prefix_lens.shape[0])
-                          + words(step.extend_seq_lens.ptr, step.extend_seq_lens.shape[0])
+            tail_words = (rpi if q is None else words(q)) + [ctypes.c_int64(wide)]
+            step_words = (rpi + words(step.prefix_lens) + words(step.extend_seq_lens)
                           + vl + [ctypes.c_int64(step.bs)])
             (stream_obj,) = self._launcher(stream)
             fused, rows, entries = self._fast
@@ -318,11 +325,11 @@ class Bound:
             return
         with self._gpu:  # launch on the device holding the buffers, whatever the current device is
             static_args = self._static_args if step.index is None else self._step_static_args(step.index)
-            vl = self._dummy_i64 if step.valid_lens is None else self._step_array(step.valid_lens)
+            vl = self._dummy_i32 if step.valid_lens is None else self._step_array(step.valid_lens)
             rpi = self._step_array(step.req_pool_indices)
             q = rpi if step.pool_indices is None else self._step_array(step.pool_indices)
             args = (rpi, self._step_array(step.prefix_lens),
-                    self._step_array(step.extend_seq_lens), vl, step.bs) + static_args + (q,)
+                    self._step_array(step.extend_seq_lens), vl, step.bs) + static_args + (q, wide)
             # A step's own index: numba's launch, which lays out every argument (the fast path marshalled the
             # bound ones at bind)
             self._run(self._launcher(stream, plain=step.index is not None), args, step.bs)
@@ -349,6 +356,15 @@ _OUTPUTS = (
     "verify_slot_indices", "verify_expected_tokens", "verify_expected_positions", "verify_prev_slot_indices",
     "verify_num_valid", "enable", "status", "write_offsets", "write_seed_slot_indices", "write_num_valid_reqs",
 )
+
+
+def _step_wide(step: StepArgs) -> int:
+    """The kernels' ``step_wide``: StepArgs.step_wide, with an absent expected_token_pool_indices' bit set as
+    req_pool_indices' (the kernels then read that array in its place, plan_numba's docstring)."""
+    wide = step.step_wide
+    if step.pool_indices is None and wide & plan_numba.STEP_WIDE_REQ_POOL_INDICES:
+        wide |= plan_numba.STEP_WIDE_EXPECTED_TOKEN_POOL_INDICES
+    return wide
 
 
 def bind(static: StaticArgs, launch: LaunchConfig = DEFAULT_LAUNCH) -> Bound:

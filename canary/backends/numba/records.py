@@ -80,6 +80,22 @@ class Arrays:
             d = self._dummies[dtype] = z
         return d
 
+    def int_words(self, view):
+        """A per-call int32 or int64 1-D array as the kernels' int32 words (two an element for int64: their
+        ``load_int``), cached as :meth:`vector` caches; ``None``: a dummy."""
+        if view is None:
+            return self.dummy(np.int32)
+        n = view.shape[0] * (view.dtype.itemsize // 4)
+        if SIMULATOR:
+            return cuda.In(view.host.view(np.int32)) if n else self.dummy(np.int32)
+        key = (view.ptr, n, "words")
+        a = self._cache.get(key)
+        if a is None:
+            if len(self._cache) >= _CACHE_SIZE:
+                self._cache.clear()
+            a = self._cache[key] = self.words(view.ptr, n, np.int32, None)
+        return a
+
     def vector(self, view, dtype=None):
         """A per-call 1-D array (unit stride: checked by the caller)."""
         if view is None:
@@ -191,10 +207,12 @@ class Bound:
     def write(self, a: RecordWriteArgs, stream: int) -> None:
         v = self.arrays.vector
         r_cap = a.plan.write_seed_slot_indices.shape[0]
+        w = self.arrays.int_words
         args = self.state_args + (np.uint64(encode_tag(KernelTag.WRITE, a.launch_tag)),) + self._kv_args + (
-            v(a.plan.write_offsets), v(a.plan.write_seed_slot_indices), v(a.plan.write_num_valid_reqs), r_cap, v(a.out_cache_loc),
-            v(a.input_ids), v(a.positions), a.out_cache_loc.shape[0], v(a.expected_input_ids),
-            v(a.expected_positions), int(a.expected_input_ids is not None), int(a.expected_positions is not None),
+            v(a.plan.write_offsets), v(a.plan.write_seed_slot_indices), v(a.plan.write_num_valid_reqs), r_cap,
+            w(a.out_cache_loc), w(a.input_ids), w(a.positions), a.out_cache_loc.shape[0], w(a.expected_input_ids),
+            w(a.expected_positions), int(a.expected_input_ids is not None), int(a.expected_positions is not None),
+            a.entry_wide,
         )
         grid = write_grid(r_cap, self.sms, 2 if SIMULATOR else BLOCKS_PER_SM)
         launch_kernel(self.arrays, self._write_kernel, grid, self.write_threads, stream, args)

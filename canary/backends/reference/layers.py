@@ -50,7 +50,8 @@ def owner_search(offsets: np.ndarray, nreq: int, n_entries: int) -> np.ndarray:
 def write_layers(state: StateViews, *, layer_hashes: np.ndarray, layer_cursor: np.ndarray, layers, dwell: int,
                  write_offsets: np.ndarray, write_seed_slot_indices: np.ndarray, write_num_valid_reqs: np.ndarray,
                  out_cache_loc: np.ndarray) -> None:
-    """One ``write_layers`` launch (docs/records.md 10.2)."""
+    """One ``write_layers`` launch (docs/records.md 10.2); ``out_cache_loc`` int32 or int64, read widened."""
+    out_cache_loc = np.asarray(out_cache_loc).astype(_I64)
     num_layers = len(layers)
     # The cursor first: the kernel's thread 0 does it, and nothing in this launch reads it.
     layer = cursor_layer(layer_cursor, num_layers)

@@ -172,9 +172,11 @@ def plan_arrays(
     ``pool_indices``: ``expected_token_pool_indices`` (SPEC 3.2), the pool row of each batch row; ``None``: the
     pool is keyed by ``req_pool_indices``. ``padding_slot``: 0 or -1 (SPEC 3.2, "No reserved slot").
     """
+    # Every step array is int32 or int64 (SPEC 2 (*)): read widened, as the kernels' load_int reads it.
     rpi = np.asarray(req_pool_indices, dtype=np.int64)
     prefix = np.asarray(prefix_lens, dtype=np.int64)
     ext = np.asarray(extend_seq_lens, dtype=np.int64)
+    valid_lens = None if valid_lens is None else np.asarray(valid_lens, dtype=np.int64)
     bs = rpi.shape[0]
     cap = out["verify_slot_indices"].shape[0]
     r_cap = out["write_seed_slot_indices"].shape[0]

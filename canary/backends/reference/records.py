@@ -220,7 +220,13 @@ def write(
     real_kv: RealKV,
     launch_tag: int = 0,
 ) -> None:
-    """One write launch (docs/records.md, "Write")."""
+    """One write launch (docs/records.md, "Write"). The token arrays are int32 or int64 each: read widened to int64
+    (SPEC 2 (*)), which is what the kernels' load_int reads."""
+    out_cache_loc, input_ids, positions = (np.asarray(a).astype(_I64) for a in (out_cache_loc, input_ids, positions))
+    if expected_input_ids is not None:
+        expected_input_ids = np.asarray(expected_input_ids).astype(_I64)
+    if expected_positions is not None:
+        expected_positions = np.asarray(expected_positions).astype(_I64)
     kernel_runs = state.host("kernel_run_counter")
     slot_runs = state.host("slot_run_counter")
     ci = KernelTag.WRITE.counter_index
