@@ -1,26 +1,28 @@
-"""Host time per engine step that canary.integrations.transformers adds to transformers' continuous batching.
+"""What canary.integrations.transformers costs transformers' continuous batching, per decode step.
 
-    python benchmarks/bench_transformers.py [--device cpu|cuda] [--requests 32] [--new-tokens 64] [--rounds 3]
+    python benchmarks/bench_transformers.py [--device cpu|cuda] [--requests 96] [--max-batch 32]
+                                            [--new-tokens 64] [--layers 4] [--hidden 256] [--rounds 3]
                                             [--cuda-graphs] [--async-batching] [--dry]
 
 A Llama built from its config (``--layers`` layers of ``--hidden`` width, random weights, nothing downloaded)
-answers ``--requests`` prompts of 16 to 64 tokens through ``model.generate_batch``, greedy, ``--new-tokens``
-each; every round runs once without the canary and once with it (``canary.integrations.transformers.enable``).
-The canary-on run's tokens must equal the canary-off run's and it must report no violation (the check, before
-anything is recorded). Figures, each the median of the rounds:
+serves ``--requests`` prompts of 16 to 64 tokens through a ``ContinuousBatchingManager``, greedy, each with its
+own ``max_new_tokens`` drawn from ``[new_tokens / 2, 3 * new_tokens / 2]``, at most ``--max-batch`` requests a
+step: requests join and leave all through the run, so the batch changes size every few steps. Each round runs
+the same requests once with the canary off and once with it on (``canary.integrations.transformers.enable``);
+the canary-on tokens must equal the canary-off tokens and it must report no violation (the check, before
+anything is recorded). The first round warms up (compiles, graph captures, allocator pools) and is not
+recorded. Figures, each the median over the recorded rounds of a per-round median over decode steps (every
+batch row one token):
 
-- ``canary host time / step``: what the canary's hooks cost the engine's thread per step (the CanaryManager's
-  calls included: on the CPU the reference backend's NumPy kernels, on a GPU their launches), the mean over the
-  round's steps (``handle.stats()["host_us_per_step"]``);
-- ``glue host time / step``: of which outside the CanaryManager's calls (this integration's own bookkeeping);
-- ``generate_batch wall / step``, canary off and on: the whole call over its steps (one session: the canary's
-  manager is built and warmed up in it, and the engine's warm-up too).
+- ``canary host time / decode step``: what the canary's hooks cost the engine's thread per decode step (the
+  CanaryManager's calls included), from ``handle.stats()["host_us_per_decode_step"]``;
+- ``glue host time / decode step``: of which outside the CanaryManager's calls (the integration's own);
+- ``decode step, canary off`` / ``on``: the engine loop's period on decode steps (``ContinuousBatchProcessor.
+  _generation_step`` entry to entry, timed by this benchmark: the step, its output transfer, the host's
+  scheduling and the canary's hooks), and ``decode step overhead``: on / off - 1, in percent;
+- the CanaryManager's ``graph_replays`` / ``graph_captures`` / ``direct_calls`` of the last round, in ``extra``.
 
-Always, and alone when transformers is not installed: ``slot table / decode step``, the host cost of mirroring a
-decode batch of ``--requests`` requests into the canary's ``req_to_token`` (``SlotTable.sync`` and ``.gather``
-per request, a block allocated every 16 steps, one gather), on a synthetic batch.
-
-``--dry``: two requests of four new tokens on a two-layer model (a smoke run; not a result). Writes
+``--dry``: two requests of four new tokens on a two-layer model on the CPU (a smoke run; not a result). Writes
 ``transformers.json`` in ``--out`` (default: the results folder).
 """
 from __future__ import annotations
@@ -33,46 +35,51 @@ import numpy as np
 
 import harness
 
-from canary.integrations.hf_slots import SlotTable
-
 BLOCK = 16
 
 
-def slot_table_step(requests: int, steps: int) -> harness.Timing:
-    """us per decode step of ``requests`` requests mirrored into a SlotTable: what ``Session.begin_step`` does
-    with it (a list compare per request, a sync when a block was added, one gather of the step's slots)."""
-    table = SlotTable(requests + 1, 8192, BLOCK)
-    rng = np.random.default_rng(0)
-    blocks = {r: [int(b) for b in rng.choice(np.arange(1, 1 << 16), size=4, replace=False)] for r in range(requests)}
-    lens = {r: int(rng.integers(16, 64)) for r in range(requests)}
-    rows = {r: table.admit(r) for r in range(requests)}
-    rpi = np.asarray([rows[r] for r in range(requests)], dtype=np.int64)
-    loc = np.empty(requests, dtype=np.int64)
-    samples = []
-    for _ in range(steps):
-        for r in range(requests):  # the engine's allocation, outside the clock
-            lens[r] += 1
-            if lens[r] > len(blocks[r]) * BLOCK:
-                blocks[r].append(int(rng.integers(1, 1 << 16)))
-        t0 = time.perf_counter_ns()
-        pre = []
-        for r in range(requests):
-            b = blocks[r]
-            if b != table.mirrored[r]:
-                table.sync(r, rows[r], b)
-            pre.append(lens[r] - 1)
-        table.gather(rpi, np.asarray(pre, dtype=np.int64), loc)
-        samples.append((time.perf_counter_ns() - t0) / 1e3)
-    want = [blocks[r][(lens[r] - 1) // BLOCK] * BLOCK + (lens[r] - 1) % BLOCK for r in range(requests)]
-    if loc.tolist() != want:
-        raise harness.CheckFailed("slot table: the gathered slots differ from the engine's block lists")
-    return harness.Timing.of(samples)
+def _batch(processor):
+    io = processor.inputs_and_outputs
+    if hasattr(io, "io_pairs"):
+        io = io.io_pairs[io.current_pair].host_io
+    return io.requests_in_batch
+
+
+class StepClock:
+    """The engine loop's period per step: ``_generation_step`` entry to entry (the batch is prepared just before
+    it), and whether the step it closes was a decode step. Patched on the class, for both runs alike."""
+
+    def __init__(self, cls):
+        self.cls, self.orig = cls, cls._generation_step
+        self.samples: list[tuple[bool, float]] = []
+        self._last: tuple[bool, float] | None = None
+        clock = self
+
+        def _generation_step(processor, model):
+            now = time.perf_counter()
+            if clock._last is not None:
+                clock.samples.append((clock._last[0], now - clock._last[1]))
+            batch = _batch(processor)
+            clock._last = (all(fs.query_length == 1 for fs in batch), now)
+            return clock.orig(processor, model)
+        cls._generation_step = _generation_step
+
+    def reset(self) -> None:
+        self.samples, self._last = [], None
+
+    def decode_median_us(self) -> float:
+        got = [dt for decode, dt in self.samples if decode]
+        return float(np.median(got)) * 1e6 if got else float("nan")
+
+    def close(self) -> None:
+        self.cls._generation_step = self.orig
 
 
 def model_runs(args, bench: harness.Bench) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 
     import canary.integrations.transformers as kv_canary
 
@@ -84,78 +91,104 @@ def model_runs(args, bench: harness.Bench) -> None:
     model = LlamaForCausalLM(cfg).to(args.device, torch.bfloat16 if cuda else torch.float32).eval()
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, 500, size=int(rng.integers(16, 65))).tolist() for _ in range(args.requests)]
-    gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1)
-    blocks = args.requests * (-(-(64 + args.new_tokens) // BLOCK)) + 2
-
-    def batching():
-        return ContinuousBatchingConfig(block_size=BLOCK, num_blocks=blocks, max_batch_tokens=512,
-                                        allow_block_sharing=False, use_cuda_graph=args.cuda_graphs,
-                                        use_async_batching=args.async_batching if cuda else False)
+    lo, hi = max(1, args.new_tokens // 2), max(1, 3 * args.new_tokens // 2)
+    limits = [int(rng.integers(lo, hi + 1)) for _ in range(args.requests)]
+    gen = GenerationConfig(max_new_tokens=hi, do_sample=False, eos_token_id=-1)
+    blocks = args.max_batch * (-(-(64 + hi) // BLOCK)) + 8
 
     def once(canary: bool):
-        handle = kv_canary.enable(model) if canary else None
-        t0 = time.perf_counter()
-        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=batching())
-        wall = time.perf_counter() - t0
+        cb = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=blocks, max_batch_tokens=512,
+                                      max_requests_per_batch=args.max_batch, allow_block_sharing=False,
+                                      use_cuda_graph=args.cuda_graphs,
+                                      use_async_batching=args.async_batching if cuda else False)
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        handle = kv_canary.enable(manager) if canary else None
+        manager.warmup()
+        clock.reset()
+        manager.start()
+        for i, (p, n) in enumerate(zip(prompts, limits)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+        out: dict = {}
+        while len(out) < len(prompts):
+            got = manager.get_result(timeout=60)
+            if got is None:
+                raise harness.CheckFailed(f"engine: {len(out)} of {len(prompts)} requests finished")
+            if got.is_finished():
+                out[got.request_id] = list(got.generated_tokens)
+        manager.stop(block=True)
         stats = None
         if handle is not None:
             stats = handle.stats()
             handle.close()
-        return {k: list(v.generated_tokens) for k, v in out.items()}, wall, stats
+        manager.destroy()
+        return out, clock.decode_median_us(), stats
 
+    clock = StepClock(ContinuousBatchProcessor)
     rounds = bench.rounds(3)
-    host, glue, wall_off, wall_on, steps = [], [], [], [], 0
-    for _ in range(rounds + 1):  # the first round warms up (kernel compiles, allocator pools): not recorded
-        ref, t_off, _ = once(False)
-        got, t_on, stats = once(True)
-        if got != ref:
-            raise harness.CheckFailed("tokens: the canary-on run generated other tokens than the canary-off run")
-        if stats["violations"] or stats["errors"]:
-            raise harness.CheckFailed(f"canary: expected a clean run, got {stats['violations']} violations, "
-                                      f"errors {stats['errors']}")
-        steps = stats["steps"]
-        host.append(stats["host_us_per_step"]["mean"])
-        glue.append(stats["glue_us_per_step"]["mean"])
-        wall_off.append(t_off / steps * 1e6)
-        wall_on.append(t_on / steps * 1e6)
-    shape = dict(device=args.device, requests=args.requests, new_tokens=args.new_tokens, layers=args.layers,
-                 hidden=args.hidden, cuda_graphs=args.cuda_graphs, async_batching=args.async_batching, steps=steps)
-    bench.figure("canary host time / step", harness.Timing.of(host[1:]), key="transformers.host_per_step", **shape)
-    bench.figure("glue host time / step", harness.Timing.of(glue[1:]), key="transformers.glue_per_step", **shape)
-    bench.figure("generate_batch wall / step, canary off", harness.Timing.of(wall_off[1:]), **shape)
-    bench.figure("generate_batch wall / step, canary on", harness.Timing.of(wall_on[1:]), **shape)
-    bench.extra.update(torch=torch.__version__, transformers=__import__("transformers").__version__)
+    host, glue, off, on, last = [], [], [], [], None
+    try:
+        for _ in range(rounds + 1):  # the first round warms up: not recorded
+            ref, t_off, _ = once(False)
+            got, t_on, stats = once(True)
+            if got != ref:
+                raise harness.CheckFailed("tokens: the canary-on run generated other tokens than the canary-off run")
+            if stats["violations"] or stats["errors"]:
+                raise harness.CheckFailed(f"canary: expected a clean run, got {stats['violations']} violations, "
+                                          f"errors {stats['errors']}")
+            host.append(stats["host_us_per_decode_step"]["p50"])
+            glue.append(stats["glue_us_per_decode_step"]["p50"])
+            off.append(t_off)
+            on.append(t_on)
+            last = stats
+    finally:
+        clock.close()
+    shape = dict(device=args.device, requests=args.requests, max_batch=args.max_batch, new_tokens=args.new_tokens,
+                 layers=args.layers, hidden=args.hidden, cuda_graphs=args.cuda_graphs,
+                 async_batching=args.async_batching, decode_steps=last["host_us_per_decode_step"]["steps"])
+    bench.figure("canary host time / decode step", harness.Timing.of(host[1:]), key="transformers.host_per_step",
+                 **shape)
+    bench.figure("glue host time / decode step", harness.Timing.of(glue[1:]), key="transformers.glue_per_step",
+                 **shape)
+    bench.figure("decode step, canary off", harness.Timing.of(off[1:]), **shape)
+    bench.figure("decode step, canary on", harness.Timing.of(on[1:]), **shape)
+    ratios = [100.0 * (b / a - 1.0) for a, b in zip(off[1:], on[1:])]
+    bench.figure("decode step overhead", harness.Timing.of(ratios, unit="%"), unit="%",
+                 key="transformers.step_overhead", **shape)
+    bench.extra.update(torch=torch.__version__, transformers=__import__("transformers").__version__,
+                       manager={k: last.get(k) for k in ("graph_replays", "graph_captures", "direct_calls",
+                                                          "stream_handshakes", "steps")},
+                       host_us_per_step=last["host_us_per_step"])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = harness.parser(__doc__)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--cuda-graphs", action="store_true", help="the engine's CUDA graphs (GPU)")
     ap.add_argument("--async-batching", action="store_true", help="the engine's async batching (GPU)")
+    ap.add_argument("--name", default="transformers", help="the results file's name (one per model size)")
     args = ap.parse_args(argv)
-    bench = harness.Bench("transformers", args, "host clock: the canary's hooks per engine step (perf_counter "
-                          "around each hook, summed per step, mean over the steps of a generate_batch), median of "
-                          "rounds; each round runs canary off then on over the same prompts")
+    bench = harness.Bench(args.name, args, "host clock: the canary's hooks per decode step (perf_counter around "
+                          "each hook, summed per step) and the engine loop's period per decode step, each the "
+                          "median over a round's decode steps, then the median of rounds; each round runs canary "
+                          "off then on over the same requests")
     if bench.dry:
-        args.device, args.requests, args.new_tokens, args.layers, args.hidden = "cpu", 2, 4, 2, 64
-    bench.attempt(f"slot table / decode step, {args.requests} requests",
-                  lambda: slot_table_step(args.requests, 64 if bench.dry else 2048), key="transformers.slot_table",
-                  requests=args.requests)
+        args.device, args.requests, args.max_batch, args.new_tokens, args.layers, args.hidden = "cpu", 2, 2, 4, 2, 64
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
         if not bench.dry:
-            bench.figure("canary host time / step", None, error=f"{', '.join(missing)} not installed (pip install "
-                         f"'kv-canary[transformers]')")
+            bench.figure("canary host time / decode step", None, error=f"{', '.join(missing)} not installed (pip "
+                         f"install 'kv-canary[transformers]')")
         print(f"transformers runs skipped: {', '.join(missing)} not installed")
     else:
         try:
             model_runs(args, bench)
         except Exception as exc:  # noqa: BLE001 - recorded as a failed figure
-            bench.figure("canary host time / step", None, error=f"{type(exc).__name__}: {exc}"[:500])
+            bench.figure("canary host time / decode step", None, error=f"{type(exc).__name__}: {exc}"[:500])
     bench.extra.update(python=platform.python_version(), numpy=np.__version__, machine=platform.machine())
     return bench.finish()
 

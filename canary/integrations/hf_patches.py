@@ -6,7 +6,7 @@ class, logits processors and the output handlers, none of which sees the forward
 wraps six methods, **on the instances it is given** (never on the classes: another manager, or the same model
 without the canary, runs untouched), each listed in :data:`PATCHES` with what it does and why, and undone by
 :meth:`Attachment.detach`. Each wrapper calls the original first or last and changes none of its arguments or
-results; the only engine state the canary changes is the free list's block 0 (``canary/integrations/hf_slots.py``).
+results; the canary changes no engine state.
 """
 from __future__ import annotations
 
@@ -26,18 +26,18 @@ PATCHES = (
      "(generate_batch, continuous_batching_context_manager)", "enable(model) must reach managers built later, "
      "inside generate_batch"),
     ("manager._create_batch_processor", "adopts each batch processor (the hooks below); inside a generation loop "
-     "opens the session's canary: block 0 reserved, CanaryManager bound over the processor's cache",
+     "opens the session's canary: a CanaryManager bound over the processor's cache and its own read index",
      "the processor, its cache and IO buffers exist only once this returns; warm-up calls it too, and must run "
      "with every block"),
     ("manager._run_generation_loop", "marks the loop's thread; at its end closes the session's canary on that "
-     "thread (the last step's report delivered before stop() returns), block 0 given back",
+     "thread (the last step's report delivered before stop() returns)",
      "the canary's step calls run on one thread; a session is one loop"),
     ("processor.model_runner.compute_batch", "before_forward before the forward, after_kv_store after it, on the "
      "engine's compute stream", "the one call around the forward, its KV stores and its CUDA-graph replay or "
      "capture; the model's attention is inside"),
     ("processor.update_batch", "after it: accept the tokens the engine appended to the batch's request states",
      "where sampled tokens become the requests' tokens (after EOS / length handling), as host ints"),
-    ("processor.cache.free_blocks", "after it: finish_request, the request's table row freed",
+    ("processor.cache.free_blocks", "after it: finish_request, the request's row freed",
      "every exit of a request from the cache goes through it: finished, cancelled, failed, soft reset"),
 )
 

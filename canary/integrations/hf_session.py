@@ -6,28 +6,38 @@ background thread): every canary step call happens on that thread, so a session 
 loop ends. Between sessions the engine frees every request (soft reset of the whole cache), so nothing the
 canary knew carries over.
 
+**The index the attention reads.** The canary group is bound over the engine's own per-step index, as paged
+``sdpa`` attention reads it: a token-level page list (SPEC 3.8, ``page_size = 1``) whose ``kv_indptr`` is the
+engine's ``cumulative_seqlens_k["full_attention"]`` (int32) and whose ``kv_indices`` is its flat
+``read_index_storage[0]`` (int64: every request's past and new slots, in batch order), and the step's slots are
+its ``write_index_storage[0]``, its tokens and positions its own int32 ``input_ids`` / ``position_ids`` (those
+the model read, after async batching's on-device carry-over of the last sampled tokens). Nothing is mirrored and
+nothing is cast: a bug in the engine's index construction is verified as attention sees it. Engine slot 0 is a
+real slot (``padding_slot=-1``: the canary reserves none). With async batching the two IO pairs' arrays are
+passed per step; otherwise the bound ones are read in place.
+
 Per engine step (the hooks are in ``canary/integrations/hf_patches.py``):
 
-- :meth:`Session.begin_step`, before the forward: the batch the engine just prepared
-  (``requests_in_batch``: each request's state, its query length; its past length is ``position_offset -
-  query_length``, the engine having advanced it), requests seen for the first time admitted (their prompt is
-  the expected-token row), the slot table synced with the engine's block lists, the step's rows, prefix and
-  extend lengths and slots staged, then ``before_forward`` (plan and verify) on the engine's compute stream.
-  Requests the canary cannot protect (no row left, longer than the table, or first seen mid-sequence) stay in
-  the batch as padding rows whose tokens the write skips (``padding_rows_carry_tokens=True``).
-- :meth:`Session.end_step`, after the forward: the engine's own int32 ``input_ids`` / ``position_ids`` (those
-  the model read, after async batching's on-device carry-over of the last sampled tokens) cast into int64
-  buffers, then ``after_kv_store``.
+- :meth:`Session.begin_step`, before the forward: the batch the engine just prepared (``requests_in_batch``: each
+  request's state and query length; its past length is ``position_offset - query_length``, the engine having
+  advanced it), requests seen for the first time admitted (their prompt is the expected-token row), each
+  protected request's row (a small integer naming it: SPEC 3.8, rows keyed by request), past and query lengths
+  staged, then ``before_forward`` (plan and verify) on the engine's compute stream. The batch is padded to a
+  power of two rows with padding rows, so that the manager's captured calls (canary/manager/eager.py) are
+  replayed while the batch grows and shrinks. Requests the canary cannot protect (no row left, longer than the
+  expected-token pool, or first seen mid-sequence) stay in the batch as padding rows whose tokens the write skips
+  (``padding_rows_carry_tokens=True``).
+- :meth:`Session.end_step`, after the forward: ``after_kv_store`` over the engine's write index and tokens.
 - :meth:`Session.on_update`, after the engine appended the sampled tokens to its request states: the tokens it
-  kept, accepted as host ints (the engine zeroes its device output buffer before the next forward, so the
-  manager's zero-copy device token path would read zeros).
+  kept, accepted as host ints (the engine zeroes its device output buffer before the next forward).
 - :meth:`Session.on_free`, when the engine frees a request's blocks (finished, cancelled, failed, soft reset):
-  ``finish_request``, its table row freed.
+  ``finish_request``, its row freed.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
@@ -35,14 +45,17 @@ import numpy as np
 
 from canary import CanaryManager, KVGroup
 
-from .hf_slots import SlotTable, release_padding_block, reserve_padding_block
-
 STAGING_BUFFERS = 4  # pinned host buffers in rotation: async batching runs the host one step ahead of the GPU
-VIEW_CACHE = 512  # (batch rows, tokens) shapes whose device views are kept: the manager's eager graphs key on them
 
 
 def kv_fail(exc: type, message: str) -> Exception:
     return exc(f"kv-canary: {message}")
+
+
+def bucket(n: int, cap: int) -> int:
+    """The power of two at or above ``n`` (at most ``cap``, at least 1): the padded size of a batch dimension,
+    so that a batch that changes size every few steps reuses a handful of shapes (and the manager's graphs)."""
+    return min(cap, 1 << max(0, n - 1).bit_length())
 
 
 @dataclass
@@ -56,8 +69,8 @@ class Options:
     max_seq_len: int | None = None
     backend: str = "auto"
     ring_capacity: int = 256
-    # Tests only: run a CPU engine through the device path (staging buffers, a device copy of the mirror, cast
-    # copies), on CPU tensors, so that CI exercises its bookkeeping where no GPU is.
+    # Tests only: run a CPU engine through the device path (pinned-style staging buffers and their device
+    # copies, on CPU tensors), so that CI exercises its bookkeeping where no GPU is.
     device_path: bool = False
 
 
@@ -84,52 +97,57 @@ class Session:
         if getattr(processor.offloading_manager, "_num_cpu_blocks", 0):
             raise kv_fail(ValueError, "offloading: expected no CPU offload pool, got one (pass "
                                       "ContinuousBatchingConfig(cpu_offload_space=0))")
-        self.cm = cache.group_cache_managers[0]
-        self.bm = cache._block_manager
+        fast = int(getattr(cache, "max_blocks_per_request", 0) or 0)
+        if fast > 0:
+            raise kv_fail(ValueError, f"cache: expected no decode fast path, got max_blocks_per_request={fast} (flash "
+                                      f"attention's block table, whose KV stores build no write index; pass "
+                                      f"ContinuousBatchingConfig(max_blocks_per_request=0) or attention 'paged|sdpa')")
         self.io = processor.inputs_and_outputs
         self.is_async = hasattr(self.io, "io_pairs")
+        dev_ios = [pair.device_io for pair in self.io.io_pairs] if self.is_async else [self.io]
         device = torch.device(cache.device)
         self.cuda = device.type == "cuda"
         self.stream = self.io.compute_stream if self.cuda else None
-        self.staged = self.cuda or opts.device_path  # the step's arrays copied to device buffers (GPU)
-        bs, nb = cache.block_size, cache.num_blocks
+        self.staged = self.cuda or opts.device_path  # the step's rows and lengths copied to device buffers (GPU)
         max_batch = int(processor.cb_config.max_requests_per_batch)
         step_tokens = int(cache.max_batch_tokens)
+        self.max_batch, self.step_tokens = max_batch, step_tokens
         cfg = cache.config
         positions = int(getattr(cfg, "max_position_embeddings", 0) or 0) or cache.num_pages
         cols = int(opts.max_seq_len or min(cache.num_pages, positions))
-        cols = max(cols, step_tokens)  # an unprotected row carries up to a whole step's tokens (SPEC 3.4)
-        rows = int(opts.max_requests or min(max(nb - 1, 1), max(64, 2 * max_batch)))
-        if not reserve_padding_block(self.bm):
-            raise kv_fail(RuntimeError, "cache: expected engine block 0 free at the start of a generation session "
-                                        "(the canary reserves it as its padding slot), got it held by a request")
-        try:
-            self.table = SlotTable(rows + 1, cols, bs, device=device if self.staged else None, torch=torch)
-            layer_sources = self._sources(opts)
-            num_slots = (nb + 2) * bs  # the whole K / V tensors, the engine's two trash blocks included
-            capacity = int(opts.verify_capacity or min(rows * cols, 1 << 20))
-            group = KVGroup(name="kv", req_to_token=self.table.req_to_token, num_slots=num_slots,
-                            verify_capacity=capacity,
-                            real_kv_sources=layer_sources[0] if layer_sources else (),
-                            real_kv_mode=opts.real_kv_mode if layer_sources else "none",
-                            padding_rows_carry_tokens=True,
-                            layer_sources=layer_sources if opts.layers == "all" and len(layer_sources) > 1 else (),
-                            layer_real_kv_mode=opts.real_kv_mode if layer_sources else "all")
-            self.canary = CanaryManager(
-                group, max_batch_size=max_batch, device=(device.index or 0) if self.cuda else "cpu",
-                library="torch" if self.cuda else None, backend=opts.backend, on_violation=deliver,
-                ring_capacity=opts.ring_capacity, max_step_tokens=step_tokens)
-            self.canary.warmup()
-        except BaseException:
-            release_padding_block(self.bm)
-            raise
+        self.cols = cols
+        nb = cache.num_blocks
+        rows = int(opts.max_requests or min(max(nb, 1), max(64, 2 * max_batch)))
+        self.free_rows = deque(range(1, rows + 1))  # row 0 is the padding row (SPEC 3.2)
+        # The engine's own index, per IO object: kv_indptr, kv_indices, and the write side's slots / ids / positions
+        self._index = {id(d): (d.cumulative_seqlens_k["full_attention"], d.read_index_storage[0]) for d in dev_ios}
+        self._token_views: dict[tuple[int, int], tuple] = {}
+        first = dev_ios[0]
+        layer_sources = self._sources(opts)
+        num_slots = int(cache.key_cache[0].shape[0])  # the whole K / V tensors, the engine's trash blocks included
+        capacity = int(opts.verify_capacity or min(rows * cols, 1 << 20))
+        group = KVGroup(name="kv", kv_indptr=first.cumulative_seqlens_k["full_attention"],
+                        kv_indices=first.read_index_storage[0], page_size=1, max_reqs=rows + 1, max_seq_len=cols,
+                        padding_slot=-1, num_slots=num_slots, verify_capacity=capacity,
+                        real_kv_sources=layer_sources[0] if layer_sources else (),
+                        real_kv_mode=opts.real_kv_mode if layer_sources else "none",
+                        padding_rows_carry_tokens=True,
+                        layer_sources=layer_sources if opts.layers == "all" and len(layer_sources) > 1 else (),
+                        layer_real_kv_mode=opts.real_kv_mode if layer_sources else "all")
+        self.canary = CanaryManager(
+            group, max_batch_size=max_batch, device=(device.index or 0) if self.cuda else "cpu",
+            library="torch" if self.cuda else None, backend=opts.backend, on_violation=deliver,
+            ring_capacity=opts.ring_capacity, max_step_tokens=step_tokens)
+        self.canary.warmup()
         self.live: dict[Hashable, _Live] = {}
         self.skipped: dict[Hashable, Any] = {}  # request -> the state the canary does not protect
         self.protected_total = self.unprotected_total = 0
         self.host_s: list[float] = []  # host seconds the canary added, per step (bounded)
         self.glue_s: list[float] = []  # of which outside the CanaryManager's calls (this glue's own)
+        self.decode_steps: list[bool] = []  # per step: one token a row (a decode step)
         self._t = self._m = 0.0
-        self._setup_staging(max_batch, step_tokens)
+        self._decode = False
+        self._setup_staging(max_batch)
         if self.cuda:
             # Everything above was allocated and filled on this thread's current stream; the steps run on the
             # engine's compute stream, a non-blocking one: once per session, let the fills land first.
@@ -149,30 +167,20 @@ class Session:
                                       f"got {per_token} (pass real_kv_mode='none')")
         return [[(k, 1, per_token), (v, 1, per_token)] for k, v in zip(keys, values)]
 
-    def _setup_staging(self, max_batch: int, step_tokens: int) -> None:
-        n = 3 * max_batch + step_tokens
+    def _setup_staging(self, max_batch: int) -> None:
+        n = 3 * max_batch
         if not self.staged:
-            self._host = np.empty(n, dtype=np.int64)
+            self._host = np.zeros(n, dtype=np.int64)
             return
         torch, cuda = self.torch, self.cuda
-        dev = self.table.device
-        self._pinned = [torch.empty(n, dtype=torch.int64, pin_memory=cuda) for _ in range(STAGING_BUFFERS)]
+        dev = torch.device(self.cache.device)
+        self._pinned = [torch.zeros(n, dtype=torch.int64, pin_memory=cuda) for _ in range(STAGING_BUFFERS)]
         self._pinned_np = [p.numpy() for p in self._pinned]
         self._events = [torch.cuda.Event() if cuda else None for _ in range(STAGING_BUFFERS)]
         self._used = [False] * STAGING_BUFFERS
         self._turn = 0
-        self._dev = torch.empty(n, dtype=torch.int64, device=dev)
-        self._ids = torch.empty(step_tokens, dtype=torch.int64, device=dev)
-        self._pos = torch.empty(step_tokens, dtype=torch.int64, device=dev)
-        self._views: dict[tuple[int, int], tuple] = {}
-
-    def _upload(self, host: np.ndarray) -> Any:
-        # Small and rare (new blocks mirrored): a pinned copy from torch's caching host allocator, which keeps
-        # the block until the copy ran, so the host never waits.
-        t = self.torch.from_numpy(host)
-        if not self.cuda:
-            return t.clone()
-        return t.pin_memory().to(self.table.device, non_blocking=True)
+        self._dev = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._views: dict[int, tuple] = {}
 
     def _on_stream(self) -> Any:
         return self.torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
@@ -189,18 +197,16 @@ class Session:
         old = self.live.pop(rid, None)
         if old is not None:  # a new state under a known id: the old one ended without its blocks being freed
             self.canary.finish_request(rid)
-            self.table.release(rid)
+            self.free_rows.append(old.row)
         limit = state.max_new_tokens
         total = len(state.initial_tokens) + (0 if limit is None else int(limit))
-        row = None
-        if past == 0 and total <= self.table.cols:
-            row = self.table.admit(rid)
-        if row is None:  # first seen mid-sequence, too long, or no row left: it runs unprotected
+        if past != 0 or total > self.cols or not self.free_rows:
+            # first seen mid-sequence, too long, or no row left: it runs unprotected
             self.skipped[rid] = state
             self.unprotected_total += 1
             return None
         self.canary.add_request(rid, state.initial_tokens)
-        rec = self.live[rid] = _Live(state, row, len(state.generated_tokens))
+        rec = self.live[rid] = _Live(state, self.free_rows.popleft(), len(state.generated_tokens))
         self.skipped.pop(rid, None)
         self.protected_total += 1
         return rec
@@ -209,7 +215,7 @@ class Session:
         rec = self.live.pop(rid, None)
         if rec is not None:
             self.canary.finish_request(rid)
-            self.table.release(rid)
+            self.free_rows.append(rec.row)
             self.skipped[rid] = rec.state
             self.unprotected_total += 1
 
@@ -219,7 +225,7 @@ class Session:
         rec = self.live.pop(rid, None)
         if rec is not None:
             self.canary.finish_request(rid)
-            self.table.release(rid)
+            self.free_rows.append(rec.row)
         self._t += time.perf_counter() - t
 
     def on_update(self) -> None:
@@ -227,16 +233,17 @@ class Session:
         t = time.perf_counter()
         host_io, _ = self._ios()
         rids, toks, more = [], [], []
-        room = self.table.cols + 1  # the expected-token pool's columns
+        room = self.cols + 1  # the expected-token pool's columns
+        live = self.live
         for fs in host_io.requests_in_batch:
             st = fs.state
             rid = st.request_id
-            rec = self.live.get(rid)
+            rec = live.get(rid)
             if rec is None or rec.state is not st:
                 continue
             gen = st.generated_tokens
             k = len(gen) - rec.generated
-            if k and len(st.initial_tokens) + len(gen) > room:  # no max_new_tokens, past the table: unprotected
+            if k and len(st.initial_tokens) + len(gen) > room:  # no max_new_tokens, past the pool: unprotected
                 self._drop(rid)
                 continue
             if k == 1:
@@ -258,12 +265,10 @@ class Session:
         """Plan and verify the batch the engine prepared; ``None`` when no row of it is protected (no step)."""
         t = time.perf_counter()
         host_io, dev_io = self._ios()
-        fss = host_io.requests_in_batch
         rows, pres, exts, ids = [], [], [], []
-        blocks = self.cm.block_table
-        live, skipped, table, cols = self.live, self.skipped, self.table, self.table.cols
-        mirrored = table.mirrored
-        for fs in fss:
+        live, skipped, cols = self.live, self.skipped, self.cols
+        protected = False
+        for fs in host_io.requests_in_batch:
             st = fs.state
             q = fs.query_length
             past = st.position_offset - q
@@ -271,53 +276,57 @@ class Session:
             rec = live.get(rid)
             if rec is None or rec.state is not st:
                 rec = None if skipped.get(rid) is st else self._admit(rid, st, past)
-            if rec is not None:
-                if past + q > cols:  # longer than the table (no max_new_tokens): unprotected from here on
-                    self._drop(rid)
-                    rec = None
-                else:
-                    b = blocks[rid]
-                    if b != mirrored[rid]:
-                        table.sync(rid, rec.row, b)
-            rows.append(0 if rec is None else rec.row)
-            ids.append(None if rec is None else rid)
+            if rec is not None and past + q > cols:  # past the expected-token pool: unprotected from here on
+                self._drop(rid)
+                rec = None
+            if rec is None:
+                rows.append(0)
+                ids.append(None)
+            else:
+                rows.append(rec.row)
+                ids.append(rid)
+                protected = True
             pres.append(past)
             exts.append(q)
-        if not any(rows):
+        if not protected:
             self._t += time.perf_counter() - t
             return None
         n = len(rows)
         tokens = sum(exts)
-        h = self._next_host() if self.staged else self._host
-        h[:n], h[n:2 * n], h[2 * n:3 * n] = rows, pres, exts
-        rpi, pre, ext, loc = h[:n], h[n:2 * n], h[2 * n:3 * n], h[3 * n:3 * n + tokens]
-        if tokens == n:  # decode: one token a row, at its past length
-            table.gather(rpi, pre, loc)
+        self._decode = tokens == n
+        if self.staged:
+            b = bucket(n, self.max_batch)
+            ids += [None] * (b - n)
+            args = self._stage(rows, pres, exts, n, b)
+            size = bucket(tokens, self.step_tokens)
         else:
-            starts = np.cumsum(ext) - ext
-            table.gather(np.repeat(rpi, ext), np.arange(tokens) + np.repeat(pre - starts, ext), loc)
-        args = self._stage(n, tokens) if self.staged else (rpi, pre, ext, loc)
+            h = self._host
+            h[:n], h[n:2 * n], h[2 * n:3 * n] = rows, pres, exts
+            args = (h[:n], h[n:2 * n], h[2 * n:3 * n])
+            size = tokens
+        index = {}
+        if self.is_async:
+            indptr, indices = self._index[id(dev_io)]
+            index = dict(kv_indptr=indptr, kv_indices=indices)
         m = time.perf_counter()
         self.canary.before_forward(req_pool_indices=args[0], prefix_lens=args[1], extend_seq_lens=args[2],
-                                   request_ids=ids, stream=self.stream)
+                                   request_ids=ids, stream=self.stream, **index)
         self._m += time.perf_counter() - m
         self._t += time.perf_counter() - t
-        return args, dev_io, tokens
+        return dev_io, size
 
     def end_step(self, step: tuple) -> None:
         """Write the records of the step's tokens (after the forward stored their KV)."""
         t = time.perf_counter()
-        args, dev_io, n = step
-        if self.staged:
-            ids, pos = args[4], args[5]
-            with self._on_stream():
-                ids.copy_(dev_io.input_ids[:n])
-                pos.copy_(dev_io.position_ids[:n])
-        else:
-            ids = dev_io.input_ids[:n].numpy().astype(np.int64)
-            pos = dev_io.position_ids[:n].numpy().astype(np.int64)
+        dev_io, size = step
+        key = (id(dev_io), size)
+        views = self._token_views.get(key)
+        if views is None:  # the engine's static buffers, sliced once per shape: the same objects every step
+            views = self._token_views[key] = (dev_io.write_index_storage[0, :size], dev_io.input_ids[:size],
+                                              dev_io.position_ids[:size])
         m = time.perf_counter()
-        self.canary.after_kv_store(out_cache_loc=args[3], input_ids=ids, positions=pos, stream=self.stream)
+        self.canary.after_kv_store(out_cache_loc=views[0], input_ids=views[1], positions=views[2],
+                                   stream=self.stream)
         self._m += time.perf_counter() - m
         self._t += time.perf_counter() - t
         self._close_step()
@@ -333,34 +342,34 @@ class Session:
     def _close_step(self) -> None:
         self.host_s.append(self._t)
         self.glue_s.append(self._t - self._m)
+        self.decode_steps.append(self._decode)
         if len(self.host_s) > 65536:
-            del self.host_s[:32768], self.glue_s[:32768]
+            del self.host_s[:32768], self.glue_s[:32768], self.decode_steps[:32768]
         self._t = self._m = 0.0
 
-    def _next_host(self) -> np.ndarray:
+    def _stage(self, rows: list, pres: list, exts: list, n: int, b: int) -> tuple:
+        """One copy of [rows | past | query] (``b`` rows each, padding rows zero) to the device, on the compute
+        stream; the device views of this size (kept: the same objects each step let the manager replay its
+        captured calls)."""
         i = self._turn
         if self._used[i] and self._events[i] is not None:
             self._events[i].synchronize()  # its copy ran long ago unless the host is STAGING_BUFFERS steps ahead
-        return self._pinned_np[i]
-
-    def _stage(self, n: int, tokens: int) -> tuple:
-        """One copy of [rows | prefix | extend | slots] to the device, on the compute stream; the device views
-        of this shape (kept: the same objects each step let the manager replay its captured calls)."""
-        i, size = self._turn, 3 * n + tokens
+        h = self._pinned_np[i]
+        h[:n], h[b:b + n], h[2 * b:2 * b + n] = rows, pres, exts
+        if b > n:
+            h[n:b] = 0
+            h[b + n:2 * b] = 0
+            h[2 * b + n:3 * b] = 0
         with self._on_stream():
-            self.table.flush(self._upload)
-            self._dev[:size].copy_(self._pinned[i][:size], non_blocking=self.cuda)
+            self._dev[:3 * b].copy_(self._pinned[i][:3 * b], non_blocking=self.cuda)
             if self._events[i] is not None:
                 self._events[i].record(self.stream)
         self._used[i] = True
         self._turn = (i + 1) % STAGING_BUFFERS
-        views = self._views.get((n, tokens))
+        views = self._views.get(b)
         if views is None:
-            if len(self._views) >= VIEW_CACHE:
-                self._views.clear()
             d = self._dev
-            views = self._views[(n, tokens)] = (d[:n], d[n:2 * n], d[2 * n:3 * n], d[3 * n:size],
-                                                self._ids[:tokens], self._pos[:tokens])
+            views = self._views[b] = (d[:b], d[b:2 * b], d[2 * b:3 * b])
         return views
 
     # -- end --------------------------------------------------------------------------------------------------
@@ -371,14 +380,13 @@ class Session:
         return out
 
     def close(self) -> dict[str, Any]:
-        """Deliver the last reports (a sync), free the manager, give block 0 back; the final stats."""
+        """Deliver the last reports (a sync), free the manager; the final stats."""
         if self.closed:
             return self.final
         self.closed = True
         try:
             self.canary.close()
         finally:
-            release_padding_block(self.bm)
             self.live.clear()
             self.skipped.clear()
             self.final = self.stats()

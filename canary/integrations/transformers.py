@@ -117,6 +117,7 @@ class CanaryHandle:
         self._retired: dict[str, Any] = {}
         self._host_s: list[float] = []
         self._glue_s: list[float] = []
+        self._decode: list[bool] = []
         self._attachments: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._model_patches = PatchSet()
         self._model: weakref.ref | None = None
@@ -192,7 +193,8 @@ class CanaryHandle:
         final = getattr(session, "final", None)
         if final is not None:
             self._retired = _merged(self._retired, final)
-        for mine, theirs in ((self._host_s, session.host_s), (self._glue_s, session.glue_s)):
+        for mine, theirs in ((self._host_s, session.host_s), (self._glue_s, session.glue_s),
+                             (self._decode, session.decode_steps)):
             mine.extend(theirs)
             del mine[:max(0, len(mine) - 65536)]
 
@@ -204,18 +206,25 @@ class CanaryHandle:
         canary could not protect: no table row left, longer than ``max_seq_len``, or first seen mid-sequence),
         ``ring_dropped``, ``host_us_per_step`` (host time the canary adds per engine step: ``mean``, ``p50``,
         ``p99``, ``steps``), ``glue_us_per_step`` (of which outside the CanaryManager's calls: this
-        integration's own), ``errors`` and ``transformers`` (the version)."""
+        integration's own), ``host_us_per_decode_step`` / ``glue_us_per_decode_step`` (the same over decode
+        steps: one token every batch row), the manager's ``graph_replays`` / ``graph_captures`` /
+        ``direct_calls`` (how its step calls launched), ``errors`` and ``transformers`` (the version)."""
         total = dict(self._retired)
-        host, glue = list(self._host_s), list(self._glue_s)
+        host, glue, decode = list(self._host_s), list(self._glue_s), list(self._decode)
         for att in list(self._attachments.values()):
             session = att.session
             if session is not None and not session.closed:
                 total = _merged(total, session.stats())
-                host += list(session.host_s)
-                glue += list(session.glue_s)
+                n = min(len(session.host_s), len(session.glue_s), len(session.decode_steps))
+                host += session.host_s[:n]
+                glue += session.glue_s[:n]
+                decode += session.decode_steps[:n]
+        flags = np.asarray(decode, dtype=bool)
         total.update(sessions=self.sessions, violations=len(self.violations), transformers=self.version,
                      errors=[repr(e) for e in self.errors], host_us_per_step=_summary(host),
-                     glue_us_per_step=_summary(glue))
+                     glue_us_per_step=_summary(glue),
+                     host_us_per_decode_step=_summary(np.asarray(host)[flags] if flags.size else []),
+                     glue_us_per_decode_step=_summary(np.asarray(glue)[flags] if flags.size else []))
         return total
 
     def close(self) -> None:
@@ -255,8 +264,8 @@ def _merged(a: dict, b: dict) -> dict:
     return out
 
 
-def _summary(samples: list[float]) -> dict[str, float]:
-    if not samples:
+def _summary(samples) -> dict[str, float]:
+    if not len(samples):
         return {"mean": 0.0, "p50": 0.0, "p99": 0.0, "steps": 0}
     us = np.asarray(samples) * 1e6
     return {"mean": round(float(us.mean()), 1), "p50": round(float(np.percentile(us, 50)), 1),
@@ -280,9 +289,10 @@ def enable(target: Any, *, on_violation: str | Callable = "log", layers: str = "
       one a step: docs/integration.md 5c) or ``"first"``. ``real_kv_mode``: ``"all"``, ``"partial"`` (the first
       16 bytes of each token) or ``"none"``.
     - ``verify_capacity``: verify entries per step (default ``min(rows * max_seq_len, 2**20)``);
-      ``max_requests``: requests protected at once (default ``min(num_blocks - 1, max(64, 2 *
-      max_requests_per_batch))``); ``max_seq_len``: positions per request (default ``min(num_pages,
-      max_position_embeddings)``); the table costs ``2 * 4 * max_requests * max_seq_len`` bytes.
+      ``max_requests``: requests protected at once (default ``min(num_blocks, max(64, 2 *
+      max_requests_per_batch))``); ``max_seq_len``: tokens per protected request (default ``min(num_pages,
+      max_position_embeddings)``); the expected-token pool costs about ``2 * 4 * max_requests * max_seq_len``
+      bytes.
     - ``backend``: the canary's (``"auto"``: reference on CPU, CuPy, else Numba on a GPU); ``ring_capacity``.
     - ``force``: try a transformers version other than :data:`SUPPORTED_VERSIONS`.
 

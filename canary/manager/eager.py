@@ -50,19 +50,16 @@ class EagerGraphs:
         self._stream = None  # the private capture stream, made at the first capture
         self._graphs: dict[tuple, _Entry] = {}
         self._seen: dict[tuple, tuple] = {}  # (call site, key) -> (objs, prints, handle) of its last direct call
-        self.captures = self.replays = 0
+        self.captures = self.replays = self.direct = 0  # direct: calls that found no graph to replay
         self.broken = False  # a capture failed: never capture again
 
     def launch(self, site: str, key: tuple, objs: tuple, st: LaunchStream) -> Any:
         """Replay the graph of ``(site, key)`` for ``objs`` on ``st`` and return what its capture returned, or
         ``MISS``."""
         e = self._graphs.get((site, key))
-        if e is None or e.handle != st.handle:
-            return MISS
-        for a, b in zip(objs, e.objs):
-            if a is not b:
-                return MISS
-        if fingerprint(objs) != e.prints:
+        if e is None or e.handle != st.handle or any(a is not b for a, b in zip(objs, e.objs)) \
+                or fingerprint(objs) != e.prints:
+            self.direct += 1
             return MISS
         # the graph was instantiated in this device's context
         on_device(self.rt, self.ordinal, self.rt.graph_launch, e.graph, st.handle)

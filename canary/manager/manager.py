@@ -464,12 +464,13 @@ class CanaryManager(Guarded):
         per group ``verified_entries`` / ``written_entries`` (the kernels' counters) / ``sampled_steps`` /
         ``input_error_steps``, ``violations_by_reason`` (new violations per reason name), ``repeated_sightings``,
         ``ring_dropped``, ``reported_slots_marked`` (docs/integration.md 7); how the step calls launched:
-        ``graph_captures`` / ``graph_replays`` (eager graphs), ``stream_handshakes`` (explicit ``stream=`` calls
+        ``graph_captures`` / ``graph_replays`` / ``direct_calls`` (eager graphs: calls replayed, or launched
+        directly for want of a graph; ``None`` without them), ``stream_handshakes`` (explicit ``stream=`` calls
         ordered after the library's current stream). As of the last decoded report."""
         with self._lock:
             e = self._eager
-            return {**self._decoder.stats(), "graph_captures": e.captures if e else 0,
-                    "graph_replays": e.replays if e else 0, "stream_handshakes": self._streams.handshakes}
+            return {**self._decoder.stats(), "graph_captures": e.captures if e else 0, "graph_replays": e.replays
+                    if e else 0, "direct_calls": e.direct if e else None, "stream_handshakes": self._streams.handshakes}
 
     @property
     def open_violations(self) -> list[SlotViolation]:

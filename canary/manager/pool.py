@@ -46,7 +46,9 @@ def host_token_array(tokens: Any, name: str) -> np.ndarray:
     if arr.ndim > 1:
         raise fail(ValueError, f"{name}: expected one dimension of token ids, got shape {tuple(arr.shape)}")
     arr = arr.reshape(-1)
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > TOKEN_MAX):
+    # One reduction for both bounds: a value outside [0, 2**31) has a bit at or above bit 31 set (a negative one
+    # its sign bit), so the OR of the values does exactly then (numpy calls are the cost of a decode batch here).
+    if arr.size and int(np.bitwise_or.reduce(arr, axis=None)) >> 31:
         bad = arr[(arr < 0) | (arr > TOKEN_MAX)][0]
         raise fail(ValueError, f"{name}: expected token ids in [0, 2**31) (the expected-token pool is int32), got "
                                f"{int(bad)}")

@@ -104,8 +104,13 @@ def reference(model):
 
 
 def test_clean_run_reports_nothing_and_changes_no_token(model, reference):
-    results, handle = run(model)
-    assert tokens(results) == reference
+    owners = set()
+
+    def inject(step, processor):  # who holds engine block 0: a real block, protected like any other
+        owners.update(r for r, b in processor.cache.group_cache_managers[0].block_table.items() if 0 in b)
+
+    results, handle = run(model, inject=inject)
+    assert tokens(results) == reference and owners
     st = handle.stats()
     assert handle.violations == [] and st["violations"] == 0 and st["errors"] == []
     assert st["sessions"] == 1 and st["protected_requests"] == 4 and st["unprotected_requests"] == 0
@@ -124,8 +129,8 @@ def test_requests_past_max_requests_run_unprotected_and_unharmed(model, referenc
 
 
 def test_the_device_path_on_cpu_tensors(model, reference):
-    # The GPU's bookkeeping (staged step arrays and their cached views, the mirror's device copy, the int32 to
-    # int64 casts), on CPU tensors: what CI can run of it
+    # The GPU's bookkeeping (the staged rows and lengths padded to a power of two, their cached views, the
+    # engine's token buffers sliced per shape), on CPU tensors: what CI can run of it
     def inject(step, processor):
         if step == 8:
             s = _first_block(processor, "req_0") * BLOCK + 2
@@ -182,6 +187,33 @@ def test_a_flipped_k_byte_is_reported_on_its_slot_and_request(model):
     (v,) = [v for v in handle.violations if v.slot == slot[0]]
     assert v.reason_names == ("REAL_KV",) and v.position == 2 and v.request_ids == ("req_0",)
     assert at <= v.first_step <= at + 2
+
+
+def test_a_wrong_slot_in_the_engines_read_index_is_reported(model):
+    # The engine's index construction goes wrong for one step: req_0's position 2 reads req_1's slot of position
+    # 2. The canary verifies the index attention reads (no mirror of the block lists), so it sees it.
+    seen = []
+
+    def inject(step, processor):
+        if step != 8:
+            return
+        io = processor.inputs_and_outputs
+        batch = [fs.state.request_id for fs in io.requests_in_batch]
+        if io.max_kv_read == 0 or not {"req_0", "req_1"} <= set(batch):
+            return
+        starts = io.cumulative_seqlens_k["full_attention"]
+        a, b = (int(starts[batch.index(r)]) + 2 for r in ("req_0", "req_1"))
+        io.read_index_storage[0, a] = io.read_index_storage[0, b]
+        seen.append(int(io.read_index_storage[0, b]))
+
+    _, handle = run(model, inject=inject)
+    assert seen, "step 8 read no cache"
+    named = [v for v in handle.violations if v.slot == seen[0] and v.position == 2]
+    assert named and named[0].first_step in (8, 9), [v.line() for v in handle.violations]
+    # req_0's expected token against req_1's record: the read of req_0 went wrong (the report names the requests
+    # whose index maps the slot when it is read, a step later: req_1, its owner, once the index is right again)
+    assert "VERIFY_TOKEN" in named[0].reason_names and "CHAIN" in named[0].reason_names
+    assert (named[0].expected_token, named[0].stored_token) == (PROMPTS[0][2], PROMPTS[1][2])
 
 
 def test_a_callback_can_cancel_the_requests_it_names(model, reference):
