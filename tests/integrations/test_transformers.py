@@ -339,7 +339,7 @@ def test_the_example_runs_and_reports_the_flip():
     assert done.returncode == 0, done.stderr
     assert "5 requests, 160 tokens generated on cpu" in done.stdout
     assert "violations: 1 {'REAL_KV': 1}" in done.stdout
-    assert "slot 19 position 3 REAL_KV layer 1 requests ['req_0']" in done.stdout
+    assert "slot 3 position 3 REAL_KV layer 1 requests ['req_0']" in done.stdout
 
 
 def test_importing_the_integration_imports_neither_torch_nor_transformers():
