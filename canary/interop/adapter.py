@@ -21,6 +21,7 @@ HOST = -1  # device_id of host memory
 
 _DLPACK_CPU = 1
 _DLPACK_CUDA = 2
+_DLPACK_CUDA_HOST = 3  # pinned host memory (torch's pin_memory tensors): host memory, viewed as such
 _DLPACK_CUDA_MANAGED = 13
 
 
@@ -348,9 +349,9 @@ def as_view(obj: Any, name: str, *, stream_ptr: int = -1, launch_stream: int | N
     except (ValueError, TypeError, RuntimeError) as exc:  # e.g. torch's meta device
         raise fail(ValueError, f"{name}: expected host or CUDA memory, got {type(obj).__name__} whose DLPack device "
                                f"is unknown: {exc}") from exc
-    if dev is not None and dev[0] == _DLPACK_CPU:
+    if dev is not None and dev[0] in (_DLPACK_CPU, _DLPACK_CUDA_HOST):
         try:
-            arr = np.from_dlpack(obj)
+            arr = np.from_dlpack(obj) if dev[0] == _DLPACK_CPU else _pinned_host(obj)
         except (BufferError, TypeError, RuntimeError) as exc:  # e.g. a torch tensor that requires grad
             raise fail(ValueError, f"{name}: expected an array NumPy can view through DLPack, got "
                                    f"{type(obj).__name__} that refused: {exc}") from exc
@@ -365,6 +366,19 @@ def as_view(obj: Any, name: str, *, stream_ptr: int = -1, launch_stream: int | N
         ValueError,
         f"{name}: expected an array (NumPy, DLPack or CUDA Array Interface), got {type(obj).__name__}",
     )
+
+
+def _pinned_host(obj: Any) -> np.ndarray:
+    """A NumPy view of pinned host memory (DLPack device kDLCUDAHost: a CPU engine on a machine with a GPU pins
+    its buffers, as transformers does): exported for the CPU where the producer can (NumPy 2.1's ``device=``),
+    else through ``__array__`` (torch's, a view of a CPU tensor's memory)."""
+    try:
+        return np.from_dlpack(obj, device="cpu")
+    except (BufferError, TypeError, ValueError, RuntimeError):
+        arr = np.asarray(obj)
+        if arr.size and getattr(obj, "data_ptr", None) is not None and arr.ctypes.data != obj.data_ptr():
+            raise BufferError("a copy, not a view") from None
+        return arr
 
 
 # The integer arrays an engine keeps in either width (SPEC 2 (*)): check_view's dtype=INT_WIDTHS.

@@ -272,3 +272,36 @@ def test_reference_plan_imports_no_gpu_or_torch_library():
         assert vp.verify_slot_indices[:2].tolist() == [8, 9], vp
     """
     assert _modules_after(code) == []
+
+
+class _PinnedExport:
+    """An exporter of pinned host memory (DLPack kDLCUDAHost = 3), as torch's pin_memory tensors report it: it
+    exports only when asked for the CPU (NumPy 2.1's ``device="cpu"``)."""
+
+    def __init__(self, arr):
+        self.arr = arr
+
+    def __dlpack_device__(self):
+        return (3, 0)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        if dl_device is None or dl_device[0] != 1:
+            raise BufferError("pinned memory: ask for the CPU")
+        return self.arr.__dlpack__(max_version=max_version, dl_device=dl_device, copy=copy)
+
+
+def test_pinned_host_memory_is_viewed_as_host_memory():
+    # transformers pins a CPU engine's buffers whenever a GPU is present: the reference backend reads them in place
+    arr = np.arange(6, dtype=np.int64)
+    view = as_view(_PinnedExport(arr), "kv_indices")
+    assert view.device_id == HOST and view.shape == (6,) and view.host.ctypes.data == arr.ctypes.data
+
+
+@pytest.mark.gpu
+def test_a_pinned_torch_tensor_is_a_host_view():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    t = torch.arange(6, dtype=torch.int64).pin_memory()
+    view = as_view(t, "kv_indices")
+    assert view.device_id == HOST and view.host.ctypes.data == t.data_ptr() and view.host.tolist() == list(range(6))

@@ -267,7 +267,7 @@ def test_a_device_accept_survives_the_engine_zeroing_its_buffer(lib, static):
             for rid, t in zip(("a", "b"), toks):
                 e.reqs[rid]["tokens"].append(t)
             buf = bufs[(n + j) % 2]
-            buf.copy_(torch.as_tensor(toks, device="cuda:0")) if lib == "torch" else buf.set(np.array(toks))
+            buf.copy_(torch.as_tensor(toks, device="cuda:0")) if lib == "torch" else buf.set(np.array(toks, dtype=buf.dtype))
             e.manager.accept_tokens_batch(["a", "b"], buf)
             buf.zero_() if lib == "torch" else buf.fill(0)  # the engine reuses its buffer at once
     e.forward([(rid, len(e.reqs[rid]["tokens"]) - e.reqs[rid]["kv_len"]) for rid in ("a", "b")])
