@@ -232,13 +232,18 @@ class Session:
         """Accept the tokens the engine appended to the states of the batch it just updated."""
         t = time.perf_counter()
         host_io, _ = self._ios()
-        rids, toks, more = [], [], []
+        # One token a row, in the batch's row order and padded as its step was (None: a row that took none here):
+        # the next step over the same batch appends them on the device, and every accept of a batch size has the
+        # same shape (the manager's graphs hold its scatter)
+        rids, toks, more, one = [], [], [], False
         room = self.cols + 1  # the expected-token pool's columns
         live = self.live
         for fs in host_io.requests_in_batch:
             st = fs.state
             rid = st.request_id
             rec = live.get(rid)
+            rids.append(None)
+            toks.append(0)
             if rec is None or rec.state is not st:
                 continue
             gen = st.generated_tokens
@@ -247,13 +252,18 @@ class Session:
                 self._drop(rid)
                 continue
             if k == 1:
-                rids.append(rid)
-                toks.append(gen[-1])
+                rids[-1] = rid
+                toks[-1] = gen[-1]
+                one = True
             elif k > 1:
                 more.append((rid, gen[rec.generated:]))
             rec.generated = len(gen)
+        if self.staged:
+            pad = bucket(len(rids), self.max_batch) - len(rids)
+            rids += [None] * pad
+            toks += [0] * pad
         m = time.perf_counter()
-        if rids:
+        if one:
             self.canary.accept_tokens_batch(rids, toks)
         for rid, tokens in more:
             self.canary.accept_tokens(rid, tokens)

@@ -31,7 +31,10 @@ from ..interop.cudart import OnDevice, on_device
 from ..interop.streams import LaunchStream
 from ..interop.libs import library_of
 
-MAX_GRAPHS = 8  # per call site: each keeps its step arrays alive
+# per call site: each keeps its step arrays alive. An engine's batch changes size every few steps, its token
+# count with it, the pinned staging buffer of the accepted tokens rotates (a graph per buffer) and async
+# batching alternates two sets of step buffers (a graph per set): 32 keeps every such key of a running engine
+MAX_GRAPHS = 32
 
 
 class _Entry:

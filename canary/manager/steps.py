@@ -269,8 +269,10 @@ class Steps:
         objs = (req_pool_indices, prefix_lens, extend_seq_lens)
         if index:
             objs += tuple(a for name in sorted(index) for _, a in sorted(index[name].items()))
+        # The arrays' identities in the key too: an engine alternating two sets of buffers (async batching's
+        # IO pairs) gets a graph per set, not a miss every step (a replay still checks them by ``is``)
         key = (self.step.groups, bs, scatter, None if not index else tuple(
-            (name, tuple(sorted(index[name]))) for name in sorted(index)))
+            (name, tuple(sorted(index[name]))) for name in sorted(index)), tuple(map(id, objs)))
         got = self.eager.launch("before", key, objs, st)
         if got is not MISS:
             self.deferred = self.taken = None  # launched: never again (the device append is not idempotent)
@@ -411,8 +413,8 @@ class Steps:
         and it (no sweep) and the transfer reports through its kernel; ``end`` then only records it."""
         inputs = self.inputs
         report = self.report_in_graph and inputs is not None
-        key = (names, inputs[0].ptr, inputs[1]) if report else (names, None, None)
         objs = (out_cache_loc, input_ids, positions)
+        key = ((names, inputs[0].ptr, inputs[1]) if report else (names, None, None)) + (tuple(map(id, objs)),)
         if report:
             self.free_report_slot()  # before the graph: it holds the report's launch
             self.mailbox.order_report(st.handle)
