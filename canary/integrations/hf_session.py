@@ -35,7 +35,6 @@ Per engine step (the hooks are in ``canary/integrations/hf_patches.py``):
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -181,9 +180,6 @@ class Session:
         self._turn = 0
         self._dev = torch.zeros(n, dtype=torch.int64, device=dev)
         self._views: dict[int, tuple] = {}
-
-    def _on_stream(self) -> Any:
-        return self.torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     def _ios(self) -> tuple[Any, Any]:
         """(host side, device side) of the engine's current inputs: one object unless async batching."""
@@ -371,10 +367,12 @@ class Session:
             h[n:b] = 0
             h[b + n:2 * b] = 0
             h[2 * b + n:3 * b] = 0
-        with self._on_stream():
-            self._dev[:3 * b].copy_(self._pinned[i][:3 * b], non_blocking=self.cuda)
-            if self._events[i] is not None:
-                self._events[i].record(self.stream)
+        # On this thread's current stream, not the compute stream: before_forward(stream=compute stream) orders
+        # the current stream before it once per call (the manager's explicit-stream handshake), which orders this
+        # copy too, and a stream context here would cost more host time than the copy
+        self._dev[:3 * b].copy_(self._pinned[i][:3 * b], non_blocking=self.cuda)
+        if self._events[i] is not None:
+            self._events[i].record()
         self._used[i] = True
         self._turn = (i + 1) % STAGING_BUFFERS
         views = self._views.get(b)

@@ -63,7 +63,13 @@ def current_stream(owner: Any, device_id: int) -> int:
     """
     module = library_of(owner)
     if module == "torch" and "torch" in sys.modules:
-        return int(sys.modules["torch"].cuda.current_stream(device_id).cuda_stream)
+        torch = sys.modules["torch"]
+        # torch's raw query is a C call; torch.cuda.current_stream builds a Stream object through several Python
+        # layers (a few microseconds, paid twice a step by an explicit stream=)
+        raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return int(raw(device_id))
+        return int(torch.cuda.current_stream(device_id).cuda_stream)
     if module == "cupy" and "cupy" in sys.modules:
         return int(sys.modules["cupy"].cuda.get_current_stream(device_id).ptr)
     return 0  # the legacy default stream, like a plain CUDA launch

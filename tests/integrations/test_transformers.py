@@ -84,7 +84,7 @@ def _collect(manager, ids, expect: int | None = None) -> dict:
     """The finished results, ``expect`` of them (default: one per id; a cancelled request delivers nothing)."""
     results: dict = {}
     while len(results) < (len(ids) if expect is None else expect):
-        got = manager.get_result(timeout=10)
+        got = manager.get_result(timeout=180)  # a first GPU session compiles the canary's kernels
         if got is None:
             break
         if got.is_finished():
