@@ -20,7 +20,9 @@ batch row one token):
 - ``decode step, canary off`` / ``on``: the engine loop's period on decode steps (``ContinuousBatchProcessor.
   _generation_step`` entry to entry, timed by this benchmark: the step, its output transfer, the host's
   scheduling and the canary's hooks), and ``decode step overhead``: on / off - 1, in percent;
-- the CanaryManager's ``graph_replays`` / ``graph_captures`` / ``direct_calls`` of the last round, in ``extra``.
+- the CanaryManager's ``graph_replays`` / ``graph_captures`` / ``direct_calls`` of the last round, in ``extra``;
+- always, and alone without torch: ``padded batch shapes``, the batch shapes the integration's padding to powers of
+  two leaves for 1 to ``--max-batch`` rows.
 
 ``--dry``: two requests of four new tokens on a two-layer model on the CPU (a smoke run; not a result). Writes
 ``transformers.json`` in ``--out`` (default: the results folder).
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--cuda-graphs", action="store_true", help="the engine's CUDA graphs (GPU)")
     ap.add_argument("--async-batching", action="store_true", help="the engine's async batching (GPU)")
-    ap.add_argument("--name", default="transformers", help="the results file's name (one per model size)")
+    ap.add_argument("--name", default="transformers", help="the results file's name: transformers, or transformers-<variant> for another configuration")
     args = ap.parse_args(argv)
     bench = harness.Bench(args.name, args, "host clock: the canary's hooks per decode step (perf_counter around "
                           "each hook, summed per step) and the engine loop's period per decode step, each the "
@@ -178,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
                           "off then on over the same requests")
     if bench.dry:
         args.device, args.requests, args.max_batch, args.new_tokens, args.layers, args.hidden = "cpu", 2, 2, 4, 2, 64
+    # Always, and alone without torch: how many batch shapes the integration's padding leaves for batches of 1 to
+    # --max-batch rows (each shape is one captured graph per manager call; unpadded, one per batch size)
+    from canary.integrations.hf_session import bucket
+
+    bench.figure(f"padded batch shapes, 1 to {args.max_batch} rows",
+                 float(len({bucket(n, args.max_batch) for n in range(1, args.max_batch + 1)})), unit="shapes",
+                 key="transformers.batch_shapes", max_batch=args.max_batch)
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
         if not bench.dry:
