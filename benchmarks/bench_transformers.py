@@ -77,6 +77,46 @@ class StepClock:
         self.cls._generation_step = self.orig
 
 
+class HookProfile:
+    """``--profile FILE``: a cProfile of the integration's four hooks only (the Session methods the engine's
+    patches call), over the last round's canary-on run, written as text (by own time, then cumulative)."""
+
+    HOOKS = ("begin_step", "end_step", "on_update", "on_free")
+
+    def __init__(self, path: str):
+        import cProfile
+
+        from canary.integrations.hf_session import Session
+
+        self.path, self.cls, self.prof, self.orig = path, Session, cProfile.Profile(), {}
+
+    def start(self) -> None:
+        prof = self.prof
+        for name in self.HOOKS:
+            fn = self.orig[name] = getattr(self.cls, name)
+
+            def hook(*a, _fn=fn, **k):
+                prof.enable()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    prof.disable()
+            setattr(self.cls, name, hook)
+
+    def stop(self) -> None:
+        import io
+        import pstats
+
+        for name, fn in self.orig.items():
+            setattr(self.cls, name, fn)
+        buf = io.StringIO()
+        st = pstats.Stats(self.prof, stream=buf)
+        st.sort_stats("tottime").print_stats(70)
+        st.sort_stats("cumulative").print_stats(70)
+        with open(self.path, "w") as f:
+            f.write(buf.getvalue())
+
+
 def model_runs(args, bench: harness.Bench) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -126,12 +166,17 @@ def model_runs(args, bench: harness.Bench) -> None:
         return out, clock.decode_median_us(), stats
 
     clock = StepClock(ContinuousBatchProcessor)
+    prof = HookProfile(args.profile) if args.profile else None
     rounds = bench.rounds(3)
     host, glue, off, on, last = [], [], [], [], None
     try:
-        for _ in range(rounds + 1):  # the first round warms up: not recorded
+        for r in range(rounds + 1):  # the first round warms up: not recorded
             ref, t_off, _ = once(False)
+            if prof is not None and r == rounds:
+                prof.start()
             got, t_on, stats = once(True)
+            if prof is not None and r == rounds:
+                prof.stop()
             if got != ref:
                 raise harness.CheckFailed("tokens: the canary-on run generated other tokens than the canary-off run")
             if stats["violations"] or stats["errors"]:
@@ -172,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--cuda-graphs", action="store_true", help="the engine's CUDA graphs (GPU)")
     ap.add_argument("--async-batching", action="store_true", help="the engine's async batching (GPU)")
+    ap.add_argument("--profile", metavar="FILE", help="a cProfile of the integration's hooks over the last round "
+                    "(text; the figures are then inflated by the profiler: do not record them)")
     ap.add_argument("--name", default="transformers", help="the results file's name: transformers, or transformers-<variant> for another configuration")
     args = ap.parse_args(argv)
     bench = harness.Bench(args.name, args, "host clock: the canary's hooks per decode step (perf_counter around "
