@@ -203,7 +203,7 @@ def model_runs(args, bench: harness.Bench) -> None:
                  key="transformers.step_overhead", **shape)
     bench.extra.update(torch=torch.__version__, transformers=__import__("transformers").__version__,
                        manager={k: last.get(k) for k in ("graph_replays", "graph_captures", "direct_calls",
-                                                          "stream_handshakes", "steps")},
+                                                          "graph_misses", "stream_handshakes", "steps")},
                        host_us_per_step=last["host_us_per_step"])
 
 

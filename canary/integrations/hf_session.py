@@ -168,6 +168,7 @@ class Session:
 
     def _setup_staging(self, max_batch: int) -> None:
         n = 3 * max_batch
+        self._recording = None
         if not self.staged:
             self._host = np.zeros(n, dtype=np.int64)
             return
@@ -179,6 +180,7 @@ class Session:
         self._used = [False] * STAGING_BUFFERS
         self._turn = 0
         self._dev = torch.zeros(n, dtype=torch.int64, device=dev)
+        self._recording = None
         self._views: dict[int, tuple] = {}
 
     def _ios(self) -> tuple[Any, Any]:
@@ -319,6 +321,13 @@ class Session:
         self.canary.before_forward(req_pool_indices=args[0], prefix_lens=args[1], extend_seq_lens=args[2],
                                    request_ids=ids, stream=self.stream, **index)
         self._m += time.perf_counter() - m
+        ev = self._recording
+        if ev is not None:
+            # The staging copy ran on the current stream, which before_forward ordered before the compute stream:
+            # an event on the compute stream past the plan marks the pinned buffer free (an explicit stream, so that
+            # torch does not look its current stream up)
+            ev.record(self.stream)
+            self._recording = None
         self._t += time.perf_counter() - t
         return dev_io, size
 
@@ -371,8 +380,7 @@ class Session:
         # the current stream before it once per call (the manager's explicit-stream handshake), which orders this
         # copy too, and a stream context here would cost more host time than the copy
         self._dev[:3 * b].copy_(self._pinned[i][:3 * b], non_blocking=self.cuda)
-        if self._events[i] is not None:
-            self._events[i].record()
+        self._recording = self._events[i]  # recorded on the compute stream after before_forward (begin_step)
         self._used[i] = True
         self._turn = (i + 1) % STAGING_BUFFERS
         views = self._views.get(b)

@@ -54,15 +54,28 @@ class EagerGraphs:
         self._graphs: dict[tuple, _Entry] = {}
         self._seen: dict[tuple, tuple] = {}  # (call site, key) -> (objs, prints, handle) of its last direct call
         self.captures = self.replays = self.direct = 0  # direct: calls that found no graph to replay
+        # why each direct call found none, per call site: "new" (no graph of its key yet), "stream" (captured for
+        # another launch stream), "arrays" (other array objects), "layout" (their pointers or shapes changed)
+        self.misses: dict[str, int] = {}
         self.broken = False  # a capture failed: never capture again
 
     def launch(self, site: str, key: tuple, objs: tuple, st: LaunchStream) -> Any:
         """Replay the graph of ``(site, key)`` for ``objs`` on ``st`` and return what its capture returned, or
         ``MISS``."""
         e = self._graphs.get((site, key))
-        if e is None or e.handle != st.handle or any(a is not b for a, b in zip(objs, e.objs)) \
-                or fingerprint(objs) != e.prints:
+        why = None
+        if e is None:
+            why = "new"
+        elif e.handle != st.handle:
+            why = "stream"
+        elif any(a is not b for a, b in zip(objs, e.objs)):
+            why = "arrays"
+        elif fingerprint(objs) != e.prints:
+            why = "layout"
+        if why is not None:
             self.direct += 1
+            name = f"{site} {why}"
+            self.misses[name] = self.misses.get(name, 0) + 1
             return MISS
         # the graph was instantiated in this device's context
         on_device(self.rt, self.ordinal, self.rt.graph_launch, e.graph, st.handle)

@@ -465,12 +465,14 @@ class CanaryManager(Guarded):
         ``input_error_steps``, ``violations_by_reason`` (new violations per reason name), ``repeated_sightings``,
         ``ring_dropped``, ``reported_slots_marked`` (docs/integration.md 7); how the step calls launched:
         ``graph_captures`` / ``graph_replays`` / ``direct_calls`` (eager graphs: calls replayed, or launched
-        directly for want of a graph; ``None`` without them), ``stream_handshakes`` (explicit ``stream=`` calls
+        directly for want of a graph; ``None`` without them), ``graph_misses`` (``{"<before|after> <why>": calls}``,
+        why a direct call found no graph: ``new``, ``stream``, ``arrays``, ``layout``), ``stream_handshakes`` (explicit ``stream=`` calls
         ordered after the library's current stream). As of the last decoded report."""
         with self._lock:
             e = self._eager
             return {**self._decoder.stats(), "graph_captures": e.captures if e else 0, "graph_replays": e.replays
-                    if e else 0, "direct_calls": e.direct if e else None, "stream_handshakes": self._streams.handshakes}
+                    if e else 0, "direct_calls": e.direct if e else None,
+                    "graph_misses": dict(e.misses) if e else {}, "stream_handshakes": self._streams.handshakes}
 
     @property
     def open_violations(self) -> list[SlotViolation]:
