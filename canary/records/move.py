@@ -112,9 +112,11 @@ class RecordMover:
         state = [sv.canary_buffer, sv.ring, sv.ring_write_index, sv.slot_run_counter, sv.kernel_run_counter,
                  sv.check_flags] + ([sv.reported_slots] if sv.reported_slots is not None
                                     and sv.reported_slots.device_id == device else [])
-        bound = spans(state + table + [sc, st])
-        check_disjoint(bound)  # the state and the table are disjoint already: this finds the scratch or status
-        self._bound_spans = Spans(bound, device)  # what every per-call array must keep clear of
+        held = spans(state + table)  # disjoint already (bind_state, CanaryLayers)
+        for v in (sc, st):
+            Spans(held, device).check(v)  # the kernels write the tables while they write these, and the reverse
+        check_disjoint(spans([sc, st]))
+        self._bound_spans = Spans(held + spans([sc, st]), device)  # what every per-call array must keep clear of
         self._scratch_view = sc
         self._views: dict = {}
         tables = MoveTables(sv.canary_buffer, sv.num_slots, sv.slot_stride_bytes, sv.fields,
