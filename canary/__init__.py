@@ -10,8 +10,9 @@ tokens"), :data:`MISSING_SLOT` (a verify slot meaning "this in-window position h
 The canary records (SPEC 4, ``docs/records.md``, ``canary.records``):
 :class:`CanaryState`, :class:`CanaryRecords` (write / verify / drain), :func:`real_kv` / :func:`real_kv_source`
 (real KV bytes to hash), :class:`CanaryLayers` / :class:`LayerTable` / :func:`layer_kv` (the layer rotation:
-every layer's real KV over time, ``docs/records.md`` 10), :func:`scatter_expected_tokens`, the decoded ring records (:class:`Violation`,
-:class:`FailReason`) and the hashes (:func:`splitmix64`, :func:`mix3`). :func:`to_host` copies any array to
+every layer's real KV over time, ``docs/records.md`` 10), :class:`RecordMover` / :class:`MoveStatus` /
+:class:`MoveFault` (records that move with the KV: SPEC 4.1), :func:`scatter_expected_tokens`, the decoded ring
+records (:class:`Violation`, :class:`FailReason`) and the hashes (:func:`splitmix64`, :func:`mix3`). :func:`to_host` copies any array to
 NumPy (a sync for device arrays). :class:`LaunchConfig`: launch choices at bind time.
 
 The engine-facing manager (``docs/integration.md``, ``canary.manager``): :class:`CanaryManager` bound over
@@ -27,6 +28,8 @@ from .contract.plans import MISSING_SLOT, SKIP_SEED, VerifyPlan, WritePlan
 from .records.api import CanaryRecords, scatter_expected_tokens
 from .contract.hashes import mix3, splitmix64
 from .records.layers import CanaryLayers, LayerTable, layer_kv
+from .records.move import RecordMover
+from .contract.move_layout import MoveFault, MoveStatus
 from .contract.realkv import RealKV, RealKVMode, real_kv, real_kv_source
 from .contract.ring import (
     DEFAULT_CHECK_FLAGS, CheckFlags, FailReason, Health, KernelTag, RingReport, Violation,
@@ -52,9 +55,12 @@ __all__ = [
     "LaunchConfig",
     "LayerTable",
     "MISSING_SLOT",
+    "MoveFault",
+    "MoveStatus",
     "PlanStatus",
     "RealKV",
     "RealKVMode",
+    "RecordMover",
     "RingReport",
     "SKIP_SEED",
     "SlotViolation",

@@ -2,7 +2,8 @@
 // (ring.py, plans.py, hashes.py and the *_layout.py files): do not edit.
 // Change the Python source and regenerate: tests/kernels/test_kernel_constants.py fails while this file is
 // stale.
-// Included by kernels/plan.cu, records.cu and report.cu (canary/backends/sources.py inlines it for NVRTC).
+// Included by kernels/plan.cu, records.cu, records_move.cu and report.cu (canary/backends/sources.py inlines it
+// for NVRTC).
 #ifndef CANARY_CONSTANTS_CUH
 #define CANARY_CONSTANTS_CUH
 
@@ -118,6 +119,15 @@ typedef unsigned long long u64;
 #define G_KEY 0xDE7FAE23A9A1B716ULL       // splitmix64(CHAIN_ANCHOR = 0xC0FFEE1234567890): g's first step
 #define ANCHOR_LINK 0x5E7FAE23A9A1B71CULL  // CHAIN_TAG | (G_KEY mod FIELD_P): link(-1)
 #define NOT_A_LINK 0ULL
+
+// ---- Records that move (records_move.cu, records_move_numba.py)
+// Records that move (records_move.cu, records_move_numba.py; canary/contract/move_layout.py, SPEC 4.1).
+#define MOVE_THREADS 256                  // canary_gather_rows / canary_scatter_rows: one thread an (entry, word)
+#define RECORD_WORDS 4                    // a row's first words: the record's fields (token ... real_kv_hash)
+#define MOVE_STATUS_FAULTS 0              // status word: MoveFault bits, ORed
+#define MOVE_STATUS_REFUSED 1             // status word: entries refused, counted
+#define MOVE_SOURCE_RANGE 1
+#define MOVE_DEST_RANGE 2
 
 // One by-value kernel parameter; every field is 8 bytes, so the host packs it as an array of uint64 words in this
 // order (canary/contract/plan_layout.py PARAM_FIELDS) and updates only the per-step words per call.
@@ -290,6 +300,21 @@ struct ReportParams {
     i64 slot_words;
     i64 slots;
     i64* counter;      // [1] device: reports launched so far (the sequence number of the last)
+};
+
+// records_move.cu canary_gather_rows / canary_scatter_rows: a slot list's rows between the tables and a buffer.
+struct MoveParams {
+    unsigned char* records;      // canary_buffer: slot s's fields at s * slot_stride
+    i64 num_slots;
+    i64 slot_stride;             // bytes, a multiple of 8
+    i64* layer_hashes;           // [num_slots, num_layers] int64, C-contiguous, or null (num_layers = 0)
+    i64 num_layers;
+    const void* slots;           // [n] int32 or int64 (slots_wide)
+    i64 num_entries;             // n
+    i64 slots_wide;              // 1: slots holds int64, 0: int32
+    i64* rows;                   // [>= n, RECORD_WORDS + num_layers] int64: written by gather, read by scatter
+    i64 row_stride;              // elements
+    unsigned long long* status;  // [STATUS_WORDS]: fault bits (OR), refused entries (count)
 };
 
 #endif  // CANARY_CONSTANTS_CUH

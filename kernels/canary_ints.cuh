@@ -1,5 +1,5 @@
-// Included by plan.cu and records.cu after canary_constants.cuh (not a standalone header): the integer arrays
-// that arrive as the engine has them, int32 or int64 each (SPEC 2 (*)).
+// Included by plan.cu, records.cu and records_move.cu after canary_constants.cuh (not a standalone header): the
+// integer arrays that arrive as the engine has them, int32 or int64 each (SPEC 2 (*)).
 
 // Element i of an int32 or int64 array, sign-extended to int64: what the same value passed as int64 reads. One
 // launch reads an array at one width, so the branch is uniform across the grid (no divergence, no allocation,

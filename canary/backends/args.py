@@ -9,6 +9,7 @@ import numpy as np
 from ..interop.adapter import ArrayView
 from ..contract.kvindex import FORM_PAGES, FORM_TOKENS, NO_REQ_BOUND
 from ..contract.plans import VerifyViews, WriteViews
+from ..contract.move_layout import row_words
 from ..contract.plan_layout import STEP_WIDE
 from ..contract.records_layout import ENTRY_WIDE, wide_bits
 
@@ -258,3 +259,42 @@ class ScatterArgs:
     def pool_row_stride(self) -> int:
         """Elements between pool rows (a one-row pool has no stride of its own: the row length)."""
         return self.pool.strides[0] if self.pool.shape[0] > 1 else self.pool.shape[1]
+
+
+@dataclass(frozen=True)
+class MoveTables:
+    """What a mover moves (SPEC 4.1), checked at bind: the records' ``canary_buffer`` (``num_slots`` slots,
+    ``slot_stride_bytes`` apart; ``fields`` its host ``[num_slots, 4]`` int64 view on the host), the optional layer
+    table ``layer_hashes`` ``[num_slots, num_layers]`` int64 (``None``: ``num_layers = 0``) and the status word
+    ``[2]`` int64, all on ``device_id``."""
+
+    canary_buffer: ArrayView
+    num_slots: int
+    slot_stride_bytes: int
+    fields: Any  # np.ndarray [num_slots, 4] int64 on the host, else None
+    layer_hashes: ArrayView | None
+    num_layers: int
+    status: ArrayView
+    device_id: int
+
+    @property
+    def row_words(self) -> int:
+        return row_words(self.num_layers)
+
+
+@dataclass(frozen=True)
+class MoveArgs:
+    """One gather or scatter launch, checked: the slot list ``[n]`` int32 or int64 and the buffer ``rows``
+    ``[>= n, row_words]`` int64 (written by a gather, read by a scatter)."""
+
+    slots: ArrayView
+    rows: ArrayView
+
+    @property
+    def slots_wide(self) -> int:
+        return int(self.slots.dtype.itemsize == 8)
+
+    @property
+    def row_stride(self) -> int:
+        """Elements between buffer rows (a one-row buffer has no stride of its own: the row length)."""
+        return self.rows.strides[0] if self.rows.shape[0] > 1 else self.rows.shape[1]

@@ -1,6 +1,6 @@
 """What a backend module of each kernel family provides: one :class:`typing.Protocol` per family, the calls the
-front objects (``canary/plan/planner.py``, ``canary/records/api.py``, ``canary/records/layers.py``) and the
-manager (``canary/manager/``) make on it, and nothing more.
+front objects (``canary/plan/planner.py``, ``canary/records/api.py``, ``canary/records/layers.py``,
+``canary/records/move.py``) and the manager (``canary/manager/``) make on it, and nothing more.
 
 A backend module satisfies its family's protocol as a module (PEP 544: the module's top-level names are the
 members; a protocol method's ``self`` stands for nothing), and the class ``Bound`` in it satisfies the family's
@@ -22,7 +22,8 @@ import numpy as np
 
 from ..contract.realkv import RealKV
 from ..contract.state import StateViews
-from .args import LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs, StaticArgs, StepArgs
+from .args import (LaunchConfig, MoveArgs, MoveTables, RecordVerifyArgs, RecordWriteArgs, ScatterArgs, StaticArgs,
+                   StepArgs)
 
 
 # -- plan: the planner (CanaryPlanner, launch_canary_plan_kernels) ------------------------------------------------
@@ -139,6 +140,29 @@ class LayersModule(Protocol):
     def bind(self, state: StateViews, views: Any, launch: LaunchConfig, /) -> LayersBound: ...
 
 
+# -- move: records that move (RecordMover, SPEC 4.1) -------------------------------------------------------------
+
+@runtime_checkable
+class MoveBound(Protocol):
+    """A mover bound to its tables and status word: ``gather`` copies the rows of ``args.slots`` into
+    ``args.rows``, ``scatter`` the reverse; one launch each on ``stream`` (as :class:`PlanBound`)."""
+
+    def gather(self, args: MoveArgs, stream: int, /) -> None: ...
+
+    def scatter(self, args: MoveArgs, stream: int, /) -> None: ...
+
+    def warmup(self) -> None: ...
+
+
+@runtime_checkable
+class MoveModule(Protocol):
+    NAME: str
+    ON_DEVICE: bool
+    Bound: type[MoveBound]
+
+    def bind(self, tables: MoveTables, launch: LaunchConfig, /) -> MoveBound: ...
+
+
 # -- report (optional family): the manager's step report written by a kernel into pinned memory ------------------
 
 @runtime_checkable
@@ -169,6 +193,7 @@ PROTOCOLS: dict[str, Family] = {
     "plan": Family(PlanModule, PlanBound, bound_extras=(ForgetsStep,)),
     "records": Family(RecordsModule, RecordsBound, (ScatterPreparer, AppendPreparer), (PreparesCalls,)),
     "layers": Family(LayersModule, LayersBound),
+    "move": Family(MoveModule, MoveBound),
     "report": Family(ReportModule),
 }
 

@@ -30,8 +30,9 @@ _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([\w./-]+)"[ \t]*(//.*)?$', 
 
 
 def cuda_source(name: str) -> str:
-    """The CUDA C source ``kernels/<name>.cu`` (``"plan"``, ``"records"`` or ``"report"``), with each
-    ``#include "<header>"`` of a ``kernels/`` header replaced by the header's text (recursively, each header once).
+    """The CUDA C source ``kernels/<name>.cu`` (``"plan"``, ``"records"``, ``"records_move"`` or ``"report"``), with
+    each ``#include "<header>"`` of a ``kernels/`` header replaced by the header's text (recursively, each header
+    once).
 
     CuPy's ``RawModule`` and cuda.core's ``Program`` compile one source string, and NVRTC has no include path to
     ``kernels/`` of an installed package, so the headers are inlined here; ``#line`` directives keep the compiler's
@@ -64,8 +65,8 @@ def _load_file(full: str, path) -> object:
 
 
 def numba_kernels(name: str):
-    """Import ``kernels/<name>.py`` (``"plan_numba"`` or ``"records_numba"``) as ``canary.kernels.<name>``,
-    from the same folder as :func:`kernels_dir`."""
+    """Import ``kernels/<name>.py`` (``"plan_numba"``, ``"records_numba"`` or ``"records_move_numba"``) as
+    ``canary.kernels.<name>``, from the same folder as :func:`kernels_dir`."""
     full = f"canary.kernels.{name}"
     if full in sys.modules:
         return sys.modules[full]

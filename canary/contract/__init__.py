@@ -11,8 +11,9 @@ reads these definitions; none of them is defined twice.
 - :mod:`.state`: the device state (canary buffer, ring, counters, flags): :class:`CanaryState`.
 - :mod:`.realkv`: which KV bytes a record hashes (:class:`RealKV`, ``real_kv``, ``real_kv_source``).
 - :mod:`.hashes`: the hash functions (SPEC 4).
-- :mod:`.plan_layout`, :mod:`.records_layout`, :mod:`.layers_layout`: the launch-parameter structs (declared
-  once through :mod:`.cstruct`) and grid rules shared with ``kernels/``.
+- :mod:`.plan_layout`, :mod:`.records_layout`, :mod:`.layers_layout`, :mod:`.move_layout`: the launch-parameter
+  structs (declared once through :mod:`.cstruct`) and grid rules shared with ``kernels/``; :mod:`.move_layout`
+  also the row format and status word of records that move (SPEC 4.1).
 - :mod:`.kernel_constants`: every constant both sides of a kernel boundary use, gathered from the modules above
   under the kernels' names; ``python -m canary.contract.kernel_constants`` writes ``kernels/canary_constants.cuh``,
   which the ``.cu`` files include, and the Numba twins import the same names.

@@ -3,7 +3,8 @@
 
 The values are defined where their meaning is (``canary/errors.py`` :class:`~canary.errors.PlanStatus`,
 :mod:`.ring` fail reasons, kernel tags and check flags, :mod:`.plans` sentinels, :mod:`.hashes` chain constants,
-the block sizes and parameter structs of :mod:`.plan_layout`, :mod:`.records_layout`, :mod:`.layers_layout`);
+the block sizes and parameter structs of :mod:`.plan_layout`, :mod:`.records_layout`, :mod:`.layers_layout`,
+:mod:`.move_layout`);
 this module names them as the kernels do (``CANARY_BAD_SLOT``, ``FAIL_CHAIN``, ``ROWS_THREADS`` ...), prints them
 as C (:func:`render_header`) and offers them, as plain ints, to the Numba twins in ``kernels/*_numba.py``, which
 import them from here instead of restating them. Every name of :data:`DEFINES` is a module attribute.
@@ -20,6 +21,7 @@ from typing import NamedTuple
 from ..errors import PlanStatus
 from . import hashes
 from . import layers_layout as LL
+from . import move_layout as ML
 from . import plan_layout as PL
 from . import records_layout as RL
 from . import report_layout as RPL
@@ -165,6 +167,14 @@ RING = (
        _int("COUNTER_VERIFY", KernelTag.VERIFY.counter_index, "verify and verify_layer")]
 )
 
+MOVE = [
+    _int("MOVE_THREADS", ML.MOVE_THREADS, "canary_gather_rows / canary_scatter_rows: one thread an (entry, word)",
+         doc="Records that move (records_move.cu, records_move_numba.py; canary/contract/move_layout.py, SPEC 4.1)."),
+    _int("RECORD_WORDS", ML.RECORD_WORDS, "a row's first words: the record's fields (token ... real_kv_hash)"),
+    _int("MOVE_STATUS_FAULTS", ML.STATUS_FAULTS, "status word: MoveFault bits, ORed"),
+    _int("MOVE_STATUS_REFUSED", ML.STATUS_REFUSED, "status word: entries refused, counted"),
+] + [_int(f"MOVE_{name}", bit) for name, bit in ML.MoveFault.__members__.items() if int(bit)]
+
 CHAIN = [
     _u64("FIELD_P", hashes.FIELD_P, "2^61 - 1, a Mersenne prime",
          doc="The affine chain (SPEC 4, canary/contract/hashes.py): a chain value is CHAIN_TAG | h, h in [0, "
@@ -183,10 +193,11 @@ SECTIONS = (
     ("Plan sentinels (canary/contract/plans.py)", SENTINELS),
     ("The planner (plan.cu, plan_numba.py)", PLAN_SHARED + PLAN_CUDA),
     ("The canary kernels (records.cu, records_numba.py)", RECORDS + RING + CHAIN),
+    ("Records that move (records_move.cu, records_move_numba.py)", MOVE),
 )
 DEFINES = tuple(d for _, section in SECTIONS for d in section)
 VALUES = {d.name: d.value for d in DEFINES}
-STRUCTS = (PL.PLAN_PARAMS,) + RL.STRUCTS + (LL.LAYER_PARAMS,) + RPL.STRUCTS
+STRUCTS = (PL.PLAN_PARAMS,) + RL.STRUCTS + (LL.LAYER_PARAMS,) + RPL.STRUCTS + (ML.MOVE_PARAMS,)
 globals().update(VALUES)
 assert len(VALUES) == len(DEFINES), "a define named twice"
 
@@ -209,7 +220,8 @@ def render_header() -> str:
         "// (ring.py, plans.py, hashes.py and the *_layout.py files): do not edit.",
         "// Change the Python source and regenerate: tests/kernels/test_kernel_constants.py fails while this file is",
         "// stale.",
-        "// Included by kernels/plan.cu, records.cu and report.cu (canary/backends/sources.py inlines it for NVRTC).",
+        "// Included by kernels/plan.cu, records.cu, records_move.cu and report.cu (canary/backends/sources.py inlines it",
+        "// for NVRTC).",
         "#ifndef CANARY_CONSTANTS_CUH",
         "#define CANARY_CONSTANTS_CUH",
         "",
