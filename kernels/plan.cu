@@ -97,7 +97,12 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     const bool emit = total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES);
     if (emit) bad |= emit_entries<HAS_LUT, HAS_POOL, false, FORM>(p, t, RowSamples{nullptr, 0, 0}, total, gridDim.x);
     if (CAN_BAD) {
-        const i64 owners = entry_owners(total, emit);
+        // Only the blocks that own entries, and block 0 (the seeds' bad bit), can find a bad slot: the others
+        // leave, so that a small plan's status waits for one block's arrival, not for the whole grid's atomics in
+        // turn (about 2 us of a 4 us plan with a block table, issue 26). Block b owns entries iff its first warp's
+        // first chunk starts below total.
+        const i64 per_block = (i64)(blockDim.x >> 5) * ENTRY_CHUNK;
+        const i64 owners = emit ? min((i64)gridDim.x, max((i64)1, (total + per_block - 1) / per_block)) : 1;
         if ((i64)blockIdx.x < owners) finalize(p, row_flags, total, bad, owners);
     }
 }

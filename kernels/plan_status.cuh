@@ -17,15 +17,6 @@ __device__ __forceinline__ bool sampling(const PlanParams& p, int row_flags, i64
 // With a LUT, any block may find a BAD_SLOT: every block calls this once, last thing, and the last block to
 // arrive composes the status and re-arms the scratch words. (Without a LUT the row scan alone decides the
 // status, and one block writes it: no atomics.)
-// The blocks of an entries grid that own entries (emit: entries are emitted), at least 1: only they, and block 0
-// (the seeds' bad bit), can find a bad slot, so only they finalize: a small plan's status then waits for one
-// block's arrival, not for the whole grid's atomics in turn (about 2 us of a 4 us plan with a block table, issue
-// 26). Block b owns entries iff its first warp's first chunk (emit_entries' grid stride) starts below total.
-__device__ __forceinline__ i64 entry_owners(i64 total, bool emit) {
-    const i64 per_block = (i64)(blockDim.x >> 5) * ENTRY_CHUNK;
-    return emit ? min((i64)gridDim.x, max((i64)1, (total + per_block - 1) / per_block)) : 1;
-}
-
 // blocks: how many blocks call it (the first ones of the grid; gridDim.x unless the caller knows fewer can find a bad
 // slot).
 __device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64 total, int bad_slot,
