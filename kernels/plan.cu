@@ -72,7 +72,7 @@ __device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, i
         bad |= emit_entries<HAS_LUT, HAS_POOL, true, FORM>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity,
                                                            emitters);
     }
-    if (CAN_BAD) finalize(p, row_flags, total, bad, gridDim.x);
+    if (CAN_BAD) finalize(p, row_flags, total, bad);
     else if (blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
 }
 
@@ -94,17 +94,9 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     // Without a LUT (and req_to_token), the row scan alone decides everything: block 0 writes it.
     if (!CAN_BAD && blockIdx.x == 0 && threadIdx.x == 0) write_status(p, row_flags, total);
     int bad = seed_bad;
-    const bool emit = total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES);
-    if (emit) bad |= emit_entries<HAS_LUT, HAS_POOL, false, FORM>(p, t, RowSamples{nullptr, 0, 0}, total, gridDim.x);
-    if (CAN_BAD) {
-        // Only the blocks that own entries, and block 0 (the seeds' bad bit), can find a bad slot: the others
-        // leave, so that a small plan's status waits for one block's arrival, not for the whole grid's atomics in
-        // turn (about 2 us of a 4 us plan with a block table, issue 26). Block b owns entries iff its first warp's
-        // first chunk starts below total.
-        const i64 per_block = (i64)(blockDim.x >> 5) * ENTRY_CHUNK;
-        const i64 owners = emit ? min((i64)gridDim.x, max((i64)1, (total + per_block - 1) / per_block)) : 1;
-        if ((i64)blockIdx.x < owners) finalize(p, row_flags, total, bad, owners);
-    }
+    if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
+        bad |= emit_entries<HAS_LUT, HAS_POOL, false, FORM>(p, t, RowSamples{nullptr, 0, 0}, total, gridDim.x);
+    if (CAN_BAD) finalize(p, row_flags, total, bad);
 }
 
 #include "plan_side.cuh"
@@ -165,7 +157,7 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
     } else if (total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES))
         bad = emit_entries<HAS_LUT, HAS_POOL, false, FORM>(p, t, RowSamples{s_samples, step, count}, emitted,
                                                            gridDim.x);
-    if (CAN_BAD) finalize(p, row_flags, total, bad, gridDim.x);
+    if (CAN_BAD) finalize(p, row_flags, total, bad);
 }
 
 // One module per form (CANARY_PLAN_FORM): req_to_token's kernels keep their names, the other forms' end in

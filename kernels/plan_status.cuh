@@ -17,16 +17,13 @@ __device__ __forceinline__ bool sampling(const PlanParams& p, int row_flags, i64
 // With a LUT, any block may find a BAD_SLOT: every block calls this once, last thing, and the last block to
 // arrive composes the status and re-arms the scratch words. (Without a LUT the row scan alone decides the
 // status, and one block writes it: no atomics.)
-// blocks: how many blocks call it (the first ones of the grid; gridDim.x unless the caller knows fewer can find a bad
-// slot).
-__device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64 total, int bad_slot,
-                                         i64 blocks) {
+__device__ __forceinline__ void finalize(const PlanParams& p, int row_flags, i64 total, int bad_slot) {
     const int any_bad = __syncthreads_or(bad_slot);  // also: every thread of the block has finished its stores
     if (threadIdx.x == 0) {
         u64* scratch = reinterpret_cast<u64*>(p.scratch);
         if (any_bad) atomicOr(scratch + SCRATCH_BAD_SLOT, (u64)CANARY_BAD_SLOT);
         __threadfence();
-        if (atomicAdd(scratch + SCRATCH_DONE, 1ull) == (u64)blocks - 1) {
+        if (atomicAdd(scratch + SCRATCH_DONE, 1ull) == (u64)gridDim.x - 1) {
             __threadfence();
             write_status(p, row_flags | (int)atomicExch(scratch + SCRATCH_BAD_SLOT, 0ull), total);
             scratch[SCRATCH_DONE] = 0;
