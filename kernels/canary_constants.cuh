@@ -179,8 +179,6 @@ struct PlanParams {
     const void* expected_token_pool_indices;
     // per step: bit STEP_WIDE_* set when that step array holds int64 (else int32)
     i64 step_wide;
-    // log2(page_size) when page_size is a power of two (a shift for the paged forms' page division), else -1
-    i64 page_shift;
 };
 
 // Where violations and health go; shared by write and verify. Fixed at bind except `tag`.

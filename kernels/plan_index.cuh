@@ -66,10 +66,7 @@ template <int FORM>
 __device__ __forceinline__ i64 load_raw(const PlanParams& p, i64 v, double inv_ps, int& bad) {
     if (FORM == CANARY_FORM_TOKENS) return (i64)p.req_to_token[v];
     const i64 s = p.page_size;
-    // A power-of-two page (every engine's in practice, 1 for a token-level page list) divides by a shift: the
-    // double-precision floor_div is the paged forms' largest cost over req_to_token on small plans (issue 26)
-    const i64 page = p.page_shift >= 0 ? (v >> p.page_shift)
-                                       : floor_div(v, s, inv_ps);  // v < 2^62 and v / s < 2^50 (checked at bind)
+    const i64 page = floor_div(v, s, inv_ps);  // v < 2^62 and v / s < 2^50 (checked at bind)
     const i64 b = load_int(p.req_to_token, p.table_wide, page);
     if (b > 0x7fffffffLL) { bad = 1; return -1; }
     if (CANARY_PADDING_NEG) return b < 0 ? -1 : b * s + (v - page * s);

@@ -71,8 +71,6 @@ PLAN_PARAMS = Struct("PlanParams", (
     M(_PINT, "expected_token_pool_indices",
       "per step, HAS_POOL only: the pool row of each batch row (SPEC 3.2); null: req_pool_indices"),
     M(_I64, "step_wide", "per step: bit STEP_WIDE_* set when that step array holds int64 (else int32)"),
-    M(_I64, "page_shift", "log2(page_size) when page_size is a power of two (a shift for the paged forms' page "
-                          "division), else -1"),
 ), doc="One by-value kernel parameter; every field is 8 bytes, so the host packs it as an array of uint64 words in "
        "this order (canary/contract/plan_layout.py PARAM_FIELDS) and updates only the per-step words per call.")
 # struct PlanParams of plan.cu, field by field (each 8 bytes): the CuPy host's word order.

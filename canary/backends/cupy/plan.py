@@ -40,14 +40,7 @@ def index_words(index: KVIndex) -> dict:
     return dict(req_to_token=index.table.ptr, r2t_row_stride=index.key_stride, max_seq_len=index.max_seq_len,
                 page_size=index.page_size, kv_indptr=0 if ptr is None else ptr.ptr,
                 kv_indptr_wide=int(ptr is not None and ptr.dtype.itemsize == 8),
-                kv_nnz=index.table.shape[0] if index.form == FORM_PAGES else 0, table_wide=index.table_wide,
-                page_shift=page_shift(index.page_size))
-
-
-def page_shift(page_size: int) -> int:
-    """PlanParams.page_shift: log2(page_size) for a power of two, else -1 (the kernels' floor_div)."""
-    ps = int(page_size)
-    return ps.bit_length() - 1 if ps > 0 and ps & (ps - 1) == 0 else -1
+                kv_nnz=index.table.shape[0] if index.form == FORM_PAGES else 0, table_wide=index.table_wide)
 
 
 class Bound:
