@@ -10,7 +10,8 @@ tokens"), :data:`MISSING_SLOT` (a verify slot meaning "this in-window position h
 The canary records (SPEC 4, ``docs/records.md``, ``canary.records``):
 :class:`CanaryState`, :class:`CanaryRecords` (write / verify / drain), :func:`real_kv` / :func:`real_kv_source`
 (real KV bytes to hash), :class:`CanaryLayers` / :class:`LayerTable` / :func:`layer_kv` (the layer rotation:
-every layer's real KV over time, ``docs/records.md`` 10), :func:`scatter_expected_tokens`, the decoded ring records (:class:`Violation`,
+every layer's real KV over time, ``docs/records.md`` 10), :class:`BlockDigest` / :func:`combine_digests` /
+:class:`DigestStatus` / :data:`BAD_DIGEST` (a digest of KV bytes in flight, SPEC 4.2), :func:`scatter_expected_tokens`, the decoded ring records (:class:`Violation`,
 :class:`FailReason`) and the hashes (:func:`splitmix64`, :func:`mix3`). :func:`to_host` copies any array to
 NumPy (a sync for device arrays). :class:`LaunchConfig`: launch choices at bind time.
 
@@ -27,6 +28,8 @@ from .contract.plans import MISSING_SLOT, SKIP_SEED, VerifyPlan, WritePlan
 from .records.api import CanaryRecords, scatter_expected_tokens
 from .contract.hashes import mix3, splitmix64
 from .records.layers import CanaryLayers, LayerTable, layer_kv
+from .records.digest import BlockDigest
+from .contract.digest import BAD_DIGEST, DigestStatus, combine_digests
 from .contract.realkv import RealKV, RealKVMode, real_kv, real_kv_source
 from .contract.ring import (
     DEFAULT_CHECK_FLAGS, CheckFlags, FailReason, Health, KernelTag, RingReport, Violation,
@@ -34,8 +37,10 @@ from .contract.ring import (
 from .contract.state import CanaryState
 
 __all__ = [
+    "BAD_DIGEST",
     "DEFAULT_CHECK_FLAGS",
     "BackendUnavailableError",
+    "BlockDigest",
     "CanaryHealthError",
     "CanaryInputError",
     "CanaryLayers",
@@ -45,6 +50,7 @@ __all__ = [
     "CanaryState",
     "CanaryViolationError",
     "CheckFlags",
+    "DigestStatus",
     "FailReason",
     "Health",
     "KVGroup",
@@ -62,6 +68,7 @@ __all__ = [
     "Violation",
     "Violations",
     "WritePlan",
+    "combine_digests",
     "launch_canary_plan_kernels",
     "layer_kv",
     "mix3",

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..contract.realkv import RealKV
 from ..contract.state import StateViews
-from .args import LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs, StaticArgs, StepArgs
+from .args import DigestArgs, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs, StaticArgs, StepArgs
 
 
 # -- plan: the planner (CanaryPlanner, launch_canary_plan_kernels) ------------------------------------------------
@@ -139,6 +139,30 @@ class LayersModule(Protocol):
     def bind(self, state: StateViews, views: Any, launch: LaunchConfig, /) -> LayersBound: ...
 
 
+# -- digest: the block digest of KV bytes in flight (BlockDigest, SPEC 4.2) ----------------------------------------
+
+@runtime_checkable
+class DigestBound(Protocol):
+    """The digest bound to the layers' tensors and a scratch of ``max_blocks`` blocks: one launch per call on
+    ``stream`` (as :class:`PlanBound`)."""
+
+    def compute(self, args: DigestArgs, stream: int, /) -> None: ...
+
+    def check(self, args: DigestArgs, stream: int, /) -> None: ...
+
+    def warmup(self) -> None: ...
+
+
+@runtime_checkable
+class DigestModule(Protocol):
+    NAME: str
+    ON_DEVICE: bool
+    Bound: type[DigestBound]
+
+    # layers: canary.contract.digest.DigestLayers
+    def bind(self, layers: Any, max_blocks: int, launch: LaunchConfig, /) -> DigestBound: ...
+
+
 # -- report (optional family): the manager's step report written by a kernel into pinned memory ------------------
 
 @runtime_checkable
@@ -169,6 +193,7 @@ PROTOCOLS: dict[str, Family] = {
     "plan": Family(PlanModule, PlanBound, bound_extras=(ForgetsStep,)),
     "records": Family(RecordsModule, RecordsBound, (ScatterPreparer, AppendPreparer), (PreparesCalls,)),
     "layers": Family(LayersModule, LayersBound),
+    "digest": Family(DigestModule, DigestBound),
     "report": Family(ReportModule),
 }
 
