@@ -9,10 +9,10 @@ of ``--page-size`` tokens, stacked ``[L, pages, page_size, heads, head_bytes]`` 
 alone), ``long_block`` one block of 256 pages (a long prefill handed to decode). Per workload and backend: a
 correctness check first (the first blocks' digests against the NumPy reference over a host copy of their pages),
 then the device time of ``compute`` and of ``check`` (CUDA events around ``--replays`` replays of a captured
-graph, median of ``--rounds``) and of copying the same pages of every layer and kind (``dst[:, pages] = src[:,
-pages]``, one copy kernel a kind). Figures: each time (us), each in GB/s of KV bytes read (the copy: bytes copied),
-and digest / copy (GB/s over GB/s: above 1, the digest reads the bytes faster than a copy moves them). Writes
-benchmarks/results/digest.json.
+graph, median of ``--rounds``) and of copying as many pages of every layer and kind (``dst[:, :n] = src[:, :n]``,
+one copy kernel a kind). Figures: each time (us), each in GB/s of KV bytes read (the copy: bytes copied), and
+digest / copy (GB/s over GB/s: above 1, the digest reads the bytes faster than a copy moves them). Writes
+digest.json in benchmarks/results/ (``--out``).
 """
 from __future__ import annotations
 

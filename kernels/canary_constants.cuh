@@ -340,7 +340,7 @@ struct DigestParams {
     const u64* expected;                 // check: [num_blocks]
     unsigned char* mismatch;             // check: [num_blocks]
     void* count_out;                     // check: [1] int32 or int64 (index_wide)
-    u64* scratch;                        // [SCRATCH_HEAD_WORDS + 2 * scratch_blocks], zero between launches
+    u64* scratch;                        // [DIGEST_SCRATCH_HEAD_WORDS + 2 * scratch_blocks], zero between launches
     i64 scratch_blocks;                  // blocks the scratch holds (>= num_blocks)
 };
 

@@ -142,7 +142,8 @@ __device__ void digest(const DigestParams& p) {
         }
         if (n == 0) continue;
         const u64 layer_kind = 2 * (u64)(p.layer_offset + l) + (u64)k;
-        for (i64 h = tid; h < p.heads[k]; h += DIGEST_THREADS) sh.keys[h] = head_key(layer_kind, (u64)(p.head_offset + h));
+        for (i64 h = tid; h < p.heads[k]; h += DIGEST_THREADS)
+            sh.keys[h] = head_key(layer_kind, (u64)(p.head_offset + h));
         __syncthreads();
         const u64 pos0 = (u64)load_int(p.block_positions, p.index_wide & DIGEST_WIDE_BLOCK_POSITIONS, b);
         bool bad = false;
@@ -184,8 +185,12 @@ __device__ void digest(const DigestParams& p) {
     if (tid == 0) atomicExch(&p.scratch[0], 0ULL);
 }
 
-extern "C" __global__ void __launch_bounds__(DIGEST_THREADS, DIGEST_MIN_BLOCKS) canary_digest(const DigestParams p) { digest<false>(p); }
+extern "C" __global__ void __launch_bounds__(DIGEST_THREADS, DIGEST_MIN_BLOCKS)
+canary_digest(const DigestParams p) {
+    digest<false>(p);
+}
 
-extern "C" __global__ void __launch_bounds__(DIGEST_THREADS, DIGEST_MIN_BLOCKS) canary_digest_check(const DigestParams p) {
+extern "C" __global__ void __launch_bounds__(DIGEST_THREADS, DIGEST_MIN_BLOCKS)
+canary_digest_check(const DigestParams p) {
     digest<true>(p);
 }

@@ -187,7 +187,8 @@ def digest_layers(layers: Any, *, layer_offset: int = 0, head_offset: int = 0) -
     out = []
     for li, item in enumerate(layers):
         if isinstance(item, (str, bytes)) or not isinstance(item, Sequence):
-            raise fail(TypeError, f"layers[{li}]: expected a list of 1 or 2 tensors [k, v], got {type(item).__name__}")
+            raise fail(TypeError, f"layers[{li}]: expected a list of 1 or 2 tensors [k, v], got "
+                                  f"{type(item).__name__}")
         if not 1 <= len(item) <= MAX_KINDS:
             raise fail(ValueError, f"layers[{li}]: expected 1 or 2 tensors [k, v], got {len(item)}")
         tensors = tuple(digest_tensor(t, f"layers[{li}][{k}]") for k, t in enumerate(item))
@@ -212,7 +213,8 @@ def digest_layers(layers: Any, *, layer_offset: int = 0, head_offset: int = 0) -
                     raise fail(ValueError, f"layers[0][{k}]: expected the device of layers[0][0], got another")
             for k, t in enumerate(tensors):
                 if ho + t.heads > MAX_OFFSET:
-                    raise fail(ValueError, f"head_offset: expected head_offset + heads <= 2**31, got {ho} + {t.heads}")
+                    raise fail(ValueError, f"head_offset: expected head_offset + heads <= 2**31, got {ho} + "
+                                           f"{t.heads}")
         out.append(tensors)
     return DigestLayers(tuple(out), lo, ho, out[0][0].device_id)
 

@@ -52,7 +52,7 @@ DIGEST_PARAMS = Struct("DigestParams", (
     M("const u64*", "expected", "check: [num_blocks]"),
     M("unsigned char*", "mismatch", "check: [num_blocks]"),
     M("void*", "count_out", "check: [1] int32 or int64 (index_wide)"),
-    M("u64*", "scratch", "[SCRATCH_HEAD_WORDS + 2 * scratch_blocks], zero between launches"),
+    M("u64*", "scratch", "[DIGEST_SCRATCH_HEAD_WORDS + 2 * scratch_blocks], zero between launches"),
     M(_I64, "scratch_blocks", "blocks the scratch holds (>= num_blocks)"),
 ), doc="The block digest (SPEC 4.2); one struct for canary_digest (compute) and canary_digest_check.")
 DIGEST_FIELDS = DIGEST_PARAMS.fields()
@@ -60,7 +60,7 @@ CONSTANTS = {"DIGEST_THREADS": DIGEST_THREADS}
 
 
 def scratch_words(max_blocks: int) -> int:
-    """u64 words of a scratch for ``max_blocks`` blocks: the head words, then per block the lane sum and the status."""
+    """u64 words of a scratch for ``max_blocks`` blocks: the head words, then per block its sum, then its status."""
     return SCRATCH_HEAD_WORDS + 2 * int(max_blocks)
 
 

@@ -85,7 +85,8 @@ class BlockDigest:
         pos = go.vec(block_positions, "block_positions", INT_WIDTHS)
         nb = pos.shape[0]
         if nb > self.max_blocks:
-            raise fail(ValueError, f"block_positions: expected at most max_blocks = {self.max_blocks} blocks, got {nb}")
+            raise fail(ValueError, f"block_positions: expected at most max_blocks = {self.max_blocks} blocks, "
+                                   f"got {nb}")
         ptr = go.vec(kv_indptr, "kv_indptr", INT_WIDTHS)
         if ptr.shape[0] < nb + 1:
             raise fail(ValueError, f"kv_indptr: expected length >= num_blocks + 1 = {nb + 1}, got {ptr.shape[0]}")

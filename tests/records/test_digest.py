@@ -346,7 +346,8 @@ def test_digest_cu_compiles(arch):
 
 
 @pytest.mark.sim
-@pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None, reason="needs numba-cuda: pip install -e '.[sim]'")
+@pytest.mark.skipif(importlib.util.find_spec("numba_cuda") is None,
+                    reason="needs numba-cuda: pip install -e '.[sim]'")
 def test_numba_digest_kernels_compile_for_sm90():
     """The twin types and compiles in u64 arithmetic only (no float64), for 1 and 128 tensors. In a child: this
     process may hold the simulator."""

@@ -75,8 +75,8 @@ def lane_sums(layers: DigestLayers, page: np.ndarray, offset: np.ndarray, pos: n
 def digests(layers: DigestLayers, a: DigestArgs) -> tuple[np.ndarray, np.ndarray]:
     """``([nb] uint64 digests, BAD_DIGEST where the status is not 0; [nb] uint8 status)``."""
     owner, page, offset, pos, status, n = block_tokens(
-        a.kv_indptr.host, a.kv_indices.host, a.block_positions.host, None if a.block_lens is None else a.block_lens.host,
-        layers.page_size, layers.num_pages)
+        a.kv_indptr.host, a.kv_indices.host, a.block_positions.host,
+        None if a.block_lens is None else a.block_lens.host, layers.page_size, layers.num_pages)
     good = (page >= 0) & (page < layers.num_pages)
     sums = np.zeros(page.shape[0], dtype=_U64)
     sums[good] = lane_sums(layers, page[good], offset[good], pos[good])
