@@ -11,8 +11,10 @@ The canary records (SPEC 4, ``docs/records.md``, ``canary.records``):
 :class:`CanaryState`, :class:`CanaryRecords` (write / verify / drain), :func:`real_kv` / :func:`real_kv_source`
 (real KV bytes to hash), :class:`CanaryLayers` / :class:`LayerTable` / :func:`layer_kv` (the layer rotation:
 every layer's real KV over time, ``docs/records.md`` 10), :class:`RecordMover` / :class:`MoveStatus` /
-:class:`MoveFault` (records that move with the KV: SPEC 4.1), :func:`scatter_expected_tokens`, the decoded ring
-records (:class:`Violation`, :class:`FailReason`) and the hashes (:func:`splitmix64`, :func:`mix3`). :func:`to_host` copies any array to
+:class:`MoveFault` (records that move with the KV: SPEC 4.1), :class:`BlockDigest` / :func:`combine_digests` /
+:class:`DigestStatus` / :data:`BAD_DIGEST` (a digest of KV bytes in flight, SPEC 4.2), :func:`scatter_expected_tokens`,
+the decoded ring records (:class:`Violation`, :class:`FailReason`) and the hashes (:func:`splitmix64`, :func:`mix3`).
+:func:`to_host` copies any array to
 NumPy (a sync for device arrays). :class:`LaunchConfig`: launch choices at bind time.
 
 The engine-facing manager (``docs/integration.md``, ``canary.manager``): :class:`CanaryManager` bound over
@@ -30,6 +32,8 @@ from .contract.hashes import mix3, splitmix64
 from .records.layers import CanaryLayers, LayerTable, layer_kv
 from .records.move import RecordMover
 from .contract.move_layout import MoveFault, MoveStatus
+from .records.digest import BlockDigest
+from .contract.digest import BAD_DIGEST, DigestStatus, combine_digests
 from .contract.realkv import RealKV, RealKVMode, real_kv, real_kv_source
 from .contract.ring import (
     DEFAULT_CHECK_FLAGS, CheckFlags, FailReason, Health, KernelTag, RingReport, Violation,
@@ -37,8 +41,10 @@ from .contract.ring import (
 from .contract.state import CanaryState
 
 __all__ = [
+    "BAD_DIGEST",
     "DEFAULT_CHECK_FLAGS",
     "BackendUnavailableError",
+    "BlockDigest",
     "CanaryHealthError",
     "CanaryInputError",
     "CanaryLayers",
@@ -48,6 +54,7 @@ __all__ = [
     "CanaryState",
     "CanaryViolationError",
     "CheckFlags",
+    "DigestStatus",
     "FailReason",
     "Health",
     "KVGroup",
@@ -68,6 +75,7 @@ __all__ = [
     "Violation",
     "Violations",
     "WritePlan",
+    "combine_digests",
     "launch_canary_plan_kernels",
     "layer_kv",
     "mix3",

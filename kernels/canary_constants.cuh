@@ -2,8 +2,8 @@
 // (ring.py, plans.py, hashes.py and the *_layout.py files): do not edit.
 // Change the Python source and regenerate: tests/kernels/test_kernel_constants.py fails while this file is
 // stale.
-// Included by kernels/plan.cu, records.cu, records_move.cu and report.cu (canary/backends/sources.py inlines it
-// for NVRTC).
+// Included by kernels/plan.cu, records.cu, records_move.cu, report.cu and digest.cu (canary/backends/sources.py
+// inlines it for NVRTC).
 #ifndef CANARY_CONSTANTS_CUH
 #define CANARY_CONSTANTS_CUH
 
@@ -128,6 +128,29 @@ typedef unsigned long long u64;
 #define MOVE_STATUS_REFUSED 1             // status word: entries refused, counted
 #define MOVE_SOURCE_RANGE 1
 #define MOVE_DEST_RANGE 2
+
+// ---- The block digest (digest.cu, digest_numba.py)
+// The block digest (SPEC 4.2; canary/contract/digest.py, digest_layout.py).
+#define DIGEST_THREADS 256                // threads of a digest block
+#define DIGEST_UNROLL 4                   // 16-byte loads a thread issues before hashing them
+#define DIGEST_MAX_KINDS 2                // K and V
+#define DIGEST_MAX_HEADS 1024             // heads of a tensor: an item's head keys sit in shared memory
+#define DIGEST_LANE_BITS 12               // lane_key = head_key + (p << DIGEST_LANE_BITS | i) * DIGEST_LANE_MUL
+#define DIGEST_SCRATCH_HEAD_WORDS 2       // scratch: done counter, then per-block sums, statuses
+#define DIGEST_ANCHOR 0xB10CD16E57C0FFEEULL  // A
+#define DIGEST_KEY0 0x2B5D4985EDD29B8DULL  // splitmix64(DIGEST_ANCHOR): head_key's first step
+#define DIGEST_LANE_MUL 0x9E3779B97F4A7C15ULL  // M, odd
+#define BAD_DIGEST 0x8000000000000000ULL  // the digest of a block whose status is not 0
+#define DIGEST_DIFFERS 1
+#define DIGEST_BAD_PAGE 2
+#define DIGEST_BAD_RANGE 4
+#define DIGEST_EXPECTED_BAD 8
+// DigestParams.index_wide's bits (digest_layout.py DIGEST_WIDE): that array holds int64, else int32 (SPEC 2 (*)).
+#define DIGEST_WIDE_KV_INDPTR 1
+#define DIGEST_WIDE_KV_INDICES 2
+#define DIGEST_WIDE_BLOCK_POSITIONS 4
+#define DIGEST_WIDE_BLOCK_LENS 8
+#define DIGEST_WIDE_COUNT_OUT 16
 
 // One by-value kernel parameter; every field is 8 bytes, so the host packs it as an array of uint64 words in this
 // order (canary/contract/plan_layout.py PARAM_FIELDS) and updates only the per-step words per call.
@@ -313,6 +336,37 @@ struct MoveParams {
     i64* rows;                   // [>= n, RECORD_WORDS + num_layers] int64: written by gather, read by scatter
     i64 row_stride;              // elements
     unsigned long long* status;  // [STATUS_WORDS]: fault bits (OR), refused entries (count)
+};
+
+// The block digest (SPEC 4.2); one struct for canary_digest (compute) and canary_digest_check.
+struct DigestParams {
+    i64 num_layers;
+    i64 num_kinds;                       // 1 (K) or 2 (K, V)
+    i64 layer_offset;                    // global layer of layer 0
+    i64 head_offset;                     // global head of head 0
+    const i64* layer_bases;              // [num_layers * num_kinds]: kind k of layer l at l * num_kinds + k
+    i64 num_pages;
+    i64 page_size;
+    i64 heads[DIGEST_MAX_KINDS];         // per kind
+    i64 head_vecs[DIGEST_MAX_KINDS];     // 16-byte vectors of a head, per kind
+    i64 page_stride[DIGEST_MAX_KINDS];   // bytes, a multiple of 16
+    i64 token_stride[DIGEST_MAX_KINDS];  // bytes
+    i64 head_stride[DIGEST_MAX_KINDS];   // bytes
+    const void* kv_indptr;               // [>= num_blocks + 1] int32 or int64 (index_wide), as each of the next three
+    const void* kv_indices;              // [nnz] page ids
+    const void* block_positions;         // [num_blocks]: position of each block's first token
+    const void* block_lens;              // [num_blocks] tokens, or null: all of the block's pages
+    i64 num_blocks;
+    i64 nnz;
+    i64 index_wide;                      // bit DIGEST_WIDE_*: that array holds int64 (else int32)
+    i64 splits;                          // shares of one (block, layer, kind)
+    u64* out;                            // compute: [num_blocks] digests
+    unsigned char* status_out;           // compute: [num_blocks] status bytes, or null
+    const u64* expected;                 // check: [num_blocks]
+    unsigned char* mismatch;             // check: [num_blocks]
+    void* count_out;                     // check: [1] int32 or int64 (index_wide)
+    u64* scratch;                        // [DIGEST_SCRATCH_HEAD_WORDS + 2 * scratch_blocks], zero between launches
+    i64 scratch_blocks;                  // blocks the scratch holds (>= num_blocks)
 };
 
 #endif  // CANARY_CONSTANTS_CUH

@@ -2,11 +2,12 @@
 
 Backends are grouped by library: ``reference/`` (NumPy), ``cupy/`` (CUDA C through NVRTC), ``numba/``
 (numba-cuda); each holds one module per kernel family (``FAMILIES``): ``plan`` (the planner), ``records``
-(write, verify, scatter), ``layers`` (the layer rotation) and ``move`` (records that move), plus what they share
-in its ``__init__``; a backend may also have a module of an optional family (``OPTIONAL_FAMILIES``: ``report``).
-What each family's module provides is a :class:`typing.Protocol` in :mod:`.protocols` (``bind`` does everything
-that does not change between calls; a launch must not allocate, compile, load modules or sync on the GPU
-backends); :func:`load` checks a module against it once, when first loaded. The front objects (``canary/plan``,
+(write, verify, scatter), ``layers`` (the layer rotation), ``move`` (records that move) and ``digest`` (the block
+digest), plus what they share in its ``__init__``; a backend may also have a module of an optional family
+(``OPTIONAL_FAMILIES``: ``report``). What each family's module provides is a :class:`typing.Protocol` in
+:mod:`.protocols` (``bind`` does everything that does not change between calls; a launch must not allocate,
+compile, load modules or sync on the GPU backends); :func:`load` checks a module against it once, when first
+loaded. The front objects (``canary/plan``,
 ``canary/records``) and the manager pick a backend only through :func:`resolve`, :func:`load` and
 :func:`optional`. The arguments are in :mod:`.args`, the kernel sources are loaded by :mod:`.sources`, the
 launch-argument layouts shared with ``kernels/`` are in ``canary/contract``.
@@ -21,7 +22,7 @@ from ..interop.libs import INSTALL, import_cupy
 from . import protocols
 
 BACKENDS = ("reference", "cupy", "numba")
-FAMILIES = ("plan", "records", "layers", "move")  # every backend has one module of each
+FAMILIES = ("plan", "records", "layers", "move", "digest")  # every backend has one module of each
 OPTIONAL_FAMILIES = ("report",)  # families a backend may lack: the manager falls back to host copies
 
 _CHECKED: dict[str, object] = {}  # module name -> the module object checked (a module imported anew is checked again)

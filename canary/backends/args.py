@@ -11,6 +11,7 @@ from ..contract.kvindex import FORM_PAGES, FORM_TOKENS, NO_REQ_BOUND
 from ..contract.plans import VerifyViews, WriteViews
 from ..contract.move_layout import row_words
 from ..contract.plan_layout import STEP_WIDE
+from ..contract.digest_layout import DIGEST_WIDE
 from ..contract.records_layout import ENTRY_WIDE, wide_bits
 
 
@@ -298,3 +299,31 @@ class MoveArgs:
     def row_stride(self) -> int:
         """Elements between buffer rows (a one-row buffer has no stride of its own: the row length)."""
         return self.rows.strides[0] if self.rows.shape[0] > 1 else self.rows.shape[1]
+
+
+@dataclass(frozen=True)
+class DigestArgs:
+    """One block-digest launch's inputs, checked (SPEC 4.2): the block arrays (int32 or int64 each; ``block_lens``
+    ``None`` when not given) and the outputs: ``out`` (and ``status``, optional) for ``compute``, ``expected``,
+    ``mismatch`` and ``count`` for ``check`` (the other call's are ``None``)."""
+
+    kv_indptr: ArrayView  # [>= nb + 1]
+    kv_indices: ArrayView  # [nnz] page ids
+    block_positions: ArrayView  # [nb]
+    block_lens: ArrayView | None  # [nb]
+    out: ArrayView | None = None  # compute: [nb] int64 or uint64
+    status: ArrayView | None = None  # compute: [nb] uint8, optional
+    expected: ArrayView | None = None  # check: [nb] int64 or uint64
+    mismatch: ArrayView | None = None  # check: [nb] uint8
+    count: ArrayView | None = None  # check: [1] int32 or int64
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_positions.shape[0]
+
+    @property
+    def index_wide(self) -> int:
+        """DigestParams.index_wide: a bit (digest_layout.DIGEST_WIDE) for each array that holds int64."""
+        return wide_bits(DIGEST_WIDE, dict(kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
+                                           block_positions=self.block_positions, block_lens=self.block_lens,
+                                           count_out=self.count))

@@ -22,8 +22,8 @@ import numpy as np
 
 from ..contract.realkv import RealKV
 from ..contract.state import StateViews
-from .args import (LaunchConfig, MoveArgs, MoveTables, RecordVerifyArgs, RecordWriteArgs, ScatterArgs, StaticArgs,
-                   StepArgs)
+from .args import (DigestArgs, LaunchConfig, MoveArgs, MoveTables, RecordVerifyArgs, RecordWriteArgs, ScatterArgs,
+                   StaticArgs, StepArgs)
 
 
 # -- plan: the planner (CanaryPlanner, launch_canary_plan_kernels) ------------------------------------------------
@@ -151,6 +151,18 @@ class MoveBound(Protocol):
 
     def scatter(self, args: MoveArgs, stream: int, /) -> None: ...
 
+
+# -- digest: the block digest of KV bytes in flight (BlockDigest, SPEC 4.2) ----------------------------------------
+
+@runtime_checkable
+class DigestBound(Protocol):
+    """The digest bound to the layers' tensors and a scratch of ``max_blocks`` blocks: one launch per call on
+    ``stream`` (as :class:`PlanBound`)."""
+
+    def compute(self, args: DigestArgs, stream: int, /) -> None: ...
+
+    def check(self, args: DigestArgs, stream: int, /) -> None: ...
+
     def warmup(self) -> None: ...
 
 
@@ -161,6 +173,15 @@ class MoveModule(Protocol):
     Bound: type[MoveBound]
 
     def bind(self, tables: MoveTables, launch: LaunchConfig, /) -> MoveBound: ...
+
+
+class DigestModule(Protocol):
+    NAME: str
+    ON_DEVICE: bool
+    Bound: type[DigestBound]
+
+    # layers: canary.contract.digest.DigestLayers
+    def bind(self, layers: Any, max_blocks: int, launch: LaunchConfig, /) -> DigestBound: ...
 
 
 # -- report (optional family): the manager's step report written by a kernel into pinned memory ------------------
@@ -194,6 +215,7 @@ PROTOCOLS: dict[str, Family] = {
     "records": Family(RecordsModule, RecordsBound, (ScatterPreparer, AppendPreparer), (PreparesCalls,)),
     "layers": Family(LayersModule, LayersBound),
     "move": Family(MoveModule, MoveBound),
+    "digest": Family(DigestModule, DigestBound),
     "report": Family(ReportModule),
 }
 

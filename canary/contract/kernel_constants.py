@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import PlanStatus
+from . import digest as DG
+from . import digest_layout as DL
 from . import hashes
 from . import layers_layout as LL
 from . import move_layout as ML
@@ -188,16 +190,34 @@ CHAIN = [
     _u64("NOT_A_LINK", hashes.NOT_A_LINK),
 ]
 
+DIGEST = [
+    _int("DIGEST_THREADS", DL.DIGEST_THREADS, "threads of a digest block",
+         doc="The block digest (SPEC 4.2; canary/contract/digest.py, digest_layout.py)."),
+    _int("DIGEST_UNROLL", DL.DIGEST_UNROLL, "16-byte loads a thread issues before hashing them"),
+    _int("DIGEST_MAX_KINDS", DG.MAX_KINDS, "K and V"),
+    _int("DIGEST_MAX_HEADS", DG.MAX_HEADS, "heads of a tensor: an item's head keys sit in shared memory"),
+    _int("DIGEST_LANE_BITS", DG.LANE_BITS, "lane_key = head_key + (p << DIGEST_LANE_BITS | i) * DIGEST_LANE_MUL"),
+    _int("DIGEST_SCRATCH_HEAD_WORDS", DL.SCRATCH_HEAD_WORDS, "scratch: done counter, then per-block sums, statuses"),
+    _u64("DIGEST_ANCHOR", DG.DIGEST_ANCHOR, "A"),
+    _u64("DIGEST_KEY0", DG.DIGEST_KEY0, "splitmix64(DIGEST_ANCHOR): head_key's first step"),
+    _u64("DIGEST_LANE_MUL", DG.DIGEST_LANE_MUL, "M, odd"),
+    _u64("BAD_DIGEST", DG.BAD_DIGEST, "the digest of a block whose status is not 0"),
+] + _flags("DIGEST_", DG.DigestStatus) + [
+    _int(f"DIGEST_WIDE_{name.upper()}", bit, doc="DigestParams.index_wide's bits (digest_layout.py DIGEST_WIDE): "
+                                                "that array holds int64, else int32 (SPEC 2 (*))." if not k else "")
+    for k, (name, bit) in enumerate(DL.DIGEST_WIDE.items())]
+
 SECTIONS = (
     ("Plan status bits (canary/errors.py PlanStatus, SPEC 3.4)", PLAN_STATUS),
     ("Plan sentinels (canary/contract/plans.py)", SENTINELS),
     ("The planner (plan.cu, plan_numba.py)", PLAN_SHARED + PLAN_CUDA),
     ("The canary kernels (records.cu, records_numba.py)", RECORDS + RING + CHAIN),
     ("Records that move (records_move.cu, records_move_numba.py)", MOVE),
+    ("The block digest (digest.cu, digest_numba.py)", DIGEST),
 )
 DEFINES = tuple(d for _, section in SECTIONS for d in section)
 VALUES = {d.name: d.value for d in DEFINES}
-STRUCTS = (PL.PLAN_PARAMS,) + RL.STRUCTS + (LL.LAYER_PARAMS,) + RPL.STRUCTS + (ML.MOVE_PARAMS,)
+STRUCTS = (PL.PLAN_PARAMS,) + RL.STRUCTS + (LL.LAYER_PARAMS,) + RPL.STRUCTS + (ML.MOVE_PARAMS, DL.DIGEST_PARAMS)
 globals().update(VALUES)
 assert len(VALUES) == len(DEFINES), "a define named twice"
 
@@ -220,8 +240,8 @@ def render_header() -> str:
         "// (ring.py, plans.py, hashes.py and the *_layout.py files): do not edit.",
         "// Change the Python source and regenerate: tests/kernels/test_kernel_constants.py fails while this file is",
         "// stale.",
-        "// Included by kernels/plan.cu, records.cu, records_move.cu and report.cu (canary/backends/sources.py inlines it",
-        "// for NVRTC).",
+        "// Included by kernels/plan.cu, records.cu, records_move.cu, report.cu and digest.cu (canary/backends/sources.py",
+        "// inlines it for NVRTC).",
         "#ifndef CANARY_CONSTANTS_CUH",
         "#define CANARY_CONSTANTS_CUH",
         "",

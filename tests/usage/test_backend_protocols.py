@@ -244,7 +244,7 @@ def test_load_refuses_half_an_optional_protocol(importer):
 
 
 def test_load_refuses_an_unknown_family():
-    with pytest.raises(ValueError, match="kv-canary: family: expected one of plan, records, layers, move, report, got 'x'"):
+    with pytest.raises(ValueError, match="kv-canary: family: expected one of plan, records, layers, move, digest, report, got 'x'"):
         backends.load("reference", "x")
 
 
