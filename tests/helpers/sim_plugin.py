@@ -13,9 +13,10 @@ numba-cuda, the suites need the simulator. Two process modes:
   real and the environment is not touched. When the ``-m`` expression can select ``sim`` tests, each suite
   file is collected through a child ``pytest --numba-sim --collect-only`` and each of its tests becomes a
   proxy item with the same name, marks and node id. The first proxy that runs starts one child
-  ``pytest --numba-sim`` for the proxies left after ``-m`` / ``-k`` / ``--deselect`` (node ids passed in a
-  file, not on the command line); every proxy then reports its own test's outcome: passed, skipped with the
-  child's reason, or failed with the child's traceback and captured output. No pass is counted: a test added
+  ``pytest --numba-sim`` per suite file for the proxies left after ``-m`` / ``-k`` / ``--deselect`` (node ids
+  passed in a file, not on the command line), as many at once as the machine has CPUs, each killed past
+  ``TIMEOUT_S``; every proxy then reports its own test's outcome: passed, skipped with the child's reason, or
+  failed with the child's traceback and captured output (a killed child's proxies fail with its tail). No pass is counted: a test added
   to a suite is one more id. The children run without ``KV_CANARY_REQUIRE_GPU`` (a simulator run is a CPU
   run, even inside a GPU run). Where ``-m`` cannot select ``sim`` (the default ``not sim and not slow``),
   the suites collect nothing and no child starts.
@@ -31,6 +32,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -92,7 +94,7 @@ class SimSuites:
         self.simulator = simulator_mode(config)
         self.collected: dict[str, dict] = {}  # suite path -> {"items": [[nodeid, marks]], "skipped": reason}
         self.outcomes: dict[str, dict] | None = None
-        self.child_tail = ""
+        self.child_tails: dict[str, str] = {}  # suite path -> how its child ended
         self.records: dict[str, dict] = {}  # child: what it writes to RESULTS_ENV
 
     # -- parent: suites as proxies -------------------------------------------------------------------------
@@ -103,7 +105,9 @@ class SimSuites:
             return None  # a plain Module
         return SuiteProxy.from_parent(parent, path=module_path)
 
-    def child(self, args: list[str], select: list[str] | None = None) -> tuple[dict, subprocess.CompletedProcess]:
+    def child(self, args: list[str], select: list[str] | None = None) -> tuple[dict, str]:
+        """Run one child ``pytest --numba-sim``: what it wrote to RESULTS_ENV and its exit, as text. A child past
+        TIMEOUT_S is killed and reported, never retried (its proxies fail with that tail, not one timeout each)."""
         env = dict(os.environ, **{SIM_ENV: "1"})
         env.pop(gpu_guard.ENV, None)
         with tempfile.TemporaryDirectory(prefix="kv-canary-sim-") as tmp:
@@ -113,19 +117,24 @@ class SimSuites:
                 Path(env[SELECT_ENV]).write_text(json.dumps(select))
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--numba-sim", "-m", "sim",
                    *args]
-            proc = subprocess.run(cmd, cwd=self.config.rootpath, env=env, capture_output=True, text=True,
-                                  timeout=TIMEOUT_S)
+            try:
+                proc = subprocess.run(cmd, cwd=self.config.rootpath, env=env, capture_output=True, text=True,
+                                      timeout=TIMEOUT_S)
+                tail = f"the simulator child exited with {proc.returncode}:\n{_tail(proc.stdout, proc.stderr)}"
+            except subprocess.TimeoutExpired as exc:
+                tail = (f"the simulator child ran past {TIMEOUT_S} s and was killed:\n"
+                        f"{_tail(_text(exc.stdout), _text(exc.stderr))}")
             path = Path(env[RESULTS_ENV])
-            return (json.loads(path.read_text()) if path.exists() else {}), proc
+            got = json.loads(path.read_text()) if path.exists() else {}
+            return got, tail
 
     def collect_suite(self, path: Path) -> dict:
         if str(path) not in self.collected:
             # One child collects every suite of the tree at once (each child pays numba's import).
             paths = sorted({str(path), *map(str, Path(self.config.rootpath, "tests").rglob(SUITE_GLOB))})
-            got, proc = self.child(["--collect-only", *paths])
-            if proc.returncode not in (0, 5):
-                pytest.fail(f"kv-canary: collecting the simulator suites failed (rc {proc.returncode}):\n"
-                                  f"{_tail(proc)}", pytrace=False)
+            got, tail = self.child(["--collect-only", *paths])
+            if "items" not in got:
+                pytest.fail(f"kv-canary: collecting the simulator suites failed: {tail}", pytrace=False)
             for p in paths:
                 self.collected[p] = {"items": [], "skipped": got.get("skipped", {}).get(p)}
             for nodeid, marks, file in got.get("items", []):
@@ -133,12 +142,22 @@ class SimSuites:
         return self.collected[str(path)]
 
     def outcome(self, item: "SimProxy") -> dict | None:
+        """The child's outcome for ``item``. On the first call every selected proxy runs: one child per suite
+        file, as many at once as there are CPUs (the simulator is one busy Python thread per process), so a
+        slow suite neither serializes the rest nor, past TIMEOUT_S, takes the other files' results with it."""
         if self.outcomes is None:
+            self.outcomes = {}
             proxies = [i for i in item.session.items if isinstance(i, SimProxy)]
-            files = sorted({str(i.path) for i in proxies})
-            got, proc = self.child(files, select=[i.child_nodeid for i in proxies])
-            self.outcomes = got.get("outcomes", {})
-            self.child_tail = f"the simulator child exited with {proc.returncode}:\n{_tail(proc)}"
+            by_file: dict[str, list[str]] = {}
+            for proxy in proxies:
+                by_file.setdefault(str(proxy.path), []).append(proxy.child_nodeid)
+            workers = max(1, min(len(by_file), os.cpu_count() or 1))
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                runs = {file: pool.submit(self.child, [file], select=ids) for file, ids in by_file.items()}
+                for file, run in runs.items():
+                    got, tail = run.result()
+                    self.outcomes.update(got.get("outcomes", {}))
+                    self.child_tails[file] = tail
         return self.outcomes.get(item.child_nodeid)
 
     # -- child: what the parent reads ----------------------------------------------------------------------
@@ -176,8 +195,12 @@ class SimSuites:
             Path(os.environ[RESULTS_ENV]).write_text(json.dumps(self.records))
 
 
-def _tail(proc: subprocess.CompletedProcess) -> str:
-    return (proc.stdout + proc.stderr)[-20000:]
+def _text(out) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
+def _tail(stdout: str, stderr: str) -> str:
+    return (stdout + stderr)[-20000:]
 
 
 class SuiteProxy(pytest.File):
@@ -211,7 +234,7 @@ class SimProxy(pytest.Item):
         got = plugin.outcome(self)
         if got is None:
             raise SimulatorFailure(f"kv-canary: {self.child_nodeid} did not run in the simulator child; "
-                                   f"{plugin.child_tail}")
+                                   f"{plugin.child_tails.get(str(self.path), 'no child ran it')}")
         if got["outcome"] == "skipped":
             try:  # the skip reported at the suite file (reportinfo), not at this line
                 raise pytest.skip.Exception(got["text"], _use_item_location=True)
