@@ -106,6 +106,46 @@ def allocator(device: Any, library: str | None = None) -> Callable[[int, Any], A
                                   f"got none: {hint}")
 
 
+def pinned_allocator(library: str | None = None) -> Callable[[int, Any], Any]:
+    """``empty(n, dtype)`` returning zeroed 1-D arrays in pinned (page-locked) host memory, which CUDA kernels
+    read and write through unified addressing (an offload's destination), allocated by ``library``: ``"cupy"``
+    (``cupyx.zeros_pinned``: a NumPy array), ``"torch"`` (a CPU tensor with ``pin_memory=True``) or ``"numba"``
+    (``cuda.pinned_array``: a NumPy array); ``None`` picks CuPy, else Numba. The memory lives as long as the
+    returned array. Raises ``ValueError`` for an unknown library, :class:`BackendUnavailableError` when it is not
+    installed."""
+    if library is not None and library not in LIBRARIES:
+        raise fail(ValueError, f"library: expected one of {', '.join(LIBRARIES)} or None, got {library!r}")
+
+    def cupy_pinned():
+        import cupyx
+
+        return lambda n, dt: cupyx.zeros_pinned(n, dtype=dt)
+
+    def numba_pinned():
+        from numba import cuda
+
+        def empty(n, dt):
+            out = cuda.pinned_array(n, dtype=dt)
+            out[...] = 0
+            return out
+        return empty
+
+    def torch_pinned():
+        import torch
+
+        return lambda n, dt: torch.zeros(n, dtype=getattr(torch, np.dtype(dt).name), pin_memory=True)
+
+    makers = {"cupy": cupy_pinned, "numba": numba_pinned, "torch": torch_pinned}
+    for lib in (library,) if library is not None else ("cupy", "numba"):
+        try:
+            return _sized(makers[lib](), "pinned host memory")
+        except ImportError:
+            continue
+    hint = INSTALL.get(library or "cupy", "pip install torch")
+    raise BackendUnavailableError(f"kv-canary: library: expected an installed {library or 'CuPy or numba-cuda'} "
+                                  f"to allocate pinned host memory, got none: {hint}")
+
+
 def _sized(empty: Callable[[int, Any], Any], device: Any) -> Callable[[int, Any], Any]:
     """``empty`` whose failures to allocate (a size past what the library or the device can hold) are kv-canary
     errors that give the size, not the library's own."""

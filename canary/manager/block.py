@@ -4,8 +4,10 @@ or one device-to-host copy) and the write indexes are cleared at once (a copy an
 a driver call each, on every step; canary/manager/mailbox.py).
 
 Layout (int64 words): ``[0, G)`` the ``G`` groups' ring write indexes (an int32 in each word's low half, the
-rest never written), then per group ``slot_run_counter`` [2], ``kernel_run_counter`` [2], the plan's ``status``
-(an int32 in one word) and the ring ``[ring_capacity, 8]``.
+rest never written), ``[G, 3G)`` each group's record-mover status word (``[2]``: fault bits, refused entries;
+SPEC 4.1, canary/manager/moves.py), then per group ``slot_run_counter`` [2], ``kernel_run_counter`` [2], the
+plan's ``status`` (an int32 in one word) and the ring ``[ring_capacity, 8]``. The first ``3G`` words are cleared
+behind each report: every report carries one step's ring rows and the move faults since the last report.
 """
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ class ReportBlock:
 
     ``groups[i]``: ``(ring, ring_write_index, slot_run_counter, kernel_run_counter, status)`` device views of
     group ``i``, to bind its canary state and verify plan over. ``words``: the block's length in int64 words
-    (what a report carries); ``index_words``: the leading words holding the write indexes (what is cleared).
-    ``heads[i]`` / ``rings[i]``: where group ``i``'s head words and ring lie in the block (the report's decode).
+    (what a report carries); ``index_words``: the leading words holding the write indexes and the move status
+    words (what is cleared). ``move_status[i]``: group ``i``'s ``[2]`` int64 mover status word, ``move_words[i]``
+    its first word's index. ``heads[i]`` / ``rings[i]``: where group ``i``'s head words and ring lie in the block
+    (the report's decode).
     """
 
     def __init__(self, names: Sequence[str], ring_capacity: int, empty):
@@ -40,15 +44,17 @@ class ReportBlock:
         cap = int(ring_capacity)
         per_group = _HEAD + RING_ROW_WORDS * cap
         self.names = tuple(names)
-        self.index_words = g
-        self.words = g + g * per_group
+        self.index_words = 3 * g
+        self.words = 3 * g + g * per_group
         self.array = empty(self.words, np.int64)
         a = self.array
         self.groups = []
         self.heads, self.rings = [], []  # each group's first word (its counters), its ring's words
         self.ring_capacity = cap
+        self.move_words = [g + 2 * i for i in range(g)]
+        self.move_status = [a[w:w + 2] for w in self.move_words]
         for i in range(g):
-            o = g + i * per_group
+            o = 3 * g + i * per_group
             ring = slice(o + _HEAD, o + per_group)
             self.groups.append((a[ring].reshape(cap, RING_ROW_WORDS), _int32(a[i:i + 1]), a[o:o + 2],
                                 a[o + 2:o + 4], _int32(a[o + 4:o + 5])))

@@ -66,9 +66,10 @@ class ReportDecoder:
         self.stats_, self.metrics, self.requests, self.sweep = stats_, metrics, requests, sweep
         self.on_violation, self.log_limit = on_violation, log_limit
         self.stats_every, self.health_steps = stats_every, health_steps
-        g = len(groups)  # the block words a step's decode reads first (block.py): the write indexes, then the heads
-        self._head_words = np.array(list(range(g)) + [h + k for h in block.heads for k in range(5)], np.int64)
-        assert g > 1 or self._head_words.tolist() == list(range(6))
+        g = len(groups)  # the block words a step's decode reads first (block.py): the write indexes, the move
+        # status words, then the heads
+        self._head_words = np.array(list(range(3 * g)) + [h + k for h in block.heads for k in range(5)], np.int64)
+        assert g > 1 or self._head_words.tolist() == list(range(8))
         self.dedup = Deduplicator(int(forget_after))
         self.stalled = {g.name: 0 for g in groups}
         self.last_counters = {g.name: (0, 0) for g in groups}
@@ -156,12 +157,13 @@ class ReportDecoder:
         metrics = self.metrics
         name = self._one_group
         if name is not None and metrics is None:
-            # One group, no metrics: a quiet report (no ring row, no status bit the stats count) needs its counters
-            # only. [write index, slot counters [2], kernel counters [2], status] (block.py).
-            vals = words[:6].tolist()
-            if not vals[0] & 0xFFFFFFFF and not vals[5] & _QUIET_MASK:
-                st.written[name], st.verified[name] = vals[1 + _WRITE_COUNTER], vals[1 + _VERIFY_COUNTER]
-                now = (vals[3 + _WRITE_COUNTER], vals[3 + _VERIFY_COUNTER])
+            # One group, no metrics: a quiet report (no ring row, no move fault, no status bit the stats count)
+            # needs its counters only. [write index, move status [2], slot counters [2], kernel counters [2],
+            # status] (block.py).
+            vals = words[:8].tolist()
+            if not vals[0] & 0xFFFFFFFF and not vals[1] and not vals[2] and not vals[7] & _QUIET_MASK:
+                st.written[name], st.verified[name] = vals[3 + _WRITE_COUNTER], vals[3 + _VERIFY_COUNTER]
+                now = (vals[5 + _WRITE_COUNTER], vals[5 + _VERIFY_COUNTER])
                 if name in rec.groups:
                     before = self.last_counters[name]
                     stalled = 0 if now[0] > before[0] and now[1] > before[1] else self.stalled[name] + 1
@@ -173,12 +175,15 @@ class ReportDecoder:
         new, dropped = [], 0
         block = self.block
         n_groups = len(self.groups)
-        # The ring write indexes [G], then each group's head: slot counters [2], kernel counters [2], the plan's
-        # status, in one conversion (one group's are contiguous: a slice).
-        vals = (words[:n_groups + 5] if n_groups == 1 else words[self._head_words]).tolist()
+        # The ring write indexes [G], the move status words [G, 2], then each group's head: slot counters [2],
+        # kernel counters [2], the plan's status, in one conversion (one group's are contiguous: a slice).
+        vals = (words[:8] if n_groups == 1 else words[self._head_words]).tolist()
+        heads = 3 * n_groups
         for i, g in enumerate(self.groups):
             name = g.name
-            head = vals[n_groups + 5 * i:n_groups + 5 * i + 5]
+            head = vals[heads + 5 * i:heads + 5 * i + 5]
+            if vals[n_groups + 2 * i] or vals[n_groups + 2 * i + 1]:
+                st.count_move_faults(vals[n_groups + 2 * i], vals[n_groups + 2 * i + 1])
             st.written[name], st.verified[name] = head[_WRITE_COUNTER], head[_VERIFY_COUNTER]
             now = (head[2 + _WRITE_COUNTER], head[2 + _VERIFY_COUNTER])
             status = head[4] & 0xFFFFFFFF  # the int32 in the word's low half (bits, all below 2^31)

@@ -257,7 +257,9 @@ def check_bound(groups: list[BoundGroup]) -> None:
 def rebound(g: BoundGroup, spec: KVGroup, *, pool: Any, max_batch_size: int) -> tuple:
     """``(planner, records, layers)`` of ``g`` bound again over ``spec`` (the group's KVGroup with its rebuilt
     buffers), over the same plans, canary state and expected-token ``pool``: the canary records already written
-    stay. Raises as binding does; nothing of ``g`` is changed here."""
+    stay, and so does the layer-hash table (hashes and cursor) when the group still rotates as many layers (a
+    new table's zeros would fail every verified slot's layer check: false ``REAL_KV``). Raises as binding does;
+    nothing of ``g`` is changed here."""
     old, new = check_index(g.spec, g.index), check_index(spec, g.index)
     if new != old:
         raise fail(ValueError, f"groups[{g.index}].req_to_token: expected the bound shape {old} (the plans and the "
@@ -271,4 +273,8 @@ def rebound(g: BoundGroup, spec: KVGroup, *, pool: Any, max_batch_size: int) -> 
     )
     records = CanaryRecords(g.state, real_kv(spec.real_kv_sources, spec.real_kv_mode), backend=g.records.backend,
                             padding_slot=spec.padding_slot)
-    return planner, records, bind_layers(g.index, spec, records)
+    table = None
+    if g.layers is not None and spec.rotates_layers and isinstance(spec.layer_sources, (list, tuple)) \
+            and len(spec.layer_sources) == g.layers.num_layers:
+        table = g.layers.table
+    return planner, records, bind_layers(g.index, spec, records, table)

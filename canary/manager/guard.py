@@ -73,8 +73,9 @@ class Guarded:
                 raise fail(RuntimeError, f"{call}: expected a call from the thread the manager's steps run on "
                                          f"({self._thread}), got one from thread {get_ident()} "
                                          f"({threading.current_thread().name!r}); only add_request, accept_tokens, "
-                                         f"accept_tokens_batch, finish_request, cache_prefix, evict_prefix, stats, "
-                                         f"open_violations, warmup and close may be called from other threads")
+                                         f"accept_tokens_batch, finish_request, cache_prefix, evict_prefix, "
+                                         f"allocate_record_rows, stats, open_violations, warmup and close may be "
+                                         f"called from other threads")
 
     def _refuse(self, call: str) -> None:
         if self._closed:

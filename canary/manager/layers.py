@@ -13,8 +13,10 @@ from ..errors import fail
 from ..records.layers import CanaryLayers, check_dwell, rotation_mode
 
 
-def bind_layers(index: int, spec: Any, records: Any) -> CanaryLayers | None:
-    """The rotation of group ``spec`` bound to its canary, or ``None`` when the group does not rotate."""
+def bind_layers(index: int, spec: Any, records: Any, table: Any = None) -> CanaryLayers | None:
+    """The rotation of group ``spec`` bound to its canary, or ``None`` when the group does not rotate.
+    ``table``: the :class:`~canary.records.layers.LayerTable` to bind (a rebind's: the layer hashes already
+    written, and the cursor, carried over), or ``None`` (a new zeroed one)."""
     if spec.layer_rotation not in (None, True, False):
         raise fail(TypeError, f"groups[{index}].layer_rotation: expected None, True or False, got "
                               f"{spec.layer_rotation!r}")
@@ -26,7 +28,8 @@ def bind_layers(index: int, spec: Any, records: Any) -> CanaryLayers | None:
     # Checked here first, so that the errors name the group's fields rather than CanaryLayers' keywords.
     rotation_mode(spec.layer_real_kv_mode, f"groups[{index}].layer_real_kv_mode")
     check_dwell(spec.layer_dwell, f"groups[{index}].layer_dwell")
-    return CanaryLayers(records, spec.layer_sources, mode=spec.layer_real_kv_mode, dwell=spec.layer_dwell)
+    return CanaryLayers(records, spec.layer_sources, mode=spec.layer_real_kv_mode, dwell=spec.layer_dwell,
+                        table=table)
 
 
 def verify_layers(g: Any, stream: Any) -> None:

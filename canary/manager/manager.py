@@ -7,7 +7,7 @@ request identity (:meth:`~CanaryManager.add_request`, :meth:`~CanaryManager.acce
 
 The manager holds the public calls; each job is a room of its own with its own state: the step state machine
 (``steps.py``), the host-to-device staging (``staging.py``) and the device-to-host mailbox (``mailbox.py``), the
-report decoder (``decode.py``) and the token intake (``intake.py``).
+report decoder (``decode.py``), the token intake (``intake.py``) and the records moved with the KV (``moves.py``).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from .groups import BOUND_ATTRS, BoundGroup, KVGroup, bind_group, bound_of, chec
 from .guard import Guarded, request_call, step_call
 from .index import index_shape, step_arrays
 from .intake import TokenIntake
+from .moves import RecordMoves
 from .pool import RequestPool
 from .report import SlotViolation
 from .slots import warmup as warmup_slots
@@ -43,8 +44,9 @@ from .transfer import open_transfer
 MODES = ("log", "raise")
 
 
-class CanaryManager(Guarded):
-    """Detect KV-cache corruption around an engine's forward: plan, verify, write, report.
+class CanaryManager(Guarded, RecordMoves):
+    """Detect KV-cache corruption around an engine's forward: plan, verify, write, report; move the records with
+    KV that moves (:meth:`gather_records`, :meth:`scatter_records`, :meth:`move_records`: SPEC 4.1).
 
     Arguments (keyword-only after ``groups``):
 
@@ -75,7 +77,6 @@ class CanaryManager(Guarded):
     - ``eager_graphs``: replay an eager step that repeats the last step's arrays (static step buffers) as one
       CUDA graph per call instead of launching its kernels one by one (CuPy backend; canary/manager/eager.py
       says when a step qualifies). Same launches, same checks, less host time; ``False``: always launch directly.
-
     Raises ``ValueError`` / ``TypeError`` (``kv-canary:`` messages) for bad arguments,
     :class:`~canary.BackendUnavailableError` when the device's libraries are missing.
     """
@@ -166,6 +167,7 @@ class CanaryManager(Guarded):
         self._thread: int | None = None
         self._busy: str | None = None
         self._closed = False
+        self._movers, self._move_status = {}, block.move_status  # moves.py: each report carries the move faults
 
     # The step machine's open step and whether its report joins the after_kv_store graph (tests read and set them)
     _step = property(lambda self: self._steps.step)
@@ -201,6 +203,7 @@ class CanaryManager(Guarded):
             self._handle_reports(wait=True)
         finally:
             self._closed = True
+            self._movers.clear()
             if self._eager is not None:
                 self._eager.close()
             self._transfer.close()
@@ -215,13 +218,13 @@ class CanaryManager(Guarded):
         ``kv_indices``; ``full_to_swa_index_mapping``, the KV pool behind ``real_kv_sources`` / ``layer_sources``)
         calls it before its next step (or passes a rebuilt block table or page list to :meth:`before_forward`
         each step); the keywords (those names) give the new values, set on the group's KVGroup too, and a name
-        not given is read again from
-        the KVGroup (``rebind("full")`` after ``kv_group.req_to_token = new``). The plans, the canary records and
-        the expected tokens stay: rebind buffers whose contents the engine carried over (the same slots hold the
-        same KV, the same rows the same slots). CUDA graphs the engine captured over the manager's calls hold the
-        old buffers: capture them again. Without it, the next :meth:`before_forward` raises ``RuntimeError``
-        naming the buffer and this call (an assigned attribute or a moved CuPy / torch storage: what the manager
-        can see); a rebuilt buffer it cannot see would be read as missing or corrupt KV.
+        not given is read again from the KVGroup (``rebind("full")`` after ``kv_group.req_to_token = new``). The
+        plans, the canary records, the expected tokens and the layer table (of as many layers) stay: rebind
+        buffers whose contents the engine carried over (the same slots hold the same KV, the same rows the same
+        slots). CUDA graphs the engine captured over the manager's calls hold the old buffers: capture them again.
+        Without it, the next :meth:`before_forward` raises ``RuntimeError`` naming the buffer and this call (an
+        assigned attribute or a moved CuPy / torch storage: what the manager can see); a rebuilt buffer it cannot
+        see would be read as missing or corrupt KV.
 
         Raises ``RuntimeError`` while a step is open, ``ValueError`` / ``TypeError`` as binding does (a
         ``req_to_token`` of another shape, an unknown group or keyword); nothing is rebound then."""
@@ -241,6 +244,7 @@ class CanaryManager(Guarded):
                 setattr(g.spec, name, value)
             g.planner, g.records, g.layers, g.verify_launch = planner, records, layers, None
             g.bound = bound_of(g.spec)
+        self._drop_movers(sel)  # bound again to the new records and layers at their next call
         self._marks.clear()  # a rebuilt buffer may hold other slots' KV
         self._steps.prepared = False  # the verifies are packed again (GPU) before the next step
         if self._eager is not None:
@@ -467,7 +471,8 @@ class CanaryManager(Guarded):
         ``graph_captures`` / ``graph_replays`` / ``direct_calls`` (eager graphs: calls replayed, or launched
         directly for want of a graph; ``None`` without them), ``graph_misses`` (``{"<before|after> <why>": calls}``,
         why a direct call found no graph: ``new``, ``stream``, ``arrays``, ``layout``), ``stream_handshakes`` (explicit ``stream=`` calls
-        ordered after the library's current stream). As of the last decoded report."""
+        ordered after the library's current stream), ``move_faults`` (the record moves' refused entries by fault
+        name, ``{"SOURCE_RANGE": n, "DEST_RANGE": n}``, from the reports: moves.py). As of the last decoded report."""
         with self._lock:
             e = self._eager
             return {**self._decoder.stats(), "graph_captures": e.captures if e else 0, "graph_replays": e.replays

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..contract.move_layout import MoveFault
 from ..errors import fail
+
+_KNOWN_FAULTS = sum(int(b) for b in MoveFault)
 
 
 class Stats:
@@ -20,6 +23,15 @@ class Stats:
         self.violations: dict[str, int] = {}  # reason name -> new violations (first sightings)
         self.repeats = 0  # sightings of an already reported slot
         self.dropped = 0  # ring rows lost to overflow
+        self.move_faults: dict[str, int] = {}  # the record movers' fault name -> entries refused (moves.py)
+
+    def count_move_faults(self, faults: int, refused: int) -> None:
+        """One report's move status word (the faults since the last report, any group): its refused entries
+        counted under the fault's name, or under ``"SOURCE_RANGE|DEST_RANGE"`` when that report saw both (its
+        entries cannot be told apart then)."""
+        names = MoveFault(int(faults) & _KNOWN_FAULTS).names
+        key = "|".join(names) if names else "UNKNOWN"
+        self.move_faults[key] = self.move_faults.get(key, 0) + int(refused)
 
     def as_dict(self, protected_tokens: int) -> dict[str, Any]:
         return {
@@ -33,6 +45,7 @@ class Stats:
             "violations_by_reason": dict(self.violations),
             "repeated_sightings": self.repeats,
             "ring_dropped": self.dropped,
+            "move_faults": dict(self.move_faults),
         }
 
 
