@@ -1,6 +1,6 @@
 """Fault injectors for the simulated engine (:mod:`canary.replay.engine`): the corruptions the canary must catch.
 
-Ten kinds, each a hook on one step (``KIND@STEP`` on the command line):
+Fourteen kinds, each a hook on one step (``KIND@STEP`` on the command line):
 
 | kind | when | what |
 | --- | --- | --- |
@@ -14,6 +14,10 @@ Ten kinds, each a hook on one step (``KIND@STEP`` on the command line):
 | ``spec-reject`` | before the write | a decoding request's new token is a rejected draft: KV and record (and the write's assert) get the draft, the pool the accepted token |
 | ``row-recycle`` | after the write | a running request's ``req_to_token`` row gets another running request's slots (the row reused while still read) |
 | ``kv-flip-last`` | after the write | as ``kv-flip``, in the last layer's K bytes (``--num-layers`` >= 2: only the layer rotation reads them), at a request running ``dwell * L`` more tokens |
+| ``offload-stale`` | at a restore | a page of the restored request gets an earlier host copy of another request (KV and records) |
+| ``offload-swap`` | at a restore | two whole pages of the restored request are restored into each other's places |
+| ``offload-partial`` | at a restore | the restored request's last page is not restored: its new slots keep what they held |
+| ``offload-foreign`` | at a restore | a page's K bytes are another request's at those positions, under the right records |
 
 ``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the
 request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never
@@ -25,6 +29,12 @@ applied). ``kv-flip``, ``kv-flip-last``, ``zero-kv``
 and ``swa-evict`` corrupt a mid-window position (neither the window's first nor the write's seed), so a sliding
 window of fewer than 4 positions can never apply them (``not applied: needs --swa-window >= 4 (or none)``);
 :func:`requirement` names what each kind needs.
+
+The ``offload-*`` kinds need a host tier (``--offload-tier``; :mod:`canary.replay.tier`): each edits the
+:class:`~canary.replay.tier.Restore` plan of the first restore at or after its step (which tier entry each new
+slot gets), before the KV bytes and records are scattered, and the step's verify reads the result.
+``offload-partial`` skips a restore whose new last page already holds its bytes (the request's own old page),
+``offload-stale`` one with no earlier copy of another request left in the tier.
 
 ``spec-reject`` and ``row-recycle`` leave self-consistent records (chain, positions and real KV agree): only the
 expected-token pool sees them. ``spec-reject`` is speculative decoding's rejected draft left in the KV: the
@@ -335,7 +345,7 @@ def _offload_stale(tier: HostTier, r: Restore, f: Fault, taken: set[int]) -> boo
     page = page[page < old.n]
     for src in (r.rec_src, r.k_src, r.v_src):  # the earlier copy's entries at the same positions
         src[page] = old.start + page
-    _record_restore(f, r, page, requests=(r.request, old.request))
+    _record_restore(f, r, page, requests=(r.request,))
     return True
 
 
