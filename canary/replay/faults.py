@@ -14,10 +14,10 @@ Fourteen kinds, each a hook on one step (``KIND@STEP`` on the command line):
 | ``spec-reject`` | before the write | a decoding request's new token is a rejected draft: KV and record (and the write's assert) get the draft, the pool the accepted token |
 | ``row-recycle`` | after the write | a running request's ``req_to_token`` row gets another running request's slots (the row reused while still read) |
 | ``kv-flip-last`` | after the write | as ``kv-flip``, in the last layer's K bytes (``--num-layers`` >= 2: only the layer rotation reads them), at a request running ``dwell * L`` more tokens |
-| ``offload-stale`` | at a restore | a page of the restored request gets an earlier host copy of another request (KV and records) |
+| ``offload-stale`` | at a restore | a page of the restored request gets an older host copy, of another request |
 | ``offload-swap`` | at a restore | two whole pages of the restored request are restored into each other's places |
-| ``offload-partial`` | at a restore | the restored request's last page is not restored: its new slots keep what they held |
-| ``offload-foreign`` | at a restore | a page's K bytes are another request's at those positions, under the right records |
+| ``offload-partial`` | at a restore | the restored request's last page is not restored: its slots keep what they held |
+| ``offload-foreign`` | at a restore | a page's K bytes are another request's, under the right records |
 
 ``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the
 request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never

@@ -22,16 +22,18 @@ serving engine runs it, so that every step hands the planner real-shaped inputs:
   are freed after each step and their LUT entries reset to 0, so the token just before a window may map to
   the padding slot. The SWA pool is sized for the worst case of a full batch, capped at the full pool.
 - Optional host tier (``offload_tier = T > 0`` tokens): a running decoding request may be *preempted*: its KV and
-  records go to the tier (the scheduler's ``on_offload`` callback, before anything is freed), its pages (under the
-  other free pages: handed out last) and reservation go back to the pool and its ``req_to_token`` row is released. The rule, deterministic so that the
-  bundled traces exercise it: a preemption happens when the tier is empty and either the head of the queue cannot
-  be admitted for want of pages (pool pressure; the victim's release must make room for it, and the head is then
-  admitted at once) or the step's index is a positive multiple of ``OFFLOAD_EVERY``. The victim is, among the
-  running requests preempted the fewest times so far, the latest arrival that has finished its prompt, has at least ``OFFLOAD_DWELL + 2`` tokens left
-  to write and whose prefix fits in the tier. It is restored ``OFFLOAD_DWELL`` or more steps later, at the first
-  admission where the pool can reserve its pages again and the batch has a place, before any new admission (no
-  new request overtakes it): new pages and a new row, ``req_to_token`` rewritten for its prefix, its place in the batch by arrival again, then the
-  ``on_restore`` callback moves the KV and records back, and it decodes on. At most one request is in the tier.
+  records go to the tier (the scheduler's ``on_offload`` callback, before anything is freed), its pages (under
+  the other free pages: handed out last) and reservation go back to the pool and its ``req_to_token`` row is
+  released. The rule, deterministic so that the bundled traces exercise it: a preemption happens when the tier
+  is empty and either the head of the queue cannot be admitted for want of pages (pool pressure; the victim's
+  release must make room for it, and the head is then admitted at once) or the step's index is a positive
+  multiple of ``OFFLOAD_EVERY``. The victim is, among the running requests preempted the fewest times so far,
+  the latest arrival that has finished its prompt, has at least ``OFFLOAD_DWELL + 2`` tokens left to write and
+  whose prefix fits in the tier. It is restored ``OFFLOAD_DWELL`` or more steps later, at the first admission
+  where the pool can reserve its pages again and the batch has a place, before any new admission (no new
+  request overtakes it): new pages and a new row, ``req_to_token`` rewritten for its prefix, its place in the
+  batch by arrival again; then the ``on_restore`` callback moves the KV and records back, and it decodes on. At
+  most one request is in the tier.
 - Optional CUDA-graph padding: the batch is padded to the smallest bucket ``>= bs``; padding rows have
   ``req_pool_indices = 0`` and random garbage lens, which the planner must never trust.
 """
