@@ -137,9 +137,8 @@ class HostTier:
         """Carry out the plan: KV bytes first, then the records (SPEC 4.1: after the KV is in place)."""
         xp = self.kv.xp
         kview = self._k_view()
-        for src, dst in ((r.k_src, kview), (r.v_src, self.kv.layer_v)):
+        for src, tier, dst in ((r.k_src, self.k, kview), (r.v_src, self.v, self.kv.layer_v)):
             keep = src >= 0
-            tier = self.k if dst is kview else self.v
             dst[:, xp.asarray(r.slots[keep])] = tier[:, xp.asarray(src[keep])]
         for i, b in r.k_bytes.items():
             kview[:, int(r.slots[i])] = xp.asarray(b)
