@@ -1,6 +1,6 @@
 """Fault injectors for the simulated engine (:mod:`canary.replay.engine`): the corruptions the canary must catch.
 
-Ten kinds, each a hook on one step (``KIND@STEP`` on the command line):
+Fourteen kinds, each a hook on one step (``KIND@STEP`` on the command line):
 
 | kind | when | what |
 | --- | --- | --- |
@@ -14,6 +14,10 @@ Ten kinds, each a hook on one step (``KIND@STEP`` on the command line):
 | ``spec-reject`` | before the write | a decoding request's new token is a rejected draft: KV and record (and the write's assert) get the draft, the pool the accepted token |
 | ``row-recycle`` | after the write | a running request's ``req_to_token`` row gets another running request's slots (the row reused while still read) |
 | ``kv-flip-last`` | after the write | as ``kv-flip``, in the last layer's K bytes (``--num-layers`` >= 2: only the layer rotation reads them), at a request running ``dwell * L`` more tokens |
+| ``offload-stale`` | at a restore | a page of the restored request gets an older host copy, of another request |
+| ``offload-swap`` | at a restore | two whole pages of the restored request are restored into each other's places |
+| ``offload-partial`` | at a restore | the restored request's last page is not restored: its slots keep what they held |
+| ``offload-foreign`` | at a restore | a page's K bytes are another request's, under the right records |
 
 ``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the
 request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never
@@ -25,6 +29,12 @@ applied). ``kv-flip``, ``kv-flip-last``, ``zero-kv``
 and ``swa-evict`` corrupt a mid-window position (neither the window's first nor the write's seed), so a sliding
 window of fewer than 4 positions can never apply them (``not applied: needs --swa-window >= 4 (or none)``);
 :func:`requirement` names what each kind needs.
+
+The ``offload-*`` kinds need a host tier (``--offload-tier``; :mod:`canary.replay.tier`): each edits the
+:class:`~canary.replay.tier.Restore` plan of the first restore at or after its step (which tier entry each new
+slot gets), before the KV bytes and records are scattered, and the step's verify reads the result.
+``offload-partial`` skips a restore whose new last page already holds its bytes (the request's own old page),
+``offload-stale`` one with no earlier copy of another request left in the tier.
 
 ``spec-reject`` and ``row-recycle`` leave self-consistent records (chain, positions and real KV agree): only the
 expected-token pool sees them. ``spec-reject`` is speculative decoding's rejected draft left in the KV: the
@@ -47,10 +57,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from .engine import TOKEN_MASK, EngineKV, StepData, token_of, window_start
+from .engine import K_BYTES, TOKEN_MASK, EngineKV, StepData, kv_bytes, token_of, window_start
+from .tier import HostTier, Restore
 
 
 @dataclass
@@ -97,7 +109,7 @@ class Fault:
 MID_WINDOW_KINDS = ("kv-flip", "kv-flip-last", "zero-kv", "swa-evict")
 
 
-def requirement(kind: str, *, swa_window: int, num_layers: int) -> str:
+def requirement(kind: str, *, swa_window: int, num_layers: int, offload_tier: int = 0) -> str:
     """What a replay with these options lacks for ``kind`` to ever be applied (the option it needs, as typed on
     the command line), or ``""``. The command line refuses such a fault before the run
     (:func:`canary.replay.options.check_arguments`); the hooks below still check, for other callers."""
@@ -106,6 +118,8 @@ def requirement(kind: str, *, swa_window: int, num_layers: int) -> str:
         return "--swa-window >= 4 (or none)"
     if kind == "swa-evict" and not swa_window:
         return "--swa-window (a sliding window: its LUT entry is what the fault clears)"
+    if KINDS[kind][0] == RESTORE and not offload_tier:
+        return "--offload-tier (a host tier: the fault is applied at a restore from it)"
     if kind == "kv-flip-last" and num_layers < 2:
         return "--num-layers >= 2 (the last layer's K bytes, which only the layer rotation reads)"
     return ""
@@ -312,6 +326,76 @@ def _row_recycle(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
     return False
 
 
+def _restore_page(tier: HostTier, r: Restore, j: int) -> np.ndarray:
+    """Indices into ``r.slots`` of the restored request's page ``j`` (its positions ``j * ps`` onward)."""
+    ps = tier.kv.page_size
+    return np.arange(j * ps, min((j + 1) * ps, len(r.slots)), dtype=np.int64)
+
+
+def _mid_page(tier: HostTier, r: Restore) -> int:
+    return (len(r.slots) - 1) // tier.kv.page_size // 2
+
+
+def _offload_stale(tier: HostTier, r: Restore, f: Fault, taken: set[int]) -> bool:
+    old = tier.stale_copy(r.request, 1)
+    if r.request in taken or old is None:
+        return False
+    # The middle page, or the last the earlier copy covers: its entries at the same positions
+    page = _restore_page(tier, r, min(_mid_page(tier, r), max(old.n // tier.kv.page_size - 1, 0)))
+    page = page[page < old.n]
+    for src in (r.rec_src, r.k_src, r.v_src):  # the earlier copy's entries at the same positions
+        src[page] = old.start + page
+    _record_restore(f, r, page, requests=(r.request,))
+    return True
+
+
+def _offload_swap(tier: HostTier, r: Restore, f: Fault, taken: set[int]) -> bool:
+    ps = tier.kv.page_size
+    a = max(_mid_page(tier, r) - 1, 0)
+    if r.request in taken or (a + 2) * ps > len(r.slots):  # two whole pages
+        return False
+    pa, pb = _restore_page(tier, r, a), _restore_page(tier, r, a + 1)
+    for src in (r.rec_src, r.k_src, r.v_src):
+        src[pa], src[pb] = src[pb].copy(), src[pa].copy()
+    _record_restore(f, r, np.concatenate([pa, pb]), requests=(r.request,))
+    return True
+
+
+def _offload_partial(tier: HostTier, r: Restore, f: Fault, taken: set[int]) -> bool:
+    if r.request in taken:
+        return False
+    page = _restore_page(tier, r, (len(r.slots) - 1) // tier.kv.page_size)
+    xp = tier.kv.xp
+    held = tier._k_view()[0, xp.asarray(r.slots[page])]
+    # New slots that already hold these very bytes (the request's own old page, handed back) hide the fault.
+    if bool((held == tier.k[0, xp.asarray(r.k_src[page])]).all()):
+        return False
+    for src in (r.rec_src, r.k_src, r.v_src):
+        src[page] = -1
+    _record_restore(f, r, page, requests=(r.request,))
+    return True
+
+
+def _offload_foreign(tier: HostTier, r: Restore, f: Fault, taken: set[int]) -> bool:
+    if r.request in taken:
+        return False
+    page = _restore_page(tier, r, _mid_page(tier, r))
+    other = (r.request + 1) % len(tier.kv.sched.trace)  # another request's block: its K bytes at these positions
+    k = kv_bytes(np.full(len(page), other), page)[:, :K_BYTES]
+    for i, b in zip(page.tolist(), k):
+        r.k_bytes[i] = np.stack([b ^ layer for layer in range(tier.kv.num_layers)]).astype(np.uint8)
+    _record_restore(f, r, page, requests=(r.request,))
+    return True
+
+
+def _record_restore(f: Fault, r: Restore, page: np.ndarray, *, requests: tuple[int, ...]) -> None:
+    """Mark ``f`` applied at the restore's step; ``page``: indices into ``r.slots`` (positions) it made wrong."""
+    f.applied_step = r.step
+    f.requests = requests
+    f.slot, f.position = int(r.slots[page[0]]), int(page[0])
+    f.slots = tuple(int(s) for s in r.slots[page])
+
+
 def _record(f: Fault, d: StepData, *, requests: tuple[int, ...], **facts) -> None:
     """Mark ``f`` applied at this step; ``requests`` are batch rows, recorded as trace request ids."""
     f.applied_step = d.step.index
@@ -321,8 +405,8 @@ def _record(f: Fault, d: StepData, *, requests: tuple[int, ...], **facts) -> Non
 
 
 Apply = Callable[[EngineKV, StepData, Fault, set], bool]
-BEFORE_WRITE, AFTER_WRITE = "before_write", "after_write"
-KINDS: dict[str, tuple[str, Apply]] = {
+BEFORE_WRITE, AFTER_WRITE, RESTORE = "before_write", "after_write", "restore"
+KINDS: dict[str, tuple[str, Any]] = {
     "kv-flip": (AFTER_WRITE, _kv_flip),
     "overwrite": (BEFORE_WRITE, _overwrite),
     "position": (BEFORE_WRITE, _position),
@@ -333,7 +417,12 @@ KINDS: dict[str, tuple[str, Apply]] = {
     "spec-reject": (BEFORE_WRITE, _spec_reject),
     "row-recycle": (AFTER_WRITE, _row_recycle),
     "kv-flip-last": (AFTER_WRITE, _kv_flip_last),
+    "offload-stale": (RESTORE, _offload_stale),
+    "offload-swap": (RESTORE, _offload_swap),
+    "offload-partial": (RESTORE, _offload_partial),
+    "offload-foreign": (RESTORE, _offload_foreign),
 }
+OFFLOAD_KINDS = tuple(k for k, (when, _) in KINDS.items() if when == RESTORE)
 
 
 def parse_inject(text: str) -> Fault:
@@ -372,3 +461,10 @@ class Injector:
 
     def after_write(self, kv: EngineKV, d: StepData) -> None:
         self._apply(AFTER_WRITE, kv, d)
+
+    def at_restore(self, tier: HostTier, r: Restore) -> None:
+        """Before ``tier`` carries out the restore ``r``: the ``offload-*`` kinds edit its plan."""
+        for f in self.faults:
+            when, apply = KINDS[f.kind]
+            if when == RESTORE and not f.applied and f.requested_step <= r.step and apply(tier, r, f, self.taken):
+                self.taken.update(f.requests)

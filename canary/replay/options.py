@@ -136,6 +136,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inject", action="append", type=parse_inject, default=[], metavar="KIND@STEP",
                    help=f"inject a fault at STEP (or the first later step where it applies); KIND: {', '.join(KINDS)}; "
                    "repeatable; not with --plan-only")
+    p.add_argument("--offload-tier", action=_Once, type=_count32, default=0, metavar="TOKENS",
+                   help="a host tier of TOKENS token slots: decoding requests are preempted into it (their KV and "
+                   "records offloaded, pages freed) and restored into new pages later (docs/replay.md); 0 = off "
+                   "(default); not with --swa-window")
     p.add_argument("--num-layers", action=_Once, type=_size, default=1, metavar="L",
                    help="KV layers of the simulated model; L >= 2 turns on the layer rotation (docs/integration.md "
                    "5c; default 1: layer 0 only, as SGLang)")
@@ -174,8 +178,12 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if "layer_dwell" in given and args.num_layers < 2:
         p.error(f"argument --layer-dwell: expected --num-layers >= 2 (the layer rotation it paces), got "
                 f"--num-layers {args.num_layers}")
+    if args.offload_tier and args.swa_window:
+        p.error(f"argument --offload-tier: expected full attention (no --swa-window), got --swa-window "
+                f"{args.swa_window} (the tier moves whole prefixes; an SWA pool frees the pages out of its window)")
     for f in args.inject:
-        need = requirement(f.kind, swa_window=args.swa_window, num_layers=args.num_layers)
+        need = requirement(f.kind, swa_window=args.swa_window, num_layers=args.num_layers,
+                           offload_tier=args.offload_tier)
         if need:
             p.error(f"argument --inject: {f.kind}@{f.requested_step} needs {need}, which this run does not have "
                     f"(it could never be applied)")

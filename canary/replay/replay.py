@@ -268,7 +268,8 @@ def _replay(args, console, Progress, columns, series: Series | None = None) -> t
     mbs = args.max_batch_size
     sched_args = dict(max_batch_size=mbs, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens,
                       chunk_size=args.chunk_size, token_budget=args.token_budget, swa_window=args.swa_window,
-                      pad_buckets=default_buckets(mbs) if args.pad else (), seed=args.seed)
+                      pad_buckets=default_buckets(mbs) if args.pad else (), seed=args.seed,
+                      offload_tier=args.offload_tier)
     _check_pool(sched_args, trace)
     sched = Scheduler(trace, **sched_args)
     cap = args.verify_capacity or max(1024, int(args.kv_pool_tokens * 0.6) // 1024 * 1024)
@@ -407,6 +408,9 @@ def _replay(args, console, Progress, columns, series: Series | None = None) -> t
         "swa_window": args.swa_window,
         "padding": bool(args.pad),
         "seed": args.seed,
+        "offload_tier": args.offload_tier,
+        "offloads": sched.num_offloads,
+        "restores": sched.num_restores,
         "batch_size": {"mean_active": float(np.mean(bs_active)) if bs_active else 0.0,
                        "mean_padded": float(np.mean(bs_padded)) if bs_padded else 0.0},
         "verify_entries_per_step": stats(verify),
@@ -429,4 +433,4 @@ def _canary(args, sched: Scheduler, arrays: _Arrays, dev_r2t: Any, dev_lut: Any,
     device = "cpu" if arrays.kind == "host" else arrays.xp.cuda.Device().id
     return ManagerReplay(sched, xp=arrays.xp, device=device, backend=args.backend, faults=args.inject,
                          req_to_token=dev_r2t, lut=dev_lut, verify_capacity=cap, on_overflow=args.on_overflow,
-                         num_layers=args.num_layers, layer_dwell=args.layer_dwell)
+                         num_layers=args.num_layers, layer_dwell=args.layer_dwell, offload_tier=args.offload_tier)

@@ -34,8 +34,9 @@ from canary.contract.plans import mark_missing
 
 from .coverage import Coverage
 from .engine import K_BYTES, V_BYTES, V_READ, EngineKV, token_of
-from .faults import Fault, Injector
+from .faults import OFFLOAD_KINDS, Fault, Injector
 from .scheduler import Scheduler, Step
+from .tier import HostTier
 
 RING_CAPACITY = 4096
 MAX_SHOWN_VIOLATIONS = 5
@@ -71,7 +72,7 @@ class ManagerReplay:
 
     def __init__(self, sched: Scheduler, *, xp: Any, device: Any, backend: str, faults: list[Fault],
                  req_to_token: Any, lut: Any, verify_capacity: int, on_overflow: str, num_layers: int = 1,
-                 layer_dwell: int = 1):
+                 layer_dwell: int = 1, offload_tier: int = 0):
         # The engine's KV buffers and fault hooks; the manager owns the canary.
         self.kv = EngineKV(sched, xp=xp, device=device, backend=backend, num_layers=num_layers)
         self.kv.layer_dwell = layer_dwell
@@ -103,6 +104,22 @@ class ManagerReplay:
         self._step: Step | None = None
         self.last_step: int | None = None  # the last step begun (an interrupted replay stops anywhere)
         self.context = sched.trace.context_tokens
+        # The host tier (--offload-tier): the scheduler preempts and restores, the tier moves KV and records.
+        self.tier = None
+        if offload_tier:
+            self.tier = HostTier(self.kv, self.manager, offload_tier)
+            sched.on_offload, sched.on_restore = self._offload, self._restore
+        for f in self.faults:
+            if not offload_tier and f.kind in OFFLOAD_KINDS:
+                f.needs = "--offload-tier"
+
+    def _offload(self, index: int, req: int, row: int, prefix: int) -> None:
+        self.tier.offload(req, self.kv.r2t[row, :prefix].astype(np.int64))
+
+    def _restore(self, index: int, req: int, row: int, prefix: int) -> None:
+        r = self.tier.plan(index, req, row, self.kv.r2t[row, :prefix].astype(np.int64))
+        self.injector.at_restore(self.tier, r)
+        self.tier.restore(r)
 
     # -- what the replay reads -----------------------------------------------------------------------------------
     @property

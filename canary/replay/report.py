@@ -42,6 +42,8 @@ def summary_table(s: dict, Table) -> Any:
     # With the canary the manager's before_forward is timed: the plan and the verify.
     what = "before_forward (plan + verify)" if "canary" in s else "plan time"
     t.add_row(f"{what} / step (us)", *dist(s["plan_time_us"], "{:.1f}"))
+    if s.get("offload_tier"):
+        t.add_row(f"offloads / restores (tier {s['offload_tier']} tokens)", f"{s['offloads']} / {s['restores']}")
     t.add_row("steps checked vs reference", str(s["checked_steps"]))
     t.add_row("mismatches", str(s["mismatches"]))
     if "canary" in s:

@@ -21,19 +21,34 @@ serving engine runs it, so that every step hands the planner real-shaped inputs:
   As in SGLang's SWA allocator, SWA pages that fall wholly out of the window (positions ``< prefix - W``)
   are freed after each step and their LUT entries reset to 0, so the token just before a window may map to
   the padding slot. The SWA pool is sized for the worst case of a full batch, capped at the full pool.
+- Optional host tier (``offload_tier = T > 0`` tokens): a running decoding request may be *preempted*: its KV and
+  records go to the tier (the scheduler's ``on_offload`` callback, before anything is freed), its pages (under
+  the other free pages: handed out last) and reservation go back to the pool and its ``req_to_token`` row is
+  released. The rule, deterministic so that the bundled traces exercise it: a preemption happens when the tier
+  is empty and either the head of the queue cannot be admitted for want of pages (pool pressure; the victim's
+  release must make room for it, and the head is then admitted at once) or the step's index is a positive
+  multiple of ``OFFLOAD_EVERY``. The victim is, among the running requests preempted the fewest times so far,
+  the latest arrival that has finished its prompt, has at least ``OFFLOAD_DWELL + 2`` tokens left to write and
+  whose prefix fits in the tier. It is restored ``OFFLOAD_DWELL`` or more steps later, at the first admission
+  where the pool can reserve its pages again and the batch has a place, before any new admission (no new
+  request overtakes it): new pages and a new row, ``req_to_token`` rewritten for its prefix, its place in the
+  batch by arrival again; then the ``on_restore`` callback moves the KV and records back, and it decodes on. At
+  most one request is in the tier.
 - Optional CUDA-graph padding: the batch is padded to the smallest bucket ``>= bs``; padding rows have
   ``req_pool_indices = 0`` and random garbage lens, which the planner must never trust.
 """
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
+OFFLOAD_EVERY = 8  # a preemption is due at every step index that is a positive multiple of this (with a tier)
+OFFLOAD_DWELL = 2  # the fewest steps a preempted request stays in the tier (its freed pages go to others first)
 BUNDLED_TRACES = {"conv": "AzureLLMInferenceTrace_conv.csv", "code": "AzureLLMInferenceTrace_code.csv"}
 
 
@@ -128,24 +143,42 @@ class _FreeList:
     def __init__(self, pages: np.ndarray):
         self._pages = pages.astype(np.int64)
         self.size = len(pages)
-        self.low = self.size  # the stack never went below this: pages [0, low) were never handed out
+        self.used = np.zeros(int(pages.max(initial=0)) + 1, dtype=bool)  # handed out at least once
 
     def pop(self, k: int) -> np.ndarray:
         if k > self.size:  # admission reserves pages, so this is a scheduler bug, not a full pool
             raise RuntimeError(f"kv-canary: scheduler: page pool exhausted ({k} needed, {self.size} free)")
         self.size -= k
-        self.low = min(self.low, self.size)
-        return self._pages[self.size : self.size + k].copy()
+        pages = self._pages[self.size : self.size + k].copy()
+        self.used[pages] = True
+        return pages
+
+    def _unused(self) -> np.ndarray:
+        return np.flatnonzero(~self.used[self._pages[: self.size]])
+
+    @property
+    def has_unused(self) -> bool:
+        return bool(len(self._unused()))
 
     def take_unused(self) -> int | None:
-        """Remove and return a page that was never handed out (``None``: every free page has been used)."""
-        if self.low == 0:
+        """Remove and return a page that was never handed out, the lowest in the stack (``None``: every free page
+        has been used)."""
+        free = self._unused()
+        if not len(free):
             return None
-        page = int(self._pages[0])
-        self._pages[: self.size - 1] = self._pages[1 : self.size]
+        i = int(free[0])
+        page = int(self._pages[i])
+        self._pages[i : self.size - 1] = self._pages[i + 1 : self.size].copy()
         self.size -= 1
-        self.low -= 1
+        self.used[page] = True
         return page
+
+    def push_cold(self, pages: np.ndarray) -> None:
+        """Push ``pages`` under the whole stack: handed out last."""
+        k = len(pages)
+        self._pages[k : self.size + k] = self._pages[: self.size].copy()
+        self._pages[:k] = pages
+        self.size += k
 
     def push(self, pages: np.ndarray) -> None:
         self._pages[self.size : self.size + len(pages)] = pages
@@ -190,9 +223,13 @@ class Scheduler:
         swa_window: int = 0,
         pad_buckets: Sequence[int] = (),
         seed: int = 0,
+        offload_tier: int = 0,
     ):
         if min(max_batch_size, page_size, chunk_size) < 1 or token_budget < 0 or swa_window < 0:
             raise ValueError("kv-canary: scheduler: expected positive sizes and a window/budget >= 0")
+        if offload_tier < 0 or (offload_tier and swa_window):
+            raise ValueError(f"kv-canary: scheduler: offload_tier: expected >= 0 tokens, and 0 with a sliding "
+                             f"window, got {offload_tier} (swa_window {swa_window})")
         self.trace = trace
         self.max_batch_size = max_batch_size
         self.page_size = ps = page_size
@@ -234,6 +271,15 @@ class Scheduler:
         self.next_request = 0
         self.reserved_pages = 0
         self.num_finished = 0
+        # The host tier: (request, prefix, step it left) of the preempted request, and the engine's callbacks
+        # ``(step index, request, row, prefix)``: offload before the pages are freed, restore after req_to_token is
+        # rewritten.
+        self.offload_tier = offload_tier
+        self.offloaded: list[tuple[int, int, int]] = []
+        self.num_offloads = self.num_restores = 0
+        self.times_offloaded = np.zeros(len(trace), dtype=np.int64)
+        self.on_offload: Callable[[int, int, int, int], None] | None = None
+        self.on_restore: Callable[[int, int, int, int], None] | None = None
 
     def reserve_unused_pages(self) -> tuple[int, int | None] | None:
         """Take out of the pools for good a full page (and an SWA page in SWA mode) that no request ever held:
@@ -242,9 +288,9 @@ class Scheduler:
         The full page counts as reserved, so that admission never promises it to a request. The SWA pool is
         sized for the worst case of a full batch, which leaves it a page to spare.
         """
-        if self.reserved_pages + 1 > self.num_pages - 1 or self.free_pages.low == 0:
+        if self.reserved_pages + 1 > self.num_pages - 1 or not self.free_pages.has_unused:
             return None
-        if self.swa_window and self.swa_free.low == 0:
+        if self.swa_window and not self.swa_free.has_unused:
             return None
         self.reserved_pages += 1
         full = self.free_pages.take_unused()
@@ -252,21 +298,89 @@ class Scheduler:
 
     @property
     def done(self) -> bool:
-        return not self.running and self.next_request == len(self.trace)
+        return not self.running and not self.offloaded and self.next_request == len(self.trace)
 
     def steps(self) -> Iterator[Step]:
         """Yield one :class:`Step` per forward step; the scheduler advances when the next one is asked for."""
         index = 0
         while not self.done:
+            if self.offload_tier:
+                self._restore(index)
             self._admit()
+            if self.offload_tier and not self.offloaded and self._preempt(index) == "pressure":
+                self._admit(overtake=True)  # the head the victim made room for
             rows, prefix, ext = self._schedule()
             self._allocate(rows, prefix, ext)
             yield self._step(index, rows, prefix, ext)
             self._advance(rows, ext)
             index += 1
 
-    def _admit(self) -> None:
+    def _pool_blocked(self) -> bool:
+        """The head of the queue waits for pages alone (the batch has a place for it)."""
+        return (self.next_request < len(self.trace) and len(self.running) < self.max_batch_size
+                and self.reserved_pages + int(self.pages_needed[self.next_request]) > self.num_pages - 1)
+
+    def _preempt(self, index: int) -> str:
+        """Offload one running request to the tier when the rule of the module docstring says so; why (``"pressure"``
+        or ``"periodic"``), or ``""`` when none was."""
+        pressure = self._pool_blocked()
+        if not pressure and not (index > 0 and index % OFFLOAD_EVERY == 0):
+            return ""
         usable = self.num_pages - 1
+        # Fewest preemptions first, then the latest arrival (the running list is in arrival order): spread them.
+        for row in sorted(reversed(self.running), key=lambda r: int(self.times_offloaded[self.row_req[r]])):
+            req, prefix = int(self.row_req[row]), int(self.row_prefix[row])
+            if prefix < self.trace.context_tokens[req] or self.kv_len[req] - prefix < OFFLOAD_DWELL + 2:
+                continue
+            if prefix > self.offload_tier:
+                continue
+            if pressure and (self.reserved_pages - int(self.pages_needed[req])
+                             + int(self.pages_needed[self.next_request]) > usable):
+                continue
+            if self.on_offload is not None:
+                self.on_offload(index, req, row, prefix)
+            # Reused last: its restore lands in other pages, as in a pool busy enough to need the tier.
+            self.free_pages.push_cold(self.page_table[row, : _cdiv(prefix, self.page_size)])
+            self.reserved_pages -= int(self.pages_needed[req])
+            self.row_req[row] = -1
+            self.free_rows.append(row)
+            self.running.remove(row)
+            self.offloaded.append((req, prefix, index))
+            self.num_offloads += 1
+            self.times_offloaded[req] += 1
+            return "pressure" if pressure else "periodic"
+        return ""
+
+    def _restore(self, index: int) -> None:
+        """Bring the tier's request back into new pages once it has dwelt there and the pool has room."""
+        if not self.offloaded:
+            return
+        req, prefix, since = self.offloaded[0]
+        need = int(self.pages_needed[req])
+        if (index - since < OFFLOAD_DWELL or len(self.running) >= self.max_batch_size
+                or self.reserved_pages + need > self.num_pages - 1):
+            return
+        ps = self.page_size
+        row = self.free_rows.pop()
+        held = _cdiv(prefix, ps)
+        self.page_table[row, :held] = self.free_pages.pop(held)
+        pos = np.arange(prefix, dtype=np.int64)
+        self.req_to_token[row, :prefix] = self.page_table[row, pos // ps] * ps + pos % ps
+        self.row_req[row] = req
+        self.row_prefix[row] = prefix
+        self.reserved_pages += need
+        self.running.append(row)
+        self.running.sort(key=lambda r: int(self.row_req[r]))  # back in its arrival place (trace order)
+        self.offloaded.pop(0)
+        self.num_restores += 1
+        if self.on_restore is not None:
+            self.on_restore(index, req, row, prefix)
+
+    def _admit(self, overtake: bool = False) -> None:
+        """Admit from the queue; ``overtake``: even with a request in the tier (the head it was preempted for)."""
+        usable = self.num_pages - 1
+        if self.offloaded and not overtake:
+            return  # no new request overtakes the preempted one
         while self.next_request < len(self.trace) and len(self.running) < self.max_batch_size:
             need = int(self.pages_needed[self.next_request])
             if self.reserved_pages + need > usable:

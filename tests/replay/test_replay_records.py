@@ -15,7 +15,7 @@ import canary.replay.replay
 import canary.replay.replay_manager
 from canary.replay import cli
 from canary.replay.engine import _splitmix64, kv_bytes, token_of
-from canary.replay.faults import KINDS
+from canary.replay.faults import KINDS, OFFLOAD_KINDS
 from canary import splitmix64  # the public hash
 
 M64 = (1 << 64) - 1
@@ -131,17 +131,24 @@ EXPECTED = {
     "row-recycle": (["verify"], {"VERIFY_TOKEN"}, 1, {"VERIFY_TOKEN"}),
     # Only the layer rotation reads the last layer: found when the cursor reaches it (delay 1 to --num-layers).
     "kv-flip-last": (["verify_layer"], {"REAL_KV"}, None, {"REAL_KV"}),
+    # At a restore from the host tier, before the step's plan: its own verify reads the restored prefix.
+    "offload-stale": (["verify"], {"VERIFY_TOKEN", "CHAIN"}, 0, {"VERIFY_TOKEN"}),
+    "offload-swap": (["verify"], {"POSITION", "CHAIN"}, 0, {"POSITION"}),
+    "offload-partial": (["write", "verify"], {"POSITION", "WRITE_POSITION"}, 0, {"POSITION"}),
+    "offload-foreign": (["verify"], {"REAL_KV"}, 0, {"REAL_KV"}),
 }
 SWA_ONLY = {"swa-evict"}  # kinds that need --swa-window
 SWA = ["--swa-window", "256"]
 LAYERS_ONLY = {"kv-flip-last"}  # kinds that need --num-layers >= 2
 LAYERS = ["--num-layers", "3"]
+OFFLOAD_ONLY = set(OFFLOAD_KINDS)  # kinds that need --offload-tier (refused with --swa-window)
+OFFLOAD = ["--offload-tier", "8192"]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_each_fault_is_detected(tmp_path, capsys, kind):
     rc, s = _replay(tmp_path, "--inject", f"{kind}@20", *(SWA if kind in SWA_ONLY else []),
-                    *(LAYERS if kind in LAYERS_ONLY else []))
+                    *(LAYERS if kind in LAYERS_ONLY else []), *(OFFLOAD if kind in OFFLOAD_ONLY else []))
     text = capsys.readouterr().out
     assert rc == 0, text
     c = s["canary"]
@@ -153,7 +160,8 @@ def test_each_fault_is_detected(tmp_path, capsys, kind):
         assert 1 <= delay <= 3, f
     assert f["first_violation_step"] == f["applied_step"] + delay == f["applied_step"] + f["steps_to_detection"]
     assert set(kernels) <= set(f["kernels"]) and reasons <= set(f["reasons"]) and later <= set(f["all_reasons"])
-    if kind in ("kv-flip", "position", "token", "swa-evict", "spec-reject", "row-recycle", "kv-flip-last"):
+    if kind in ("kv-flip", "position", "token", "swa-evict", "spec-reject", "row-recycle", "kv-flip-last",
+                "offload-foreign"):
         assert f["kernels"] == kernels and set(f["reasons"]) == reasons
     if kind == "zero-kv":  # a mid-window position: no write chains from the zero slot
         assert f["kernels"] == kernels
@@ -164,10 +172,12 @@ def test_each_fault_is_detected(tmp_path, capsys, kind):
 
 def test_all_faults_at_once_and_in_a_sliding_window(tmp_path):
     for extra in ([], SWA):
-        kinds = [k for k in KINDS if (extra or k not in SWA_ONLY) and k not in LAYERS_ONLY]
+        kinds = [k for k in KINDS if (extra or k not in SWA_ONLY) and k not in LAYERS_ONLY
+                 and not (extra and k in OFFLOAD_ONLY)]
         args = [a for k in kinds for a in ("--inject", f"{k}@30")]
-        # Ten requests for nine faults (two each for overwrite and row-recycle), running at once: a longer run.
-        rc, s = _replay(tmp_path, *args, *extra, "--max-requests", "24")
+        # Ten requests for nine faults (two each for overwrite and row-recycle), running at once, and the restores
+        # of four more (full attention: the tier is refused with a sliding window): a longer run.
+        rc, s = _replay(tmp_path, *args, *extra, *([] if extra else OFFLOAD), "--max-requests", "24")
         faults = s["canary"]["faults"]
         assert rc == 0 and [f["kind"] for f in faults] == kinds
         assert all(f["detected"] and f["steps_to_detection"] <= 1 for f in faults), faults

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from canary.replay import cli
-from canary.replay.faults import KINDS
+from canary.replay.faults import KINDS, OFFLOAD_KINDS
 
 TRACES = ("conv", "code")
 
@@ -76,6 +76,8 @@ def test_each_fault_is_detected_with_a_small_budget(tmp_path, kind):
     dwell = 20
     if kind == "kv-flip-last":
         extra = ("--num-layers", "3", "--layer-dwell", str(dwell))
+    if kind in OFFLOAD_KINDS:
+        extra = ("--offload-tier", "8192")
     rc, s = _replay(tmp_path, *FAULT_RUN, "--inject", f"{kind}@20", "--verify-budget", "256", *extra)
     c = s["canary"]
     (f,) = c["faults"]
