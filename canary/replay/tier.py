@@ -11,58 +11,30 @@ not fit), so the copies of earlier offloads stay readable until the ring comes r
 ``offload-stale`` restore returns). On a GPU the simulated tier lives on the canary's device.
 
 The record moves go through the manager's ``gather_records`` / ``scatter_records`` / ``allocate_record_rows``
-when it has them, and through one :class:`canary.RecordMover` bound to the manager's group otherwise.
+(docs/integration.md 7b), the calls an engine makes.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from canary import RecordMover
-
 from .engine import K_BYTES, V_BYTES, EngineKV
-
-_MOVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _mover(manager: Any) -> RecordMover:
-    """The one RecordMover over the manager's one group's records (and layer table), bound on first use."""
-    mover = _MOVERS.get(manager)
-    if mover is None:
-        groups = manager.groups
-        if len(groups) != 1:
-            raise ValueError(f"kv-canary: --offload-tier: expected a manager of one KV group, got {len(groups)}")
-        g = groups[0]
-        mover = RecordMover(g.records, g.layers)
-        mover.warmup()
-        _MOVERS[manager] = mover
-    return mover
-
 
 def _gather(manager: Any, slots: Any, out: Any) -> None:
     """``out[i] = row(slots[i])`` (SPEC 4.1)."""
-    if hasattr(manager, "gather_records"):
-        manager.gather_records(slots, out)
-    else:
-        _mover(manager).gather(slots, out)
+    manager.gather_records(slots, out)
 
 
 def _scatter(manager: Any, rows: Any, slots: Any) -> None:
     """``row(slots[i]) = rows[i]`` (SPEC 4.1)."""
-    if hasattr(manager, "gather_records"):
-        manager.scatter_records(rows, slots)
-    else:
-        _mover(manager).scatter(slots, rows)
+    manager.scatter_records(rows, slots)
 
 
 def _rows(manager: Any, n: int) -> Any:
     """A zeroed ``[n, row_words]`` int64 buffer of record rows."""
-    if hasattr(manager, "gather_records"):
-        return manager.allocate_record_rows(n)
-    return _mover(manager).allocate_rows(n)
+    return manager.allocate_record_rows(n)
 
 
 @dataclass

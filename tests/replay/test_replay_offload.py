@@ -124,8 +124,8 @@ def test_the_tier_is_refused_with_a_sliding_window(capsys):
                           "--swa-window 256"), msg
 
 
-def test_the_adapter_takes_the_manager_calls_when_there():
-    """``_gather`` / ``_scatter`` / ``_rows`` call the manager's record moves when it has them."""
+def test_the_tier_moves_records_through_the_manager_calls():
+    """``_gather`` / ``_scatter`` / ``_rows`` are the manager's record moves, the calls an engine makes."""
     calls = []
 
     class Manager:
