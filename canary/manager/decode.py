@@ -77,7 +77,8 @@ class ReportDecoder:
         self.last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
         self.unhealthy: tuple | None = None  # (group, steps stalled, step) of a health failure not yet raised
         self._one_group = groups[0].name if len(groups) == 1 else None  # decode's quiet path
-        self.ranks, self.agreement = None, None  # distributed.py: the rank's labels, the per-step agreement
+        # distributed.py: the rank's labels (and what its log lines end with), the per-step agreement
+        self.ranks, self.suffix, self.agreement = None, "", None
 
     def stats(self) -> dict[str, Any]:
         """The manager's :meth:`~canary.CanaryManager.stats`."""
@@ -213,7 +214,7 @@ class ReportDecoder:
                     bits = PlanStatus(status)
                     log.warning(f"kv-canary: plan input error group={name} step={rec.index} status={status} "
                                 f"({'|'.join(b.name for b in PlanStatus if b and b in bits)}): that step verified "
-                                f"nothing")
+                                f"nothing" + self.suffix)
             self.last_counters[name] = now
             index = vals[i] & 0xFFFFFFFF  # the ring's int32 write index, read as its uint32 count
             if index:
@@ -222,7 +223,7 @@ class ReportDecoder:
                 if report.dropped:
                     dropped += report.dropped
                     st.dropped += report.dropped
-                    log.warning(overflow_line(name, rec.index, report.dropped, report.capacity))
+                    log.warning(overflow_line(name, rec.index, report.dropped, report.capacity) + self.suffix)
                     if metrics:
                         metrics.dropped.labels(group=name).inc(report.dropped)
                 rows = _RowCache(g)  # the index reads of this report's attributions, shared

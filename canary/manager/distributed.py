@@ -287,6 +287,7 @@ class DistributedManager:
 
     def _bind_ranks(self, ranks: Ranks | None, comms: dict[str, Communicator], block: Any) -> None:
         self.ranks = self._decoder.ranks = ranks
+        self._decoder.suffix = "" if ranks is None else ranks.suffix()
         if comms:
             lag = 1 if self.ordinal is None else 2
             self._agreement = self._decoder.agreement = Agreement([g.name for g in self.groups], block, comms,

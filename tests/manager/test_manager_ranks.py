@@ -5,6 +5,7 @@ The communicator adapters and the summary are tested in-process too (no torch ne
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -209,3 +210,26 @@ def test_nccl_and_cupy_adapters_reduce_on_one_gpu():  # pragma: no cover - needs
     words = np.array([3, -5, 1 << 62], np.int64)
     assert (comm.all_reduce(words, "max") == words).all() and (comm.all_reduce(words, "sum") == words).all()
     assert cupy.cuda.runtime.getDeviceCount() >= 1
+
+
+def test_a_lag_of_two_decodes_every_report_but_the_newest(caplog):
+    # A GPU manager's lag (2): the report of step n - 2 is decoded, waited for if need be, at step n's boundary
+    got = []
+    e = ToyEngine(ranks=Ranks(dp_rank=1, dp_size=2), communicator=LocalCommunicator(), on_violation=got.append,
+                  ring_capacity=1)
+    e.manager._agreement.lag = 2
+    e.add("a", [5, 6, 7, 8])
+    for _ in range(3):
+        e.decode_step(["a"])  # steps 0, 1, 2
+    for p in range(2):
+        e.flip("full", e.slot_of("a", p))
+    e.decode_step(["a"])  # step 3 sees the flips
+    e.decode_step(["a"])  # step 4's boundary decodes step 2 only
+    assert got == [] and e.manager.stats()["decoded_steps"] == 3
+    with caplog.at_level(logging.WARNING, logger="kv_canary"):
+        e.forward([("a", 1)])  # step 5's boundary decodes step 3
+    assert [v.step for v in got] == [3] and got[0].dropped == 1
+    assert any(r.getMessage().startswith("kv-canary: ring overflow") and r.getMessage().endswith("dp_rank=1")
+               for r in caplog.records)
+    e.manager.flush()
+    assert e.manager.stats()["decoded_steps"] == 6
