@@ -25,11 +25,12 @@ from ..errors import fail
 from ..interop.collectives import Communicator
 from .report import SlotViolation
 
-FIELDS = ("written", "verified", "status", "batch", "entries")  # a group's summary words, after its flag
-SCOPE_FIELDS = {"tp": FIELDS, "pp": ("verified", "status", "batch")}  # what each scope compares
+FIELDS = ("written", "verified", "status", "batch", "plan", "entries")  # a group's summary words, after its flag
+SCOPE_FIELDS = {"tp": FIELDS, "pp": ("verified", "status", "batch", "plan")}  # what each scope compares
 _MASK63 = (1 << 63) - 1  # the words are kept non-negative, so that -words carries the MIN through a MAX
 _ENTRY_SALT = 0x6B76_6361_6E61_7279  # so that the entry (0, 0, 0) does not hash to 0
 _BATCH_SALT = 0x6261_7463_6852_6F77
+_PLAN_SALT = 0x7665_7269_6679_506C
 _WRITE, _VERIFY = KernelTag.WRITE.counter_index, KernelTag.VERIFY.counter_index  # in a group's slot counters
 
 
@@ -154,15 +155,27 @@ class RankedMetrics:
         return self._make("Gauge", *a, **kw)
 
 
-def entries_digest(loc: Any, tok: Any, pos: Any) -> int | None:
-    """The order-independent digest of a step's written entries, ``sum(mix3(slot, token, position ^ salt))`` mod
-    2^64 over the entries with ``slot >= 0``, its top bit dropped; ``None`` unless all three are NumPy arrays (a
+def entries_digest(loc: Any, tok: Any, pos: Any, salt: int = _ENTRY_SALT) -> int | None:
+    """The order-independent digest of a step's entries, ``sum(mix3(slot, token, position ^ salt))`` mod 2^64
+    over the entries with ``slot >= 0``, its top bit dropped; ``None`` unless all three are NumPy arrays (a
     device array would need a sync: its digest word is 0 then, on every rank alike)."""
     if not (type(loc) is np.ndarray and type(tok) is np.ndarray and type(pos) is np.ndarray):
         return None
     keep = loc >= 0
-    h = mix3_u64(loc[keep], tok[keep], as_u64(pos[keep]) ^ np.uint64(_ENTRY_SALT))
+    h = mix3_u64(loc[keep], tok[keep], as_u64(pos[keep]) ^ np.uint64(salt))
     return int(h.sum(dtype=np.uint64)) & _MASK63
+
+
+def plan_digest(vp: Any) -> int | None:
+    """The digest of a verify plan's valid entries ``(slot, expected token, expected position)`` (as
+    :func:`entries_digest`, another salt; a ``MISSING_SLOT`` entry counts too); ``None`` unless host arrays."""
+    n = vp.verify_num_valid
+    if type(n) is not np.ndarray:
+        return None
+    n = max(0, min(int(n[0]), vp.verify_slot_indices.shape[0]))
+    slots = vp.verify_slot_indices[:n]
+    return entries_digest(as_u64(slots).view(np.int64) & _MASK63, vp.verify_expected_tokens[:n],
+                          vp.verify_expected_positions[:n], _PLAN_SALT)
 
 
 def batch_digest(rpi: np.ndarray | None) -> int:
@@ -186,7 +199,7 @@ class Agreement:
         self.comms = [(s, comms[s]) for s in ("tp", "pp") if s in comms]
         g = len(self.names)
         self._last = np.zeros((g, 2), np.int64)  # each group's cumulative (written, verified) counters
-        self.entries: dict[int, dict[str, int]] = {}  # step index -> {group: entries digest} (host arrays)
+        self.entries: dict[int, dict[str, tuple]] = {}  # step -> {group: (plan, entries) digests} (host arrays)
         self.steps = self.gathers = self.bytes = 0
 
     def stats(self) -> dict[str, Any]:
@@ -194,13 +207,15 @@ class Agreement:
         all-reduced, all scopes, times 8)."""
         return {"agreed_steps": self.steps, "gathers": self.gathers, "bytes_reduced": self.bytes}
 
-    def note(self, step: int, names: Any, loc: Any, tok: Any, pos: Any, by_group: dict | None) -> None:
-        """After a step's writes (the manager's ``after_kv_store``): its entries digests, where host arrays."""
+    def note(self, step: int, groups: Any, loc: Any, tok: Any, pos: Any, by_group: dict | None) -> None:
+        """After a step's writes (the manager's ``after_kv_store``, its plans still in place): the digests of
+        each group's verify plan and written entries, where host arrays."""
         got = {}
-        for name in names:
-            d = entries_digest((by_group or {}).get(name, loc), tok, pos)
-            if d is not None:
-                got[name] = d
+        for g in groups:
+            d = entries_digest((by_group or {}).get(g.name, loc), tok, pos)
+            p = plan_digest(g.verify_plan)
+            if d is not None or p is not None:
+                got[g.name] = (p or 0, d or 0)
         if got:
             self.entries[step] = got
             if len(self.entries) > 64:  # steps never decoded (a manager closed without flush): keep a bound
@@ -223,7 +238,7 @@ class Agreement:
             planned = name in rec.groups
             out[i] = (new[name] + dropped, written & _MASK63, verified & _MASK63,
                       (int(words[head + 4]) & 0xFFFFFFFF) if planned else 0, batch if planned else 0,
-                      entries.get(name, 0))
+                      *entries.get(name, (0, 0)))
         return out
 
     def agree(self, rec, words: np.ndarray, rpi: np.ndarray | None, found: list) -> list:
@@ -296,4 +311,4 @@ class DistributedManager:
     def _note_entries(self, sel, loc: Any, tok: Any, pos: Any, by_group: dict | None) -> None:
         # The step's written entries, digested on the host where the engine passed host arrays (no sync)
         if self._agreement is not None and self._steps.step is not None:
-            self._agreement.note(self._steps.step.index, [g.name for g in sel], loc, tok, pos, by_group)
+            self._agreement.note(self._steps.step.index, sel, loc, tok, pos, by_group)

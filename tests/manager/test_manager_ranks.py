@@ -70,8 +70,8 @@ def test_a_clean_run_agrees_on_every_rank(world):
         assert s["agreement"]["agreed_steps"] == s["decoded_steps"] == 4 and s["agreement"]["gathers"] == 0
         assert s["ranks"] == {"tp_rank": r % tp, "tp_size": tp, "pp_rank": r // tp, "pp_size": n // tp,
                               "dp_rank": 0, "dp_size": 1}
-        # one MAX of [flag, 5 words, -5 words] per group per scope per step
-        assert s["agreement"]["bytes_reduced"] == 4 * 8 * 11 * (1 if n == tp else 2)
+        # one MAX of [flag, 6 words, -6 words] per group per scope per step
+        assert s["agreement"]["bytes_reduced"] == 4 * 8 * 13 * (1 if n == tp else 2)
 
 
 def test_a_flip_on_one_rank_is_reported_on_every_rank_in_the_same_step(world):
@@ -167,7 +167,7 @@ def test_a_divergent_peer_is_named_through_the_gather():
     (rv,) = rep
     assert (rv.reason_names, rv.peers, rv.fields, rv.first_step) == (("RANK_DIVERGE",), (1,), ("written",), 0)
     assert rv.values == {"written": (3, 2)}  # a tie of two: the lowest rank's is the reference, the other named
-    assert comm.calls == [("max", 11), ("sum", 12)]
+    assert comm.calls == [("max", 13), ("sum", 14)]
     assert e.manager.ranks == Ranks(tp_rank=0, tp_size=2)
 
 
