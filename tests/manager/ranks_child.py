@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from helpers.manager_engine import ToyEngine  # noqa: E402
 
-from canary import Ranks, TorchDistributedCommunicator  # noqa: E402
+from canary import CanaryViolationError, Ranks, TorchDistributedCommunicator  # noqa: E402
 
 FAULTY = 1  # the global rank the faults are injected on
 
@@ -68,6 +68,19 @@ def main(rank: int, world: int, port: int, out: Path, tp: int) -> None:
                         if s.name == "kv_canary_steps_total"],
         }
         e.manager.close()
+    # mode "raise": every rank raises at the same step boundary, the faulty rank's flip named everywhere
+    e = ToyEngine(ranks=ranks, communicator=comm, on_violation="raise")
+    e.add("a", [5, 6, 7])
+    e.decode_step(["a"])
+    if rank == FAULTY:
+        e.flip("full", e.slot_of("a", 0))
+    e.decode_step(["a"])  # step 1 sees the flip
+    try:
+        e.decode_step(["a"])  # step 2's boundary decodes step 1
+        result["raise"] = None
+    except CanaryViolationError as err:
+        result["raise"] = {"step": err.step, "reasons": sorted(n for v in err.violations for n in v.reason_names)}
+    e.manager.close()
     (out / f"rank{rank}.json").write_text(json.dumps(result, default=str))
     dist.barrier()
     dist.destroy_process_group()

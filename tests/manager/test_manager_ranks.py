@@ -105,6 +105,14 @@ def test_a_lost_write_on_one_rank_is_a_divergence_naming_it(world):
             assert diverge == [], (r, recs)  # the other stage's ranks wrote alike; stages agree on batch and plan
 
 
+def test_raise_mode_raises_on_every_rank_at_the_same_boundary(world):
+    n, tp, results = world
+    for r, res in enumerate(results):
+        got = res["raise"]
+        assert got is not None and got["step"] == 1, (r, got)
+        assert "RANK_VIOLATION" in got["reasons"] and ("REAL_KV" in got["reasons"]) == (r == 1)
+
+
 def test_the_metrics_carry_the_rank_labels(world):
     n, tp, results = world
     for r, res in enumerate(results):
@@ -197,6 +205,42 @@ def test_bad_ranks_and_communicators_are_refused():
 def test_import_canary_imports_no_torch():
     code = "import sys, canary; assert 'torch' not in sys.modules and 'cupy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+@pytest.mark.gpu
+def test_a_gpu_manager_agrees_with_a_lag_of_two():  # pragma: no cover - needs a GPU
+    cupy = pytest.importorskip("cupy")
+    got = []
+    e = ToyEngine(xp=cupy, device=0, communicator=LocalCommunicator(), on_violation=got.append)
+    assert e.manager._agreement.lag == 2
+    e.add("a", [5, 6, 7, 8])
+    for _ in range(2):
+        e.decode_step(["a"])
+    e.flip("full", e.slot_of("a", 1))
+    e.decode_step(["a"])  # step 2 sees the flip
+    e.decode_step(["a"])  # step 3's boundary decodes step 1 only
+    assert got == []
+    e.forward([("a", 1)])  # step 4's boundary decodes step 2, waiting for it if need be
+    assert [v.step for v in got] == [2] and sorted(type(v).__name__ for v in got[0]) == ["RankViolation",
+                                                                                        "SlotViolation"]
+    e.manager.flush()
+
+
+@pytest.mark.gpu
+def test_torch_nccl_adapter_reduces_on_one_gpu(tmp_path):  # pragma: no cover - needs a GPU and torch with CUDA
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    code = (f"import torch.distributed as dist, numpy as np\n"
+            f"from canary import TorchDistributedCommunicator\n"
+            f"dist.init_process_group('nccl', init_method='tcp://127.0.0.1:{_free_port()}', rank=0, world_size=1)\n"
+            f"c = TorchDistributedCommunicator()\n"
+            f"w = np.array([3, -5, 1 << 62], np.int64)\n"
+            f"assert c.backend == 'nccl' and (c.all_reduce(w, 'max') == w).all()\n"
+            f"assert (c.all_reduce(w, 'min') == w).all()\n"
+            f"dist.destroy_process_group()\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=TIMEOUT_S,
+                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
 @pytest.mark.gpu
