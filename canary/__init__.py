@@ -19,12 +19,17 @@ NumPy (a sync for device arrays). :class:`LaunchConfig`: launch choices at bind 
 
 The engine-facing manager (``docs/integration.md``, ``canary.manager``): :class:`CanaryManager` bound over
 :class:`KVGroup` s, two calls per step, violations reported as :class:`SlotViolation` records,
-:class:`CanaryViolationError` / :class:`CanaryHealthError`.
+:class:`CanaryViolationError` / :class:`CanaryHealthError`; per rank (SPEC 4.3): :class:`Ranks`, a
+:class:`Communicator` (:class:`TorchDistributedCommunicator`, :class:`CupyNcclCommunicator`,
+:class:`LocalCommunicator`), disagreements as :class:`RankViolation` records.
 """
 from .backends.args import LaunchConfig
 from .errors import BackendUnavailableError, CanaryInputError, PlanStatus
+from .interop.collectives import Communicator, CupyNcclCommunicator, LocalCommunicator, TorchDistributedCommunicator
 from .interop.hostcopy import to_host
-from .manager import CanaryHealthError, CanaryManager, CanaryViolationError, KVGroup, SlotViolation, Violations
+from .manager import (
+    CanaryHealthError, CanaryManager, CanaryViolationError, KVGroup, RankViolation, Ranks, SlotViolation, Violations,
+)
 from .plan.planner import CanaryPlanner, launch_canary_plan_kernels
 from .contract.plans import MISSING_SLOT, SKIP_SEED, VerifyPlan, WritePlan
 from .records.api import CanaryRecords, scatter_expected_tokens
@@ -54,23 +59,29 @@ __all__ = [
     "CanaryState",
     "CanaryViolationError",
     "CheckFlags",
+    "Communicator",
+    "CupyNcclCommunicator",
     "DigestStatus",
     "FailReason",
     "Health",
     "KVGroup",
     "KernelTag",
     "LaunchConfig",
+    "LocalCommunicator",
     "LayerTable",
     "MISSING_SLOT",
     "MoveFault",
     "MoveStatus",
     "PlanStatus",
     "RealKV",
+    "RankViolation",
+    "Ranks",
     "RealKVMode",
     "RecordMover",
     "RingReport",
     "SKIP_SEED",
     "SlotViolation",
+    "TorchDistributedCommunicator",
     "VerifyPlan",
     "Violation",
     "Violations",

@@ -8,6 +8,7 @@ count) of a one-group manager without metrics decodes its counters only.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any, Callable, Hashable
@@ -76,6 +77,8 @@ class ReportDecoder:
         self.last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
         self.unhealthy: tuple | None = None  # (group, steps stalled, step) of a health failure not yet raised
         self._one_group = groups[0].name if len(groups) == 1 else None  # decode's quiet path
+        # distributed.py: the rank's labels (and what its log lines end with), the per-step agreement
+        self.ranks, self.suffix, self.agreement = None, "", None
 
     def stats(self) -> dict[str, Any]:
         """The manager's :meth:`~canary.CanaryManager.stats`."""
@@ -84,21 +87,32 @@ class ReportDecoder:
             out["reported_slots_marked"] = self.marks.marked
         if self.sweep:
             out.update(self.sweep.stats())
+        if self.ranks is not None:
+            out["ranks"] = dataclasses.asdict(self.ranks)
+        if self.agreement is not None:
+            out["agreement"] = self.agreement.stats()
         return out
 
     def handle_reports(self, wait: bool) -> None:
         """Decode every queued report that has reached the host, oldest first (``wait``: every queued one,
         waiting for each), then dispatch what they found. A health failure stops the decoding at its report (the
         later ones stay queued): what was decoded up to it is dispatched first, then :class:`CanaryHealthError`
-        is raised, carrying those new violations."""
+        is raised, carrying those new violations. With an ``agreement`` (distributed.py) every queued report but
+        the newest ``lag - 1`` is decoded, waited for if need be, each reduced with the other ranks'."""
         new: list[SlotViolation] = []
         dropped, last_step = 0, None
-        pending, transfer = self.pending, self.mailbox
+        pending, transfer, agreement = self.pending, self.mailbox, self.agreement
+        # A distributed manager decodes a fixed number of reports per call, waiting for them (distributed.py): the
+        # same steps on every rank, so that every rank reduces the same summaries at the same call
+        must = len(pending) if wait else 0 if agreement is None else len(pending) - agreement.lag + 1
         while pending:
+            if agreement is not None and must <= 0:
+                break
+            must -= 1
             rec, token = pending[0]
             got = transfer.take(token)
             if got is None:
-                if not wait:
+                if must < 0:
                     break
                 transfer.wait(token)
                 got = transfer.read(token)
@@ -106,13 +120,15 @@ class ReportDecoder:
             words, rpi = got
             try:
                 found, lost = self.decode(rec, words, rpi)
+                if agreement is not None:
+                    found = agreement.agree(rec, words, rpi, found)
             finally:
                 transfer.release(token)  # the words (and rows) stay the buffer's until here
             if found:
                 new += found
             dropped += lost
             last_step = rec.index
-            if self.unhealthy is not None:
+            if self.unhealthy is not None and agreement is None:
                 break
         if last_step is None:
             return
@@ -198,7 +214,7 @@ class ReportDecoder:
                     bits = PlanStatus(status)
                     log.warning(f"kv-canary: plan input error group={name} step={rec.index} status={status} "
                                 f"({'|'.join(b.name for b in PlanStatus if b and b in bits)}): that step verified "
-                                f"nothing")
+                                f"nothing" + self.suffix)
             self.last_counters[name] = now
             index = vals[i] & 0xFFFFFFFF  # the ring's int32 write index, read as its uint32 count
             if index:
@@ -207,7 +223,7 @@ class ReportDecoder:
                 if report.dropped:
                     dropped += report.dropped
                     st.dropped += report.dropped
-                    log.warning(overflow_line(name, rec.index, report.dropped, report.capacity))
+                    log.warning(overflow_line(name, rec.index, report.dropped, report.capacity) + self.suffix)
                     if metrics:
                         metrics.dropped.labels(group=name).inc(report.dropped)
                 rows = _RowCache(g)  # the index reads of this report's attributions, shared
@@ -257,7 +273,8 @@ class ReportDecoder:
                              requests=owners, first_step=rec.index, last_step=rec.index,
                              count=1, stored_token=v.stored_token, expected_token=v.expected_token, raw=v,
                              steps=[rec.index], prefixes=self.sweep.holders(g.name, v.slot, v.position),
-                             layer=layer, writers=self.writers(g, v, rec, rpi, owners, rows), rows=seen)
+                             layer=layer, writers=self.writers(g, v, rec, rpi, owners, rows), rows=seen,
+                             ranks=self.ranks)
 
     def writers(self, g: BoundGroup, v, rec, rpi: np.ndarray | None, owners: tuple, rows: _RowCache) -> tuple:
         """Requests whose write landed in ``v.slot`` although they do not own it at ``v.position``, with the

@@ -25,6 +25,7 @@ from ..interop.hostcopy import to_host
 from ..interop.streams import is_capturing
 from .block import ReportBlock
 from .decode import DecoderSetting, ReportDecoder
+from .distributed import DistributedManager, check_distributed
 from .eager import EagerGraphs
 from .groups import BOUND_ATTRS, BoundGroup, KVGroup, bind_group, bound_of, check_bound, check_groups, rebound
 from .guard import Guarded, request_call, step_call
@@ -44,7 +45,7 @@ from .transfer import open_transfer
 MODES = ("log", "raise")
 
 
-class CanaryManager(Guarded, RecordMoves):
+class CanaryManager(Guarded, RecordMoves, DistributedManager):
     """Detect KV-cache corruption around an engine's forward: plan, verify, write, report; move the records with
     KV that moves (:meth:`gather_records`, :meth:`scatter_records`, :meth:`move_records`: SPEC 4.1).
 
@@ -67,16 +68,17 @@ class CanaryManager(Guarded, RecordMoves):
     - ``metrics``: ``None``, ``True`` (the default ``prometheus_client`` registry) or a ``CollectorRegistry``.
     - ``health_steps``: a group scheduled in this many consecutive decoded steps whose kernels did not run
       (launch counters unchanged) raises :class:`CanaryHealthError`, in every mode.
-    - ``forget_after``: a reported slot seen again within this many steps is a repeat (counted in the record),
-      not a new report.
+    - ``forget_after``: a reported slot seen again within this many steps is a repeat (counted in the record).
     - ``sweep_budget``: cached-prefix entries each group verifies per step (a :class:`KVGroup`'s own
       ``sweep_budget`` wins; 0, the default: no sweep). ``prefix_source``: ``None`` (register prefixes with
       :meth:`cache_prefix` / :meth:`evict_prefix`) or a callable, called once per step, returning the cache's
       prefixes as ``(key, slots, tokens[, start_position])`` tuples (docs/integration.md 5b).
-
     - ``eager_graphs``: replay an eager step that repeats the last step's arrays (static step buffers) as one
       CUDA graph per call instead of launching its kernels one by one (CuPy backend; canary/manager/eager.py
       says when a step qualifies). Same launches, same checks, less host time; ``False``: always launch directly.
+    - ``ranks``: a :class:`~canary.Ranks` (``tp_rank`` / ``pp_rank`` / ``dp_rank``: labels of the reports, logs,
+      stats and metrics); ``communicator``: a :class:`~canary.interop.collectives.Communicator` of the
+      tensor-parallel group, or ``{"tp": c, "pp": c}``, to agree on each step with the other ranks (SPEC 4.3).
     Raises ``ValueError`` / ``TypeError`` (``kv-canary:`` messages) for bad arguments,
     :class:`~canary.BackendUnavailableError` when the device's libraries are missing.
     """
@@ -90,8 +92,8 @@ class CanaryManager(Guarded, RecordMoves):
                  ring_capacity: int = 256, max_requests: int | None = None, max_step_tokens: int | None = None,
                  log_limit: int = 8, stats_every: int = 0, metrics: Any = None, health_steps: int = 4,
                  forget_after: int = 64, sweep_budget: int = 0, prefix_source: Callable | None = None,
-                 eager_graphs: bool = True):
-        specs = check_groups(groups)
+                 eager_graphs: bool = True, ranks: Any = None, communicator: Any = None):
+        specs, (ranks, comms) = check_groups(groups), check_distributed(ranks, communicator)
         for name, value, low in (("max_batch_size", max_batch_size, 1), ("ring_capacity", ring_capacity, 1),
                                  ("log_limit", log_limit, 0), ("stats_every", stats_every, 0),
                                  ("health_steps", health_steps, 1), ("forget_after", forget_after, 0),
@@ -104,14 +106,12 @@ class CanaryManager(Guarded, RecordMoves):
         if not (callable(on_violation) or on_violation in MODES):
             raise fail(ValueError, f"on_violation: expected 'log', 'raise' or a callable taking a list of "
                                    f"SlotViolation, got {on_violation!r}")
-        self.max_batch_size = int(max_batch_size)
-        self.ordinal = cuda_ordinal(device)
+        self.max_batch_size, self.ordinal = int(max_batch_size), cuda_ordinal(device)
         empty = allocator(device, library)
         max_reqs, max_seq_len = index_shape(specs[0])
         rows = (2 * max_reqs if max_requests is None else int(max_requests)) + 1
         cols = max_seq_len + 1  # + 1: a draft group reads column position + 1
-        self.pool_array = empty(rows * cols, np.int32).reshape(rows, cols)
-        self.requests = RequestPool(rows, cols)
+        self.pool_array, self.requests = empty(rows * cols, np.int32).reshape(rows, cols), RequestPool(rows, cols)
         b = self.max_batch_size
         step_tokens = int(max_step_tokens or max(4096, max_seq_len))
         u = max(64, 2 * self.max_batch_size)
@@ -138,7 +138,7 @@ class CanaryManager(Guarded, RecordMoves):
         self._sweep = Sweeper(self.groups, check_budget("sweep_budget", sweep_budget), empty, self.ordinal,
                               prefix_source)
         self.stats_ = Stats([g.name for g in self.groups])
-        metrics = None if metrics is None or metrics is False else PrometheusMetrics(metrics)
+        metrics = None if metrics is None or metrics is False else PrometheusMetrics(metrics, ranks)
         self._intake = TokenIntake(self.requests, staging_side, self.ordinal, self.max_batch_size)
         # _launch's common case bound once: arrays of CuPy's, no stream given; the capture query of
         # canary/interop/cudart.py's runtime
@@ -164,10 +164,9 @@ class CanaryManager(Guarded, RecordMoves):
         # The calling contract (guard.py): the lock the request calls and the step calls hold (re-entrant: a
         # callback may call add_request / finish_request), the step thread, the step call in progress
         self._lock = threading.RLock()
-        self._thread: int | None = None
-        self._busy: str | None = None
-        self._closed = False
+        self._thread, self._busy, self._closed = None, None, False
         self._movers, self._move_status = {}, block.move_status  # moves.py: each report carries the move faults
+        self._bind_ranks(ranks, comms, block)  # distributed.py: the labels, the per-step agreement
 
     # The step machine's open step and whether its report joins the after_kv_store graph (tests read and set them)
     _step = property(lambda self: self._steps.step)
@@ -390,6 +389,7 @@ class CanaryManager(Guarded, RecordMoves):
             names = self._all_names if groups is None else tuple(g.name for g in sel)
             in_graph = steps.eager_write(sel, names, out_cache_loc, input_ids, positions, st)
         if not capturing:
+            self._note_entries(sel, out_cache_loc, input_ids, positions, out_cache_loc_by_group)
             steps.end(handle, st, reported=in_graph)
 
     @step_call()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Any, Hashable
 
 from ..contract.ring import FailReason, KernelTag, Violation
 
@@ -55,6 +55,7 @@ class SlotViolation:
       that position when the report was decoded (``kernel == "sweep"``: a cached block no request was reading).
     - ``layer``: the layer whose KV bytes changed, for a ``REAL_KV`` violation found by the layer rotation
       (docs/integration.md 5c); ``None`` otherwise (the main verify's real-KV check covers its own sources).
+    - ``ranks``: the manager's :class:`~canary.Ranks` (``None``: none given), also at the end of the log line.
     """
 
     group: str
@@ -74,6 +75,7 @@ class SlotViolation:
     layer: int | None = None
     writers: tuple[tuple[Hashable, int], ...] = ()
     rows: tuple[Violation, ...] = ()
+    ranks: Any = None
 
     @property
     def reason_names(self) -> tuple[str, ...]:
@@ -99,7 +101,7 @@ class SlotViolation:
         return (f"kv-canary: violation group={self.group} kernel={self.kernel}{layer} step={self.first_step} "
                 f"slot={self.slot} position={self.position} reasons={'|'.join(self.reason_names) or 'NONE'} "
                 f"stored_token={self.stored_token} expected_token={self.expected_token} requests={reqs}{cached} "
-                f"count={self.count}")
+                f"count={self.count}" + (self.ranks.suffix() if self.ranks is not None else ""))
 
 
 class CanaryViolationError(RuntimeError):

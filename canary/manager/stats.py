@@ -50,9 +50,10 @@ class Stats:
 
 
 class PrometheusMetrics:
-    """``prometheus_client`` counters and a gauge on ``registry`` (names in docs/integration.md)."""
+    """``prometheus_client`` counters and a gauge on ``registry`` (names in docs/integration.md); ``ranks``: a
+    :class:`~canary.Ranks` whose labels every metric carries too."""
 
-    def __init__(self, registry: Any):
+    def __init__(self, registry: Any, ranks: Any = None):
         try:
             import prometheus_client as pc
         except ImportError as exc:
@@ -62,6 +63,10 @@ class PrometheusMetrics:
             raise fail(TypeError, f"metrics: expected None, True (the default registry) or a prometheus_client "
                                   f"CollectorRegistry, got {type(registry).__name__}")
         kw = {} if registry is True else {"registry": registry}
+        if ranks is not None:  # every metric labelled tp_rank / pp_rank / dp_rank too (distributed.py)
+            from .distributed import RankedMetrics
+
+            pc = RankedMetrics(pc, ranks)
         self.violations = pc.Counter("kv_canary_violations_total", "KV slots found corrupted (first sightings)",
                                      ["group", "reason"], **kw)
         self.verified = pc.Counter("kv_canary_verified_entries_total", "Cached KV records verified", ["group"], **kw)
