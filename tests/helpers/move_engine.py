@@ -1,10 +1,12 @@
 """A tiny paged engine whose KV moves (SPEC 4.1): requests written through the planner and the canary, their KV
 and records moved between slots as an engine moves them, then verified through the planner again.
 
-:class:`Pool` holds the KV (two sources, and per-layer sources when ``num_layers``), the canary, its layer
-rotation, a :class:`~canary.RecordMover` and a planner over ``req_to_token``; :meth:`Pool.step` runs one step of
-one request (plan, verify, KV stores, write) and :meth:`Pool.check` verifies a request (every layer, when the
-rotation is on). :data:`SCENARIOS` are the moves of SPEC 4.1, clean and broken; :func:`run_scenario` runs one on a
+:class:`Pool` holds the KV (two sources, and per-layer sources when ``num_layers``; real-KV ``mode`` ALL or
+PARTIAL), the canary, its layer rotation, a :class:`~canary.RecordMover` and a planner over ``req_to_token`` (with
+an expected-token pool, ``Pool.expected``, when ``expected_tokens``: each step stores its tokens in its row);
+:meth:`Pool.step` runs one step of one request (plan, verify, KV stores, write), :meth:`Pool.check` verifies a
+request (every layer, when the rotation is on) and :meth:`Pool.verify_rows` several at once.
+:data:`SCENARIOS` are the moves of SPEC 4.1, clean and broken; :func:`run_scenario` runs one on a
 backend and returns what each of its checks found, so that the backends can be compared and the expectations
 asserted (``tests/records/test_move_roundtrip.py``).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from canary import (CanaryLayers, CanaryPlanner, CanaryRecords, CanaryState, KernelTag, RecordMover, VerifyPlan,
-                    WritePlan)
+                    WritePlan, real_kv)
 from canary.interop.hostcopy import to_host
 
 NB = 32  # bytes per token of every KV source
@@ -21,7 +23,8 @@ MAX_REQS, MAX_LEN = 4, 48
 
 
 class Pool:
-    def __init__(self, backend: str, xp=np, num_slots: int = 96, num_layers: int = 0, seed: int = 0):
+    def __init__(self, backend: str, xp=np, num_slots: int = 96, num_layers: int = 0, seed: int = 0,
+                 mode: str = "all", expected_tokens: bool = False):
         self.xp, self.backend = xp, backend
         self.rng = np.random.default_rng(seed)
         device = "cpu" if xp is np else 0
@@ -29,18 +32,22 @@ class Pool:
         self.v = xp.asarray(self._bytes((num_slots, NB)))
         self.lk = xp.asarray(self._bytes((max(num_layers, 1), num_slots, NB)))  # the rotation's layers
         self.state = CanaryState.allocate(num_slots=num_slots, ring_capacity=512, device=device)
-        self.records = CanaryRecords(self.state, [(self.k, 1, NB), (self.v, 1, NB)], backend=backend)
+        self.records = CanaryRecords(self.state, real_kv([(self.k, 1, NB), (self.v, 1, NB)], mode), backend=backend)
         self.num_layers = num_layers
+        self.drained: list = []  # every ring row found() decoded (Violation objects)
         self.layers = None
         if num_layers:
             self.layers = CanaryLayers(self.records, [[(self.lk[i], 1, NB)] for i in range(num_layers)],
-                                       backend=backend)
+                                       mode=mode, backend=backend)
         self.mover = RecordMover(self.records, self.layers, copy_capacity=64, backend=backend)
         self.req_to_token = xp.zeros((MAX_REQS, MAX_LEN), dtype=xp.int32)
         self.vp = VerifyPlan.allocate(verify_capacity=4 * MAX_LEN, max_reqs=MAX_REQS, device=device)
-        self.wp = WritePlan.allocate(write_req_capacity=2, device=device)
+        self.wp = WritePlan.allocate(write_req_capacity=MAX_REQS, device=device)
+        # the expected-token pool, one row per req_to_token row (q = rp): each step stores its tokens there
+        self.expected = xp.zeros((MAX_REQS, MAX_LEN), dtype=xp.int32) if expected_tokens else None
         self.planner = CanaryPlanner(verify_plan_out=self.vp, write_plan_out=self.wp,
-                                     req_to_token=self.req_to_token, backend=backend)
+                                     req_to_token=self.req_to_token, req_to_verify_expected_tokens=self.expected,
+                                     backend=backend)
 
     def _bytes(self, shape) -> np.ndarray:
         return self.rng.integers(0, 256, shape, dtype=np.uint8)
@@ -65,10 +72,20 @@ class Pool:
         """``req_to_token[rp, start:start + len(slots)] = slots``: the engine's index names the new slots."""
         self.req_to_token[rp, start:start + len(slots)] = self.xp.asarray(np.asarray(slots, dtype=np.int32))
 
-    def _plan(self, rp: int, prefix: int, extend: int) -> None:
+    def _plan(self, rp, prefix, extend) -> None:
+        """One plan over the rows ``rp`` (an int, or a list of them with lists of prefixes and extends)."""
         a = self.xp.asarray
-        self.planner.plan(req_pool_indices=a(np.array([rp])), prefix_lens=a(np.array([prefix])),
-                          extend_seq_lens=a(np.array([extend])))
+        rows, prefix, extend = (np.atleast_1d(np.asarray(x, dtype=np.int64)) for x in (rp, prefix, extend))
+        valid = None if self.expected is None else a(np.full(rows.shape, MAX_LEN, dtype=np.int64))
+        self.planner.plan(req_pool_indices=a(rows), prefix_lens=a(prefix), extend_seq_lens=a(extend),
+                          req_to_verify_expected_tokens_valid_lens=valid)
+
+    def verify_rows(self, rps, lengths) -> list:
+        """One verify over several requests at once (rows ``rps``, their first ``lengths`` positions each): readers
+        of a shared block verified in one plan. Returns what it found."""
+        self._plan(list(rps), list(lengths), [0] * len(rps))
+        self.records.verify(self.vp)
+        return self.found()
 
     def step(self, rp: int, prefix: int, new_slots) -> list:
         """One step of request ``rp``: its ``len(new_slots)`` new tokens stored at ``new_slots`` (positions
@@ -83,6 +100,8 @@ class Pool:
         self.put_kv(new_slots, (self.xp.asarray(self._bytes((e, NB))), self.xp.asarray(self._bytes((e, NB))),
                                 self.xp.asarray(self._bytes((self.lk.shape[0], e, NB)))))
         tokens = self.xp.asarray(self.rng.integers(0, 50_000, e).astype(np.int64))
+        if self.expected is not None:
+            self.expected[rp, prefix:prefix + e] = tokens.astype(self.xp.int32)
         self.records.write(self.wp, out_cache_loc=s, input_ids=tokens,
                            positions=self.xp.asarray(np.arange(prefix, prefix + e, dtype=np.int64)))
         if self.layers is not None:
@@ -102,8 +121,10 @@ class Pool:
 
     def found(self) -> list:
         """The ring's rows since the last call, sorted: ``(kind, slot, position, reason bits, layer)``."""
+        rows = list(self.state.drain())
+        self.drained += rows  # the decoded rows too, for a caller that wants their tokens
         return sorted((int(v.kernel), v.slot, v.position, int(v.reasons), -1 if v.layer is None else v.layer)
-                      for v in self.state.drain())
+                      for v in rows)
 
     def fields(self, slots) -> np.ndarray:
         buf = np.asarray(to_host(self.state.canary_buffer)).view(np.int64)

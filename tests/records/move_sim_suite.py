@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 from helpers import move_cases as mc
-from helpers import move_engine
+from helpers import arrival_cases, move_engine
 
 from canary.backends.args import LaunchConfig
 
@@ -68,3 +68,17 @@ def test_round_trips_through_plan_and_verify(scenario):
     """The planner, write, verify and the mover all on the Numba twins: what the reference finds, they find."""
     want = move_engine.run_scenario(scenario, "reference")
     assert move_engine.run_scenario(scenario, "numba") == want
+
+
+@pytest.mark.parametrize("fault", list(arrival_cases.FAULTS))
+def test_restores_checked_on_arrival(fault):
+    """SPEC 4.1 "Checked on arrival" on the Numba twins (the rotation on, where the fault allows it)."""
+    kw = dict(num_layers=0 if fault in arrival_cases.NO_LAYERS else 3)
+    assert arrival_cases.restore(fault, "numba", **kw) == arrival_cases.restore(fault, "reference", **kw)
+
+
+@pytest.mark.parametrize("scenario", ["shared_prefix", "fork"])
+def test_shared_blocks_and_forks(scenario):
+    run = getattr(arrival_cases, scenario)
+    assert run(move_engine.Pool("numba", expected_tokens=True)) == run(move_engine.Pool("reference",
+                                                                                         expected_tokens=True))
