@@ -31,7 +31,18 @@ Per engine step (the hooks are in ``canary/integrations/hf_patches.py``):
 - :meth:`Session.on_update`, after the engine appended the sampled tokens to its request states: the tokens it
   kept, accepted as host ints (the engine zeroes its device output buffer before the next forward).
 - :meth:`Session.on_free`, when the engine frees a request's blocks (finished, cancelled, failed, soft reset):
-  ``finish_request``, its row freed.
+  ``finish_request``, its row freed; not for a request just offloaded to the CPU pool (below).
+
+**CPU offload** (``cpu_offload_space > 0``: the engine's ``OffloadingManager``). When the engine copies a
+request's blocks out to its CPU pool (``_offload_to_cpu``: block ``b`` of the request to CPU block ``c``, on its
+compute stream), :meth:`Session.on_offload` gathers the records of the request's slots (``b * block_size +
+offset``) into a host rows buffer laid out as the CPU pool (CPU block ``c``'s rows are ``c * block_size`` ..
+``(c + 1) * block_size - 1``), on the same stream after the engine's copy; the request keeps its canary row and its
+expected tokens while it waits (the engine keeps its state object). When the engine restores it into the blocks
+it just allocated (``restore_scheduled_requests``), :meth:`Session.on_restore` scatters the rows into the new
+slots after the engine's copy back and before the step that reads them: the records move verbatim with the KV
+(docs/integration.md 7b), so a byte changed in the CPU pool, or KV restored into other blocks than the block
+table names, is reported at the next read, naming the request.
 """
 from __future__ import annotations
 
@@ -78,6 +89,19 @@ class _Live:
     state: Any  # the engine's RequestState (a soft reset makes a new one under the same id)
     row: int
     generated: int  # generated tokens already accepted
+    offloaded: int = 0  # 1: copied to the engine's CPU pool, its blocks about to be freed; 2: waiting there
+
+
+def runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """(first value, offset in ``indices``, length) of each stretch of consecutive values of ``indices``."""
+    out: list[tuple[int, int, int]] = []
+    for i, v in enumerate(indices):
+        if out and v == out[-1][0] + out[-1][2]:
+            first, at, n = out[-1]
+            out[-1] = (first, at, n + 1)
+        else:
+            out.append((v, i, 1))
+    return out
 
 
 class Session:
@@ -93,9 +117,6 @@ class Session:
         if cache.use_prefix_sharing:
             raise kv_fail(ValueError, "cache: expected prefix block sharing off, got use_prefix_sharing=True "
                                       "(pass ContinuousBatchingConfig(allow_block_sharing=False))")
-        if getattr(processor.offloading_manager, "_num_cpu_blocks", 0):
-            raise kv_fail(ValueError, "offloading: expected no CPU offload pool, got one (pass "
-                                      "ContinuousBatchingConfig(cpu_offload_space=0))")
         fast = int(getattr(cache, "max_blocks_per_request", 0) or 0)
         if fast > 0:
             raise kv_fail(ValueError, f"cache: expected no decode fast path, got max_blocks_per_request={fast} (flash "
@@ -141,6 +162,14 @@ class Session:
         self.live: dict[Hashable, _Live] = {}
         self.skipped: dict[Hashable, Any] = {}  # request -> the state the canary does not protect
         self.protected_total = self.unprotected_total = 0
+        self.block_size = int(cache.block_size)
+        self.offloading = processor.offloading_manager
+        cpu_blocks = int(getattr(self.offloading, "_num_cpu_blocks", 0) or 0)
+        # The records of the engine's CPU pool, CPU block c at rows [c * block_size, (c + 1) * block_size): pinned
+        # host memory on a GPU (the mover's kernels write it through unified addressing)
+        self.cpu_rows = (self.canary.allocate_record_rows(cpu_blocks * self.block_size, pinned=True)
+                         if cpu_blocks else None)
+        self.offloaded_total = self.restored_total = 0
         self.host_s: list[float] = []  # host seconds the canary added, per step (bounded)
         self.glue_s: list[float] = []  # of which outside the CanaryManager's calls (this glue's own)
         self.decode_steps: list[bool] = []  # per step: one token a row (a decode step)
@@ -219,11 +248,77 @@ class Session:
 
     def on_free(self, rid: Hashable) -> None:
         t = time.perf_counter()
+        rec = self.live.get(rid)
+        if rec is not None and rec.offloaded == 1:  # the free that follows its offload: it waits in the CPU pool
+            rec.offloaded = 2
+            self._t += time.perf_counter() - t
+            return
         self.skipped.pop(rid, None)
         rec = self.live.pop(rid, None)
         if rec is not None:
             self.canary.finish_request(rid)
             self.free_rows.append(rec.row)
+        self._t += time.perf_counter() - t
+
+    # -- CPU offload ------------------------------------------------------------------------------------------
+    def _slots(self, blocks: list[int]) -> Any:
+        """Every slot of ``blocks``, in order: ``[len(blocks) * block_size]`` int64 (host, or on the cache's device)."""
+        bs = self.block_size
+        slots = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs, dtype=np.int64)).ravel()
+        if not self.cuda:
+            return slots
+        return self.torch.from_numpy(slots).to(self.cache.device)  # a pageable copy: done when this returns
+
+    def on_offload(self, rids: Any) -> None:
+        """After the engine's ``_offload_to_cpu`` queued its copies (``rids``: the requests it copied out, their
+        blocks not freed yet): their slots' records gathered into :attr:`cpu_rows` at their CPU blocks' rows."""
+        t = time.perf_counter()
+        table = self.cache.group_cache_managers[0].block_table
+        cpu_of = self.offloading._request_id_to_cpu_blocks
+        for rid in rids:
+            rec = self.live.get(rid)
+            if rec is None:
+                continue
+            gpu, cpu = table.get(rid, []), cpu_of[rid]
+            bs = self.block_size
+            m = time.perf_counter()
+            for first, at, n in runs(cpu):
+                self.canary.gather_records(self._slots(gpu[at:at + n]), self.cpu_rows[first * bs:(first + n) * bs],
+                                           stream=self.stream)
+            self._m += time.perf_counter() - m
+            rec.offloaded = 1
+            self.offloaded_total += 1
+        self._t += time.perf_counter() - t
+
+    def before_restore(self, requests_in_batch: list) -> list:
+        """Before the engine's ``restore_scheduled_requests`` (which forgets the CPU blocks): for each protected
+        request it restores, (request, its CPU blocks, the blocks it restores them into)."""
+        plan = []
+        table = self.cache.group_cache_managers[0].block_table
+        cpu_of, counts = self.offloading._request_id_to_cpu_blocks, self.offloading._request_id_to_group_block_counts
+        for fs in requests_in_batch:
+            st = fs.state
+            if not st.is_cpu_offloaded:
+                continue
+            rec = self.live.get(st.request_id)
+            if rec is None or rec.state is not st or rec.offloaded != 2:
+                continue
+            n = counts[st.request_id][0]
+            plan.append((rec, list(cpu_of[st.request_id]), list(table.get(st.request_id, [])[:n])))
+        return plan
+
+    def on_restore(self, plan: list) -> None:
+        """After the engine queued its copies back: each request's rows scattered into the slots of its new blocks."""
+        t = time.perf_counter()
+        bs = self.block_size
+        for rec, cpu, gpu in plan:
+            m = time.perf_counter()
+            for first, at, n in runs(cpu):
+                self.canary.scatter_records(self.cpu_rows[first * bs:(first + n) * bs], self._slots(gpu[at:at + n]),
+                                            stream=self.stream)
+            self._m += time.perf_counter() - m
+            rec.offloaded = 0
+            self.restored_total += 1
         self._t += time.perf_counter() - t
 
     def on_update(self) -> None:
@@ -394,6 +489,8 @@ class Session:
         out = self.canary.stats()
         out["protected_requests"] = self.protected_total
         out["unprotected_requests"] = self.unprotected_total
+        out["offloaded_requests"] = self.offloaded_total
+        out["restored_requests"] = self.restored_total
         return out
 
     def close(self) -> dict[str, Any]:
