@@ -3,7 +3,7 @@
 transformers 5.17 has no hook for code around the forward of ``ContinuousBatchingManager``'s generation loop,
 nor for request admission, sampled tokens or freed blocks (its public extension points are the scheduler
 class, logits processors and the output handlers, none of which sees the forward or the cache). So the canary
-wraps eight methods, **on the instances it is given** (never on the classes: another manager, or the same model
+wraps nine methods, **on the instances it is given** (never on the classes: another manager, or the same model
 without the canary, runs untouched), each listed in :data:`PATCHES` with what it does and why, and undone by
 :meth:`Attachment.detach`. Each wrapper calls the original first or last and changes none of its arguments or
 results; the canary changes no engine state.
@@ -47,7 +47,16 @@ PATCHES = (
      "request it restores; after it: their rows scattered into the slots of the blocks it copied the KV into",
      "the one place the engine copies KV back from its CPU pool (into blocks just allocated), before the step "
      "that reads them"),
+    ("processor.cache.mark_shareable_blocks_as_complete", "around it (prefix block sharing): a block of a "
+     "protected request swapped in place for an existing block with the same tokens whose records are not the "
+     "canary's gets the request's records (move_records)", "the one place the engine swaps a request's block for "
+     "another (when the block completes)"),
 )
+
+
+def processor_table(session: Session) -> dict:
+    """The engine's block table (request -> its blocks) of the session's one full-attention group."""
+    return session.cache.group_cache_managers[0].block_table
 
 
 class PatchSet:
@@ -124,6 +133,8 @@ class Attachment:
         self.patches.wrap(processor.model_runner, "compute_batch", self._compute_batch)
         self.patches.wrap(processor, "update_batch", self._update_batch)
         self.patches.wrap(processor.cache, "free_blocks", self._free_blocks)
+        if getattr(processor.cache, "use_prefix_sharing", False):
+            self.patches.wrap(processor.cache, "mark_shareable_blocks_as_complete", self._complete)
         offloading = getattr(processor, "offloading_manager", None)
         if offloading is not None:
             self.patches.wrap(offloading, "_offload_to_cpu", self._offload_to_cpu)
@@ -156,6 +167,17 @@ class Attachment:
             if self.session is not None:
                 self.session.on_free(request_id)
         return free_blocks
+
+    def _complete(self, orig: Callable) -> Callable:
+        def mark_shareable_blocks_as_complete(state, num_complete_blocks):
+            session = self.session
+            if session is None or not num_complete_blocks:
+                return orig(state, num_complete_blocks)
+            before = list(processor_table(session).get(state.request_id, ()))
+            out = orig(state, num_complete_blocks)
+            session.on_complete(state, before)
+            return out
+        return mark_shareable_blocks_as_complete
 
     def _offload_to_cpu(self, orig: Callable) -> Callable:
         def offload_to_cpu(victims):

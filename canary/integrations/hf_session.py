@@ -55,6 +55,8 @@ import numpy as np
 
 from canary import CanaryManager, KVGroup
 
+from .hf_moves import KVMoves
+
 STAGING_BUFFERS = 4  # pinned host buffers in rotation: async batching runs the host one step ahead of the GPU
 
 
@@ -92,19 +94,7 @@ class _Live:
     offloaded: int = 0  # 1: copied to the engine's CPU pool, its blocks about to be freed; 2: waiting there
 
 
-def runs(indices: list[int]) -> list[tuple[int, int, int]]:
-    """(first value, offset in ``indices``, length) of each stretch of consecutive values of ``indices``."""
-    out: list[tuple[int, int, int]] = []
-    for i, v in enumerate(indices):
-        if out and v == out[-1][0] + out[-1][2]:
-            first, at, n = out[-1]
-            out[-1] = (first, at, n + 1)
-        else:
-            out.append((v, i, 1))
-    return out
-
-
-class Session:
+class Session(KVMoves):
     """The canary of one generation loop over one ``ContinuousBatchProcessor`` (transformers 5.17)."""
 
     def __init__(self, processor: Any, opts: Options, deliver: Callable, torch: Any):
@@ -114,9 +104,6 @@ class Session:
             raise kv_fail(ValueError, f"cache: expected one full-attention layer group (sliding-window and hybrid "
                                       f"models are not protected yet), got {cache.num_groups} groups, "
                                       f"{cache.num_sliding_attention_groups} of them sliding")
-        if cache.use_prefix_sharing:
-            raise kv_fail(ValueError, "cache: expected prefix block sharing off, got use_prefix_sharing=True "
-                                      "(pass ContinuousBatchingConfig(allow_block_sharing=False))")
         fast = int(getattr(cache, "max_blocks_per_request", 0) or 0)
         if fast > 0:
             raise kv_fail(ValueError, f"cache: expected no decode fast path, got max_blocks_per_request={fast} (flash "
@@ -170,6 +157,12 @@ class Session:
         self.cpu_rows = (self.canary.allocate_record_rows(cpu_blocks * self.block_size, pinned=True)
                          if cpu_blocks else None)
         self.offloaded_total = self.restored_total = 0
+        self.sharing = bool(cache.use_prefix_sharing)
+        # Blocks whose records may not match their KV: kept (hashed) from before this session's canary existed, or
+        # held by a request the canary does not protect (its writes skipped). A prefix hit on one runs
+        # unprotected; a protected request's block swapped in place for one moves its records there.
+        self.unrecorded: set[int] = set(cache._block_manager._hash_to_id.values()) if self.sharing else set()
+        self.prefix_hits = self.swapped_blocks = 0
         self.host_s: list[float] = []  # host seconds the canary added, per step (bounded)
         self.glue_s: list[float] = []  # of which outside the CanaryManager's calls (this glue's own)
         self.decode_steps: list[bool] = []  # per step: one token a row (a decode step)
@@ -227,12 +220,13 @@ class Session:
             self.free_rows.append(old.row)
         limit = state.max_new_tokens
         total = len(state.initial_tokens) + (0 if limit is None else int(limit))
-        if past != 0 or total > self.cols or not self.free_rows:
+        if (past != 0 and not self._shared_prefix(rid, state, past)) or total > self.cols or not self.free_rows:
             # first seen mid-sequence, too long, or no row left: it runs unprotected
             self.skipped[rid] = state
             self.unprotected_total += 1
             return None
         self.canary.add_request(rid, state.initial_tokens)
+        self.prefix_hits += past != 0
         rec = self.live[rid] = _Live(state, self.free_rows.popleft(), len(state.generated_tokens))
         self.skipped.pop(rid, None)
         self.protected_total += 1
@@ -258,67 +252,6 @@ class Session:
         if rec is not None:
             self.canary.finish_request(rid)
             self.free_rows.append(rec.row)
-        self._t += time.perf_counter() - t
-
-    # -- CPU offload ------------------------------------------------------------------------------------------
-    def _slots(self, blocks: list[int]) -> Any:
-        """Every slot of ``blocks``, in order: ``[len(blocks) * block_size]`` int64 (host, or on the cache's device)."""
-        bs = self.block_size
-        slots = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs, dtype=np.int64)).ravel()
-        if not self.cuda:
-            return slots
-        return self.torch.from_numpy(slots).to(self.cache.device)  # a pageable copy: done when this returns
-
-    def on_offload(self, rids: Any) -> None:
-        """After the engine's ``_offload_to_cpu`` queued its copies (``rids``: the requests it copied out, their
-        blocks not freed yet): their slots' records gathered into :attr:`cpu_rows` at their CPU blocks' rows."""
-        t = time.perf_counter()
-        table = self.cache.group_cache_managers[0].block_table
-        cpu_of = self.offloading._request_id_to_cpu_blocks
-        for rid in rids:
-            rec = self.live.get(rid)
-            if rec is None:
-                continue
-            gpu, cpu = table.get(rid, []), cpu_of[rid]
-            bs = self.block_size
-            m = time.perf_counter()
-            for first, at, n in runs(cpu):
-                self.canary.gather_records(self._slots(gpu[at:at + n]), self.cpu_rows[first * bs:(first + n) * bs],
-                                           stream=self.stream)
-            self._m += time.perf_counter() - m
-            rec.offloaded = 1
-            self.offloaded_total += 1
-        self._t += time.perf_counter() - t
-
-    def before_restore(self, requests_in_batch: list) -> list:
-        """Before the engine's ``restore_scheduled_requests`` (which forgets the CPU blocks): for each protected
-        request it restores, (request, its CPU blocks, the blocks it restores them into)."""
-        plan = []
-        table = self.cache.group_cache_managers[0].block_table
-        cpu_of, counts = self.offloading._request_id_to_cpu_blocks, self.offloading._request_id_to_group_block_counts
-        for fs in requests_in_batch:
-            st = fs.state
-            if not st.is_cpu_offloaded:
-                continue
-            rec = self.live.get(st.request_id)
-            if rec is None or rec.state is not st or rec.offloaded != 2:
-                continue
-            n = counts[st.request_id][0]
-            plan.append((rec, list(cpu_of[st.request_id]), list(table.get(st.request_id, [])[:n])))
-        return plan
-
-    def on_restore(self, plan: list) -> None:
-        """After the engine queued its copies back: each request's rows scattered into the slots of its new blocks."""
-        t = time.perf_counter()
-        bs = self.block_size
-        for rec, cpu, gpu in plan:
-            m = time.perf_counter()
-            for first, at, n in runs(cpu):
-                self.canary.scatter_records(self.cpu_rows[first * bs:(first + n) * bs], self._slots(gpu[at:at + n]),
-                                            stream=self.stream)
-            self._m += time.perf_counter() - m
-            rec.offloaded = 0
-            self.restored_total += 1
         self._t += time.perf_counter() - t
 
     def on_update(self) -> None:
@@ -383,6 +316,8 @@ class Session:
                 self._drop(rid)
                 rec = None
             if rec is None:
+                if self.sharing:  # its writes are skipped: its blocks hold no records of the canary's
+                    self.unrecorded.update(self.cache.group_cache_managers[0].block_table.get(rid, ()))
                 rows.append(0)
                 ids.append(None)
             else:
@@ -491,6 +426,8 @@ class Session:
         out["unprotected_requests"] = self.unprotected_total
         out["offloaded_requests"] = self.offloaded_total
         out["restored_requests"] = self.restored_total
+        out["prefix_hits"] = self.prefix_hits
+        out["swapped_blocks"] = self.swapped_blocks
         return out
 
     def close(self) -> dict[str, Any]:

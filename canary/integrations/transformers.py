@@ -6,7 +6,7 @@
 
     handle = kv_canary.enable(model)          # a PreTrainedModel, or a ContinuousBatchingManager
     out = model.generate_batch(prompts, generation_config=gen,
-                               continuous_batching_config=ContinuousBatchingConfig(allow_block_sharing=False))
+                               continuous_batching_config=ContinuousBatchingConfig())
     print(handle.stats()["violations"], handle.violations)
     handle.close()
 
@@ -67,10 +67,6 @@ def _modules(force: bool) -> tuple[Any, Any]:
 def refusals(generation_config: Any, cb_config: Any, model: Any) -> list[str]:
     """What the canary cannot protect yet in this configuration: one line per refusal (empty: supported)."""
     out = []
-    if getattr(cb_config, "allow_block_sharing", False):
-        out.append("prefix block sharing (blocks shared between requests and swapped in place when complete, and "
-                   "finished requests' KV kept for later hits): pass ContinuousBatchingConfig(allow_block_sharing="
-                   "False)")
     forks = getattr(generation_config, "num_return_sequences", None) or 1
     if forks > 1:
         out.append(f"forked requests (num_return_sequences={forks}: children share or copy their parent's "
@@ -293,8 +289,7 @@ def enable(target: Any, *, on_violation: str | Callable = "log", layers: str = "
     - ``force``: try a transformers version other than :data:`SUPPORTED_VERSIONS`.
 
     Raises ``ImportError`` without torch / transformers, ``RuntimeError`` for another transformers version or a
-    running manager, ``ValueError`` for a setup it cannot protect (prefix block sharing,
-    ``num_return_sequences > 1``, sliding-window layers, tensor parallelism) or a bad option, ``TypeError`` for
+    running manager, ``ValueError`` for a setup it cannot protect (``num_return_sequences > 1``, sliding-window layers, tensor parallelism) or a bad option, ``TypeError`` for
     another ``target``; every message starts with ``kv-canary:``.
     """
     if not (callable(on_violation) or on_violation in ("log", "raise")):

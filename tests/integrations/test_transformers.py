@@ -47,7 +47,7 @@ def tokens(results) -> dict:
 
 
 def run(model, *, inject=None, new_tokens: int = 24, canary: bool = True, cancel: str | None = None,
-        callback=None, expect: int | None = None, options: dict | None = None, **cb):
+        callback=None, expect: int | None = None, options: dict | None = None, prompts=None, **cb):
     """One session through the manager API; ``inject(step, processor)`` runs before each engine step's canary,
     ``callback(manager)`` makes the canary's ``on_violation``. Returns (results by request id, handle or None)."""
     gen, cbc = configs(new_tokens, **cb)
@@ -71,7 +71,7 @@ def run(model, *, inject=None, new_tokens: int = 24, canary: bool = True, cancel
             return inner(m, batch)
         processor.model_runner.compute_batch = compute_batch
     manager.start()
-    ids = manager.add_requests(PROMPTS, max_new_tokens=new_tokens)
+    ids = manager.add_requests(PROMPTS if prompts is None else prompts, max_new_tokens=new_tokens)
     results = _collect(manager, ids, len(ids) - (cancel is not None) if expect is None else expect)
     manager.stop(block=True)
     if handle is not None:
@@ -404,13 +404,68 @@ def test_a_restore_into_the_wrong_blocks_is_reported(model, cpu_pool):
     assert all("POSITION" in v.reason_names for v in named if v.position in (0, BLOCK))
 
 
+# -- prefix block sharing --------------------------------------------------------------------------------------
+# Two blocks of prompt shared by the four requests: a request scheduled once the first one's blocks are complete
+# finds them (a prefix hit: it reads them from its first step); blocks completed by two requests at once are
+# swapped in place for one of them
+PREFIX = [(5 * j) % 120 + 3 for j in range(2 * BLOCK)]
+SHARED = [PREFIX + [(7 * i + j) % 120 + 1 for j in range(n)] for i, n in enumerate((8, 3, 12, 5))]
+
+
+@pytest.mark.parametrize("batch_tokens", [16, 64])
+def test_prefix_sharing_keeps_the_canary_clean(model, batch_tokens):
+    cb = dict(allow_block_sharing=True, max_batch_tokens=batch_tokens)
+    ref, _ = run(model, canary=False, prompts=SHARED, **cb)
+    shared = []
+
+    def inject(step, processor):
+        shared.append(processor.cache._total_prefix_length)
+
+    results, handle = run(model, inject=inject, prompts=SHARED, **cb)
+    st = handle.stats()
+    assert shared[-1] > 0, "the engine shared no block"
+    assert tokens(results) == tokens(ref) and handle.violations == [] and st["errors"] == []
+    # the prefix hits are protected from their first step (the shared blocks verified against their own prompts)
+    assert st["protected_requests"] == 4 and st["unprotected_requests"] == 0 and st["prefix_hits"] >= 1
+    assert st["verified_entries"]["kv"] > 0
+
+
+@pytest.mark.parametrize("batch_tokens", [16, 64])
+def test_prefix_sharing_with_unprotected_writers_stays_clean(model, batch_tokens):
+    # Two canary rows for four requests: blocks an unprotected request wrote hold no records of the canary's, so
+    # a prefix hit on them runs unprotected and a protected block swapped for one of them brings its records
+    cb = dict(allow_block_sharing=True, max_batch_tokens=batch_tokens)
+    ref, _ = run(model, canary=False, prompts=SHARED, **cb)
+    results, handle = run(model, prompts=SHARED, options={"max_requests": 2}, **cb)
+    st = handle.stats()
+    assert tokens(results) == tokens(ref) and handle.violations == [] and st["errors"] == []
+    assert st["unprotected_requests"] >= 1
+
+
+def test_a_corrupted_shared_block_is_reported_for_its_readers(model):
+    hit, readers = [], set()
+
+    def inject(step, processor):
+        table = processor.cache.group_cache_managers[0].block_table
+        if not hit:
+            holders = [r for r, b in table.items() if b and b[0] == table.get("req_0", [None])[0]]
+            if len(holders) >= 2:
+                s = table["req_0"][0] * BLOCK + 2  # position 2 of the shared prefix
+                processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+                hit.append(s)
+        if hit:
+            readers.update(fs.state.request_id for fs in processor.inputs_and_outputs.requests_in_batch
+                           if table.get(fs.state.request_id, [None])[0] * BLOCK + 2 == hit[0])
+
+    _, handle = run(model, inject=inject, prompts=SHARED, allow_block_sharing=True, max_batch_tokens=16)
+    assert hit and len(readers) >= 2
+    named = {r for v in handle.violations if v.slot == hit[0] for r in v.request_ids}
+    assert all(v.reason_names == ("REAL_KV",) for v in handle.violations if v.slot == hit[0])
+    assert named == readers, [v.line() for v in handle.violations]
+
+
 def test_refusals_name_the_fix(model):
     gen, cb = configs()
-    for cfg, fix in ((dict(allow_block_sharing=True), "allow_block_sharing=False"),):
-        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=configs(**cfg)[1])
-        with pytest.raises(ValueError, match=f"^kv-canary: enable: .*{fix}"):
-            kvc.enable(manager)
-        manager.destroy()
     with kvc.enable(model):
         with pytest.raises(ValueError, match="^kv-canary: init_continuous_batching: .*num_return_sequences=1"):
             model.generate_batch(PROMPTS, generation_config=GenerationConfig(max_new_tokens=2, do_sample=True,
