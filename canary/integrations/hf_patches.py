@@ -3,7 +3,7 @@
 transformers 5.17 has no hook for code around the forward of ``ContinuousBatchingManager``'s generation loop,
 nor for request admission, sampled tokens or freed blocks (its public extension points are the scheduler
 class, logits processors and the output handlers, none of which sees the forward or the cache). So the canary
-wraps six methods, **on the instances it is given** (never on the classes: another manager, or the same model
+wraps nine methods, **on the instances it is given** (never on the classes: another manager, or the same model
 without the canary, runs untouched), each listed in :data:`PATCHES` with what it does and why, and undone by
 :meth:`Attachment.detach`. Each wrapper calls the original first or last and changes none of its arguments or
 results; the canary changes no engine state.
@@ -39,7 +39,24 @@ PATCHES = (
      "where sampled tokens become the requests' tokens (after EOS / length handling), as host ints"),
     ("processor.cache.free_blocks", "after it: finish_request, the request's row freed",
      "every exit of a request from the cache goes through it: finished, cancelled, failed, soft reset"),
+    ("processor.offloading_manager._offload_to_cpu", "after it: the records of the slots of each request it copied "
+     "out gathered into the canary's rows of its CPU blocks, on the compute stream; that request's next "
+     "free_blocks keeps it protected", "the one place the engine copies KV blocks to its CPU pool, with the blocks "
+     "still in the request's block table (they are freed next)"),
+    ("processor.offloading_manager.restore_scheduled_requests", "before it: the CPU blocks of each protected "
+     "request it restores; after it: their rows scattered into the slots of the blocks it copied the KV into",
+     "the one place the engine copies KV back from its CPU pool (into blocks just allocated), before the step "
+     "that reads them"),
+    ("processor.cache.mark_shareable_blocks_as_complete", "around it (prefix block sharing): a block of a "
+     "protected request swapped in place for an existing block with the same tokens whose records are not the "
+     "canary's gets the request's records (move_records)", "the one place the engine swaps a request's block for "
+     "another (when the block completes)"),
 )
+
+
+def processor_table(session: Session) -> dict:
+    """The engine's block table (request -> its blocks) of the session's one full-attention group."""
+    return session.cache.group_cache_managers[0].block_table
 
 
 class PatchSet:
@@ -116,6 +133,12 @@ class Attachment:
         self.patches.wrap(processor.model_runner, "compute_batch", self._compute_batch)
         self.patches.wrap(processor, "update_batch", self._update_batch)
         self.patches.wrap(processor.cache, "free_blocks", self._free_blocks)
+        if getattr(processor.cache, "use_prefix_sharing", False):
+            self.patches.wrap(processor.cache, "mark_shareable_blocks_as_complete", self._complete)
+        offloading = getattr(processor, "offloading_manager", None)
+        if offloading is not None:
+            self.patches.wrap(offloading, "_offload_to_cpu", self._offload_to_cpu)
+            self.patches.wrap(offloading, "restore_scheduled_requests", self._restore)
 
     def _compute_batch(self, orig: Callable) -> Callable:
         def compute_batch(model, batch_data):
@@ -144,6 +167,37 @@ class Attachment:
             if self.session is not None:
                 self.session.on_free(request_id)
         return free_blocks
+
+    def _complete(self, orig: Callable) -> Callable:
+        def mark_shareable_blocks_as_complete(state, num_complete_blocks):
+            session = self.session
+            if session is None or not num_complete_blocks:
+                return orig(state, num_complete_blocks)
+            before = list(processor_table(session).get(state.request_id, ()))
+            out = orig(state, num_complete_blocks)
+            session.on_complete(state, before)
+            return out
+        return mark_shareable_blocks_as_complete
+
+    def _offload_to_cpu(self, orig: Callable) -> Callable:
+        def offload_to_cpu(victims):
+            done = orig(victims)
+            session = self.session
+            if session is not None and session.cpu_rows is not None and done:
+                session.on_offload(done)
+            return done
+        return offload_to_cpu
+
+    def _restore(self, orig: Callable) -> Callable:
+        def restore_scheduled_requests(requests_in_batch):
+            session = self.session
+            plan = session.before_restore(requests_in_batch) if session is not None and \
+                session.cpu_rows is not None else []
+            out = orig(requests_in_batch)
+            if plan:
+                session.on_restore(plan)
+            return out
+        return restore_scheduled_requests
 
     # -- sessions ---------------------------------------------------------------------------------------------
     def begin_session(self, processor: Any) -> None:

@@ -31,7 +31,18 @@ Per engine step (the hooks are in ``canary/integrations/hf_patches.py``):
 - :meth:`Session.on_update`, after the engine appended the sampled tokens to its request states: the tokens it
   kept, accepted as host ints (the engine zeroes its device output buffer before the next forward).
 - :meth:`Session.on_free`, when the engine frees a request's blocks (finished, cancelled, failed, soft reset):
-  ``finish_request``, its row freed.
+  ``finish_request``, its row freed; not for a request just offloaded to the CPU pool (below).
+
+**CPU offload** (``cpu_offload_space > 0``: the engine's ``OffloadingManager``). When the engine copies a
+request's blocks out to its CPU pool (``_offload_to_cpu``: block ``b`` of the request to CPU block ``c``, on its
+compute stream), :meth:`Session.on_offload` gathers the records of the request's slots (``b * block_size +
+offset``) into a host rows buffer laid out as the CPU pool (CPU block ``c``'s rows are ``c * block_size`` ..
+``(c + 1) * block_size - 1``), on the same stream after the engine's copy; the request keeps its canary row and its
+expected tokens while it waits (the engine keeps its state object). When the engine restores it into the blocks
+it just allocated (``restore_scheduled_requests``), :meth:`Session.on_restore` scatters the rows into the new
+slots after the engine's copy back and before the step that reads them: the records move verbatim with the KV
+(docs/integration.md 7b), so a byte changed in the CPU pool, or KV restored into other blocks than the block
+table names, is reported at the next read, naming the request.
 """
 from __future__ import annotations
 
@@ -43,6 +54,8 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from canary import CanaryManager, KVGroup
+
+from .hf_moves import KVMoves
 
 STAGING_BUFFERS = 4  # pinned host buffers in rotation: async batching runs the host one step ahead of the GPU
 
@@ -78,9 +91,10 @@ class _Live:
     state: Any  # the engine's RequestState (a soft reset makes a new one under the same id)
     row: int
     generated: int  # generated tokens already accepted
+    offloaded: int = 0  # 1: copied to the engine's CPU pool, its blocks about to be freed; 2: waiting there
 
 
-class Session:
+class Session(KVMoves):
     """The canary of one generation loop over one ``ContinuousBatchProcessor`` (transformers 5.17)."""
 
     def __init__(self, processor: Any, opts: Options, deliver: Callable, torch: Any):
@@ -90,12 +104,6 @@ class Session:
             raise kv_fail(ValueError, f"cache: expected one full-attention layer group (sliding-window and hybrid "
                                       f"models are not protected yet), got {cache.num_groups} groups, "
                                       f"{cache.num_sliding_attention_groups} of them sliding")
-        if cache.use_prefix_sharing:
-            raise kv_fail(ValueError, "cache: expected prefix block sharing off, got use_prefix_sharing=True "
-                                      "(pass ContinuousBatchingConfig(allow_block_sharing=False))")
-        if getattr(processor.offloading_manager, "_num_cpu_blocks", 0):
-            raise kv_fail(ValueError, "offloading: expected no CPU offload pool, got one (pass "
-                                      "ContinuousBatchingConfig(cpu_offload_space=0))")
         fast = int(getattr(cache, "max_blocks_per_request", 0) or 0)
         if fast > 0:
             raise kv_fail(ValueError, f"cache: expected no decode fast path, got max_blocks_per_request={fast} (flash "
@@ -141,6 +149,20 @@ class Session:
         self.live: dict[Hashable, _Live] = {}
         self.skipped: dict[Hashable, Any] = {}  # request -> the state the canary does not protect
         self.protected_total = self.unprotected_total = 0
+        self.block_size = int(cache.block_size)
+        self.offloading = processor.offloading_manager
+        cpu_blocks = int(getattr(self.offloading, "_num_cpu_blocks", 0) or 0)
+        # The records of the engine's CPU pool, CPU block c at rows [c * block_size, (c + 1) * block_size): pinned
+        # host memory on a GPU (the mover's kernels write it through unified addressing)
+        self.cpu_rows = (self.canary.allocate_record_rows(cpu_blocks * self.block_size, pinned=True)
+                         if cpu_blocks else None)
+        self.offloaded_total = self.restored_total = 0
+        self.sharing = bool(cache.use_prefix_sharing)
+        # Blocks whose records may not match their KV: kept (hashed) from before this session's canary existed, or
+        # held by a request the canary does not protect (its writes skipped). A prefix hit on one runs
+        # unprotected; a protected request's block swapped in place for one moves its records there.
+        self.unrecorded: set[int] = set(cache._block_manager._hash_to_id.values()) if self.sharing else set()
+        self.prefix_hits = self.swapped_blocks = 0
         self.host_s: list[float] = []  # host seconds the canary added, per step (bounded)
         self.glue_s: list[float] = []  # of which outside the CanaryManager's calls (this glue's own)
         self.decode_steps: list[bool] = []  # per step: one token a row (a decode step)
@@ -198,12 +220,13 @@ class Session:
             self.free_rows.append(old.row)
         limit = state.max_new_tokens
         total = len(state.initial_tokens) + (0 if limit is None else int(limit))
-        if past != 0 or total > self.cols or not self.free_rows:
+        if (past != 0 and not self._shared_prefix(rid, state, past)) or total > self.cols or not self.free_rows:
             # first seen mid-sequence, too long, or no row left: it runs unprotected
             self.skipped[rid] = state
             self.unprotected_total += 1
             return None
         self.canary.add_request(rid, state.initial_tokens)
+        self.prefix_hits += past != 0
         rec = self.live[rid] = _Live(state, self.free_rows.popleft(), len(state.generated_tokens))
         self.skipped.pop(rid, None)
         self.protected_total += 1
@@ -219,6 +242,11 @@ class Session:
 
     def on_free(self, rid: Hashable) -> None:
         t = time.perf_counter()
+        rec = self.live.get(rid)
+        if rec is not None and rec.offloaded == 1:  # the free that follows its offload: it waits in the CPU pool
+            rec.offloaded = 2
+            self._t += time.perf_counter() - t
+            return
         self.skipped.pop(rid, None)
         rec = self.live.pop(rid, None)
         if rec is not None:
@@ -288,6 +316,8 @@ class Session:
                 self._drop(rid)
                 rec = None
             if rec is None:
+                if self.sharing:  # its writes are skipped: its blocks hold no records of the canary's
+                    self.unrecorded.update(self.cache.group_cache_managers[0].block_table.get(rid, ()))
                 rows.append(0)
                 ids.append(None)
             else:
@@ -394,6 +424,10 @@ class Session:
         out = self.canary.stats()
         out["protected_requests"] = self.protected_total
         out["unprotected_requests"] = self.unprotected_total
+        out["offloaded_requests"] = self.offloaded_total
+        out["restored_requests"] = self.restored_total
+        out["prefix_hits"] = self.prefix_hits
+        out["swapped_blocks"] = self.swapped_blocks
         return out
 
     def close(self) -> dict[str, Any]:

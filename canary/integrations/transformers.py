@@ -6,15 +6,16 @@
 
     handle = kv_canary.enable(model)          # a PreTrainedModel, or a ContinuousBatchingManager
     out = model.generate_batch(prompts, generation_config=gen,
-                               continuous_batching_config=ContinuousBatchingConfig(allow_block_sharing=False))
+                               continuous_batching_config=ContinuousBatchingConfig())
     print(handle.stats()["violations"], handle.violations)
     handle.close()
 
 Every step of the engine's generation loop (``model.generate_batch``, ``continuous_batching_context_manager``,
 ``init_continuous_batching`` + ``start()``) is then planned, verified and written by a
 :class:`canary.CanaryManager` bound over the engine's ``PagedAttentionCache``: a stray write into any layer's K /
-V, a block handed to two requests, a block freed while still read, a token the engine did not sample are
-reported one step later, naming the requests. Written against transformers 5.17 (``pip install
+V, a block handed to two requests, a block freed while still read, a token the engine did not sample, KV
+changed in the engine's CPU offload pool or restored into the wrong blocks are reported one step later, naming
+the requests. Written against transformers 5.17 (``pip install
 "kv-canary[transformers]"``) and tested there with paged ``sdpa`` attention (tests/integrations/: fp32 on the
 CPU; bf16 with the engine's CUDA graphs, sync and async batching, on a GPU); docs/integrations/transformers.md
 says what it protects, what it refuses, the patches it installs and what it costs.
@@ -66,15 +67,6 @@ def _modules(force: bool) -> tuple[Any, Any]:
 def refusals(generation_config: Any, cb_config: Any, model: Any) -> list[str]:
     """What the canary cannot protect yet in this configuration: one line per refusal (empty: supported)."""
     out = []
-    if getattr(cb_config, "allow_block_sharing", False):
-        out.append("prefix block sharing (blocks shared between requests and swapped in place when complete, and "
-                   "finished requests' KV kept for later hits): pass ContinuousBatchingConfig(allow_block_sharing="
-                   "False)")
-    space = getattr(cb_config, "cpu_offload_space", 0.0)
-    if space is None or space > 0:
-        out.append(f"CPU offload (KV copied out and back into other blocks; cpu_offload_space={space!r}): pass "
-                   f"ContinuousBatchingConfig(cpu_offload_space=0) (evicted requests are then soft reset, which "
-                   f"is protected)")
     forks = getattr(generation_config, "num_return_sequences", None) or 1
     if forks > 1:
         out.append(f"forked requests (num_return_sequences={forks}: children share or copy their parent's "
@@ -297,8 +289,7 @@ def enable(target: Any, *, on_violation: str | Callable = "log", layers: str = "
     - ``force``: try a transformers version other than :data:`SUPPORTED_VERSIONS`.
 
     Raises ``ImportError`` without torch / transformers, ``RuntimeError`` for another transformers version or a
-    running manager, ``ValueError`` for a setup it cannot protect (prefix block sharing, CPU offload,
-    ``num_return_sequences > 1``, sliding-window layers, tensor parallelism) or a bad option, ``TypeError`` for
+    running manager, ``ValueError`` for a setup it cannot protect (``num_return_sequences > 1``, sliding-window layers, tensor parallelism) or a bad option, ``TypeError`` for
     another ``target``; every message starts with ``kv-canary:``.
     """
     if not (callable(on_violation) or on_violation in ("log", "raise")):

@@ -47,7 +47,7 @@ def tokens(results) -> dict:
 
 
 def run(model, *, inject=None, new_tokens: int = 24, canary: bool = True, cancel: str | None = None,
-        callback=None, expect: int | None = None, options: dict | None = None, **cb):
+        callback=None, expect: int | None = None, options: dict | None = None, prompts=None, **cb):
     """One session through the manager API; ``inject(step, processor)`` runs before each engine step's canary,
     ``callback(manager)`` makes the canary's ``on_violation``. Returns (results by request id, handle or None)."""
     gen, cbc = configs(new_tokens, **cb)
@@ -71,7 +71,7 @@ def run(model, *, inject=None, new_tokens: int = 24, canary: bool = True, cancel
             return inner(m, batch)
         processor.model_runner.compute_batch = compute_batch
     manager.start()
-    ids = manager.add_requests(PROMPTS, max_new_tokens=new_tokens)
+    ids = manager.add_requests(PROMPTS if prompts is None else prompts, max_new_tokens=new_tokens)
     results = _collect(manager, ids, len(ids) - (cancel is not None) if expect is None else expect)
     manager.stop(block=True)
     if handle is not None:
@@ -293,14 +293,179 @@ def test_cancel_and_soft_reset_keep_the_canary_clean(model):
     assert st["protected_tokens"] == 0  # every request finished in the canary too (cancelled, reset, done)
 
 
+# -- CPU offload -----------------------------------------------------------------------------------------------
+# 8 blocks for 4 requests growing to 13 blocks: decoding requests starve and the engine offloads some to its CPU
+# pool (cpu_offload_space > 0), restoring them into other blocks when they are scheduled again
+OFFLOAD = dict(num_blocks=8, cpu_offload_space=0.001)
+
+
+@pytest.fixture
+def cpu_pool(monkeypatch):
+    """The engine allocates its CPU pool pinned, which torch refuses without an accelerator: unpinned there."""
+    if not torch.cuda.is_available():
+        empty = torch.empty
+        monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+
+
+@pytest.fixture(scope="module")
+def offload_reference(model):
+    pool = pytest.MonkeyPatch()
+    if not torch.cuda.is_available():
+        empty = torch.empty
+        pool.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    try:
+        results, _ = run(model, canary=False, **OFFLOAD)
+    finally:
+        pool.undo()
+    return tokens(results)
+
+
+def _offloaded(processor):
+    """{request: its CPU blocks} of the requests waiting in the engine's CPU pool now."""
+    return dict(processor.offloading_manager._request_id_to_cpu_blocks)
+
+
+def test_cpu_offload_and_restore_keep_the_canary_clean(model, reference, offload_reference, cpu_pool):
+    seen = set()
+
+    def inject(step, processor):
+        seen.update(_offloaded(processor))
+
+    results, handle = run(model, inject=inject, **OFFLOAD)
+    st = handle.stats()
+    assert seen, "the engine offloaded nothing"
+    assert tokens(results) == offload_reference == reference
+    assert handle.violations == [] and st["errors"] == [] and st["move_faults"] == {}
+    # every request protected from its first token to its last: offloaded ones kept their row, none soft reset
+    assert st["protected_requests"] == 4 and st["unprotected_requests"] == 0 and st["protected_tokens"] == 0
+    assert st["offloaded_requests"] == st["restored_requests"] >= len(seen)
+
+
+def test_restored_kv_without_its_records_is_reported(model, cpu_pool, monkeypatch):
+    # The control of the test above: the same run with the records left behind (no scatter at the restore) is
+    # reported at every restored request's first read, so a clean offload run is clean because the records moved
+    from canary.integrations import hf_session
+
+    monkeypatch.setattr(hf_session.Session, "on_restore", lambda self, plan: None)
+    _, handle = run(model, **OFFLOAD)
+    assert handle.violations and handle.stats()["offloaded_requests"] >= 1
+
+
+def test_a_byte_flipped_in_the_cpu_pool_is_reported_naming_the_request(model, cpu_pool):
+    hit = []
+
+    def inject(step, processor):
+        waiting = _offloaded(processor)
+        if hit or not waiting:
+            return
+        rid, cpu = next(iter(waiting.items()))
+        # position 2 of the request (offset 2 of its first block), layer 0's K, in the engine's CPU copy
+        processor.offloading_manager._cpu_key_cache[0][cpu[0], 2].view(torch.uint8).view(-1)[3] ^= 0x20
+        hit.append(rid)
+
+    results, handle = run(model, inject=inject, **OFFLOAD)
+    assert hit and len(results) == 4
+    named = [v for v in handle.violations if v.position == 2 and hit[0] in v.request_ids]
+    assert named and all(v.reason_names == ("REAL_KV",) for v in named), [v.line() for v in handle.violations]
+    assert {r for v in handle.violations for r in v.request_ids} == {hit[0]}
+
+
+def test_a_restore_into_the_wrong_blocks_is_reported(model, cpu_pool):
+    # The engine restores a request's first two blocks swapped (its KV, and the records that follow it, land in
+    # each other's block) while its block table keeps the right order: the positions read there are wrong
+    swapped = []
+
+    def inject(step, processor):
+        om = processor.offloading_manager
+        if step or "restore_scheduled_requests" in getattr(om, "_test_wrapped", ()):
+            return
+        inner = om.restore_scheduled_requests
+        table = processor.cache.group_cache_managers[0].block_table
+
+        def restore_scheduled_requests(batch):
+            victims = [fs.state.request_id for fs in batch if fs.state.is_cpu_offloaded]
+            rid = next((r for r in victims if len(om._request_id_to_cpu_blocks[r]) >= 2), None)
+            if swapped or rid is None:
+                return inner(batch)
+            blocks = table[rid]
+            blocks[0], blocks[1] = blocks[1], blocks[0]
+            try:
+                inner(batch)
+            finally:
+                blocks[0], blocks[1] = blocks[1], blocks[0]
+            swapped.append(rid)
+        om.restore_scheduled_requests = restore_scheduled_requests
+        om._test_wrapped = ("restore_scheduled_requests",)
+
+    _, handle = run(model, inject=inject, **OFFLOAD)
+    assert swapped, "no restore of two blocks or more"
+    named = [v for v in handle.violations if swapped[0] in v.request_ids]
+    assert named and {v.position for v in named} >= {0, BLOCK}, [v.line() for v in handle.violations]
+    assert all("POSITION" in v.reason_names for v in named if v.position in (0, BLOCK))
+
+
+# -- prefix block sharing --------------------------------------------------------------------------------------
+# Two blocks of prompt shared by the four requests: a request scheduled once the first one's blocks are complete
+# finds them (a prefix hit: it reads them from its first step); blocks completed by two requests at once are
+# swapped in place for one of them
+PREFIX = [(5 * j) % 120 + 3 for j in range(2 * BLOCK)]
+SHARED = [PREFIX + [(7 * i + j) % 120 + 1 for j in range(n)] for i, n in enumerate((8, 3, 12, 5))]
+
+
+@pytest.mark.parametrize("batch_tokens", [16, 64])
+def test_prefix_sharing_keeps_the_canary_clean(model, batch_tokens):
+    cb = dict(allow_block_sharing=True, max_batch_tokens=batch_tokens)
+    ref, _ = run(model, canary=False, prompts=SHARED, **cb)
+    shared = []
+
+    def inject(step, processor):
+        shared.append(processor.cache._total_prefix_length)
+
+    results, handle = run(model, inject=inject, prompts=SHARED, **cb)
+    st = handle.stats()
+    assert shared[-1] > 0, "the engine shared no block"
+    assert tokens(results) == tokens(ref) and handle.violations == [] and st["errors"] == []
+    # the prefix hits are protected from their first step (the shared blocks verified against their own prompts)
+    assert st["protected_requests"] == 4 and st["unprotected_requests"] == 0 and st["prefix_hits"] >= 1
+    assert st["verified_entries"]["kv"] > 0
+
+
+@pytest.mark.parametrize("batch_tokens", [16, 64])
+def test_prefix_sharing_with_unprotected_writers_stays_clean(model, batch_tokens):
+    # Two canary rows for four requests: blocks an unprotected request wrote hold no records of the canary's, so
+    # a prefix hit on them runs unprotected and a protected block swapped for one of them brings its records
+    cb = dict(allow_block_sharing=True, max_batch_tokens=batch_tokens)
+    ref, _ = run(model, canary=False, prompts=SHARED, **cb)
+    results, handle = run(model, prompts=SHARED, options={"max_requests": 2}, **cb)
+    st = handle.stats()
+    assert tokens(results) == tokens(ref) and handle.violations == [] and st["errors"] == []
+    assert st["unprotected_requests"] >= 1
+
+
+def test_a_corrupted_shared_block_is_reported_for_its_readers(model):
+    hit, readers = [], set()
+
+    def inject(step, processor):
+        table = processor.cache.group_cache_managers[0].block_table
+        if not hit:
+            holders = [r for r, b in table.items() if b and b[0] == table.get("req_0", [None])[0]]
+            if len(holders) >= 2:
+                s = table["req_0"][0] * BLOCK + 2  # position 2 of the shared prefix
+                processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+                hit.append(s)
+        if hit:
+            readers.update(fs.state.request_id for fs in processor.inputs_and_outputs.requests_in_batch
+                           if table.get(fs.state.request_id, [None])[0] * BLOCK + 2 == hit[0])
+
+    _, handle = run(model, inject=inject, prompts=SHARED, allow_block_sharing=True, max_batch_tokens=16)
+    assert hit and len(readers) >= 2
+    named = {r for v in handle.violations if v.slot == hit[0] for r in v.request_ids}
+    assert all(v.reason_names == ("REAL_KV",) for v in handle.violations if v.slot == hit[0])
+    assert named == readers, [v.line() for v in handle.violations]
+
+
 def test_refusals_name_the_fix(model):
     gen, cb = configs()
-    for cfg, fix in ((dict(allow_block_sharing=True), "allow_block_sharing=False"),
-                     (dict(cpu_offload_space=1.0), "cpu_offload_space=0")):
-        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=configs(**cfg)[1])
-        with pytest.raises(ValueError, match=f"^kv-canary: enable: .*{fix}"):
-            kvc.enable(manager)
-        manager.destroy()
     with kvc.enable(model):
         with pytest.raises(ValueError, match="^kv-canary: init_continuous_batching: .*num_return_sequences=1"):
             model.generate_batch(PROMPTS, generation_config=GenerationConfig(max_new_tokens=2, do_sample=True,
