@@ -1,6 +1,6 @@
 """Fault injectors for the simulated engine (:mod:`canary.replay.engine`): the corruptions the canary must catch.
 
-Fourteen kinds, each a hook on one step (``KIND@STEP`` on the command line):
+Seventeen kinds, each a hook on one step (``KIND@STEP`` on the command line):
 
 | kind | when | what |
 | --- | --- | --- |
@@ -18,6 +18,9 @@ Fourteen kinds, each a hook on one step (``KIND@STEP`` on the command line):
 | ``offload-swap`` | at a restore | two whole pages of the restored request are restored into each other's places |
 | ``offload-partial`` | at a restore | the restored request's last page is not restored: its slots keep what they held |
 | ``offload-foreign`` | at a restore | a page's K bytes are another request's, under the right records |
+| ``pd-flip`` | at a transfer | one K byte of the request's middle position flips in flight (after the sender's digest) |
+| ``pd-drop-layer`` | at a transfer | the last layer is not transferred (``--num-layers`` >= 2): its decode slots keep old bytes |
+| ``pd-zero`` | at a transfer | the middle position's decode slot is left all zero: KV bytes of every layer and record row |
 
 ``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the
 request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never
@@ -35,6 +38,13 @@ The ``offload-*`` kinds need a host tier (``--offload-tier``; :mod:`canary.repla
 slot gets), before the KV bytes and records are scattered, and the step's verify reads the result.
 ``offload-partial`` skips a restore whose new last page already holds its bytes (the request's own old page),
 ``offload-stale`` one with no earlier copy of another request left in the tier.
+
+The ``pd-*`` kinds need ``--pd`` (:mod:`canary.replay.pd`): each edits the first prefill-to-decode transfer at or
+after its step whose prompt has at least 4 tokens, between the sender's digest and the arrival. The receiver's
+digest check catches each at the arrival (reason ``DIGEST``, kernel ``digest`` in the fault table), and the
+decode instance's verify of the same step too (``pd-flip``, ``pd-zero``: ``REAL_KV`` and the record's checks;
+``pd-drop-layer``: the layer rotation, once its cursor reaches the last layer). With ``--pd`` the other kinds
+are applied on the decode instance.
 
 ``spec-reject`` and ``row-recycle`` leave self-consistent records (chain, positions and real KV agree): only the
 expected-token pool sees them. ``spec-reject`` is speculative decoding's rejected draft left in the KV: the
@@ -109,7 +119,7 @@ class Fault:
 MID_WINDOW_KINDS = ("kv-flip", "kv-flip-last", "zero-kv", "swa-evict")
 
 
-def requirement(kind: str, *, swa_window: int, num_layers: int, offload_tier: int = 0) -> str:
+def requirement(kind: str, *, swa_window: int, num_layers: int, offload_tier: int = 0, pd: bool = False) -> str:
     """What a replay with these options lacks for ``kind`` to ever be applied (the option it needs, as typed on
     the command line), or ``""``. The command line refuses such a fault before the run
     (:func:`canary.replay.options.check_arguments`); the hooks below still check, for other callers."""
@@ -120,6 +130,10 @@ def requirement(kind: str, *, swa_window: int, num_layers: int, offload_tier: in
         return "--swa-window (a sliding window: its LUT entry is what the fault clears)"
     if KINDS[kind][0] == RESTORE and not offload_tier:
         return "--offload-tier (a host tier: the fault is applied at a restore from it)"
+    if KINDS[kind][0] == TRANSFER and not pd:
+        return "--pd (a prefill-to-decode split: the fault is applied to a transfer between the instances)"
+    if kind == "pd-drop-layer" and num_layers < 2:
+        return "--num-layers >= 2 (a layer to leave out of the transfer while layer 0 is sent)"
     if kind == "kv-flip-last" and num_layers < 2:
         return "--num-layers >= 2 (the last layer's K bytes, which only the layer rotation reads)"
     return ""
@@ -405,7 +419,7 @@ def _record(f: Fault, d: StepData, *, requests: tuple[int, ...], **facts) -> Non
 
 
 Apply = Callable[[EngineKV, StepData, Fault, set], bool]
-BEFORE_WRITE, AFTER_WRITE, RESTORE = "before_write", "after_write", "restore"
+BEFORE_WRITE, AFTER_WRITE, RESTORE, TRANSFER = "before_write", "after_write", "restore", "transfer"
 KINDS: dict[str, tuple[str, Any]] = {
     "kv-flip": (AFTER_WRITE, _kv_flip),
     "overwrite": (BEFORE_WRITE, _overwrite),
@@ -421,8 +435,13 @@ KINDS: dict[str, tuple[str, Any]] = {
     "offload-swap": (RESTORE, _offload_swap),
     "offload-partial": (RESTORE, _offload_partial),
     "offload-foreign": (RESTORE, _offload_foreign),
+    # Applied by the prefill-to-decode transfer itself (canary.replay.pd), not by a hook of this module.
+    "pd-flip": (TRANSFER, None),
+    "pd-drop-layer": (TRANSFER, None),
+    "pd-zero": (TRANSFER, None),
 }
 OFFLOAD_KINDS = tuple(k for k, (when, _) in KINDS.items() if when == RESTORE)
+PD_KINDS = tuple(k for k, (when, _) in KINDS.items() if when == TRANSFER)
 
 
 def parse_inject(text: str) -> Fault:

@@ -140,6 +140,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a host tier of TOKENS token slots: decoding requests are preempted into it (their KV and "
                    "records offloaded, pages freed) and restored into new pages later (docs/replay.md); 0 = off "
                    "(default); not with --swa-window")
+    p.add_argument("--pd", action=_Once, nargs=0, const=True, default=False,
+                   help="a prefill instance and a decode instance, each with its own KV pool and canary: a request's "
+                   "KV and records are transferred after its prefill, under a block digest (docs/replay.md); not "
+                   "with --offload-tier, --swa-window, --check-every, --plot or --plan-only")
     p.add_argument("--num-layers", action=_Once, type=_size, default=1, metavar="L",
                    help="KV layers of the simulated model; L >= 2 turns on the layer rotation (docs/integration.md "
                    "5c; default 1: layer 0 only, as SGLang)")
@@ -181,9 +185,11 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.offload_tier and args.swa_window:
         p.error(f"argument --offload-tier: expected full attention (no --swa-window), got --swa-window "
                 f"{args.swa_window} (the tier moves whole prefixes; an SWA pool frees the pages out of its window)")
+    if args.pd:
+        _check_pd(p, args, given)
     for f in args.inject:
         need = requirement(f.kind, swa_window=args.swa_window, num_layers=args.num_layers,
-                           offload_tier=args.offload_tier)
+                           offload_tier=args.offload_tier, pd=args.pd)
         if need:
             p.error(f"argument --inject: {f.kind}@{f.requested_step} needs {need}, which this run does not have "
                     f"(it could never be applied)")
@@ -196,6 +202,18 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                     f"replace the trace)")
     # One value from here on: the budget is another name for the capacity.
     args.verify_capacity = budget if budget is not None else cap or 0
+
+
+def _check_pd(p: argparse.ArgumentParser, args: argparse.Namespace, given: dict) -> None:
+    """``--pd``: the options its loop (canary/replay/pd.py) does not support are refused, not ignored."""
+    for dest, why in (("offload_tier", "the decode instance has no host tier"),
+                      ("swa_window", "the transfer moves whole prompts of a full-attention pool"),
+                      ("check_every", "the two instances' plans are not compared with the reference"),
+                      ("plot", "the plot draws one instance's steps"),
+                      ("plan_only", "the transfer is checked by the two instances' canaries")):
+        if getattr(args, dest, None) and dest in given:
+            p.error(f"argument {given[dest]}: expected it off with --pd ({why}), got {given[dest]} "
+                    f"{getattr(args, dest)}")
 
 
 def _check_plot(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

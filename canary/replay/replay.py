@@ -264,6 +264,10 @@ def _check_pool(sched_args: dict, trace) -> None:
 
 def _replay(args, console, Progress, columns, series: Series | None = None) -> tuple[dict, list[str]]:
     """The replay's loop; its summary and mismatch lines. ``series``: filled a step at a time for ``--plot``."""
+    if getattr(args, "pd", False):  # the prefill-to-decode split has a loop of its own
+        from .pd import replay_pd
+
+        return replay_pd(args, console, Progress, columns, series)
     trace = load_trace(args.trace, args.max_requests)
     mbs = args.max_batch_size
     sched_args = dict(max_batch_size=mbs, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens,

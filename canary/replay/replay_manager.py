@@ -100,6 +100,9 @@ class ManagerReplay:
             ring_capacity=RING_CAPACITY, max_step_tokens=max(4096, step_tokens))
         self.manager.warmup()
         self.group = self.manager.groups[0]
+        # The replay step of each manager step, when they differ (--pd: an instance skips the steps it has no
+        # request in); None: the same numbers.
+        self.step_of: list[int] | None = None
         self.admitted: set[int] = set()  # requests given to add_request (a finished one is never scheduled again)
         self._step: Step | None = None
         self.last_step: int | None = None  # the last step begun (an interrupted replay stops anywhere)
@@ -186,20 +189,21 @@ class ManagerReplay:
         owners = violation_requests([v.raw for v in new], step, self.kv.r2t, self.kv.lut, self.kv.window)
         self.total += len(new)
         for v, req in zip(new, owners.tolist()):
-            k = self._fault_of_record(v, req)
+            first = v.first_step if self.step_of is None else self.step_of[v.first_step]
+            k = self._fault_of_record(v, req, first)
             if k is None:
                 self.unattributed_count += 1
                 if len(self.unattributed) < MAX_SHOWN_VIOLATIONS:
-                    self.unattributed.append((v.first_step, v.raw))
+                    self.unattributed.append((first, v.raw))
             else:
-                self.by_fault[k].append((v.first_step, v.raw))
+                self.by_fault[k].append((first, v.raw))
 
-    def _fault_of_record(self, v: SlotViolation, req: int) -> int | None:
-        k = self._fault_of(v.raw, req, v.first_step)
+    def _fault_of_record(self, v: SlotViolation, req: int, index: int) -> int | None:
+        k = self._fault_of(v.raw, req, index)
         if k is not None:
             return k
         for rid in v.request_ids:  # the manager's own holders of the slot
-            k = self._fault_of(v.raw, int(rid), v.first_step)
+            k = self._fault_of(v.raw, int(rid), index)
             if k is not None:
                 return k
         return None

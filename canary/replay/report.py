@@ -44,6 +44,10 @@ def summary_table(s: dict, Table) -> Any:
     t.add_row(f"{what} / step (us)", *dist(s["plan_time_us"], "{:.1f}"))
     if s.get("offload_tier"):
         t.add_row(f"offloads / restores (tier {s['offload_tier']} tokens)", f"{s['offloads']} / {s['restores']}")
+    if "pd" in s:
+        d = s["pd"]
+        t.add_row("pd transfers / digest checks / mismatches", f"{d['transfers']} / {d['digest_checks']} / "
+                  f"{d['digest_mismatches']}")
     t.add_row("steps checked vs reference", str(s["checked_steps"]))
     t.add_row("mismatches", str(s["mismatches"]))
     if "canary" in s:
