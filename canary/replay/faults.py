@@ -1,6 +1,6 @@
 """Fault injectors for the simulated engine (:mod:`canary.replay.engine`): the corruptions the canary must catch.
 
-Fourteen kinds, each a hook on one step (``KIND@STEP`` on the command line):
+Sixteen kinds, each a hook on one step (``KIND@STEP`` on the command line):
 
 | kind | when | what |
 | --- | --- | --- |
@@ -18,6 +18,8 @@ Fourteen kinds, each a hook on one step (``KIND@STEP`` on the command line):
 | ``offload-swap`` | at a restore | two whole pages of the restored request are restored into each other's places |
 | ``offload-partial`` | at a restore | the restored request's last page is not restored: its slots keep what they held |
 | ``offload-foreign`` | at a restore | a page's K bytes are another request's, under the right records |
+| ``rank-diverge`` | before the write | ``--ranks`` >= 2: a running request's last new token is not written on the last rank (its record and KV lost there alone) |
+| ``rank-flip`` | after the write | ``--ranks`` >= 2: as ``kv-flip``, on the last rank only |
 
 ``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the
 request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never
@@ -35,6 +37,12 @@ The ``offload-*`` kinds need a host tier (``--offload-tier``; :mod:`canary.repla
 slot gets), before the KV bytes and records are scattered, and the step's verify reads the result.
 ``offload-partial`` skips a restore whose new last page already holds its bytes (the request's own old page),
 ``offload-stale`` one with no earlier copy of another request left in the tier.
+
+The ``rank-*`` kinds need tensor-parallel ranks (``--ranks`` >= 2; :mod:`canary.replay.ranks`): every rank picks
+the same request and slot (the schedule is the same on each), only the last rank (``ranks - 1``) corrupts it, and
+the ranks' agreement (SPEC 4.3) reports it on every rank: ``rank-diverge`` as ``RANK_DIVERGE`` in the step itself
+(the last rank wrote one record fewer), ``rank-flip`` as ``RANK_VIOLATION`` in the step whose verify reads the
+byte (the last rank's own ``VERIFY`` violation). Every other kind is applied on every rank alike.
 
 ``spec-reject`` and ``row-recycle`` leave self-consistent records (chain, positions and real KV agree): only the
 expected-token pool sees them. ``spec-reject`` is speculative decoding's rejected draft left in the KV: the
@@ -106,10 +114,10 @@ class Fault:
         return ", ".join(parts)
 
 
-MID_WINDOW_KINDS = ("kv-flip", "kv-flip-last", "zero-kv", "swa-evict")
+MID_WINDOW_KINDS = ("kv-flip", "kv-flip-last", "zero-kv", "swa-evict", "rank-flip")
 
 
-def requirement(kind: str, *, swa_window: int, num_layers: int, offload_tier: int = 0) -> str:
+def requirement(kind: str, *, swa_window: int, num_layers: int, offload_tier: int = 0, ranks: int = 1) -> str:
     """What a replay with these options lacks for ``kind`` to ever be applied (the option it needs, as typed on
     the command line), or ``""``. The command line refuses such a fault before the run
     (:func:`canary.replay.options.check_arguments`); the hooks below still check, for other callers."""
@@ -120,6 +128,8 @@ def requirement(kind: str, *, swa_window: int, num_layers: int, offload_tier: in
         return "--swa-window (a sliding window: its LUT entry is what the fault clears)"
     if KINDS[kind][0] == RESTORE and not offload_tier:
         return "--offload-tier (a host tier: the fault is applied at a restore from it)"
+    if kind.startswith("rank-") and ranks < 2:
+        return "--ranks >= 2 (tensor-parallel ranks: the fault corrupts one rank only)"
     if kind == "kv-flip-last" and num_layers < 2:
         return "--num-layers >= 2 (the last layer's K bytes, which only the layer rotation reads)"
     return ""
@@ -178,6 +188,53 @@ def _kv_flip_last(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
         _record(f, d, slot=slot, position=q, requests=(i,), slots=(slot,))
         return True
     return False
+
+
+def _faulty_rank(kv: EngineKV, f: Fault) -> bool | None:
+    """Whether this engine is the rank a ``rank-*`` fault corrupts (the last); ``None``: no ranks to differ."""
+    if kv.ranks_size < 2:
+        f.needs = "--ranks >= 2"
+        return None
+    return kv.rank == kv.ranks_size - 1
+
+
+def _rank_flip(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    mine = _faulty_rank(kv, f)
+    if mine is None or _window_too_small(kv, f):
+        return False
+    for i, lo, end in _mid_window(kv, d, taken):
+        q = (lo + end) // 2
+        slot = kv.host_slot(int(d.rows[i]), q)
+        if mine:
+            kv.kv_token_bytes(slot)[5] ^= 0x04
+        _record(f, d, slot=slot, position=q, requests=(i,), slots=(slot,))
+        return True
+    return False
+
+
+def _rank_diverge(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    mine = _faulty_rank(kv, f)
+    if mine is None:
+        return False
+    for i in _candidates(d, taken):
+        if d.prefix[i] > 0:  # a position the next verify reads, with a chain predecessor
+            k = d.last_entry(i)
+            slot = int(d.out_cache_loc[k])
+            if mine:
+                d.out_cache_loc[k] = -1  # the write (record and KV store) lost on this rank alone
+            _record(f, d, slot=slot, position=int(d.prefix[i] + d.extend[i]) - 1, requests=(i,), slots=(slot,))
+            return True
+    return False
+
+
+def rank_fault_of(faults: list[Fault], step: int) -> int | None:
+    """Index of the fault a :class:`canary.RankViolation` found at ``step`` belongs to: the one applied last at a
+    step ``<= step`` (any kind: a fault on every rank is also some rank's violation), or ``None``."""
+    best = None
+    for k, f in enumerate(faults):
+        if f.applied and f.applied_step <= step and (best is None or f.applied_step >= faults[best].applied_step):
+            best = k
+    return best
 
 
 def _overwrite(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
@@ -421,7 +478,10 @@ KINDS: dict[str, tuple[str, Any]] = {
     "offload-swap": (RESTORE, _offload_swap),
     "offload-partial": (RESTORE, _offload_partial),
     "offload-foreign": (RESTORE, _offload_foreign),
+    "rank-diverge": (BEFORE_WRITE, _rank_diverge),
+    "rank-flip": (AFTER_WRITE, _rank_flip),
 }
+RANK_KINDS = ("rank-diverge", "rank-flip")
 OFFLOAD_KINDS = tuple(k for k, (when, _) in KINDS.items() if when == RESTORE)
 
 
