@@ -190,53 +190,6 @@ def _kv_flip_last(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
     return False
 
 
-def _faulty_rank(kv: EngineKV, f: Fault) -> bool | None:
-    """Whether this engine is the rank a ``rank-*`` fault corrupts (the last); ``None``: no ranks to differ."""
-    if kv.ranks_size < 2:
-        f.needs = "--ranks >= 2"
-        return None
-    return kv.rank == kv.ranks_size - 1
-
-
-def _rank_flip(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
-    mine = _faulty_rank(kv, f)
-    if mine is None or _window_too_small(kv, f):
-        return False
-    for i, lo, end in _mid_window(kv, d, taken):
-        q = (lo + end) // 2
-        slot = kv.host_slot(int(d.rows[i]), q)
-        if mine:
-            kv.kv_token_bytes(slot)[5] ^= 0x04
-        _record(f, d, slot=slot, position=q, requests=(i,), slots=(slot,))
-        return True
-    return False
-
-
-def _rank_diverge(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
-    mine = _faulty_rank(kv, f)
-    if mine is None:
-        return False
-    for i in _candidates(d, taken):
-        if d.prefix[i] > 0:  # a position the next verify reads, with a chain predecessor
-            k = d.last_entry(i)
-            slot = int(d.out_cache_loc[k])
-            if mine:
-                d.out_cache_loc[k] = -1  # the write (record and KV store) lost on this rank alone
-            _record(f, d, slot=slot, position=int(d.prefix[i] + d.extend[i]) - 1, requests=(i,), slots=(slot,))
-            return True
-    return False
-
-
-def rank_fault_of(faults: list[Fault], step: int) -> int | None:
-    """Index of the fault a :class:`canary.RankViolation` found at ``step`` belongs to: the one applied last at a
-    step ``<= step`` (any kind: a fault on every rank is also some rank's violation), or ``None``."""
-    best = None
-    for k, f in enumerate(faults):
-        if f.applied and f.applied_step <= step and (best is None or f.applied_step >= faults[best].applied_step):
-            best = k
-    return best
-
-
 def _overwrite(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
     req = d.step.request_ids
     for a in _candidates(d, taken):
@@ -478,10 +431,8 @@ KINDS: dict[str, tuple[str, Any]] = {
     "offload-swap": (RESTORE, _offload_swap),
     "offload-partial": (RESTORE, _offload_partial),
     "offload-foreign": (RESTORE, _offload_foreign),
-    "rank-diverge": (BEFORE_WRITE, _rank_diverge),
-    "rank-flip": (AFTER_WRITE, _rank_flip),
 }
-RANK_KINDS = ("rank-diverge", "rank-flip")
+RANK_KINDS = ("rank-diverge", "rank-flip")  # their hooks: canary.replay.ranks, added to KINDS at the end
 OFFLOAD_KINDS = tuple(k for k, (when, _) in KINDS.items() if when == RESTORE)
 
 
@@ -528,3 +479,7 @@ class Injector:
             when, apply = KINDS[f.kind]
             if when == RESTORE and not f.applied and f.requested_step <= r.step and apply(tier, r, f, self.taken):
                 self.taken.update(f.requests)
+
+
+# The rank-* hooks live with the ranks; importing them adds them to KINDS (either module may be imported first).
+from . import ranks as _ranks  # noqa: E402,F401

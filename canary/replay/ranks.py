@@ -10,6 +10,9 @@ block the others until the process group's timeout). Each rank process :func:`jo
 CPU, NCCL with one GPU a rank (``N`` GPUs needed, refused otherwise). At the end :meth:`RankContext.merge` gathers
 every rank's findings (violations, agreement statistics, each fault's detection) to rank 0, which reports them.
 torch is needed (``import canary`` never imports it; the launcher only looks it up).
+
+The ``rank-*`` fault kinds' hooks are here too (:mod:`canary.replay.faults` describes them; importing either module
+adds them to its ``KINDS``): every rank picks the same request and slot, the last rank alone corrupts it.
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from .engine import EngineKV, StepData
+from .faults import AFTER_WRITE, BEFORE_WRITE, KINDS, Fault, _candidates, _mid_window, _record, _window_too_small
 
 RANK_ENV, WORLD_ENV, PORT_ENV = "KV_CANARY_REPLAY_RANK", "KV_CANARY_REPLAY_WORLD", "KV_CANARY_REPLAY_PORT"
 COLLECTIVE_TIMEOUT_S = 300  # a rank missing from a collective fails the others after this long
@@ -86,8 +92,9 @@ def launch(args: argparse.Namespace, kind: str) -> int:
         try:
             for r in range(n):
                 out = None if r == 0 else logs[r]
-                procs.append(subprocess.Popen([sys.executable, "-m", "canary", *args.argv], env={**env, RANK_ENV: str(r)},
-                                              stdout=out, stderr=subprocess.STDOUT if out else None))
+                procs.append(subprocess.Popen([sys.executable, "-m", "canary", *args.argv],
+                                              env={**env, RANK_ENV: str(r)}, stdout=out,
+                                              stderr=subprocess.STDOUT if out else None))
             rcs = _wait(procs)
         except KeyboardInterrupt:  # the ranks got the SIGINT too (one process group): their partial reports
             rcs = [p.wait() for p in procs]
@@ -184,3 +191,54 @@ class RankContext:
 def join(kind: str) -> RankContext:
     """This rank process's process group (the rank, size and port from :func:`launch`'s environment)."""
     return RankContext(int(os.environ[RANK_ENV]), int(os.environ[WORLD_ENV]), int(os.environ[PORT_ENV]), kind)
+
+
+# -- the rank-* faults (canary.replay.faults lists them) --------------------------------------------------------------
+def _faulty_rank(kv: EngineKV, f: Fault) -> bool | None:
+    """Whether this engine is the rank a ``rank-*`` fault corrupts (the last); ``None``: no ranks to differ."""
+    if kv.ranks_size < 2:
+        f.needs = "--ranks >= 2"
+        return None
+    return kv.rank == kv.ranks_size - 1
+
+
+def _rank_flip(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    mine = _faulty_rank(kv, f)
+    if mine is None or _window_too_small(kv, f):
+        return False
+    for i, lo, end in _mid_window(kv, d, taken):
+        q = (lo + end) // 2
+        slot = kv.host_slot(int(d.rows[i]), q)
+        if mine:
+            kv.kv_token_bytes(slot)[5] ^= 0x04
+        _record(f, d, slot=slot, position=q, requests=(i,), slots=(slot,))
+        return True
+    return False
+
+
+def _rank_diverge(kv: EngineKV, d: StepData, f: Fault, taken: set[int]) -> bool:
+    mine = _faulty_rank(kv, f)
+    if mine is None:
+        return False
+    for i in _candidates(d, taken):
+        if d.prefix[i] > 0:  # a position the next verify reads, with a chain predecessor
+            k = d.last_entry(i)
+            slot = int(d.out_cache_loc[k])
+            if mine:
+                d.out_cache_loc[k] = -1  # the write (record and KV store) lost on this rank alone
+            _record(f, d, slot=slot, position=int(d.prefix[i] + d.extend[i]) - 1, requests=(i,), slots=(slot,))
+            return True
+    return False
+
+
+def rank_fault_of(faults: list[Fault], step: int) -> int | None:
+    """Index of the fault a :class:`canary.RankViolation` found at ``step`` belongs to: the one applied last at a
+    step ``<= step`` (any kind: a fault on every rank is also some rank's violation), or ``None``."""
+    best = None
+    for k, f in enumerate(faults):
+        if f.applied and f.applied_step <= step and (best is None or f.applied_step >= faults[best].applied_step):
+            best = k
+    return best
+
+
+KINDS.update({"rank-diverge": (BEFORE_WRITE, _rank_diverge), "rank-flip": (AFTER_WRITE, _rank_flip)})

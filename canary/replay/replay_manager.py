@@ -34,7 +34,8 @@ from canary.contract.plans import mark_missing
 
 from .coverage import Coverage
 from .engine import K_BYTES, V_BYTES, V_READ, EngineKV, token_of
-from .faults import OFFLOAD_KINDS, Fault, Injector, rank_fault_of
+from .faults import OFFLOAD_KINDS, Fault, Injector
+from .ranks import rank_fault_of
 from .scheduler import Scheduler, Step
 from .tier import HostTier
 
