@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.check(args)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # what --ranks gives each rank's process
         keep_freed_memory()
         return args.func(args)
     except KeyboardInterrupt:  # before the replay's loop (which reports its partial summary itself)

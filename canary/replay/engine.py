@@ -40,9 +40,12 @@ def token_of(req: Any, pos: Any, xp: Any = np) -> Any:
     return _splitmix64((xp.asarray(req, dtype=xp.int64) << 32) | xp.asarray(pos, dtype=xp.int64), xp) & TOKEN_MASK
 
 
-def kv_bytes(req: Any, pos: Any, xp: Any = np) -> Any:
-    """``[n, 96]`` uint8: the K bytes then the V bytes of each token."""
+def kv_bytes(req: Any, pos: Any, xp: Any = np, rank: int = 0) -> Any:
+    """``[n, 96]`` uint8: the K bytes then the V bytes of each token; ``rank``: the tensor-parallel rank whose heads
+    they are (``--ranks``: each rank holds other bytes of the same tokens; rank 0's are those of one rank)."""
     key = ((xp.asarray(req, dtype=xp.int64) << 24) | xp.asarray(pos, dtype=xp.int64)) * 16
+    if rank:
+        key = key + (int(rank) << 52)  # above every (request, position) key of a trace: other words, no overlap
     words = _splitmix64(key[:, None] + xp.arange(12, dtype=xp.int64), xp)
     return words.view(xp.uint8).reshape(key.shape[0], 96)
 
@@ -131,6 +134,9 @@ class EngineKV:
         # (tests/helpers/replay_engine.py). The faults read the expected-token pool's keying from here.
         self.pool = None
         self.pool_by_request = False
+        # This engine's tensor-parallel rank of ``ranks_size`` (``--ranks``, canary.replay.ranks): whose KV bytes
+        # it stores, and where the rank-* faults act.
+        self.rank, self.ranks_size = 0, 1
 
     def host_slot(self, row: int, pos: int) -> int:
         """The canary slot of ``req_to_token[row, pos]`` (through the LUT in SWA mode)."""
@@ -172,7 +178,7 @@ class EngineKV:
     def store_kv(self, slots: Any, req: Any, pos: Any) -> None:
         """The forward pass's KV stores: each token's bytes into its slot of K and V (slot < 0: none)."""
         ok = slots >= 0
-        slots, b = slots[ok], kv_bytes(req[ok], pos[ok], self.xp)
+        slots, b = slots[ok], kv_bytes(req[ok], pos[ok], self.xp, self.rank)
         ps = self.page_size
         kb = self.k.view(self.xp.uint8).reshape(-1, ps, K_BYTES)
         kb[slots // ps, slots % ps] = b[:, :K_BYTES]

@@ -1,6 +1,6 @@
 """Fault injectors for the simulated engine (:mod:`canary.replay.engine`): the corruptions the canary must catch.
 
-Seventeen kinds, each a hook on one step (``KIND@STEP`` on the command line):
+Nineteen kinds, each a hook on one step (``KIND@STEP`` on the command line):
 
 | kind | when | what |
 | --- | --- | --- |
@@ -21,6 +21,8 @@ Seventeen kinds, each a hook on one step (``KIND@STEP`` on the command line):
 | ``pd-flip`` | at a transfer | one K byte of the request's middle position flips in flight (after the sender's digest) |
 | ``pd-drop-layer`` | at a transfer | the last layer is not transferred (``--num-layers`` >= 2): its decode slots keep old bytes |
 | ``pd-zero`` | at a transfer | the middle position's decode slot is left all zero: KV bytes of every layer and record row |
+| ``rank-diverge`` | before the write | ``--ranks`` >= 2: a running request's last new token is not written on the last rank (its record and KV lost there alone) |
+| ``rank-flip`` | after the write | ``--ranks`` >= 2: as ``kv-flip``, on the last rank only |
 
 ``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the
 request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never
@@ -28,9 +30,8 @@ handed out, taken out of the pool for good. ``swa-evict`` is an SWA page freed w
 the plan gives that position ``MISSING_SLOT`` and verify reports ``MISSING``. It needs a sliding window
 (``--swa-window``): without one there is no LUT to clear (the command line refuses it before the run; here
 it is never applied, ``not applied: needs --swa-window ...``, which fails the run like any fault never
-applied). ``kv-flip``, ``kv-flip-last``, ``zero-kv``
-and ``swa-evict`` corrupt a mid-window position (neither the window's first nor the write's seed), so a sliding
-window of fewer than 4 positions can never apply them (``not applied: needs --swa-window >= 4 (or none)``);
+applied). ``kv-flip``, ``kv-flip-last``, ``zero-kv`` and ``swa-evict`` corrupt a mid-window position (neither
+the window's first nor the write's seed), so a sliding window of fewer than 4 positions can never apply them (``not applied: needs --swa-window >= 4 (or none)``);
 :func:`requirement` names what each kind needs.
 
 The ``offload-*`` kinds need a host tier (``--offload-tier``; :mod:`canary.replay.tier`): each edits the
@@ -45,6 +46,10 @@ digest check catches each at the arrival (reason ``DIGEST``, kernel ``digest`` i
 decode instance's verify of the same step too (``pd-flip``, ``pd-zero``: ``REAL_KV`` and the record's checks;
 ``pd-drop-layer``: the layer rotation, once its cursor reaches the last layer). With ``--pd`` the other kinds
 are applied on the decode instance.
+
+The ``rank-*`` kinds need ``--ranks`` >= 2 (:mod:`canary.replay.ranks`): every rank picks the same request and
+slot, only the last rank corrupts it, and the ranks' agreement (SPEC 4.3) reports it on every rank
+(``RANK_DIVERGE`` in the step itself, ``RANK_VIOLATION`` in the step whose verify reads the flipped byte).
 
 ``spec-reject`` and ``row-recycle`` leave self-consistent records (chain, positions and real KV agree): only the
 expected-token pool sees them. ``spec-reject`` is speculative decoding's rejected draft left in the KV: the
@@ -116,10 +121,11 @@ class Fault:
         return ", ".join(parts)
 
 
-MID_WINDOW_KINDS = ("kv-flip", "kv-flip-last", "zero-kv", "swa-evict")
+MID_WINDOW_KINDS = ("kv-flip", "kv-flip-last", "zero-kv", "swa-evict", "rank-flip")
 
 
-def requirement(kind: str, *, swa_window: int, num_layers: int, offload_tier: int = 0, pd: bool = False) -> str:
+def requirement(kind: str, *, swa_window: int, num_layers: int, offload_tier: int = 0, pd: bool = False,
+                ranks: int = 1) -> str:
     """What a replay with these options lacks for ``kind`` to ever be applied (the option it needs, as typed on
     the command line), or ``""``. The command line refuses such a fault before the run
     (:func:`canary.replay.options.check_arguments`); the hooks below still check, for other callers."""
@@ -134,6 +140,8 @@ def requirement(kind: str, *, swa_window: int, num_layers: int, offload_tier: in
         return "--pd (a prefill-to-decode split: the fault is applied to a transfer between the instances)"
     if kind == "pd-drop-layer" and num_layers < 2:
         return "--num-layers >= 2 (a layer to leave out of the transfer while layer 0 is sent)"
+    if kind.startswith("rank-") and ranks < 2:
+        return "--ranks >= 2 (tensor-parallel ranks: the fault corrupts one rank only)"
     if kind == "kv-flip-last" and num_layers < 2:
         return "--num-layers >= 2 (the last layer's K bytes, which only the layer rotation reads)"
     return ""
@@ -440,6 +448,7 @@ KINDS: dict[str, tuple[str, Any]] = {
     "pd-drop-layer": (TRANSFER, None),
     "pd-zero": (TRANSFER, None),
 }
+RANK_KINDS = ("rank-diverge", "rank-flip")  # their hooks: canary.replay.ranks, added to KINDS at the end
 OFFLOAD_KINDS = tuple(k for k, (when, _) in KINDS.items() if when == RESTORE)
 PD_KINDS = tuple(k for k, (when, _) in KINDS.items() if when == TRANSFER)
 
@@ -487,3 +496,7 @@ class Injector:
             when, apply = KINDS[f.kind]
             if when == RESTORE and not f.applied and f.requested_step <= r.step and apply(tier, r, f, self.taken):
                 self.taken.update(f.requests)
+
+
+# The rank-* hooks live with the ranks; importing them adds them to KINDS (either module may be imported first).
+from . import ranks as _ranks  # noqa: E402,F401

@@ -150,6 +150,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-dwell", action=_Once, type=_size, default=1, metavar="D",
                    help="steps each layer stays under the rotation's cursor (with --num-layers; use the sampling "
                    "bound when the verify samples: docs/integration.md 5c; default 1)")
+    p.add_argument("--ranks", action=_Once, type=_integer(1, 64), default=1, metavar="N",
+                   help="N tensor-parallel ranks, one process each (gloo on the CPU, NCCL with one GPU a rank; "
+                   "needs torch): the same schedule, each rank's own KV heads and manager, their agreement "
+                   "checked each step; rank 0 reports for all (docs/replay.md; default 1)")
     p.add_argument("--json", action=_Once, type=_out_path, metavar="PATH",
                    help="also write the summary as JSON to PATH (its directory must exist and be writable; written "
                    "atomically; docs/replay.md lists its keys)")
@@ -189,10 +193,14 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         _check_pd(p, args, given)
     for f in args.inject:
         need = requirement(f.kind, swa_window=args.swa_window, num_layers=args.num_layers,
-                           offload_tier=args.offload_tier, pd=args.pd)
+                           offload_tier=args.offload_tier, pd=args.pd, ranks=getattr(args, "ranks", 1))
         if need:
             p.error(f"argument --inject: {f.kind}@{f.requested_step} needs {need}, which this run does not have "
                     f"(it could never be applied)")
+    if getattr(args, "ranks", 1) > 1:
+        from .ranks import check_ranks  # noqa: PLC0415 (the launcher's checks; torch is looked up, not imported)
+
+        check_ranks(p, args)
     if getattr(args, "plot", None):
         _check_plot(p, args)
     for dest, what in (("json", "summary"), ("plot", "plot")):
@@ -214,6 +222,9 @@ def _check_pd(p: argparse.ArgumentParser, args: argparse.Namespace, given: dict)
         if getattr(args, dest, None) and dest in given:
             p.error(f"argument {given[dest]}: expected it off with --pd ({why}), got {given[dest]} "
                     f"{getattr(args, dest)}")
+    if getattr(args, "ranks", 1) > 1:
+        p.error(f"argument --ranks: expected 1 with --pd (each instance is one rank; the transfer is not split "
+                f"over ranks), got --ranks {args.ranks}")
 
 
 def _check_plot(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 
 from canary import BackendUnavailableError, CanaryPlanner, PlanStatus, VerifyPlan, WritePlan, to_host
 
+from . import ranks as rank_procs
 from .plot import Series, write_plot
 from .replay_manager import ManagerReplay
 from .report import ProgressLog, fault_lines, fault_table, manager_table, provenance, summary_table, write_json
@@ -201,6 +202,18 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(width=WIDE)  # a log or a pipe: rows that wrap at 80 columns only get harder to read
     series = Series() if getattr(args, "plot", None) else None
+    ctx = None
+    if getattr(args, "ranks", 1) > 1:  # --ranks: this process launches the ranks, or is one (canary.replay.ranks)
+        try:
+            kind = _placement(args.backend)
+            if not rank_procs.is_worker():
+                return rank_procs.launch(args, kind)
+            ctx = args.rank_ctx = rank_procs.join(kind)
+        except (BackendUnavailableError, RuntimeError, ValueError, OSError) as exc:
+            _error(str(exc))
+            return 2
+        if ctx.rank:  # rank 0 reports for every rank
+            console = Console(file=open(os.devnull, "w"), width=WIDE)
     try:
         summary, problems = _replay(args, console, Progress, (TextColumn("{task.description}"), BarColumn(),
                                                                MofNCompleteColumn(), TimeElapsedColumn()), series)
@@ -212,6 +225,11 @@ def run(args: argparse.Namespace) -> int:
     except (BackendUnavailableError, ValueError, TypeError, OSError) as exc:
         _error(str(exc))
         return 2
+    if ctx is not None:
+        summary, problems = ctx.merge(summary, problems)
+        ctx.close()
+        if ctx.rank:
+            return _status(summary)
     if summary["interrupted"]:
         _error(f"kv-canary: interrupted after {summary['steps']} steps: the report of those steps follows")
     for line in problems[:MAX_SHOWN_MISMATCHES]:
@@ -243,6 +261,12 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ImportError) as exc:  # as --json's; matplotlib was there when the options were checked
             _error(f"kv-canary: --plot {args.plot}: cannot write the plot: {exc}")
             return 2
+    return _status(summary)
+
+
+def _status(summary: dict) -> int:
+    """The exit status of a finished replay (:func:`run`)."""
+    c = summary.get("canary")
     if summary["interrupted"]:
         return INTERRUPTED
     return 1 if summary["mismatches"] or (c is not None and c["failed"]) else 0
@@ -437,4 +461,10 @@ def _canary(args, sched: Scheduler, arrays: _Arrays, dev_r2t: Any, dev_lut: Any,
     device = "cpu" if arrays.kind == "host" else arrays.xp.cuda.Device().id
     return ManagerReplay(sched, xp=arrays.xp, device=device, backend=args.backend, faults=args.inject,
                          req_to_token=dev_r2t, lut=dev_lut, verify_capacity=cap, on_overflow=args.on_overflow,
-                         num_layers=args.num_layers, layer_dwell=args.layer_dwell, offload_tier=args.offload_tier)
+                         num_layers=args.num_layers, layer_dwell=args.layer_dwell, offload_tier=args.offload_tier,
+                         **_rank_args(getattr(args, "rank_ctx", None)))
+
+
+def _rank_args(ctx: Any) -> dict:
+    """The manager's ``ranks`` / ``communicator`` under ``--ranks`` (none otherwise)."""
+    return {} if ctx is None else {"ranks": ctx.ranks, "communicator": ctx.communicator}

@@ -29,12 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from canary import MISSING_SLOT, CanaryManager, KernelTag, KVGroup, SlotViolation, Violation
+from canary import MISSING_SLOT, CanaryManager, KernelTag, KVGroup, RankViolation, SlotViolation, Violation
 from canary.contract.plans import mark_missing
 
 from .coverage import Coverage
 from .engine import K_BYTES, V_BYTES, V_READ, EngineKV, token_of
 from .faults import OFFLOAD_KINDS, Fault, Injector
+from .ranks import rank_fault_of
 from .scheduler import Scheduler, Step
 from .tier import HostTier
 
@@ -72,11 +73,13 @@ class ManagerReplay:
 
     def __init__(self, sched: Scheduler, *, xp: Any, device: Any, backend: str, faults: list[Fault],
                  req_to_token: Any, lut: Any, verify_capacity: int, on_overflow: str, num_layers: int = 1,
-                 layer_dwell: int = 1, offload_tier: int = 0):
+                 layer_dwell: int = 1, offload_tier: int = 0, ranks: Any = None, communicator: Any = None):
         # The engine's KV buffers and fault hooks; the manager owns the canary.
         self.kv = EngineKV(sched, xp=xp, device=device, backend=backend, num_layers=num_layers)
         self.kv.layer_dwell = layer_dwell
         self.kv.pool_by_request = True  # what the faults must assume: the manager keys its pool by request
+        if ranks is not None:  # --ranks: this rank's KV bytes (canary.replay.ranks)
+            self.kv.rank, self.kv.ranks_size = ranks.tp_rank, ranks.tp_size
         self.injector = Injector(list(faults))
         self.faults = self.injector.faults
         self.total = 0
@@ -97,7 +100,8 @@ class ManagerReplay:
                      swa_window_size=self.kv.window, full_to_swa_index_mapping=lut,
                      layer_sources=self.kv.layer_sources() if num_layers > 1 else (), layer_dwell=layer_dwell)],
             max_batch_size=sched.max_batch_size, device=device, backend=backend, on_violation=self._collect,
-            ring_capacity=RING_CAPACITY, max_step_tokens=max(4096, step_tokens))
+            ring_capacity=RING_CAPACITY, max_step_tokens=max(4096, step_tokens), ranks=ranks,
+            communicator=communicator)
         self.manager.warmup()
         self.group = self.manager.groups[0]
         # The replay step of each manager step, when they differ (--pd: an instance skips the steps it has no
@@ -186,8 +190,18 @@ class ManagerReplay:
     def _collect(self, new: list[SlotViolation]) -> None:
         """``on_violation``: attribute each new record to a fault (the rule of the module docstring)."""
         step = self._step
-        owners = violation_requests([v.raw for v in new], step, self.kv.r2t, self.kv.lut, self.kv.window)
         self.total += len(new)
+        rank = [v for v in new if isinstance(v, RankViolation)]  # the agreement's (--ranks): no slot, no raw row
+        for v in rank:
+            k = rank_fault_of(self.faults, v.first_step)
+            if k is None:
+                self.unattributed_count += 1
+                if len(self.unattributed) < MAX_SHOWN_VIOLATIONS:
+                    self.unattributed.append((v.first_step, v.line()))
+            else:
+                self.by_fault[k].append((v.first_step, v))
+        new = [v for v in new if not isinstance(v, RankViolation)]
+        owners = violation_requests([v.raw for v in new], step, self.kv.r2t, self.kv.lut, self.kv.window)
         for v, req in zip(new, owners.tolist()):
             first = v.first_step if self.step_of is None else self.step_of[v.first_step]
             k = self._fault_of_record(v, req, first)
@@ -270,6 +284,8 @@ class ManagerReplay:
 
 
 def _kernel(v: Violation) -> str:
+    if isinstance(v.kernel, str):  # a RankViolation's "rank"
+        return v.kernel
     return v.kernel.name.lower() if isinstance(v.kernel, KernelTag) else f"kind{v.kernel}"
 
 

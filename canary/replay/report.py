@@ -81,7 +81,7 @@ def manager_table(st: dict, Table) -> Any:
             if not value:
                 t.add_row(key, "-")
             for name, v in value.items():
-                t.add_row(f"{key} [{name}]", str(v))
+                t.add_row(f"{key} \\[{name}]", str(v))  # escaped: rich would read [name] as a style tag
         else:
             t.add_row(key, str(value))
     return t
@@ -91,18 +91,31 @@ def fault_table(c: dict, Table) -> Any:
     """The per-fault detection table (``Table``: rich's): asked / applied / first-violation steps, the steps
     until detection, and the kernels and reasons of the violations at the first detection step."""
     t = Table(title="kv-canary replay: injected faults")
-    for col in ("fault", "asked", "applied", "detected", "delay", "kernel", "reasons"):
-        t.add_column(col, justify="left" if col in ("fault", "kernel", "reasons") else "right")
+    ranks = any("rank_delays" in f for f in c["faults"])  # --ranks: each rank's delay (canary.replay.ranks)
+    cols = ("fault", "asked", "applied", "detected", "delay") + (("ranks (delay)",) if ranks else ()) + ("kernel",
+                                                                                                        "reasons")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("fault", "kernel", "reasons", "ranks (delay)") else "right")
 
     def cell(v):
         return "-" if v is None else str(v)
 
     for f in c["faults"]:
+        on = [_rank_delays(f["rank_delays"])] if ranks else []
         t.add_row(f["kind"], str(f["requested_step"]), cell(f["applied_step"]), cell(f["first_violation_step"]),
-                  cell(f["steps_to_detection"]), "\n".join(f["kernels"]) or "-",
+                  cell(f["steps_to_detection"]), *on, "\n".join(f["kernels"]) or "-",
                   "\n".join(f["reasons"]) or ("NOT DETECTED" if f["applied_step"] is not None else "NOT APPLIED"))
     # one name a line: fits 80 columns
     return t
+
+
+def _rank_delays(delays: list) -> str:
+    """``0,1 (1)``: the ranks that detected a fault, grouped by their delay (steps); ``-``: none did."""
+    by: dict[int, list[str]] = {}
+    for r, d in enumerate(delays):
+        if d is not None:
+            by.setdefault(d, []).append(str(r))
+    return "\n".join(f"{','.join(rs)} ({d})" for d, rs in sorted(by.items())) or "-"
 
 
 def fault_lines(c: dict) -> list[str]:
