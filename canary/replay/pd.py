@@ -26,8 +26,8 @@ import numpy as np
 
 from canary import BlockDigest, to_host
 
-from .engine import K_BYTES, V_BYTES, EngineKV, token_of
-from .faults import PD_KINDS, Fault
+from .engine import K_BYTES, V_BYTES, EngineKV
+from .faults import PD_KINDS
 from .replay_manager import ManagerReplay
 from .report import ProgressLog, provenance
 from .scheduler import Scheduler, Trace, _cdiv, default_buckets, load_trace

@@ -26,7 +26,7 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
     pytest.skip("run with NUMBA_ENABLE_CUDASIM=1 (tests/helpers/sim_plugin.py does)", allow_module_level=True)
 
 from helpers.plan_cases import (  # noqa: E402
-    BUFFERS, OUTPUTS, POISON, POISON_ALT, RULE_KNOBS, PlanCase, assert_same, expected_outputs, hand_case, hand_cases, make_plans,
+    BUFFERS, POISON, POISON_ALT, RULE_KNOBS, PlanCase, assert_same, expected_outputs, hand_case, hand_cases, make_plans,
     plan_cases, poisoned_outputs, random_case,
 )
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import weakref
 
-import numpy as np
 import pytest
 from helpers.plan_cases import assert_same, expected_outputs, make_plans, random_case, to_numpy, to_xp
 

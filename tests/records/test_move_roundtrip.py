@@ -6,7 +6,6 @@ without its records, records in the wrong slots, or records without their KV are
 both GPU backends below (``gpu``) find exactly what the reference finds."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from helpers import move_engine as me
 
