@@ -24,31 +24,28 @@ Nineteen kinds, each a hook on one step (``KIND@STEP`` on the command line):
 | ``rank-diverge`` | before the write | ``--ranks`` >= 2: a running request's last new token is not written on the last rank (its record and KV lost there alone) |
 | ``rank-flip`` | after the write | ``--ranks`` >= 2: as ``kv-flip``, on the last rank only |
 
-``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the
-request reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never
-handed out, taken out of the pool for good. ``swa-evict`` is an SWA page freed while the window still needs it:
-the plan gives that position ``MISSING_SLOT`` and verify reports ``MISSING``. It needs a sliding window
-(``--swa-window``): without one there is no LUT to clear (the command line refuses it before the run; here
-it is never applied, ``not applied: needs --swa-window ...``, which fails the run like any fault never
-applied). ``kv-flip``, ``kv-flip-last``, ``zero-kv`` and ``swa-evict`` corrupt a mid-window position (neither
-the window's first nor the write's seed), so a sliding window of fewer than 4 positions can never apply them (``not applied: needs --swa-window >= 4 (or none)``);
+``zero-kv`` is a prefix-cache hit on a block that was registered for reuse before its KV store ran: the request
+reads an all-zero canary record and all-zero KV bytes. Its slot comes from a page that was never handed out, taken
+out of the pool for good. ``swa-evict`` is an SWA page freed while the window still needs it: the plan gives that
+position ``MISSING_SLOT`` and verify reports ``MISSING``. It needs a sliding window (``--swa-window``): without one
+there is no LUT to clear (refused before the run; here it is never applied, ``not applied: needs --swa-window
+...``, which fails the run like any fault never applied). ``kv-flip``, ``kv-flip-last``, ``zero-kv`` and
+``swa-evict`` corrupt a mid-window position (neither the window's first nor the write's seed), so a sliding window
+of fewer than 4 positions can never apply them (``not applied: needs --swa-window >= 4 (or none)``);
 :func:`requirement` names what each kind needs.
 
 The ``offload-*`` kinds need a host tier (``--offload-tier``; :mod:`canary.replay.tier`): each edits the
-:class:`~canary.replay.tier.Restore` plan of the first restore at or after its step (which tier entry each new
-slot gets), before the KV bytes and records are scattered, and the step's verify reads the result.
-``offload-partial`` skips a restore whose new last page already holds its bytes (the request's own old page),
-``offload-stale`` one with no earlier copy of another request left in the tier.
+:class:`~canary.replay.tier.Restore` plan of the first restore at or after its step (which tier entry each new slot
+gets), before the KV bytes and records are scattered, and the step's verify reads the result. ``offload-partial``
+skips a restore whose new last page already holds its bytes (the request's own old page), ``offload-stale`` one with
+no earlier copy of another request left in the tier.
 
 The ``pd-*`` kinds need ``--pd`` (:mod:`canary.replay.pd`): each edits the first prefill-to-decode transfer at or
-after its step whose prompt has at least 4 tokens, between the sender's digest and the arrival. The receiver's
-digest check catches each at the arrival (reason ``DIGEST``, kernel ``digest`` in the fault table), and the
-decode instance's verify of the same step too (``pd-flip``, ``pd-zero``: ``REAL_KV`` and the record's checks;
-``pd-drop-layer``: the layer rotation, once its cursor reaches the last layer). With ``--pd`` the other kinds
-are applied on the decode instance.
-
-The ``rank-*`` kinds need ``--ranks`` >= 2 (:mod:`canary.replay.ranks`): every rank picks the same request and
-slot, only the last rank corrupts it, and the ranks' agreement (SPEC 4.3) reports it on every rank
+after its step whose prompt has at least 4 tokens, between the sender's digest and the arrival; the receiver's digest
+check catches each at the arrival (reason ``DIGEST``, kernel ``digest``), the decode instance's verify too
+(``pd-drop-layer``: once the layer rotation reaches the last layer); the other kinds are applied on the decode
+instance. The ``rank-*`` kinds need ``--ranks`` >= 2 (:mod:`canary.replay.ranks`): every rank picks the same request
+and slot, only the last rank corrupts it, and the ranks' agreement (SPEC 4.3) reports it on every rank
 (``RANK_DIVERGE`` in the step itself, ``RANK_VIOLATION`` in the step whose verify reads the flipped byte).
 
 ``spec-reject`` and ``row-recycle`` leave self-consistent records (chain, positions and real KV agree): only the

@@ -15,7 +15,7 @@ import canary.replay.replay
 import canary.replay.replay_manager
 from canary.replay import cli
 from canary.replay.engine import _splitmix64, kv_bytes, token_of
-from canary.replay.faults import KINDS, OFFLOAD_KINDS, PD_KINDS
+from canary.replay.faults import KINDS, OFFLOAD_KINDS, PD_KINDS, RANK_KINDS
 from canary import splitmix64  # the public hash
 
 M64 = (1 << 64) - 1
@@ -145,7 +145,8 @@ OFFLOAD_ONLY = set(OFFLOAD_KINDS)  # kinds that need --offload-tier (refused wit
 OFFLOAD = ["--offload-tier", "8192"]
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k not in PD_KINDS])  # pd-*: tests/replay/test_replay_pd.py
+# pd-*, rank-*: tests/replay/test_replay_pd.py, test_replay_ranks.py
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in PD_KINDS + RANK_KINDS])
 def test_each_fault_is_detected(tmp_path, capsys, kind):
     rc, s = _replay(tmp_path, "--inject", f"{kind}@20", *(SWA if kind in SWA_ONLY else []),
                     *(LAYERS if kind in LAYERS_ONLY else []), *(OFFLOAD if kind in OFFLOAD_ONLY else []))
@@ -172,8 +173,8 @@ def test_each_fault_is_detected(tmp_path, capsys, kind):
 
 def test_all_faults_at_once_and_in_a_sliding_window(tmp_path):
     for extra in ([], SWA):
-        kinds = [k for k in KINDS if (extra or k not in SWA_ONLY) and k not in LAYERS_ONLY and k not in PD_KINDS
-                 and not (extra and k in OFFLOAD_ONLY)]
+        kinds = [k for k in KINDS if (extra or k not in SWA_ONLY) and k not in LAYERS_ONLY
+                 and k not in PD_KINDS + RANK_KINDS and not (extra and k in OFFLOAD_ONLY)]
         args = [a for k in kinds for a in ("--inject", f"{k}@30")]
         # Ten requests for nine faults (two each for overwrite and row-recycle), running at once, and the restores
         # of four more (full attention: the tier is refused with a sliding window): a longer run.

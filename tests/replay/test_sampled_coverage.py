@@ -9,7 +9,7 @@ import json
 import pytest
 
 from canary.replay import cli
-from canary.replay.faults import KINDS, OFFLOAD_KINDS, PD_KINDS
+from canary.replay.faults import KINDS, OFFLOAD_KINDS, PD_KINDS, RANK_KINDS
 
 TRACES = ("conv", "code")
 
@@ -63,7 +63,8 @@ def test_on_overflow_rejects_other_values(capsys):
 FAULT_RUN = ("--max-requests", "12", "--max-batch-size", "8", "--chunk-size", "512")
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k not in PD_KINDS])  # pd-*: tests/replay/test_replay_pd.py
+# pd-*, rank-*: tests/replay/test_replay_pd.py, test_replay_ranks.py
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in PD_KINDS + RANK_KINDS])
 def test_each_fault_is_detected_with_a_small_budget(tmp_path, kind):
     """Budget 256 of the ~1000 cached tokens of a step: nearly every step is sampled. A fault the write sees is
     caught at once; one only a verify sees waits for the rotation to reach its token, so at most the run's
