@@ -1,6 +1,7 @@
 """One benchmark workload run a few times, eagerly: a target for Nsight Compute (tools/gpu_profile.sh).
 
     ncu --clock-control none -k regex:canary_plan python benchmarks/profile_target.py plan bs4096 [cupy|cupy_two_pass|numba]
+    ncu ... python benchmarks/profile_target.py plan bs1 cupy block_table   (the index form, SPEC 3.8)
     ncu ... -k regex:canary_verify python benchmarks/profile_target.py records bs1_decode_ctx4k ALL [cupy|numba]
     ncu ... -k regex:canary_plan python benchmarks/profile_target.py sampled bs4096 sampled|full
 
@@ -27,7 +28,8 @@ def main(argv: list[str]) -> int:
         import bench_plan
 
         inp = next(w for w in bench_plan.workloads(np.random.default_rng(2026), False) if w.name == name)
-        b = bench_plan.Bound(argv[2] if len(argv) > 2 else "cupy", inp, cp)
+        form = argv[3] if len(argv) > 3 else "req_to_token"
+        b = bench_plan.Bound(argv[2] if len(argv) > 2 else "cupy", inp, cp, form)
         calls = 3
     elif kind == "records":
         import bench_records

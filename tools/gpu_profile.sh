@@ -12,6 +12,9 @@ prof() {  # NAME KERNEL_REGEX SKIP COUNT TARGET_ARGS...
 }
 SELECT="$*"
 prof plan_bs256 canary_plan_fused 2 1 plan bs256_decode
+for form in req_to_token block_table page_list; do  # the index forms at bs=1 (SPEC 3.8; the 1.5x of issue 26)
+  prof "plan_bs1_$form" canary_plan 2 1 plan bs1 cupy "$form"
+done
 prof plan_swa canary_plan_fused 2 1 plan swa_bs256
 prof plan_bs4096_rows canary_plan_rows 2 1 plan bs4096
 prof plan_bs4096_entries_numba canary_plan_entries 2 1 plan bs4096 numba
