@@ -381,7 +381,7 @@ struct DigestParams {
 
 // agree.cu canary_agree: a group's plan and entries digests of one step into its report-block words.
 struct AgreeParams {
-    const void* slots;          // [n] int32 or int64 (entry_wide): out_cache_loc; slot < 0 is not counted
+    const void* slots;          // [n] int32 or int64 (entry_wide): out_cache_loc (a slot < 0 is not counted)
     const void* tokens;         // [n] input_ids
     const void* positions;      // [n] positions
     i64 n;                      // entries of the call (the arrays' length)

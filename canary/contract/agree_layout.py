@@ -27,7 +27,7 @@ AGREE_WIDE_ARRAYS = ("slots", "tokens", "positions")
 AGREE_WIDE = {name: 1 << k for k, name in enumerate(AGREE_WIDE_ARRAYS)}
 
 AGREE_PARAMS = Struct("AgreeParams", (
-    M("const void*", "slots", "[n] int32 or int64 (entry_wide): out_cache_loc; slot < 0 is not counted"),
+    M("const void*", "slots", "[n] int32 or int64 (entry_wide): out_cache_loc (a slot < 0 is not counted)"),
     M("const void*", "tokens", "[n] input_ids"),
     M("const void*", "positions", "[n] positions"),
     M("i64", "n", "entries of the call (the arrays' length)"),
