@@ -337,6 +337,9 @@ class DeviceDigests:
             own = by_group.get(g.name) if by_group else None
             name = "out_cache_loc" if own is None else f"out_cache_loc_by_group[{g.name!r}]"
             lv = check_view(go.view(loc if own is None else own, name), dtype=INT_WIDTHS, ndim=1)
+            if not lv.shape[0] == tv.shape[0] == pv.shape[0]:  # the kernel reads n of each (the write refused it)
+                raise fail(ValueError, f"{name}, input_ids, positions: expected one length, got {lv.shape[0]}, "
+                                       f"{tv.shape[0]}, {pv.shape[0]}")
             self.launchers[g.name].launch(lv, tv, pv, go.handle)
 
 
