@@ -368,22 +368,34 @@ def test_two_gpu_ranks_agree_on_device_words(static):  # pragma: no cover - need
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("static", [False, True], ids=["fresh-arrays", "static-buffers"])
-def test_one_token_written_otherwise_is_an_entries_divergence(static):  # pragma: no cover - needs a GPU
+@pytest.mark.parametrize("static,backend,groups", [
+    (False, "cupy", ("full",)), (True, "cupy", ("full",)), (False, "numba", ("full",)),
+    (True, "cupy", ("full", "swa")), (False, "numba", ("full", "swa"))],
+    ids=["fresh-arrays", "static-buffers", "numba", "static-full-swa", "numba-full-swa"])
+def test_one_token_written_otherwise_is_an_entries_divergence(static, backend, groups):  # pragma: no cover - GPU
+    if backend == "numba":
+        pytest.importorskip("numba.cuda")
+
     def last(e, r):  # the last step: rank 1 writes another token at one position (nothing verifies it later)
         n = {rid: len(q["tokens"]) - q["kv_len"] for rid, q in e.reqs.items()}
         e.forward([("a", n["a"]), ("b", n["b"])], write_tokens={"a": [777] * n["a"]} if r == 1 else None)
 
-    (r0, r1), _ = _two_gpu_ranks(lambda e, r: _steps(e, r, last), static=static)
+    (r0, r1), _ = _two_gpu_ranks(lambda e, r: _steps(e, r, last), static=static, backend=backend, groups=groups)
     for res in (r0, r1):
-        (rv,) = _rank_records(res)
-        assert (rv.reason, rv.fields, rv.peers, rv.first_step) == ("RANK_DIVERGE", ("entries",), (1,), 4)
-        assert len(set(rv.values["entries"])) == 2
+        rvs = _rank_records(res)
+        assert sorted(rv.group for rv in rvs) == sorted(groups)  # every group wrote the token
+        for rv in rvs:
+            assert (rv.reason, rv.fields, rv.peers, rv.first_step) == ("RANK_DIVERGE", ("entries",), (1,), 4)
+            assert len(set(rv.values["entries"])) == 2
         assert [v for v in res[0] if not isinstance(v, RankViolation)] == []
 
 
 @pytest.mark.gpu
-def test_a_verify_plan_that_differs_is_a_plan_divergence():  # pragma: no cover - needs a GPU
+@pytest.mark.parametrize("backend", ["cupy", "numba"])
+def test_a_verify_plan_that_differs_is_a_plan_divergence(backend):  # pragma: no cover - needs a GPU
+    if backend == "numba":
+        pytest.importorskip("numba.cuda")
+
     def last(e, r):  # the last step: rank 1's plan edited after its verify ran (only the plan word can differ)
         if r == 1:
             real = e.manager.after_kv_store
@@ -395,7 +407,7 @@ def test_a_verify_plan_that_differs_is_a_plan_divergence():  # pragma: no cover 
             e.manager.after_kv_store = edited
         e.decode_step(["a", "b"])
 
-    (r0, r1), _ = _two_gpu_ranks(lambda e, r: _steps(e, r, last))
+    (r0, r1), _ = _two_gpu_ranks(lambda e, r: _steps(e, r, last), backend=backend)
     for res in (r0, r1):
         (rv,) = _rank_records(res)
         assert (rv.reason, rv.fields, rv.peers, rv.first_step) == ("RANK_DIVERGE", ("plan",), (1,), 4)
