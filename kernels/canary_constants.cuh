@@ -152,6 +152,16 @@ typedef unsigned long long u64;
 #define DIGEST_WIDE_BLOCK_LENS 8
 #define DIGEST_WIDE_COUNT_OUT 16
 
+// ---- The ranks' agreement words (agree.cu, agree_numba.py)
+// The ranks' agreement words of a GPU manager (SPEC 4.3; agree.cu, agree_numba.py; agree_layout.py).
+#define AGREE_THREADS 256                 // threads of an agreement block
+#define AGREE_ENTRY_SALT 0x6B7663616E617279ULL  // entries: mix3(slot, token, position ^ AGREE_ENTRY_SALT)
+#define AGREE_PLAN_SALT 0x766572696679506CULL  // the verify plan: mix3(slot mod 2^63, token, position ^ salt)
+// AgreeParams.entry_wide's bits (agree_layout.py AGREE_WIDE): that array holds int64, else int32 (SPEC 2 (*)).
+#define AGREE_WIDE_SLOTS 1
+#define AGREE_WIDE_TOKENS 2
+#define AGREE_WIDE_POSITIONS 4
+
 // One by-value kernel parameter; every field is 8 bytes, so the host packs it as an array of uint64 words in this
 // order (canary/contract/plan_layout.py PARAM_FIELDS) and updates only the per-step words per call.
 struct PlanParams {
@@ -367,6 +377,21 @@ struct DigestParams {
     void* count_out;                     // check: [1] int32 or int64 (index_wide)
     u64* scratch;                        // [DIGEST_SCRATCH_HEAD_WORDS + 2 * scratch_blocks], zero between launches
     i64 scratch_blocks;                  // blocks the scratch holds (>= num_blocks)
+};
+
+// agree.cu canary_agree: a group's plan and entries digests of one step into its report-block words.
+struct AgreeParams {
+    const void* slots;          // [n] int32 or int64 (entry_wide): out_cache_loc (a slot < 0 is not counted)
+    const void* tokens;         // [n] input_ids
+    const void* positions;      // [n] positions
+    i64 n;                      // entries of the call (the arrays' length)
+    i64 entry_wide;             // bit AGREE_WIDE_*: that array holds int64 (else int32)
+    const i64* plan_slots;      // [plan_capacity] the verify plan's verify_slot_indices
+    const i64* plan_tokens;     // [plan_capacity] verify_expected_tokens
+    const i64* plan_positions;  // [plan_capacity] verify_expected_positions
+    const int* plan_num_valid;  // [1] int32: entries counted, clamped to [0, plan_capacity]
+    i64 plan_capacity;
+    u64* out;                   // [2] the group's report-block words (plan, entries), added to (wrapping)
 };
 
 #endif  // CANARY_CONSTANTS_CUH

@@ -4,7 +4,7 @@ Backends are grouped by library: ``reference/`` (NumPy), ``cupy/`` (CUDA C throu
 (numba-cuda); each holds one module per kernel family (``FAMILIES``): ``plan`` (the planner), ``records``
 (write, verify, scatter), ``layers`` (the layer rotation), ``move`` (records that move) and ``digest`` (the block
 digest), plus what they share in its ``__init__``; a backend may also have a module of an optional family
-(``OPTIONAL_FAMILIES``: ``report``). What each family's module provides is a :class:`typing.Protocol` in
+(``OPTIONAL_FAMILIES``: ``report``, ``agree``). What each family's module provides is a :class:`typing.Protocol` in
 :mod:`.protocols` (``bind`` does everything that does not change between calls; a launch must not allocate,
 compile, load modules or sync on the GPU backends); :func:`load` checks a module against it once, when first
 loaded. The front objects (``canary/plan``,
@@ -23,7 +23,7 @@ from . import protocols
 
 BACKENDS = ("reference", "cupy", "numba")
 FAMILIES = ("plan", "records", "layers", "move", "digest")  # every backend has one module of each
-OPTIONAL_FAMILIES = ("report",)  # families a backend may lack: the manager falls back to host copies
+OPTIONAL_FAMILIES = ("report", "agree")  # families a backend may lack: the manager does without
 
 _CHECKED: dict[str, object] = {}  # module name -> the module object checked (a module imported anew is checked again)
 
@@ -32,7 +32,8 @@ def optional(name: str, family: str):
     """Backend ``name``'s module of an optional family (``OPTIONAL_FAMILIES``), or ``None`` when it has none.
 
     ``"report"``: the manager's step report written by a kernel into pinned memory (CuPy's ``kernels/report.cu``);
-    without one the manager copies the report out itself.
+    without one the manager copies the report out itself. ``"agree"``: a GPU manager's agreement words (SPEC 4.3,
+    ``kernels/agree.cu`` and its Numba twin); the reference has none (a host manager digests on the host).
     """
     if family not in OPTIONAL_FAMILIES:
         raise fail(ValueError, f"family: expected one of {', '.join(OPTIONAL_FAMILIES)}, got {family!r}")

@@ -199,6 +199,24 @@ class ReportModule(Protocol):
                      mailbox_ptr: int, slot_words: int, slots: int, counter_ptr: int) -> ReportLauncher: ...
 
 
+# -- agree (optional family): a GPU manager's agreement words (SPEC 4.3, canary/manager/distributed.py) -----------
+
+@runtime_checkable
+class AgreeLauncher(Protocol):
+    """``launch(slots, tokens, positions, stream)``: ``[n]`` int32 / int64 device views of the step's entries (unit
+    stride); adds the group's plan and entries digests into its two words, on ``stream``. Graph-capturable."""
+
+    def launch(self, slots: Any, tokens: Any, positions: Any, stream: int, /) -> None: ...
+
+
+@runtime_checkable
+class AgreeModule(Protocol):
+    """``AgreeLaunch(device_id, plan=(slots, tokens, positions, num_valid), out=words)``: one group's launcher
+    over its verify plan's views (``[C]`` int64 each, ``[1]`` int32) and its ``[2]`` int64 report-block words."""
+
+    def AgreeLaunch(self, device_id: int, /, *, plan: tuple, out: Any) -> AgreeLauncher: ...  # noqa: N802
+
+
 @dataclass(frozen=True)
 class Family:
     """One kernel family: the protocol of its module, of the module's ``Bound`` class (``None``: no ``Bound``),
@@ -217,6 +235,7 @@ PROTOCOLS: dict[str, Family] = {
     "move": Family(MoveModule, MoveBound),
     "digest": Family(DigestModule, DigestBound),
     "report": Family(ReportModule),
+    "agree": Family(AgreeModule),
 }
 
 _DATA = ("NAME", "ON_DEVICE", "Bound")  # members that are not called through the module

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from ..errors import PlanStatus
 from . import digest as DG
+from . import agree_layout as AL
 from . import digest_layout as DL
 from . import hashes
 from . import layers_layout as LL
@@ -207,6 +208,15 @@ DIGEST = [
                                                 "that array holds int64, else int32 (SPEC 2 (*))." if not k else "")
     for k, (name, bit) in enumerate(DL.DIGEST_WIDE.items())]
 
+AGREE = [
+    _int("AGREE_THREADS", AL.AGREE_THREADS, "threads of an agreement block",
+         doc="The ranks' agreement words of a GPU manager (SPEC 4.3; agree.cu, agree_numba.py; agree_layout.py)."),
+    _u64("AGREE_ENTRY_SALT", AL.ENTRY_SALT, "entries: mix3(slot, token, position ^ AGREE_ENTRY_SALT)"),
+    _u64("AGREE_PLAN_SALT", AL.PLAN_SALT, "the verify plan: mix3(slot mod 2^63, token, position ^ salt)"),
+] + [_int(f"AGREE_WIDE_{name.upper()}", bit, doc="AgreeParams.entry_wide's bits (agree_layout.py AGREE_WIDE): "
+                                               "that array holds int64, else int32 (SPEC 2 (*))." if not k else "")
+     for k, (name, bit) in enumerate(AL.AGREE_WIDE.items())]
+
 SECTIONS = (
     ("Plan status bits (canary/errors.py PlanStatus, SPEC 3.4)", PLAN_STATUS),
     ("Plan sentinels (canary/contract/plans.py)", SENTINELS),
@@ -214,10 +224,12 @@ SECTIONS = (
     ("The canary kernels (records.cu, records_numba.py)", RECORDS + RING + CHAIN),
     ("Records that move (records_move.cu, records_move_numba.py)", MOVE),
     ("The block digest (digest.cu, digest_numba.py)", DIGEST),
+    ("The ranks' agreement words (agree.cu, agree_numba.py)", AGREE),
 )
 DEFINES = tuple(d for _, section in SECTIONS for d in section)
 VALUES = {d.name: d.value for d in DEFINES}
-STRUCTS = (PL.PLAN_PARAMS,) + RL.STRUCTS + (LL.LAYER_PARAMS,) + RPL.STRUCTS + (ML.MOVE_PARAMS, DL.DIGEST_PARAMS)
+STRUCTS = ((PL.PLAN_PARAMS,) + RL.STRUCTS + (LL.LAYER_PARAMS,) + RPL.STRUCTS + (ML.MOVE_PARAMS, DL.DIGEST_PARAMS)
+           + AL.STRUCTS)
 globals().update(VALUES)
 assert len(VALUES) == len(DEFINES), "a define named twice"
 

@@ -70,13 +70,14 @@ class ReportDecoder:
         g = len(groups)  # the block words a step's decode reads first (block.py): the write indexes, the move
         # status words, then the heads
         self._head_words = np.array(list(range(3 * g)) + [h + k for h in block.heads for k in range(5)], np.int64)
-        assert g > 1 or self._head_words.tolist() == list(range(8))
+        # one group's head words are the block's first 8 unless agreement words lie between (block.py)
+        self._first8 = g == 1 and self._head_words.tolist() == list(range(8))
         self.dedup = Deduplicator(int(forget_after))
         self.stalled = {g.name: 0 for g in groups}
         self.last_counters = {g.name: (0, 0) for g in groups}
         self.last_rows: tuple | None = None  # (request ids, req_pool_indices) of the last decoded batch
         self.unhealthy: tuple | None = None  # (group, steps stalled, step) of a health failure not yet raised
-        self._one_group = groups[0].name if len(groups) == 1 else None  # decode's quiet path
+        self._one_group = groups[0].name if self._first8 else None  # decode's quiet path
         # distributed.py: the rank's labels (and what its log lines end with), the per-step agreement
         self.ranks, self.suffix, self.agreement = None, "", None
 
@@ -193,7 +194,7 @@ class ReportDecoder:
         n_groups = len(self.groups)
         # The ring write indexes [G], the move status words [G, 2], then each group's head: slot counters [2],
         # kernel counters [2], the plan's status, in one conversion (one group's are contiguous: a slice).
-        vals = (words[:8] if n_groups == 1 else words[self._head_words]).tolist()
+        vals = (words[:8] if self._first8 else words[self._head_words]).tolist()
         heads = 3 * n_groups
         for i, g in enumerate(self.groups):
             name = g.name

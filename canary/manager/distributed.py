@@ -9,6 +9,11 @@ summary per KV group, one MAX all-reduce per scope (``"tp"``, ``"pp"``) over the
 differ, one SUM all-reduce that gathers every rank's summary to name the ranks: :class:`RankViolation` records,
 reported on every rank of the scope in the same report. Data-parallel ranks agree on nothing (per-rank health
 and statistics, labelled).
+
+The ``plan`` and ``entries`` words: :func:`plan_digest` / :func:`entries_digest` on the host (a host manager's
+NumPy arrays, at ``after_kv_store``); on a GPU manager :class:`DeviceDigests` adds the same bits on the device
+(``kernels/agree.cu`` or its Numba twin, after each group's write, on the step's stream: inside its graphs too)
+into the group's two words of the report block, which the decoder reads with the rest of the report.
 """
 from __future__ import annotations
 
@@ -19,18 +24,22 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .. import backends
+from ..contract.agree_layout import BATCH_SALT as _BATCH_SALT
+from ..contract.agree_layout import ENTRY_SALT as _ENTRY_SALT
+from ..contract.agree_layout import MASK63 as _MASK63
+from ..contract.agree_layout import PLAN_SALT as _PLAN_SALT
 from ..contract.hashes import as_u64, mix3_u64
 from ..contract.ring import FailReason, KernelTag
 from ..errors import fail
+from ..interop.adapter import INT_WIDTHS, as_view, check_view
+from ..interop.callviews import CallViews
 from ..interop.collectives import Communicator
 from .report import SlotViolation
 
 FIELDS = ("written", "verified", "status", "batch", "plan", "entries")  # a group's summary words, after its flag
 SCOPE_FIELDS = {"tp": FIELDS, "pp": ("verified", "status", "batch", "plan")}  # what each scope compares
-_MASK63 = (1 << 63) - 1  # the words are kept non-negative, so that -words carries the MIN through a MAX
-_ENTRY_SALT = 0x6B76_6361_6E61_7279  # so that the entry (0, 0, 0) does not hash to 0
-_BATCH_SALT = 0x6261_7463_6852_6F77
-_PLAN_SALT = 0x7665_7269_6679_506C
+# The words are kept non-negative (_MASK63), so that -words carries the MIN through a MAX
 _WRITE, _VERIFY = KernelTag.WRITE.counter_index, KernelTag.VERIFY.counter_index  # in a group's slot counters
 
 
@@ -157,8 +166,8 @@ class RankedMetrics:
 
 def entries_digest(loc: Any, tok: Any, pos: Any, salt: int = _ENTRY_SALT) -> int | None:
     """The order-independent digest of a step's entries, ``sum(mix3(slot, token, position ^ salt))`` mod 2^64
-    over the entries with ``slot >= 0``, its top bit dropped; ``None`` unless all three are NumPy arrays (a
-    device array would need a sync: its digest word is 0 then, on every rank alike)."""
+    over the entries with ``slot >= 0``, its top bit dropped; ``None`` unless all three are NumPy arrays (a GPU
+    manager's words come from the device: :class:`DeviceDigests`, the same bits). The reference of both."""
     if not (type(loc) is np.ndarray and type(tok) is np.ndarray and type(pos) is np.ndarray):
         return None
     keep = loc >= 0
@@ -196,6 +205,7 @@ class Agreement:
 
     def __init__(self, groups: list[str], block: Any, comms: dict[str, Communicator], ranks: Ranks, lag: int):
         self.names, self.block, self.ranks, self.lag = list(groups), block, ranks, int(lag)
+        self.device = bool(block.agree_words)  # plan and entries words in the report (DeviceDigests adds them)
         self.comms = [(s, comms[s]) for s in ("tp", "pp") if s in comms]
         g = len(self.names)
         self._last = np.zeros((g, 2), np.int64)  # each group's cumulative (written, verified) counters
@@ -209,7 +219,9 @@ class Agreement:
 
     def note(self, step: int, groups: Any, loc: Any, tok: Any, pos: Any, by_group: dict | None) -> None:
         """After a step's writes (the manager's ``after_kv_store``, its plans still in place): the digests of
-        each group's verify plan and written entries, where host arrays."""
+        each group's verify plan and written entries, where host arrays (a GPU manager's are in its report)."""
+        if self.device:
+            return
         got = {}
         for g in groups:
             d = entries_digest((by_group or {}).get(g.name, loc), tok, pos)
@@ -236,9 +248,13 @@ class Agreement:
             index = int(words[i]) & 0xFFFFFFFF
             dropped = max(0, index - block.ring_capacity)
             planned = name in rec.groups
+            if self.device:  # the step's sums, added on the device (0: the group was not written)
+                w = block.agree_words[i]
+                digests = (int(words[w]) & _MASK63, int(words[w + 1]) & _MASK63)
+            else:
+                digests = entries.get(name, (0, 0))
             out[i] = (new[name] + dropped, written & _MASK63, verified & _MASK63,
-                      (int(words[head + 4]) & 0xFFFFFFFF) if planned else 0, batch if planned else 0,
-                      *entries.get(name, (0, 0)))
+                      (int(words[head + 4]) & 0xFFFFFFFF) if planned else 0, batch if planned else 0, *digests)
         return out
 
     def agree(self, rec, words: np.ndarray, rpi: np.ndarray | None, found: list) -> list:
@@ -294,6 +310,39 @@ class Agreement:
                              values=values)
 
 
+class DeviceDigests:
+    """A GPU manager's ``plan`` and ``entries`` words (SPEC 4.3): per group a launcher of the backend's ``agree``
+    family (``module``: ``kernels/agree.cu`` through CuPy, or its Numba twin) over the group's verify plan and its
+    two words of ``block``. Called from the step's writes (:meth:`~canary.manager.steps.Steps.write`), after every
+    group's write: one launch per written group on the write's stream, graph-capturable (a replayed graph holds
+    it). ``device_id``, ``owner``: the manager's device and one of its arrays (whose library orders the views)."""
+
+    def __init__(self, module: Any, groups: list, block: Any, device_id: int, owner: Any):
+        self.device_id, self.owner, self._cache = device_id, owner, {}
+        self.launchers = {}
+        for i, g in enumerate(groups):
+            vp = g.verify_plan
+            plan = tuple(as_view(getattr(vp, f), f) for f in ("verify_slot_indices", "verify_expected_tokens",
+                                                              "verify_expected_positions", "verify_num_valid"))
+            self.launchers[g.name] = module.AgreeLaunch(device_id, plan=plan, out=as_view(block.agree_out[i],
+                                                                                           "agree_words"))
+
+    def __call__(self, sel, loc: Any, tok: Any, pos: Any, by_group: dict | None, st: Any) -> None:
+        """Launch each group of ``sel``'s digests of the step's ``loc`` (``by_group[name]`` where given: the slots
+        the host formula reads, an SWA group's untranslated ones otherwise), ``tok``, ``pos`` on ``st``."""
+        go = CallViews(self.device_id, st, self.owner, cache=self._cache)
+        tv, pv = (check_view(go.view(a, n), dtype=INT_WIDTHS, ndim=1) for a, n in ((tok, "input_ids"),
+                                                                                  (pos, "positions")))
+        for g in sel:
+            own = by_group.get(g.name) if by_group else None
+            name = "out_cache_loc" if own is None else f"out_cache_loc_by_group[{g.name!r}]"
+            lv = check_view(go.view(loc if own is None else own, name), dtype=INT_WIDTHS, ndim=1)
+            if not lv.shape[0] == tv.shape[0] == pv.shape[0]:  # the kernel reads n of each (the write refused it)
+                raise fail(ValueError, f"{name}, input_ids, positions: expected one length, got {lv.shape[0]}, "
+                                       f"{tv.shape[0]}, {pv.shape[0]}")
+            self.launchers[g.name].launch(lv, tv, pv, go.handle)
+
+
 class DistributedManager:
     """The :class:`~canary.CanaryManager` mixin of its ``ranks`` / ``communicator`` arguments."""
 
@@ -303,6 +352,12 @@ class DistributedManager:
     def _bind_ranks(self, ranks: Ranks | None, comms: dict[str, Communicator], block: Any) -> None:
         self.ranks = self._decoder.ranks = ranks
         self._decoder.suffix = "" if ranks is None else ranks.suffix()
+        if block.agree_words:  # a GPU manager with a communicator: the digests on the device
+            module = backends.optional(self.backend, "agree")
+            if module is None:
+                raise fail(ValueError, f"communicator: expected a backend with the agreement kernel (cupy or "
+                                       f"numba) on a CUDA manager, got {self.backend!r}")
+            self._steps.agree = DeviceDigests(module, self.groups, block, self.ordinal, self.pool_array)
         if comms:
             lag = 1 if self.ordinal is None else 2
             self._agreement = self._decoder.agreement = Agreement([g.name for g in self.groups], block, comms,

@@ -120,7 +120,7 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
         staging = empty(2 * b + 3 * u + 1 + step_tokens, np.int64)
         self._qv, upd = staging[:2 * b], staging[2 * b:]
         self._q, self._valid = self._qv[:b], self._qv[b:]
-        block = ReportBlock([s.name for s in specs], int(ring_capacity), empty)
+        block = ReportBlock([s.name for s in specs], int(ring_capacity), empty, comms and self.ordinal is not None)
         self._marks = ReportedSlots([int(g.num_slots) for g in specs], self.ordinal)  # suppress.py
         self.groups: list[BoundGroup] = [
             bind_group(i, g, pool=self.pool_array, device=device, library=library, backend=backend,

@@ -147,6 +147,7 @@ class Steps:
         self.paged = [g for g in groups if form_of(g.spec) == "page_list"]  # their page_rows are kept per step
         self.graph_index: dict[int, dict | None] = {}  # bs -> the step arrays the engine's captured graph reads
         self.rt = runtime() if ordinal is not None else None
+        self.agree = None  # distributed.py's DeviceDigests of a GPU manager with a communicator
 
     def select(self, groups: Sequence[str] | None) -> list[BoundGroup]:
         if groups is None:
@@ -446,13 +447,13 @@ class Steps:
             elif g.loc_scratch is not None:
                 loc = translate_slots(g.spec.full_to_swa_index_mapping, out_cache_loc, g.loc_scratch,
                                       0 if st is None else st.handle)
-            else:
-                loc = out_cache_loc
-            locs.append(loc)
+            locs.append(out_cache_loc if loc is None else loc)
         for g, loc in zip(sel, locs):
             g.records.write(g.write_plan, out_cache_loc=loc, input_ids=input_ids, positions=positions,
                             launch_tag=g.write_tag, stream=st)
             write_layers(g, loc, st)
+        if self.agree is not None:  # a GPU manager's agreement words (distributed.py DeviceDigests), behind the writes
+            self.agree(sel, out_cache_loc, input_ids, positions, out_cache_loc_by_group, st)
 
     @staticmethod
     def check_group_loc(name: str, loc: Any, n: int | None) -> None:

@@ -181,6 +181,8 @@ class _Kernel:
             _bump_counter(self.name, args)
         elif self.name == "canary_report":
             _report(args)
+        elif self.name == "canary_agree":
+            _agree(args)
         elif self.name.startswith("canary_scatter") and EMULATE_SCATTER:
             _scatter(args, ctypes.c_int64 if self.name.endswith("i64") else ctypes.c_int32)
         elif self.name.startswith("canary_append_tokens") and EMULATE_SCATTER:
@@ -268,6 +270,35 @@ def _report(args) -> None:
         ctypes.memmove(slot + 8 + 8 * w["words"], w["rpi"], 8 * w["bs"])
     ctypes.memset(w["block"], 0, 8 * w["index_words"])
     ctypes.c_int64.from_address(slot).value = seq
+
+
+def _agree(args) -> None:
+    """kernels/agree.cu on host memory, through the host formula (canary/manager/distributed.py): the plan's and
+    the entries' digests added into the group's two report-block words (wrapping)."""
+    from types import SimpleNamespace
+
+    from canary.backends.cupy.agree import FIELDS
+    from canary.contract.agree_layout import AGREE_WIDE
+    from canary.manager.distributed import entries_digest, plan_digest
+
+    raw = np.ctypeslib.as_array((ctypes.c_uint64 * len(FIELDS)).from_address(args[0].address))
+    w = {k: int(v) for k, v in zip(FIELDS, raw)}
+    n, cap = w["n"], w["plan_capacity"]
+
+    def vec(ptr, k, ctype):
+        return np.ctypeslib.as_array((ctype * k).from_address(ptr)).copy() if k else np.zeros(0, np.int64)
+
+    wide = lambda name: ctypes.c_int64 if w["entry_wide"] & AGREE_WIDE[name] else ctypes.c_int32  # noqa: E731
+    entries = [vec(w[name], n, wide(name)) for name in ("slots", "tokens", "positions")]
+    plan = SimpleNamespace(verify_slot_indices=vec(w["plan_slots"], cap, ctypes.c_int64),
+                           verify_expected_tokens=vec(w["plan_tokens"], cap, ctypes.c_int64),
+                           verify_expected_positions=vec(w["plan_positions"], cap, ctypes.c_int64),
+                           verify_num_valid=vec(w["plan_num_valid"], 1, ctypes.c_int32))
+    out = np.ctypeslib.as_array((ctypes.c_uint64 * 2).from_address(w["out"]))
+    # the host formula's words have their top bit dropped already: the sum of several launches is then what the
+    # device's wrapping sums read with their top bit dropped (the low 63 bits of a sum depend on those alone)
+    for k, d in enumerate((plan_digest(plan), entries_digest(*entries))):
+        out[k] = (int(out[k]) + d) & ((1 << 64) - 1)
 
 
 class _Copy:

@@ -236,3 +236,28 @@ def test_report_params_layout_matches_the_cuda_struct():
     assert "__launch_bounds__(REPORT_THREADS)" in src and "slot[REPORT_SLOT_HEADER_WORDS + i]" in src
     backend = Path(__file__).resolve().parents[2] / "canary" / "backends" / "cupy" / "report.py"
     assert "report_layout import REPORT_FIELDS as FIELDS" in backend.read_text()
+
+
+@pytest.mark.sim
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_agree_cu_compiles(arch):
+    """The ranks' agreement kernel (SPEC 4.3) compiles with its struct and block size from the generated header."""
+    from cuda.core import Program, ProgramOptions
+
+    cubin = Program(cuda_source("agree"), "c++", ProgramOptions(arch=arch, std="c++17")).compile("cubin").code
+    assert b"canary_agree" in cubin
+
+
+def test_agree_params_layout_matches_the_cuda_struct():
+    """canary/backends/cupy/agree.py packs AgreeParams word by word from agree_layout's field list, which the
+    generated header declares; the kernel reads its block size and salts from there."""
+    from canary.contract.agree_layout import AGREE_FIELDS
+
+    src = cuda_source("agree")
+    body = src[src.index("struct AgreeParams {"):]
+    body = body[: body.index("};")]
+    assert tuple(re.findall(r"\b(\w+);", body)) == AGREE_FIELDS
+    assert "__launch_bounds__(AGREE_THREADS)" in src and "AGREE_PLAN_SALT" in src and "AGREE_ENTRY_SALT" in src
+    backend = Path(__file__).resolve().parents[2] / "canary" / "backends" / "cupy" / "agree.py"
+    assert "agree_layout import AGREE_FIELDS as FIELDS" in backend.read_text()

@@ -17,7 +17,7 @@ from canary.contract import kernel_constants as K
 
 _HAND_WRITTEN = sorted(p.name for p in kernels_dir().iterdir()
                        if p.name.endswith((".cu", ".cuh")) and p.name != K.HEADER)
-_TWINS = ("plan_numba.py", "records_numba.py", "records_move_numba.py", "digest_numba.py")
+_TWINS = ("plan_numba.py", "records_numba.py", "records_move_numba.py", "digest_numba.py", "agree_numba.py")
 
 
 def test_the_checked_in_header_is_the_generators_output():
@@ -45,7 +45,7 @@ def test_no_kernel_source_restates_a_shared_constant_or_struct(name):
     assert not structs & generated, f"{name} declares {sorted(structs & generated)}: canary_constants.cuh does"
 
 
-@pytest.mark.parametrize("name", ["plan", "records", "records_move", "digest"])
+@pytest.mark.parametrize("name", ["plan", "records", "records_move", "digest", "agree"])
 def test_the_kernels_include_the_header_and_cuda_source_inlines_it(name):
     raw = kernels_dir().joinpath(f"{name}.cu").read_text()
     assert f'#include "{K.HEADER}"' in raw

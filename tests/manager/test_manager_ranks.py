@@ -4,12 +4,14 @@ naming it, a lost write on one rank is a RANK_DIVERGE naming it; the rank labels
 The communicator adapters and the summary are tested in-process too (no torch needed for those)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -277,3 +279,157 @@ def test_a_lag_of_two_decodes_every_report_but_the_newest(caplog):
                for r in caplog.records)
     e.manager.flush()
     assert e.manager.stats()["decoded_steps"] == 6
+
+
+# -- two GPU managers on one GPU: the plan and entries words from the device (SPEC 4.3) ------------------------
+class _ThreadPair:
+    """Two in-process ranks, one thread each, reducing through a barrier: ``comm(r)`` is rank ``r``'s
+    communicator; ``calls[r]``: ``(op, words)`` of each of its reductions."""
+
+    def __init__(self):
+        self.barrier = threading.Barrier(2, timeout=TIMEOUT_S)
+        self.box: list = [None, None]
+        self.calls: list = [[], []]
+
+    def comm(self, r: int):
+        pair = self
+
+        class _Rank:
+            rank, size = r, 2
+
+            def all_reduce(self, words, op):
+                pair.box[r] = (words.copy(), op)
+                pair.barrier.wait()
+                (a, op_a), (b, op_b) = pair.box
+                assert op_a == op_b and a.shape == b.shape, (op_a, op_b, a.shape, b.shape)
+                out = {"max": np.maximum, "min": np.minimum, "sum": np.add}[op](a, b)
+                pair.barrier.wait()  # both have read the box before either call writes it again
+                pair.calls[r].append((op, words.copy()))
+                return out
+
+        return _Rank()
+
+
+def _two_gpu_ranks(script, **engine_kw) -> tuple[list, _ThreadPair]:
+    """Run ``script(engine, rank)`` on two GPU managers (CuPy, device 0, one thread each: a manager's step calls
+    stay on its thread) agreeing through a :class:`_ThreadPair`, then flush both; returns each rank's
+    ``(violations, stats)`` and the pair."""
+    cupy = pytest.importorskip("cupy")
+    pair, out, errors = _ThreadPair(), [None, None], []
+
+    def run(r):
+        try:
+            got = []
+            e = ToyEngine(xp=cupy, device=0, communicator=pair.comm(r), on_violation=got.extend, **engine_kw)
+            assert e.manager._steps.agree is not None and e.manager._agreement.device
+            script(e, r)
+            e.manager.flush()
+            out[r] = (got, e.manager.stats())
+            e.manager.close()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+            pair.barrier.abort()  # the other rank's collective fails instead of waiting
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S * 2)
+    if errors:
+        raise errors[0]
+    return out, pair
+
+
+def _steps(e, r, last=None, n=4):
+    e.add("a", [5, 6, 7, 8])
+    e.add("b", [20, 21])
+    for _ in range(n):
+        e.decode_step(["a", "b"], batch=e.static)
+    if last is not None:
+        last(e, r)
+
+
+def _rank_records(result) -> list:
+    return [v for v in result[0] if isinstance(v, RankViolation)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static", [False, True], ids=["fresh-arrays", "static-buffers"])
+def test_two_gpu_ranks_agree_on_device_words(static):  # pragma: no cover - needs a GPU
+    (r0, r1), pair = _two_gpu_ranks(_steps, static=static)
+    assert r0[0] == [] and r1[0] == []
+    # The words compared were the device's: G = 1, [flag, written, verified, status, batch, plan, entries, -w]
+    maxes = [w for op, w in pair.calls[0] if op == "max"]
+    assert len(maxes) == 4 and all(w[6] != 0 for w in maxes) and all(w[5] != 0 for w in maxes[1:])  # 0: a prefill
+    assert [w[5:7].tolist() for w in maxes] == [w[5:7].tolist() for op, w in pair.calls[1] if op == "max"]
+    assert len({w[6] for w in maxes}) == 4  # every step's entries differ from the last's
+    if static:
+        assert r0[1]["graph_replays"] > 0  # the words were added inside replayed graphs too
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static,backend,groups", [
+    (False, "cupy", ("full",)), (True, "cupy", ("full",)), (False, "numba", ("full",)),
+    (True, "cupy", ("full", "swa")), (False, "numba", ("full", "swa"))],
+    ids=["fresh-arrays", "static-buffers", "numba", "static-full-swa", "numba-full-swa"])
+def test_one_token_written_otherwise_is_an_entries_divergence(static, backend, groups):  # pragma: no cover - GPU
+    if backend == "numba":
+        pytest.importorskip("numba.cuda")
+
+    def last(e, r):  # the last step: rank 1 writes another token at one position (nothing verifies it later)
+        n = {rid: len(q["tokens"]) - q["kv_len"] for rid, q in e.reqs.items()}
+        e.forward([("a", n["a"]), ("b", n["b"])], write_tokens={"a": [777] * n["a"]} if r == 1 else None)
+
+    (r0, r1), _ = _two_gpu_ranks(lambda e, r: _steps(e, r, last), static=static, backend=backend, groups=groups)
+    for res in (r0, r1):
+        rvs = _rank_records(res)
+        assert sorted(rv.group for rv in rvs) == sorted(groups)  # every group wrote the token
+        for rv in rvs:
+            assert (rv.reason, rv.fields, rv.peers, rv.first_step) == ("RANK_DIVERGE", ("entries",), (1,), 4)
+            assert len(set(rv.values["entries"])) == 2
+        assert [v for v in res[0] if not isinstance(v, RankViolation)] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy", "numba"])
+def test_a_verify_plan_that_differs_is_a_plan_divergence(backend):  # pragma: no cover - needs a GPU
+    if backend == "numba":
+        pytest.importorskip("numba.cuda")
+
+    def last(e, r):  # the last step: rank 1's plan edited after its verify ran (only the plan word can differ)
+        if r == 1:
+            real = e.manager.after_kv_store
+
+            def edited(**kw):  # on the manager's stream (CuPy's current one), behind the verify
+                e.manager.groups[0].verify_plan.verify_expected_tokens[0] += 1
+                real(**kw)
+
+            e.manager.after_kv_store = edited
+        e.decode_step(["a", "b"])
+
+    (r0, r1), _ = _two_gpu_ranks(lambda e, r: _steps(e, r, last), backend=backend)
+    for res in (r0, r1):
+        (rv,) = _rank_records(res)
+        assert (rv.reason, rv.fields, rv.peers, rv.first_step) == ("RANK_DIVERGE", ("plan",), (1,), 4)
+        assert [v for v in res[0] if not isinstance(v, RankViolation)] == []
+
+
+def _has_cuda_bindings() -> bool:
+    try:  # find_spec of a submodule imports its parent, and raises when there is no `cuda` package at all
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _has_cuda_bindings(), reason="needs cuda-bindings (its driver constants); "
+                    "pip install -e '.[sim]'")
+@pytest.mark.parametrize("report", ["kernel", "copy"])
+def test_a_gpu_managers_agreement_words_on_the_fake_device(report):
+    """The device words' plumbing without a GPU (agree_fake_child.py): the launch's packing, direct and inside
+    replayed graphs, the words' place in the report block, their reset behind each report, the decoder's read."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    child = Path(__file__).resolve().parent / "agree_fake_child.py"
+    done = subprocess.run([sys.executable, str(child), report], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), (done.stdout + done.stderr)[-4000:]

@@ -206,6 +206,28 @@ def test_canary_kernels_compile_for_sm90(monkeypatch, nvvm, padding_slot):
         assert ".local" not in ptx, f"{kernel.__name__}: local memory (spills or local arrays)"
 
 
+@pytest.mark.sim
+@pytest.mark.skipif(not HAS_NUMBA_CUDA, reason=NO_NUMBA_CUDA)
+@pytest.mark.skipif(IN_SIMULATOR, reason="the simulator has no compiler")
+@pytest.mark.skipif(_numpy_too_new(), reason=f"numba-cuda cannot compile with numpy {np.__version__} (>= 2.5)")
+def test_agree_kernel_compiles_for_sm90(monkeypatch, nvvm):
+    """The agreement twin (kernels/agree_numba.py, SPEC 4.3): it types and compiles, in u64 arithmetic only."""
+    from types import SimpleNamespace
+
+    from numba import cuda
+
+    import numba.cuda.dispatcher as dispatcher
+    from canary.backends.sources import numba_kernels
+
+    ag = numba_kernels("agree_numba")
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: SimpleNamespace(compute_capability=(9, 0)))
+    kernel = ag.kernel_function(ag.AGREE_THREADS)
+    ptx, _ = cuda.compile_ptx(kernel, "void({})".format(", ".join(ty for _, ty in ag.AGREE_ARGS)), cc=(9, 0))
+    assert "canary_agree" in ptx
+    assert not re.search(r"\bcvt\.rn\.f64|\.f64\b", ptx), "canary_agree: float64 arithmetic in the PTX"
+    assert ".local" not in ptx, "canary_agree: local memory (spills or local arrays)"
+
+
 @pytest.fixture
 def fresh_probe():
     nvvm_missing.cache_clear()

@@ -51,6 +51,10 @@ def test_the_reference_has_no_report():
     assert backends.optional("reference", "report") is None
 
 
+def test_the_reference_has_no_agreement_kernel():  # a host manager digests on the host (distributed.py)
+    assert backends.optional("reference", "agree") is None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # CuPy and Numba, from their source
 
@@ -153,6 +157,7 @@ def test_numba_modules_as_imported_under_the_simulator():
             "out = {f: p.missing(b.load('numba', f), f) + p.signature_problems(b.load('numba', f), f)"
             " for f in b.FAMILIES}\n"
             "out['report'] = b.optional('numba', 'report') is None\n"
+            "out['agree'] = p.missing(b.optional('numba', 'agree'), 'agree')\n"
             "print(json.dumps(out))\n")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -161,7 +166,7 @@ def test_numba_modules_as_imported_under_the_simulator():
         pytest.skip(done.stderr.strip().splitlines()[-1])
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out == {**{f: [] for f in backends.FAMILIES}, "report": True}
+    assert out == {**{f: [] for f in backends.FAMILIES}, "report": True, "agree": []}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -244,7 +249,8 @@ def test_load_refuses_half_an_optional_protocol(importer):
 
 
 def test_load_refuses_an_unknown_family():
-    with pytest.raises(ValueError, match="kv-canary: family: expected one of plan, records, layers, move, digest, report, got 'x'"):
+    with pytest.raises(ValueError, match="kv-canary: family: expected one of plan, records, layers, move, digest, "
+                                         "report, agree, got 'x'"):
         backends.load("reference", "x")
 
 
