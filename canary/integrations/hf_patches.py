@@ -130,7 +130,7 @@ class Attachment:
                 self.end_session()
         return run_generation_loop
 
-    # -- the processor's hooks --------------------------------------------------------------------------
+    # -- the processor's hooks -----------------------------------------------------------------------------------------
     def adopt(self, processor: Any) -> None:
         if processor in self._adopted:
             return

@@ -43,6 +43,9 @@ it just allocated (``restore_scheduled_requests``), :meth:`Session.on_restore` s
 slots after the engine's copy back and before the step that reads them: the records move verbatim with the KV
 (docs/integration.md 7b), so a byte changed in the CPU pool, or KV restored into other blocks than the block
 table names, is reported at the next read, naming the request.
+
+**Forks** (``num_return_sequences > 1``) and **prefix block sharing**: ``canary/integrations/hf_moves.py``
+(:meth:`Session.on_fork`, :meth:`Session.on_complete`).
 """
 from __future__ import annotations
 
