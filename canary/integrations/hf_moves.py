@@ -1,6 +1,7 @@
 """The KV moves of transformers' continuous batching that the canary's records follow (a mixin of
-:class:`canary.integrations.hf_session.Session`): CPU offload and restore, and prefix block sharing's prefix hits
-and in-place swaps (docs/integrations/transformers.md, "CPU offload" and "Prefix block sharing")."""
+:class:`canary.integrations.hf_session.Session`): CPU offload and restore, prefix block sharing's prefix hits and
+in-place swaps, and forks' copied blocks (docs/integrations/transformers.md, "CPU offload", "Prefix block sharing"
+and "Forks")."""
 from __future__ import annotations
 
 import time
@@ -22,8 +23,9 @@ def runs(indices: list[int]) -> list[tuple[int, int, int]]:
 
 
 class KVMoves:
-    """Session state it uses: ``canary``, ``cache``, ``offloading``, ``cpu_rows``, ``block_size``, ``live``,
-    ``sharing``, ``unrecorded``, ``stream``, ``cuda``, ``torch`` and the counters; ``_t`` / ``_m`` host time."""
+    """Session state it uses: ``canary``, ``cache``, ``processor``, ``offloading``, ``cpu_rows``, ``block_size``,
+    ``live``, ``skipped``, ``sharing``, ``unrecorded``, ``stream``, ``cuda``, ``torch``, ``_fork_moves``, ``_admit``
+    and the counters; ``_t`` / ``_m`` host time."""
 
     # -- CPU offload ------------------------------------------------------------------------------------------
     def _slots(self, blocks: list[int]) -> Any:
@@ -113,10 +115,56 @@ class KVMoves:
                     dst.append(new)
                     self.unrecorded.discard(new)
         if src:
-            t = time.perf_counter()
-            slots_src, slots_dst = self._slots(src), self._slots(dst)
-            step = max(1, 1024 // self.block_size) * self.block_size  # move_records' 1024 slots a call
-            for a in range(0, len(slots_src), step):
-                self.canary.move_records(slots_src[a:a + step], slots_dst[a:a + step], stream=self.stream)
-            self._m += time.perf_counter() - t
-            self._t += time.perf_counter() - t
+            self._move_blocks(src, dst)
+
+    def _move_blocks(self, src: list[int], dst: list[int]) -> None:
+        """The records of every slot of blocks ``src`` copied into the same offsets of blocks ``dst`` (on the
+        compute stream, before the next verify)."""
+        t = time.perf_counter()
+        slots_src, slots_dst = self._slots(src), self._slots(dst)
+        step = max(1, 1024 // self.block_size) * self.block_size  # move_records' 1024 slots a call
+        for a in range(0, len(slots_src), step):
+            self.canary.move_records(slots_src[a:a + step], slots_dst[a:a + step], stream=self.stream)
+        self._m += time.perf_counter() - t
+        self._t += time.perf_counter() - t
+
+    # -- forks (num_return_sequences > 1) ---------------------------------------------------------------------
+    def on_fork(self, parent: Hashable, children: list) -> None:
+        """After the engine's ``fork_request`` gave each child of ``parent`` its block table (the parent's complete
+        shareable blocks by reference, a fresh copy of the others) and before it copies their KV: each child of
+        a protected parent admitted with its own row (its expected tokens the parent's, its first
+        ``position_offset`` tokens already in those blocks), and the records of each block the child holds in
+        place of the parent's queued for copying with the KV (:meth:`move_fork_records`). The pairs come from the
+        two block tables, not from the engine's copy lists: KV copied into other blocks than the child's table
+        names is then reported at the child's first read."""
+        t = time.perf_counter()
+        table = self.cache.group_cache_managers[0].block_table
+        active = self.processor.scheduler.active_requests
+        rec = self.live.get(parent)
+        if rec is not None and (rec.offloaded or rec.state is not active.get(parent)):
+            rec = None
+        mine = table.get(parent, [])
+        src, dst = self._fork_moves
+        for child in children:
+            state = active.get(child)
+            if state is None:
+                continue
+            if rec is None:  # the parent's blocks hold no records of the canary's: the child runs unprotected
+                self.skipped[child] = state
+                self.unprotected_total += 1
+                continue
+            if self._admit(child, state, state.position_offset, forked=True) is None:
+                continue
+            self.forked_total += 1
+            for old, new in zip(mine, table.get(child, [])):
+                if old != new:
+                    src.append(old)
+                    dst.append(new)
+        self._t += time.perf_counter() - t
+
+    def move_fork_records(self) -> None:
+        """The records queued by :meth:`on_fork` copied (after the engine's ``copy_cache``, on its stream)."""
+        src, dst = self._fork_moves
+        self._fork_moves = ([], [])
+        self.copied_blocks += len(dst)
+        self._move_blocks(src, dst)

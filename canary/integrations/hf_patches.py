@@ -3,7 +3,7 @@
 transformers 5.17 has no hook for code around the forward of ``ContinuousBatchingManager``'s generation loop,
 nor for request admission, sampled tokens or freed blocks (its public extension points are the scheduler
 class, logits processors and the output handlers, none of which sees the forward or the cache). So the canary
-wraps nine methods, **on the instances it is given** (never on the classes: another manager, or the same model
+wraps ten methods, **on the instances it is given** (never on the classes: another manager, or the same model
 without the canary, runs untouched), each listed in :data:`PATCHES` with what it does and why, and undone by
 :meth:`Attachment.detach`. Each wrapper calls the original first or last and changes none of its arguments or
 results; the canary changes no engine state.
@@ -51,6 +51,11 @@ PATCHES = (
      "protected request swapped in place for an existing block with the same tokens whose records are not the "
      "canary's gets the request's records (move_records)", "the one place the engine swaps a request's block for "
      "another (when the block completes)"),
+    ("processor.cache.fork_request", "after it (num_return_sequences > 1): each child of a protected request "
+     "admitted with its own row and its parent's expected tokens; the records of each block the child holds in "
+     "place of its parent's (a copy) copied from the parent's block (move_records) once update_batch returns, "
+     "after the engine's copy_cache", "the one place the engine forks a request's blocks (by reference or for a "
+     "copy), with both block tables at hand and the children's states registered"),
 )
 
 
@@ -125,7 +130,7 @@ class Attachment:
                 self.end_session()
         return run_generation_loop
 
-    # -- the processor's three hooks --------------------------------------------------------------------------
+    # -- the processor's hooks -----------------------------------------------------------------------------------------
     def adopt(self, processor: Any) -> None:
         if processor in self._adopted:
             return
@@ -133,6 +138,7 @@ class Attachment:
         self.patches.wrap(processor.model_runner, "compute_batch", self._compute_batch)
         self.patches.wrap(processor, "update_batch", self._update_batch)
         self.patches.wrap(processor.cache, "free_blocks", self._free_blocks)
+        self.patches.wrap(processor.cache, "fork_request", self._fork_request)
         if getattr(processor.cache, "use_prefix_sharing", False):
             self.patches.wrap(processor.cache, "mark_shareable_blocks_as_complete", self._complete)
         offloading = getattr(processor, "offloading_manager", None)
@@ -167,6 +173,14 @@ class Attachment:
             if self.session is not None:
                 self.session.on_free(request_id)
         return free_blocks
+
+    def _fork_request(self, orig: Callable) -> Callable:
+        def fork_request(source_request_id, destination_request_ids):
+            out = orig(source_request_id, destination_request_ids)
+            if self.session is not None:
+                self.session.on_fork(source_request_id, list(destination_request_ids))
+            return out
+        return fork_request
 
     def _complete(self, orig: Callable) -> Callable:
         def mark_shareable_blocks_as_complete(state, num_complete_blocks):

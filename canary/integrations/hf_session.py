@@ -43,6 +43,9 @@ it just allocated (``restore_scheduled_requests``), :meth:`Session.on_restore` s
 slots after the engine's copy back and before the step that reads them: the records move verbatim with the KV
 (docs/integration.md 7b), so a byte changed in the CPU pool, or KV restored into other blocks than the block
 table names, is reported at the next read, naming the request.
+
+**Forks** (``num_return_sequences > 1``) and **prefix block sharing**: ``canary/integrations/hf_moves.py``
+(:meth:`Session.on_fork`, :meth:`Session.on_complete`).
 """
 from __future__ import annotations
 
@@ -163,6 +166,8 @@ class Session(KVMoves):
         # unprotected; a protected request's block swapped in place for one moves its records there.
         self.unrecorded: set[int] = set(cache._block_manager._hash_to_id.values()) if self.sharing else set()
         self.prefix_hits = self.swapped_blocks = 0
+        self.forked_total = self.copied_blocks = 0
+        self._fork_moves: tuple[list[int], list[int]] = ([], [])  # (parent blocks, child blocks) to copy records of
         self.host_s: list[float] = []  # host seconds the canary added, per step (bounded)
         self.glue_s: list[float] = []  # of which outside the CanaryManager's calls (this glue's own)
         self.decode_steps: list[bool] = []  # per step: one token a row (a decode step)
@@ -213,21 +218,25 @@ class Session(KVMoves):
         return self.io, self.io
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def _admit(self, rid: Hashable, state: Any, past: int) -> _Live | None:
+    def _admit(self, rid: Hashable, state: Any, past: int, forked: bool = False) -> _Live | None:
+        """Give ``rid`` a row and its expected tokens (``forked``: a fork child, whose first ``past`` tokens are its
+        parent's, in blocks whose records followed them: :meth:`on_fork`); ``None`` when it runs unprotected."""
         old = self.live.pop(rid, None)
         if old is not None:  # a new state under a known id: the old one ended without its blocks being freed
             self.canary.finish_request(rid)
             self.free_rows.append(old.row)
         limit = state.max_new_tokens
         total = len(state.initial_tokens) + (0 if limit is None else int(limit))
-        if (past != 0 and not self._shared_prefix(rid, state, past)) or total > self.cols or not self.free_rows:
+        mid = past != 0 and not forked and not self._shared_prefix(rid, state, past)
+        if mid or total > self.cols or not self.free_rows:
             # first seen mid-sequence, too long, or no row left: it runs unprotected
             self.skipped[rid] = state
             self.unprotected_total += 1
             return None
-        self.canary.add_request(rid, state.initial_tokens)
-        self.prefix_hits += past != 0
-        rec = self.live[rid] = _Live(state, self.free_rows.popleft(), len(state.generated_tokens))
+        gen = state.generated_tokens  # a fork child's copy of its parent's (none: the engine forks during prefill)
+        self.canary.add_request(rid, list(state.initial_tokens) + list(gen) if forked and gen else state.initial_tokens)
+        self.prefix_hits += past != 0 and not forked
+        rec = self.live[rid] = _Live(state, self.free_rows.popleft(), len(gen))
         self.skipped.pop(rid, None)
         self.protected_total += 1
         return rec
@@ -255,7 +264,10 @@ class Session(KVMoves):
         self._t += time.perf_counter() - t
 
     def on_update(self) -> None:
-        """Accept the tokens the engine appended to the states of the batch it just updated."""
+        """Accept the tokens the engine appended to the states of the batch it just updated (and copy the records of
+        the blocks its forks copied, the engine's copy being queued by now)."""
+        if self._fork_moves[0]:
+            self.move_fork_records()
         t = time.perf_counter()
         host_io, _ = self._ios()
         # One token a row, in the batch's row order and padded as its step was (None: a row that took none here):
@@ -299,6 +311,8 @@ class Session(KVMoves):
     # -- steps ------------------------------------------------------------------------------------------------
     def begin_step(self) -> tuple | None:
         """Plan and verify the batch the engine prepared; ``None`` when no row of it is protected (no step)."""
+        if self._fork_moves[0]:  # a fork outside update_batch (not in 5.17): its records before this verify
+            self.move_fork_records()
         t = time.perf_counter()
         host_io, dev_io = self._ios()
         rows, pres, exts, ids = [], [], [], []
@@ -428,6 +442,8 @@ class Session(KVMoves):
         out["restored_requests"] = self.restored_total
         out["prefix_hits"] = self.prefix_hits
         out["swapped_blocks"] = self.swapped_blocks
+        out["forked_requests"] = self.forked_total
+        out["copied_blocks"] = self.copied_blocks
         return out
 
     def close(self) -> dict[str, Any]:

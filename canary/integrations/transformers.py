@@ -14,11 +14,12 @@ Every step of the engine's generation loop (``model.generate_batch``, ``continuo
 ``init_continuous_batching`` + ``start()``) is then planned, verified and written by a
 :class:`canary.CanaryManager` bound over the engine's ``PagedAttentionCache``: a stray write into any layer's K /
 V, a block handed to two requests, a block freed while still read, a token the engine did not sample, KV
-changed in the engine's CPU offload pool or restored into the wrong blocks are reported one step later, naming
-the requests. Written against transformers 5.17 (``pip install
-"kv-canary[transformers]"``) and tested there with paged ``sdpa`` attention (tests/integrations/: fp32 on the
-CPU; bf16 with the engine's CUDA graphs, sync and async batching, on a GPU); docs/integrations/transformers.md
-says what it protects, what it refuses, the patches it installs and what it costs.
+changed in the engine's CPU offload pool or restored into the wrong blocks, a fork's (``num_return_sequences >
+1``) KV copied into other blocks than its child's are reported one step later, naming the requests. Written
+against transformers 5.17 (``pip install "kv-canary[transformers]"``) and tested there with paged ``sdpa``
+attention (tests/integrations/: fp32 on the CPU; bf16 with the engine's CUDA graphs, sync and async batching, on
+a GPU); docs/integrations/transformers.md says what it protects, what it refuses, the patches it installs and
+what it costs.
 
 This module imports neither torch nor transformers until :func:`enable` is called.
 """
@@ -67,10 +68,6 @@ def _modules(force: bool) -> tuple[Any, Any]:
 def refusals(generation_config: Any, cb_config: Any, model: Any) -> list[str]:
     """What the canary cannot protect yet in this configuration: one line per refusal (empty: supported)."""
     out = []
-    forks = getattr(generation_config, "num_return_sequences", None) or 1
-    if forks > 1:
-        out.append(f"forked requests (num_return_sequences={forks}: children share or copy their parent's "
-                   f"blocks): pass num_return_sequences=1")
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     types = getattr(text, "layer_types", None)
     if types is None:
@@ -126,9 +123,7 @@ class CanaryHandle:
         if manager.is_running():
             raise _fail(RuntimeError, "enable: expected a ContinuousBatchingManager not started yet, got a running "
                                       "one (call enable() before start(); a warmed-up manager is fine)")
-        _refuse("enable", refusals(manager.generation_config, manager.continuous_batching_config, manager.model)
-                + ([f"forked requests (num_return_sequences={manager.num_return_sequences})"]
-                   if manager.num_return_sequences > 1 else []))
+        _refuse("enable", refusals(manager.generation_config, manager.continuous_batching_config, manager.model))
         self._attachments[manager] = Attachment(self, manager)
         _ENABLED[manager] = self
 
@@ -149,8 +144,8 @@ class CanaryHandle:
                         cb = getattr(gen, "continuous_batching_config", None)
                         cb = cb if isinstance(cb, ContinuousBatchingConfig) else ContinuousBatchingConfig()
                     _refuse("init_continuous_batching", refusals(gen, cb, model))
-                manager = orig(generation_config=generation_config, continuous_batching_config=continuous_batching_config,
-                               workload_hints=workload_hints)
+                manager = orig(generation_config=generation_config,
+                               continuous_batching_config=continuous_batching_config, workload_hints=workload_hints)
                 if not handle._closed:
                     handle.attach(manager)
                 return manager
@@ -196,11 +191,14 @@ class CanaryHandle:
         ``violations`` (new violations so far), ``violations_by_reason``, ``steps``, ``verified_entries`` /
         ``written_entries`` (per canary group), ``protected_requests`` / ``unprotected_requests`` (requests the
         canary could not protect: no table row left, longer than ``max_seq_len``, or first seen mid-sequence),
-        ``ring_dropped``, ``host_us_per_step`` (host time the canary adds per engine step: ``mean``, ``p50``,
-        ``p99``, ``steps``), ``glue_us_per_step`` (of which outside the CanaryManager's calls: this
-        integration's own), ``host_us_per_decode_step`` / ``glue_us_per_decode_step`` (the same over decode
-        steps: one token every batch row), the manager's ``graph_replays`` / ``graph_captures`` /
-        ``direct_calls`` (how its step calls launched), ``errors`` and ``transformers`` (the version)."""
+        ``ring_dropped``, ``offloaded_requests`` / ``restored_requests`` (CPU offload), ``prefix_hits`` /
+        ``swapped_blocks`` (prefix block sharing), ``forked_requests`` (fork children protected from their fork)
+        / ``copied_blocks`` (blocks whose records were copied with a fork's KV), ``host_us_per_step`` (host time
+        the canary adds per engine step: ``mean``, ``p50``, ``p99``, ``steps``), ``glue_us_per_step`` (of which
+        outside the CanaryManager's calls: this integration's own), ``host_us_per_decode_step`` /
+        ``glue_us_per_decode_step`` (the same over decode steps: one token every batch row), the manager's
+        ``graph_replays`` / ``graph_captures`` / ``direct_calls`` (how its step calls launched), ``errors`` and
+        ``transformers`` (the version)."""
         total = dict(self._retired)
         host, glue, decode = list(self._host_s), list(self._glue_s), list(self._decode)
         for att in list(self._attachments.values()):
@@ -289,8 +287,8 @@ def enable(target: Any, *, on_violation: str | Callable = "log", layers: str = "
     - ``force``: try a transformers version other than :data:`SUPPORTED_VERSIONS`.
 
     Raises ``ImportError`` without torch / transformers, ``RuntimeError`` for another transformers version or a
-    running manager, ``ValueError`` for a setup it cannot protect (``num_return_sequences > 1``, sliding-window layers, tensor parallelism) or a bad option, ``TypeError`` for
-    another ``target``; every message starts with ``kv-canary:``.
+    running manager, ``ValueError`` for a setup it cannot protect (sliding-window or hybrid layers, tensor
+    parallelism) or a bad option, ``TypeError`` for another ``target``; every message starts with ``kv-canary:``.
     """
     if not (callable(on_violation) or on_violation in ("log", "raise")):
         raise _fail(ValueError, f"on_violation: expected 'log', 'raise' or a callable, got {on_violation!r}")

@@ -35,8 +35,10 @@ def tiny_model(device: str = "cpu", dtype=torch.float32):
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
-def configs(new_tokens: int = 24, **cb):
-    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1)
+def configs(new_tokens: int = 24, forks: int = 1, **cb):
+    # forks > 1: num_return_sequences, which transformers allows with sampling only (seeded in run())
+    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=forks > 1, eos_token_id=-1,
+                           **({"num_return_sequences": forks} if forks > 1 else {}))
     cb = ContinuousBatchingConfig(**({"block_size": BLOCK, "num_blocks": 32, "max_batch_tokens": 64,
                                       "allow_block_sharing": False} | cb))
     return gen, cb
@@ -47,10 +49,12 @@ def tokens(results) -> dict:
 
 
 def run(model, *, inject=None, new_tokens: int = 24, canary: bool = True, cancel: str | None = None,
-        callback=None, expect: int | None = None, options: dict | None = None, prompts=None, **cb):
+        callback=None, expect: int | None = None, options: dict | None = None, prompts=None, forks: int = 1, **cb):
     """One session through the manager API; ``inject(step, processor)`` runs before each engine step's canary,
-    ``callback(manager)`` makes the canary's ``on_violation``. Returns (results by request id, handle or None)."""
-    gen, cbc = configs(new_tokens, **cb)
+    ``callback(manager)`` makes the canary's ``on_violation``; ``forks``: ``num_return_sequences`` (sampled, the
+    requests queued before the loop starts so that the batches, hence the samples, are the same every run).
+    Returns (results by request id, handle or None)."""
+    gen, cbc = configs(new_tokens, forks, **cb)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
     handle = None
     if canary:
@@ -70,9 +74,14 @@ def run(model, *, inject=None, new_tokens: int = 24, canary: bool = True, cancel
             count[0] += 1
             return inner(m, batch)
         processor.model_runner.compute_batch = compute_batch
-    manager.start()
-    ids = manager.add_requests(PROMPTS if prompts is None else prompts, max_new_tokens=new_tokens)
-    results = _collect(manager, ids, len(ids) - (cancel is not None) if expect is None else expect)
+    if forks > 1:
+        torch.manual_seed(1)  # the engine samples with torch's global generator
+        ids = manager.add_requests(PROMPTS if prompts is None else prompts, max_new_tokens=new_tokens)
+        manager.start()
+    else:
+        manager.start()
+        ids = manager.add_requests(PROMPTS if prompts is None else prompts, max_new_tokens=new_tokens)
+    results = _collect(manager, ids, forks * len(ids) - (cancel is not None) if expect is None else expect)
     manager.stop(block=True)
     if handle is not None:
         handle.close()
@@ -464,13 +473,140 @@ def test_a_corrupted_shared_block_is_reported_for_its_readers(model):
     assert named == readers, [v.line() for v in handle.violations]
 
 
-def test_refusals_name_the_fix(model):
+# -- forks (num_return_sequences > 1) ----------------------------------------------------------------------------
+# transformers forks a request with children once its prompt but the last token is prefilled: each child gets the
+# parent's complete shareable blocks by reference and a copy of the others (all of them with sharing off), then
+# every one of them prefills the last token and samples on its own
+FORK_POOL = dict(num_blocks=64)  # 12 requests of up to 4 blocks: none starved (no soft reset in the counts)
+
+
+def _children(rid: str, forks: int) -> set:
+    return {f"{rid}__child#{i}" for i in range(forks - 1)}
+
+
+@pytest.mark.parametrize("forks", [2, 3])
+@pytest.mark.parametrize("sharing", [False, True], ids=["copied", "shared"])
+def test_forks_keep_the_canary_clean(model, forks, sharing):
+    ref, _ = run(model, canary=False, forks=forks, allow_block_sharing=sharing, **FORK_POOL)
+    held = []
+
+    def inject(step, processor):  # a child reading one of its parent's blocks (shared) or a copy of it
+        table = processor.cache.group_cache_managers[0].block_table
+        held.extend(c for c in _children("req_2", forks) if c in table and table[c][0] == table.get("req_2", [-1])[0])
+
+    results, handle = run(model, inject=inject, forks=forks, allow_block_sharing=sharing, **FORK_POOL)
+    st = handle.stats()
+    assert sorted(results) == sorted({f"req_{i}" for i in range(4)} | {c for i in range(4)
+                                                                      for c in _children(f"req_{i}", forks)})
+    assert tokens(results) == tokens(ref) and handle.violations == [] and st["errors"] == []
+    assert any(tokens(results)[c] != tokens(results)["req_2"] for c in _children("req_2", forks))  # sampled apart
+    # every child protected from its fork, its own row; copies: the blocks at the fork (19, 8, 29, 13 prompt
+    # tokens), all of them copied with sharing off, the last (incomplete) one each with it on
+    assert st["protected_requests"] == 4 * forks and st["unprotected_requests"] == 0 and st["protected_tokens"] == 0
+    assert st["forked_requests"] == 4 * (forks - 1)
+    assert st["copied_blocks"] == (forks - 1) * (4 if sharing else 6)
+    assert bool(held) == sharing and st["move_faults"] == {}
+
+
+@pytest.mark.parametrize("pool", [dict(allow_block_sharing=True), dict(cpu_offload_space=0.001)],
+                         ids=["soft-reset-shared", "offload"])
+def test_forks_in_a_starved_pool_keep_the_canary_clean(model, pool, cpu_pool):
+    # 8 blocks for 12 requests: the engine forks only the children it has blocks for (the others join the queue
+    # as new requests, admitted at position 0), and evicts (soft reset) or offloads some of them later
+    ref, _ = run(model, canary=False, forks=3, num_blocks=8, **pool)
+    results, handle = run(model, forks=3, num_blocks=8, **pool)
+    st = handle.stats()
+    assert len(results) == 12 and tokens(results) == tokens(ref)
+    assert handle.violations == [] and st["errors"] == [] and st["unprotected_requests"] == 0
+    assert 1 <= st["forked_requests"] < 8 and st["protected_tokens"] == 0
+
+
+def test_fork_copies_without_their_records_are_reported(model, monkeypatch):
+    # The control of the test above: the same run with the records left behind (no copy with the fork's KV) is
+    # reported at the children's first reads of their copied blocks, and names no parent
+    from canary.integrations import hf_session
+
+    def drop(self):
+        self._fork_moves = ([], [])
+    monkeypatch.setattr(hf_session.Session, "move_fork_records", drop)
+    _, handle = run(model, forks=2)
+    named = {r for v in handle.violations for r in v.request_ids}
+    assert named == {f"req_{i}__child#0" for i in range(4)}, [v.line() for v in handle.violations]
+
+
+@pytest.mark.parametrize("where", ["shared", "copied"])
+def test_a_flipped_k_byte_a_fork_child_reads_is_reported_naming_its_readers(model, where):
+    # shared: position 2 of req_2's first block, complete at the fork, held by the parent and its two children;
+    # copied (sharing off): position 2 of child#0's own copy of its parent's first block
+    hit, readers = [], set()
+    rid = "req_2" if where == "shared" else "req_2__child#0"
+
+    def inject(step, processor):
+        table = processor.cache.group_cache_managers[0].block_table
+        if not hit and "req_2__child#1" in table:
+            s = table[rid][0] * BLOCK + 2
+            processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+            hit.append(s)
+        if hit:
+            readers.update(fs.state.request_id for fs in processor.inputs_and_outputs.requests_in_batch
+                           if table.get(fs.state.request_id, [-1])[0] * BLOCK + 2 == hit[0])
+
+    results, handle = run(model, inject=inject, forks=3, allow_block_sharing=where == "shared", **FORK_POOL)
+    assert hit and len(results) == 12
+    assert readers == ({"req_2"} | _children("req_2", 3) if where == "shared" else {rid})
+    named = {r for v in handle.violations for r in v.request_ids}
+    assert named == readers, [v.line() for v in handle.violations]
+    assert all(v.reason_names == ("REAL_KV",) and v.slot == hit[0] and v.position == 2 for v in handle.violations)
+
+
+def test_a_fork_copy_into_the_wrong_blocks_is_reported(model):
+    # The engine's copy_cache writes a child's first two copied blocks into each other (its destinations
+    # swapped) while the child's block table keeps them in order: the positions the child reads there are wrong
+    swapped = []
+
+    def inject(step, processor):
+        cache = processor.cache
+        if step or "copy_cache" in vars(cache):
+            return
+        inner, table = cache.copy_cache, cache.group_cache_managers[0].block_table
+
+        def copy_cache(src, dst):
+            dst = list(dst)
+            for child in (r for r in table if "__child#" in r and len(table[r]) >= 2 and not swapped):
+                i, j = dst.index(table[child][0]), dst.index(table[child][1])
+                dst[i], dst[j] = dst[j], dst[i]
+                swapped.append(child)
+            return inner(src, dst)
+        cache.copy_cache = copy_cache
+
+    _, handle = run(model, inject=inject, forks=2)
+    assert swapped, "no fork copied two blocks or more"
+    # the records followed the child's block table, not the engine's copy: right tokens and positions, the other
+    # block's KV bytes
+    assert {r for v in handle.violations for r in v.request_ids} == {swapped[0]}, [v.line() for v in handle.violations]
+    assert {v.position for v in handle.violations} >= {0, 1, BLOCK, BLOCK + 1}
+    assert all(v.reason_names == ("REAL_KV",) and v.position < 2 * BLOCK for v in handle.violations)
+
+
+def test_generate_batch_with_forks(model):
+    gen, cb = configs(forks=2)
+    with kvc.enable(model) as handle:
+        out = model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=cb)
+    st = handle.stats()
+    # generate_batch returns the parents' results only (transformers 5.17 orders them by the ids add_requests
+    # returned); the children ran, protected
+    assert sorted(out) == [f"req_{i}" for i in range(4)] and all(len(r.generated_tokens) == 24 for r in out.values())
+    assert handle.violations == [] and st["errors"] == [] and st["forked_requests"] == 4
+    assert st["protected_requests"] == 8
+
+
+def test_refusals_name_the_fix(model, monkeypatch):
     gen, cb = configs()
+    monkeypatch.setattr(model.config, "sliding_window", 8, raising=False)  # as a Mistral's config has it
     with kvc.enable(model):
-        with pytest.raises(ValueError, match="^kv-canary: init_continuous_batching: .*num_return_sequences=1"):
-            model.generate_batch(PROMPTS, generation_config=GenerationConfig(max_new_tokens=2, do_sample=True,
-                                                                             num_return_sequences=2),
-                                 continuous_batching_config=cb)
+        with pytest.raises(ValueError, match=r"^kv-canary: init_continuous_batching: .*sliding-window .*full "
+                                             r"attention only"):
+            model.generate_batch(PROMPTS, generation_config=gen, continuous_batching_config=cb)
 
 
 def test_other_versions_are_refused_unless_forced(model, monkeypatch):
@@ -536,3 +672,31 @@ def test_cuda_graphs_clean_and_flipped(use_async):
 
     _, handle = run(gpu, inject=inject, **opts)
     assert [v.request_ids for v in handle.violations if v.slot == slot[0]] == [("req_0",)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+def test_cuda_graphs_forks_clean_and_flipped(use_async):
+    # forks on the GPU: the records of the copied blocks move on the compute stream after the engine's copy_cache
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device for torch")
+    gpu = tiny_model("cuda", torch.bfloat16)
+    opts = dict(use_cuda_graph=True, use_async_batching=use_async, forks=3, **FORK_POOL)
+    for sharing in (False, True):
+        ref, _ = run(gpu, canary=False, allow_block_sharing=sharing, **opts)
+        results, handle = run(gpu, allow_block_sharing=sharing, **opts)
+        st = handle.stats()
+        assert len(results) == 12 and tokens(results) == tokens(ref)
+        assert handle.violations == [] and st["errors"] == [] and st["forked_requests"] >= 1
+    slot = []
+
+    def inject(step, processor):
+        table = processor.cache.group_cache_managers[0].block_table
+        if not slot and "req_2__child#0" in table:  # on the compute stream, as in test_cuda_graphs_clean_and_flipped
+            s = table["req_2__child#0"][0] * BLOCK + 2
+            with torch.cuda.stream(processor.inputs_and_outputs.compute_stream):
+                processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+            slot.append(s)
+
+    _, handle = run(gpu, inject=inject, allow_block_sharing=False, **opts)
+    assert slot and {r for v in handle.violations if v.slot == slot[0] for r in v.request_ids} == {"req_2__child#0"}
