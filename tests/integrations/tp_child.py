@@ -3,11 +3,13 @@ path ``from_pretrained(distributed_config=DistributedConfig(tp_size=N))`` takes:
 then ``maybe_distribute_model``), continuous batching through the manager API, three sessions: canary off, canary
 on (clean), canary on with a K byte flipped on rank ``FLIP_RANK`` only. Writes ``rank{r}.json``.
 
-``python tp_child.py RANK WORLD PORT OUT_DIR DEVICE`` (DEVICE ``cpu``: gloo, fp32; ``cuda``: NCCL, bf16, the
-engine's CUDA graphs).
+``python tp_child.py RANK WORLD PORT OUT_DIR MODE``: ``cpu`` (gloo, fp32), ``cuda`` (NCCL, one GPU a rank, bf16,
+the engine's CUDA graphs) or ``cuda-shared`` (every rank on GPU 0 over gloo, bf16, no CUDA graphs: NCCL refuses
+two ranks on one GPU, and gloo's collectives cannot be captured).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -20,6 +22,7 @@ BLOCK = 16
 FLIP_STEP, FLIP_RANK = 8, 1
 PROMPTS = [[(7 * i + j) % 120 + 1 for j in range(n)] for i, n in enumerate((20, 9, 30, 14))]
 NEW_TOKENS = 24
+MODES = {"cpu": ("gloo", "cpu", False), "cuda": ("nccl", "cuda", True), "cuda-shared": ("gloo", "cuda", False)}
 
 
 def tiny_model(device: str, world: int):
@@ -32,17 +35,17 @@ def tiny_model(device: str, world: int):
     model = LlamaForCausalLM(cfg)
     dc, device_map, mesh = LlamaForCausalLM.prepare_distribute_model(DistributedConfig(tp_size=world))
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = model.to(device=device_map if device != "cpu" else "cpu", dtype=dtype)
+    model = model.to(device=device_map, dtype=dtype)  # "cpu", or this rank's GPU (LOCAL_RANK)
     return LlamaForCausalLM.maybe_distribute_model(model, dc, mesh).eval()
 
 
-def run(model, device: str, canary: bool, flip: bool) -> dict:
+def run(model, graphs: bool, canary: bool, flip: bool) -> dict:
     import canary.integrations.transformers as kvc
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     gen = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1)
-    extra = {} if device == "cpu" else {"use_cuda_graph": True}
+    extra = {"use_cuda_graph": graphs}
     cb = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=32, max_batch_tokens=64, allow_block_sharing=False,
                                   **extra)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
@@ -60,7 +63,7 @@ def run(model, device: str, canary: bool, flip: bool) -> dict:
             if count[0] == FLIP_STEP:  # req_0's position 2, layer 0's K, this rank's heads only
                 s = processor.cache.group_cache_managers[0].block_table["req_0"][0] * BLOCK + 2
                 stream = processor.inputs_and_outputs.compute_stream
-                with torch.cuda.stream(stream) if stream is not None else _nothing():
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
                 flipped.append(int(s))
             count[0] += 1
@@ -90,23 +93,17 @@ def run(model, device: str, canary: bool, flip: bool) -> dict:
     return out
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def main() -> None:
-    rank, world, port, out, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), sys.argv[5]
+    rank, world, port, out, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), sys.argv[5]
+    backend, device, graphs = MODES[mode]
+    gpu = rank if mode == "cuda" else 0
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(gpu))  # LOCAL_RANK: the GPU transformers' TP setup puts the rank on
     if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world)
+        torch.cuda.set_device(gpu)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     model = tiny_model(device, world)
-    result = {name: run(model, device, canary, flip)
+    result = {name: run(model, graphs, canary, flip)
               for name, canary, flip in (("off", False, False), ("clean", True, False), ("flip", True, True))}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
