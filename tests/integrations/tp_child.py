@@ -73,7 +73,7 @@ def run(model, graphs: bool, canary: bool, flip: bool) -> dict:
     manager.add_requests(PROMPTS, max_new_tokens=NEW_TOKENS)  # a no-op but on the TP driver (rank 0)
     results = {}  # every rank's engine delivers the results (each runs the same requests)
     while len(results) < len(PROMPTS):
-        got = manager.get_result(timeout=120)
+        got = manager.get_result(timeout=300 if graphs or model.device.type == "cuda" else 120)  # GPU: compiles
         if got is None:
             break
         if got.is_finished():
