@@ -59,6 +59,7 @@ import numpy as np
 from canary import CanaryManager, KVGroup
 
 from .hf_moves import KVMoves
+from .hf_ranks import distributed
 
 STAGING_BUFFERS = 4  # pinned host buffers in rotation: async batching runs the host one step ahead of the GPU
 
@@ -147,7 +148,8 @@ class Session(KVMoves):
         self.canary = CanaryManager(
             group, max_batch_size=max_batch, device=(device.index or 0) if self.cuda else "cpu",
             library="torch" if self.cuda else None, backend=opts.backend, on_violation=deliver,
-            ring_capacity=opts.ring_capacity, max_step_tokens=step_tokens)
+            ring_capacity=opts.ring_capacity, max_step_tokens=step_tokens,
+            **distributed(processor, kv_fail))  # tensor parallelism: this rank's labels and its group (hf_ranks.py)
         self.canary.warmup()
         self.live: dict[Hashable, _Live] = {}
         self.skipped: dict[Hashable, Any] = {}  # request -> the state the canary does not protect

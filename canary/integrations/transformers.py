@@ -34,6 +34,7 @@ import numpy as np
 from canary import CanaryViolationError, Violations
 
 from .hf_patches import PATCHES, Attachment, PatchSet
+from .hf_ranks import refusals as distributed_refusals
 from .hf_session import Options
 
 __all__ = ["PATCHES", "SUPPORTED_VERSIONS", "CanaryHandle", "enable"]
@@ -74,9 +75,7 @@ def refusals(generation_config: Any, cb_config: Any, model: Any) -> list[str]:
         types = ["sliding_attention"] if getattr(text, "sliding_window", None) is not None else ["full_attention"]
     if any(t != "full_attention" for t in types):
         out.append(f"sliding-window or hybrid attention layers ({sorted(set(types))}): full attention only")
-    if getattr(model, "_device_mesh", None) is not None:
-        out.append("tensor parallelism (a device mesh on the model): one device only")
-    return out
+    return out + distributed_refusals(model)  # tensor parallelism is protected: hf_ranks.py
 
 
 def _refuse(where: str, found: list[str]) -> None:
@@ -247,7 +246,9 @@ def _claim(target: Any, handle: CanaryHandle) -> None:
 def _merged(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
-        if isinstance(v, dict):
+        if k == "ranks":  # a label, not a count: the last session's
+            out[k] = dict(v)
+        elif isinstance(v, dict):
             out[k] = _merged(out.get(k, {}), v)
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = out.get(k, 0) + v
@@ -287,8 +288,10 @@ def enable(target: Any, *, on_violation: str | Callable = "log", layers: str = "
     - ``force``: try a transformers version other than :data:`SUPPORTED_VERSIONS`.
 
     Raises ``ImportError`` without torch / transformers, ``RuntimeError`` for another transformers version or a
-    running manager, ``ValueError`` for a setup it cannot protect (sliding-window or hybrid layers, tensor
-    parallelism) or a bad option, ``TypeError`` for another ``target``; every message starts with ``kv-canary:``.
+    running manager, ``ValueError`` for a setup it cannot protect (sliding-window or hybrid layers, pipeline or
+    expert parallelism) or a bad option, ``TypeError`` for another ``target``; every message starts with
+    ``kv-canary:``. Under tensor parallelism call it on every rank (each rank's canary protects its own KV heads
+    and agrees with the others each step: canary/integrations/hf_ranks.py).
     """
     if not (callable(on_violation) or on_violation in ("log", "raise")):
         raise _fail(ValueError, f"on_violation: expected 'log', 'raise' or a callable, got {on_violation!r}")
