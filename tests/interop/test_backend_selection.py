@@ -177,5 +177,6 @@ def test_unknown_name(device):
 
 def test_optional_family_a_backend_lacks_is_none():
     assert backends.optional("reference", "report") is None
-    with pytest.raises(ValueError, match=r"^kv-canary: family: expected one of report, got 'plan'$"):
+    assert backends.optional("reference", "agree") is None
+    with pytest.raises(ValueError, match=r"^kv-canary: family: expected one of report, agree, got 'plan'$"):
         backends.optional("reference", "plan")  # a family every backend has is load's, not optional's
