@@ -4,7 +4,7 @@ A tiny Llama built from its config (random weights, nothing downloaded) answers 
 ``model.generate_batch``; the canary verifies every cached token of every step and prints its report. With
 ``--flip`` a stray write flips one byte of a cached token's K while the engine runs, and the canary names the
 request it hit. CPU (fp32, the reference backend) by default where no GPU is visible; ``--device cuda`` runs
-bf16 with the engine's CUDA graphs (the canary's CuPy backend). Needs ``pip install "kv-canary[transformers]"``.
+bf16 with the engine's CUDA graphs (the canary's CuPy backend). Needs ``pip install ".[transformers]"`` in the checkout.
 
     python examples/transformers_continuous_batching.py [--device cpu|cuda] [--flip]
 """
