@@ -20,7 +20,9 @@ step before decoded inside the call, as bench_host.py's ``manager bsN``; the agr
   up to the step's); ``on: rank skew at all_reduce``: how far apart the ranks entered each all-reduce (the first
   waits that long in it), median, us;
 - ``agree all_reduce alone``: one MAX all-reduce of the summary's words over the communicator, the ranks
-  entering it together (after a barrier), us;
+  entering it together (after a barrier), us; ``after 1 ms of compute``: the same with 1 ms of NumPy work on
+  every rank between the barrier and the call (outside the clock), as in a step: on a host with fewer free
+  cores than ranks the all-reduce then waits for the other rank to be scheduled again;
 - ``agree <workload> bytes``: the bytes this rank all-reduced per step, from ``Agreement.stats()``
   (``bytes_reduced / agreed_steps``), checked against the formula below (a mismatch fails the figure).
 
@@ -163,11 +165,22 @@ def run_rank(args, rank: int, port: int) -> int:
         xp, sync, device = np, (lambda: None), "cpu"
     barrier = ctx.dist.barrier
     extra = {"ranks": args.ranks, "device": args.device, "backend": "nccl" if cuda else "gloo",
-             "cpus": os.cpu_count(), "workloads": {}}
+             "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(), "workloads": {}}
     words = np.zeros(WORDS_PER_GROUP, np.int64)
     bench.attempt("agree all_reduce alone", lambda: harness.host_time(
         lambda: ctx.communicator.all_reduce(words, "max"), check=None, sync=lambda: None, rounds=rounds,
         warmup=min(20, rounds), after=barrier), words=int(words.shape[0]), bytes=8 * int(words.shape[0]))
+    spin = np.ones(4096)
+
+    def barrier_then_busy(us: float = 1000.0):  # both ranks compute 1 ms after the barrier, outside the clock
+        barrier()
+        t0 = time.perf_counter_ns()
+        while time.perf_counter_ns() - t0 < us * 1e3:
+            spin.sum()
+
+    bench.attempt("agree all_reduce after 1 ms of compute", lambda: harness.host_time(
+        lambda: ctx.communicator.all_reduce(words, "max"), check=None, sync=lambda: None, rounds=rounds,
+        warmup=min(20, rounds), after=barrier_then_busy), words=int(words.shape[0]), bytes=8 * int(words.shape[0]))
     for name, (bs, context) in (DRY if bench.dry else WORKLOADS).items():
         info = dict(bs=bs, context=context, verify_entries=bs * (context - 1))
         steps = {}
@@ -209,6 +222,7 @@ def run_rank(args, rank: int, port: int) -> int:
                              **info)
                 extra["workloads"][name] = {**info, "agreement": a}
             m.close()
+    extra["load_average_at_end"] = os.getloadavg()
     bench.extra = extra
     parts = [None] * args.ranks  # every rank's medians, beside rank 0's figures
     ctx.dist.all_gather_object(parts, {f["name"]: f["value"] for f in bench.figures}, group=ctx.objects)
