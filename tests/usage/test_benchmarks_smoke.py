@@ -127,3 +127,18 @@ def test_bench_plan_runs_every_index_form_dry(tmp_path):
     bad = subprocess.run([sys.executable, str(BENCH / "bench_plan.py"), "--dry", "--form", "tokens", "--out",
                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--form: expected among req_to_token, block_table, page_list" in bad.stderr
+
+
+def test_bench_agree_counts_the_formula_bytes(dry_runs):
+    """bench_agree.py --dry (2 gloo ranks): every workload's bytes all-reduced per step are the docstring's formula
+    (one group, one scope: 104), both ranks report, and a run of one rank is refused before any process starts."""
+    done, results = dry_runs
+    result = next(r for r in results.values() if r["benchmark"] == "agree")
+    bytes_ = [f for f in result["figures"] if f["name"].endswith(" bytes")]
+    assert len(bytes_) == len(_load("bench_agree").DRY) and all(f["value"] == f["formula"] == 104 for f in bytes_)
+    assert len(result["extra"]["per_rank_medians"]) == 2 and result["extra"]["backend"] == "gloo"
+    assert {f["name"] for f in result["figures"]} >= {"agree bs1_decode off", "agree bs1_decode on",
+                                                      "agree bs1_decode cost", "agree all_reduce alone"}
+    bad = subprocess.run([sys.executable, str(BENCH / "bench_agree.py"), "--dry", "--ranks", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ranks: expected an int >= 2" in bad.stderr, bad.stderr
