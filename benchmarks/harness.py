@@ -27,6 +27,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+# a dry run's JSON is a smoke run's, never a result: by default it lands outside the committed results
+DRY_RESULTS = Path(tempfile.gettempdir()) / "kv-canary-dry-results"
 DOC = ROOT / "docs" / "performance.md"
 SCHEMA = "kv-canary-bench/1"
 # Device-to-device copy on the H200, bytes read + written per second (bench_plan's measurement); dry runs and
@@ -271,7 +274,8 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0] if doc else None,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry", action="store_true", help="no GPU: tiny workloads on the host (a smoke run)")
-    ap.add_argument("--out", default=str(RESULTS), help="folder of <benchmark>.json (default benchmarks/results)")
+    ap.add_argument("--out", default=None, help="folder of <benchmark>.json (default benchmarks/results; with "
+                    f"--dry, {DRY_RESULTS})")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per figure (default: the benchmark's)")
     return ap
 
@@ -352,7 +356,7 @@ class Bench:
         """Write ``<out>/<benchmark>.json``; exit status 1 when a figure failed."""
         result = self.result()
         validate(result)
-        out = Path(self.args.out)
+        out = Path(self.args.out) if self.args.out else DRY_RESULTS if self.dry else RESULTS
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"{self.name}.json"
         path.write_text(json.dumps(result, indent=1) + "\n")
