@@ -42,13 +42,9 @@ GPUs, and its host figures then sync the stream outside the clock, its wall figu
 """
 from __future__ import annotations
 
-import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -57,36 +53,11 @@ import harness
 WORKLOADS = {"bs1_decode": (1, 512), "bs32_decode": (32, 256)}  # (bs, context per request)
 DRY = {"bs1_decode": (1, 16), "bs4_decode": (4, 16)}
 WORDS_PER_GROUP = 1 + 2 * 6  # the flag, FIELDS and their negations (distributed.py Agreement.agree)
-RANK_ARG = "--rank-of"  # the launcher's rank processes: this script again, with their rank
 
 
 def formula_bytes(groups: int, scopes: int = 1) -> int:
     """The clean path's bytes all-reduced per step and rank (the module docstring's formula)."""
     return 8 * groups * WORDS_PER_GROUP * scopes
-
-
-def launch(argv: list[str], n: int) -> int:
-    """Start the ``n`` rank processes of this script, wait for them; rank 0's output passes through."""
-    from canary.replay.ranks import _free_port
-
-    port = str(_free_port())
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # n processes, few cores
-    with tempfile.TemporaryDirectory(prefix="kv-canary-agree-") as tmp:
-        logs = [None] + [open(Path(tmp) / f"rank{r}.log", "w+") for r in range(1, n)]
-        procs = [subprocess.Popen([sys.executable, __file__, *argv, RANK_ARG, str(r), port], env=env,
-                                  stdout=logs[r], stderr=subprocess.STDOUT if logs[r] else None) for r in range(n)]
-        try:
-            rcs = [p.wait(timeout=540) for p in procs]
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            rcs = [p.wait() for p in procs]
-        for r in range(1, n):
-            if rcs[r]:
-                logs[r].seek(0)
-                print(f"kv-canary: rank {r} exited {rcs[r]}; its output:\n{logs[r].read()[-4000:]}", file=sys.stderr)
-            logs[r].close()
-    return rcs[0] or max(rcs, key=abs)
 
 
 class Parts:
@@ -145,11 +116,11 @@ def paired(steps: dict, sync, barrier, rounds: int, warmup: int, parts: Parts) -
     return {k: harness.Timing.of(v) for k, v in samples.items()}
 
 
-def run_rank(args, rank: int, port: int) -> int:
-    from canary.replay.ranks import RankContext
+def run_rank(args) -> int:
+    from canary.replay import ranks as rank_procs
 
     cuda = args.device == "cuda"
-    ctx = RankContext(rank, args.ranks, port, "cupy" if cuda else "host")
+    ctx = rank_procs.join("cupy" if cuda else "host")
     rounds = args.rounds or (3 if args.dry else 200)
     bench = harness.Bench(args.name, args, f"host time per step: perf_counter around before_forward + "
                           f"after_kv_store of a decode step, median of {rounds} calls, a barrier outside "
@@ -160,7 +131,7 @@ def run_rank(args, rank: int, port: int) -> int:
     if cuda:
         import cupy as xp
 
-        sync, device = xp.cuda.get_current_stream().synchronize, rank
+        sync, device = xp.cuda.get_current_stream().synchronize, ctx.rank
     else:
         xp, sync, device = np, (lambda: None), "cpu"
     barrier = ctx.dist.barrier
@@ -228,12 +199,7 @@ def run_rank(args, rank: int, port: int) -> int:
     ctx.dist.all_gather_object(parts, {f["name"]: f["value"] for f in bench.figures}, group=ctx.objects)
     extra["per_rank_medians"] = parts
     ctx.close()
-    rc = bench.finish() if rank == 0 else int(any(f["error"] for f in bench.figures))
-    # Out without the interpreter's finalization: a gloo worker thread torn down there aborted a rank now and then
-    # (SIGABRT, "terminate called without an active exception") after everything was written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    rank_procs.end(bench.finish() if ctx.rank == 0 else int(any(f["error"] for f in bench.figures)))
 
 
 def main() -> int:
@@ -242,15 +208,16 @@ def main() -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: gloo over host arrays; cuda: NCCL, one GPU a rank (unmeasured)")
     p.add_argument("--name", default="agree", help="the results file's name: agree, or agree-<variant>")
-    p.add_argument(RANK_ARG, nargs=2, type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.ranks < 2:
         p.error(f"argument --ranks: expected an int >= 2 (the ranks agree with each other), got {args.ranks}")
     if args.dry and args.device == "cuda":
         p.error("argument --device: expected cpu with --dry (no GPU), got cuda")
-    if args.rank_of is None:
-        return launch(sys.argv[1:], args.ranks)
-    return run_rank(args, *args.rank_of)
+    from canary.replay import ranks as rank_procs
+
+    if not rank_procs.is_worker():  # this script again as every rank (the replay's --ranks launcher)
+        return rank_procs.spawn([sys.executable, __file__, *sys.argv[1:]], args.ranks)
+    return run_rank(args)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,13 @@ def launch(args: argparse.Namespace, kind: str) -> int:
         print(f"kv-canary: --ranks {n}: expected {n} GPUs (one a rank, NCCL), got {_gpus()}; on the CPU (gloo): "
               f"--backend reference", file=sys.stderr)
         return 2
+    return spawn([sys.executable, "-m", "canary", *args.argv], n)
+
+
+def spawn(command: list[str], n: int) -> int:
+    """Run ``command`` as ``n`` rank processes (each finds its rank, the world size and the port in the
+    environment: :func:`is_worker`, :func:`join`) and wait for them; rank 0's output passes through, a failed
+    rank's log tail goes to stderr. Returns rank 0's exit status (that of a rank that died, when rank 0's is 0)."""
     root = str(Path(__file__).resolve().parents[2])  # the rank processes import this very canary
     env = dict(os.environ, **{WORLD_ENV: str(n), PORT_ENV: str(_free_port())})
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -92,8 +99,7 @@ def launch(args: argparse.Namespace, kind: str) -> int:
         try:
             for r in range(n):
                 out = None if r == 0 else logs[r]
-                procs.append(subprocess.Popen([sys.executable, "-m", "canary", *args.argv],
-                                              env={**env, RANK_ENV: str(r)}, stdout=out,
+                procs.append(subprocess.Popen(command, env={**env, RANK_ENV: str(r)}, stdout=out,
                                               stderr=subprocess.STDOUT if out else None))
             rcs = _wait(procs)
         except KeyboardInterrupt:  # the ranks got the SIGINT too (one process group): their partial reports
@@ -105,6 +111,14 @@ def launch(args: argparse.Namespace, kind: str) -> int:
                 print(f"kv-canary: --ranks {n}: rank {r} exited {rcs[r]}; its output:\n{text}", file=sys.stderr)
             logs[r].close()
     return rcs[0] if rcs[0] else max(rcs, key=abs)
+
+
+def end(status: int) -> None:
+    """End this rank process now, with ``status``, without the interpreter's teardown: gloo's threads, still alive
+    while C++ statics are destroyed, can abort an exit whose work is done (status 134: a failed run)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(status or 0))
 
 
 def _wait(procs: list[subprocess.Popen]) -> list[int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch.distributed as dist  # noqa: E402
 from helpers.manager_engine import ToyEngine  # noqa: E402
 
 from canary import CanaryViolationError, Ranks, TorchDistributedCommunicator  # noqa: E402
+from canary.replay.ranks import end as end_rank  # noqa: E402
 
 FAULTY = 1  # the global rank the faults are injected on
 
@@ -89,7 +89,4 @@ def main(rank: int, world: int, port: int, out: Path, tp: int) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
-    # no interpreter teardown: gloo's threads can abort an exit whose work is done (canary/__main__.py)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_rank(0)  # without the interpreter's teardown (its docstring says why)
