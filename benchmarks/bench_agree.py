@@ -213,8 +213,14 @@ def main() -> int:
         p.error(f"argument --ranks: expected an int >= 2 (the ranks agree with each other), got {args.ranks}")
     if args.dry and args.device == "cuda":
         p.error("argument --device: expected cpu with --dry (no GPU), got cuda")
+    import importlib.util
+
     from canary.replay import ranks as rank_procs
 
+    if importlib.util.find_spec("torch") is None:  # before any rank starts: one message, not one traceback a rank
+        p.error(f"argument --ranks: expected torch for the ranks' process group (torch.distributed) with --ranks "
+                f"{args.ranks}, got no torch: "
+                f"{rank_procs.NEEDS_TORCH}")
     if not rank_procs.is_worker():  # this script again as every rank (the replay's --ranks launcher)
         return rank_procs.spawn([sys.executable, __file__, *sys.argv[1:]], args.ranks)
     return run_rank(args)

@@ -271,7 +271,9 @@ def _lookup(table: dict, key: str | None):
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
     """The options every benchmark has: ``--dry``, ``--out``, ``--rounds``."""
-    ap = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0] if doc else None,
+    from canary.replay.cli import Parser  # the command's error style: the usage, then "kv-canary: MESSAGE", exit 2
+
+    ap = Parser(description=(doc or "").strip().splitlines()[0] if doc else None,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry", action="store_true", help="no GPU: tiny workloads on the host (a smoke run)")
     ap.add_argument("--out", default=None, help="folder of <benchmark>.json (default benchmarks/results; with "
