@@ -37,10 +37,12 @@ import harness
 MANAGER = {"bs1": (1, 4096), "bs32": (32, 1024), "bs256": (256, 2048)}  # (bs, context per request)
 PLAN_BS = [1, 8, 64, 256]
 RECORDS = [(1, 4096), (256, 2048)]  # (bs, context per request)
+CHURN = [32, 48]  # (max batch, prompt tokens): churn_case
 
 
 MANAGER_KW: dict = {}  # --direct: {"eager_graphs": False}; --dry: {"device": "cpu"}
 DEVICE: dict = {"device": 0}  # --dry: "cpu"
+GRAPHS: dict = {}  # a row's eager-graph counts (churn_case's close)
 SPLIT: dict = {}  # --split: {"clock": the clock, "parts": [(accept ns, before_forward ns, after_kv_store ns)]}
 
 
@@ -91,6 +93,107 @@ def manager_case(cp, bs: int, context: int, tokens: str | None, stream: str | No
 
     # No poll outside the clock: the next call's before_forward decodes this step's report, as in an engine
     return call, None, m.close
+
+
+def churn_case(cp, cap: int = 32, prompt: int = 48, seed: int = 0):
+    """An engine's loop with requests joining and leaving (issue 26's transformers run, in miniature): up to
+    ``cap`` requests of prompts of ``prompt / 4`` to ``prompt`` tokens, each leaving after 8-72 new tokens, a new one joining (its whole
+    prompt in the step, beside the others' decode tokens) as soon as a row is free, about one join every 3 steps.
+    The batch is padded to a power of two (padding rows: row 0, id ``None``) and each padded size has its own
+    static step arrays, refilled outside the clock, as an engine with static buffers does; the token arrays are
+    padded to a power of two too (exact with ``--dry``: a host manager checks the count). Each call is one step:
+    ``before_forward``, ``after_kv_store``, then, as transformers' ``update_batch`` does, ``accept_tokens_batch``
+    of every request's sampled token in the batch's order (``None`` for one that leaves), ``finish_request`` /
+    ``add_request``; the next batch then differs from the accepted one whenever a request left or joined. The
+    tokens are consistent (a clean cache: ``on_violation="raise"``)."""
+    from canary import CanaryManager, KVGroup
+
+    rng = np.random.default_rng(seed)
+    max_seq, max_reqs = prompt + 80, cap + 1
+    a = cp.asarray
+    r2t = a(np.arange(max_reqs * max_seq, dtype=np.int32).reshape(max_reqs, max_seq))
+    m = CanaryManager(KVGroup(name="full", req_to_token=r2t, num_slots=max_reqs * max_seq,
+                              verify_capacity=cap * max_seq), max_batch_size=cap,
+                      max_step_tokens=1 << (cap * prompt - 1).bit_length(),
+                      on_violation="raise", **{**DEVICE, **MANAGER_KW})
+    m.warmup()
+
+    def tok(n: int, p: np.ndarray | int):  # request n's token at position p
+        return (n * 131 + np.asarray(p, dtype=np.int64) * 7) % 30011 + 1
+
+    pow2 = (lambda n: 1 << max(0, n - 1).bit_length())
+    steps = {b: [a(np.zeros(b, np.int64)) for _ in range(3)] for b in (pow2(1 << i) for i in range(cap.bit_length()))}
+    tokens_cap = pow2(cap * prompt)
+    toks = {}  # padded token count -> (out_cache_loc, input_ids, positions)
+    live: dict[int, list] = {}  # request number -> [row, next position, last position, prompt length]
+    free = list(range(cap, 0, -1))
+    state = {"next": 0, "plan": None}
+
+    def join():
+        n = state["next"]
+        state["next"] += 1
+        p = int(rng.integers(prompt // 4, prompt + 1))
+        live[n] = [free.pop(), 0, p + int(rng.integers(8, 73)), p]
+        m.add_request(n, tok(n, np.arange(p)))
+
+    for _ in range(cap // 2):
+        join()
+
+    def prepare():  # the engine's work: the next step's batch into its static buffers (outside the clock)
+        order = sorted(live)
+        rows = np.array([live[n][0] for n in order], np.int64)
+        pre = np.array([live[n][1] for n in order], np.int64)
+        ext = np.array([live[n][3] if not live[n][1] else 1 for n in order], np.int64)
+        b = pow2(len(order))
+        rpi, pv, ev = steps[b]
+        pad = b - len(order)
+        rpi[:] = a(np.concatenate([rows, np.zeros(pad, np.int64)]))
+        pv[:] = a(np.concatenate([pre, np.zeros(pad, np.int64)]))
+        ev[:] = a(np.concatenate([ext, np.zeros(pad, np.int64)]))
+        pos = np.concatenate([np.arange(p, p + e) for p, e in zip(pre, ext)])
+        ids = np.concatenate([tok(n, np.arange(p, p + e)) for n, p, e in zip(order, pre, ext)])
+        loc = np.repeat(rows, ext) * max_seq + pos
+        # a host manager knows the lengths and takes exactly the step's tokens; a device one takes padded arrays
+        t = len(pos) if DEVICE["device"] == "cpu" else min(pow2(len(pos)), tokens_cap)
+        if t not in toks:
+            toks[t] = tuple(a(np.zeros(t, np.int64)) for _ in range(3))
+        for arr, v in zip(toks[t], (loc, ids, pos)):
+            arr[:] = a(np.concatenate([v, np.zeros(t - len(v), np.int64)]))
+        # after the forward, the engine accepts each request's sampled token (its next position's), in the
+        # batch's order, but not for a request that leaves: it is finished instead
+        nxt = pre + ext
+        stays = [n for n, q in zip(order, nxt) if q <= live[n][2]]
+        accepted = ([n if n in stays else None for n in order] + [None] * pad,
+                    np.array([int(tok(n, q)) if n in stays else 0 for n, q in zip(order, nxt)] + [0] * pad, np.int64))
+        state["plan"] = (order + [None] * pad, (rpi, pv, ev), toks[t], dict(zip(order, nxt.tolist())), accepted)
+
+    def call():
+        ids, (rpi, pv, ev), (loc, inp, pos), nxt, (accept_ids, accepted) = state["plan"]
+        m.before_forward(request_ids=ids, req_pool_indices=rpi, prefix_lens=pv, extend_seq_lens=ev)
+        m.after_kv_store(out_cache_loc=loc, input_ids=inp, positions=pos)
+        if any(i is not None for i in accept_ids):
+            m.accept_tokens_batch(accept_ids, accepted)
+        for n, q in nxt.items():
+            r = live[n]
+            r[1] = q
+            if q > r[2]:
+                m.finish_request(n)
+                free.append(r[0])
+                del live[n]
+        if free and (len(live) < cap // 2 or rng.random() < 0.35):
+            join()
+
+    def after():
+        prepare()
+
+    def close():  # the eager graphs' counts over the row's calls, warm-up included (bench row "graphs")
+        st = m.stats()
+        GRAPHS.update({k: st[k] for k in ("graph_captures", "graph_replays", "direct_calls", "graph_misses")},
+                      steps=st["decoded_steps"])
+        m.close()
+
+    prepare()
+    return call, after, close
 
 
 def planner_case(cp, bs: int, context: int = 64):
@@ -144,6 +247,7 @@ def cases(cp, only: list[str] | None):
             for stream in ("current", "other"):
                 out[f"manager {name} stream={stream}"] = lambda bs=bs, ctx=ctx, s=stream: manager_case(cp, bs, ctx,
                                                                                                    None, s)
+        out["manager churn"] = lambda: churn_case(cp, *CHURN)
     if want("records"):
         for bs, ctx in RECORDS:
             out[f"records bs{bs}"] = lambda bs=bs, ctx=ctx: (records_case(cp, bs, ctx), None, None)
@@ -187,6 +291,7 @@ def main() -> int:
         MANAGER.update({"bs1": (1, 32), "bs32": (2, 16), "bs256": (4, 16)})
         PLAN_BS[:] = [1, 4]
         RECORDS[:] = [(1, 32), (4, 16)]
+        CHURN[:] = [4, 6]
         MANAGER_KW["device"] = DEVICE["device"] = "cpu"
     if args.split:
         SPLIT["clock"] = clock
@@ -228,7 +333,10 @@ def main() -> int:
             row["split_us"] = {k: round(statistics.median(p[i] for p in parts) / 1e3, 1)
                                for i, k in enumerate(("accept", "before_forward", "after_kv_store"))}
         if close:
+            GRAPHS.clear()
             close()
+            if GRAPHS:
+                row["graphs"] = dict(GRAPHS)
     return bench.finish()
 
 

@@ -26,9 +26,10 @@ class KVGroup:
     - ``name``: unique label used in reports, stats and metrics (``"full"``, ``"swa"``, ``"draft"``...).
     - The index the attention reads, the engine's own arrays read in place, exactly one form (SPEC 3.8):
       ``req_to_token``, ``[max_reqs, max_seq_len]`` int32 (row 0 = padding); or ``block_table``,
-      ``[max_reqs, max_blocks]`` int32 block ids (row 0 = padding, block 0 = the padding block), and ``page_size``
-      (slot ``b * page_size + p % page_size``); or a page list, ``kv_indptr`` (``[>= max_batch_size + 1]`` int32
-      or int64) and ``kv_indices`` (``[nnz]`` int32) keyed by batch row, with ``page_size``, ``max_reqs`` (the
+      ``[max_reqs, max_blocks]`` int32 or int64 block ids (row 0 = padding, block 0 = the padding block unless
+      ``padding_slot=-1``), and ``page_size`` (slot ``b * page_size + p % page_size``); or a page list,
+      ``kv_indptr`` (``[>= max_batch_size + 1]``) and ``kv_indices`` (``[nnz]``), int32 or int64, keyed by batch
+      row, with ``page_size``, ``max_reqs`` (the
       rows ``req_pool_indices`` names: the sampling cursors') and ``max_seq_len`` (the most tokens a request
       holds: the expected-token pool's columns), which the page list cannot give. An engine that rebuilds its
       block table or page list each step passes them to ``before_forward`` too.
@@ -140,11 +141,25 @@ def check_groups(groups: Any) -> list[KVGroup]:
                                   f"layer), got {type(g.layer_sources).__name__}")
         check_padding_slot(g.padding_slot, f"groups[{i}].padding_slot")
         max_cols.add(check_index(g, i)[1])
+        _check_covers(g, i)
     if len(max_cols) > 1:
         raise fail(ValueError, f"groups: expected every req_to_token to have the same max_seq_len (the "
                                f"expected-token pool is shared; a block table's max_blocks * page_size), got "
                                f"{sorted(max_cols)}")
     return groups
+
+
+def _check_covers(g: KVGroup, i: int) -> None:
+    """Every slot of the group has its bytes in each real-KV source (and each layer's), refused in the group's
+    words before anything is allocated (the records would name their own buffer, not the group's num_slots)."""
+    layers = g.layer_sources if len(g.layer_sources) >= 2 else ()
+    for what, sources in [("real_kv_sources", g.real_kv_sources)] + [
+            (f"layer_sources[{k}]", srcs) for k, srcs in enumerate(layers)]:
+        for j, src in enumerate(real_kv(sources, RealKVMode.ALL).sources if sources else ()):
+            if src.num_token_slots < int(g.num_slots):
+                raise fail(ValueError, f"groups[{i}].num_slots: expected at most the slots of groups[{i}].{what}[{j}] "
+                                       f"(rows * page_size = {src.rows} * {src.page_size} = {src.num_token_slots}), "
+                                       f"got {int(g.num_slots)}")
 
 
 @dataclass

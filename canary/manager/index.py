@@ -35,6 +35,19 @@ def _positive(i: int, name: str, value: Any) -> int:
     return int(value)
 
 
+_I32, _WIDTHS = (np.dtype(np.int32),), (np.dtype(np.int32), np.dtype(np.int64))  # SPEC 2 (*), 3.8
+
+
+def _shape(spec, i: int, name: str, dtypes: tuple) -> tuple:
+    """The shape of the group's index array ``name``, its dtype checked in the group's words (the planner would
+    name the bare argument)."""
+    v = as_view(getattr(spec, name), f"groups[{i}].{name}")
+    if np.dtype(v.dtype) not in dtypes:
+        raise fail(TypeError, f"groups[{i}].{name}: expected dtype {' or '.join(d.name for d in dtypes)}, got "
+                              f"{np.dtype(v.dtype).name}")
+    return tuple(v.shape)
+
+
 def check_index(spec, i: int) -> tuple[int, int]:
     """Exactly one form (SPEC 3.8), and ``(max_reqs, max_seq_len)``: the token table's or block table's rows and
     positions; a page list (rows keyed by batch row) takes both from the KVGroup's ``max_reqs`` and
@@ -51,7 +64,7 @@ def check_index(spec, i: int) -> tuple[int, int]:
             raise fail(ValueError, f"groups[{i}].{name}: expected None with {given[0]} (its shape gives it), got "
                                    f"{getattr(spec, name)!r}")
     if given[0] == "req_to_token":
-        shape = tuple(as_view(spec.req_to_token, f"groups[{i}].req_to_token").shape)
+        shape = _shape(spec, i, "req_to_token", _I32)
         if len(shape) != 2:
             raise fail(ValueError, f"groups[{i}].req_to_token: expected a [max_reqs, max_seq_len] int32 array, got "
                                    f"shape {shape}")
@@ -62,15 +75,16 @@ def check_index(spec, i: int) -> tuple[int, int]:
                                f"{given[0]}, got None")
     s = _positive(i, "page_size", s)
     if not pages:
-        shape = tuple(as_view(spec.block_table, f"groups[{i}].block_table").shape)
+        shape = _shape(spec, i, "block_table", _WIDTHS)
         if len(shape) != 2:
-            raise fail(ValueError, f"groups[{i}].block_table: expected a [max_reqs, max_blocks] int32 array, got "
-                                   f"shape {shape}")
+            raise fail(ValueError, f"groups[{i}].block_table: expected a [max_reqs, max_blocks] int32 or int64 "
+                                   f"array, got shape {shape}")
         return shape[0], shape[1] * s
     for name in ("kv_indptr", "kv_indices"):
         if getattr(spec, name) is None:
             raise fail(ValueError, f"groups[{i}].{name}: expected a page list's kv_indptr and kv_indices together, "
                                    f"got None")
+        _shape(spec, i, name, _WIDTHS)
     for name in ("max_reqs", "max_seq_len"):
         if getattr(spec, name) is None:
             what = ("the rows req_pool_indices names (verify_cursors' rows)" if name == "max_reqs"

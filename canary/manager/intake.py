@@ -122,7 +122,8 @@ class TokenIntake:
     def rows(self, request_ids: Any) -> tuple[tuple, np.ndarray]:
         """A step's batch: its request ids as :meth:`ids` gives them and their pool rows (``[bs]`` int64, host; the
         same array as last call when the batch repeats with no request added or finished since). Raises
-        ``ValueError`` for more than ``max_batch_size`` ids, ``TypeError`` for an id that is not hashable."""
+        ``ValueError`` for more than ``max_batch_size`` ids or an id listed twice, ``TypeError`` for an id that is
+        not hashable."""
         c = self._ids_cache  # ids()'s common case inline: the same ids as last call (one call less a step)
         if c is not None and type(request_ids) is c[0] and request_ids == c[1]:
             ids = c[2]
@@ -141,8 +142,12 @@ class TokenIntake:
         # position and KV checks.
         live, retired = pool.live.get, pool.retired.get
         q = np.zeros(bs, dtype=np.int64)
+        first: dict = {}  # a request listed twice would have one row's prefix verified against the other's tokens
         try:
             for i, rid in enumerate(ids):
+                if rid is not None and first.setdefault(rid, i) != i:
+                    raise fail(ValueError, f"request_ids[{i}]: expected distinct request ids (None for padding "
+                                           f"rows), got {rid!r} again (request_ids[{first[rid]}])")
                 r = live(rid) or retired(rid)
                 if r is not None:
                     q[i] = r.row

@@ -5,10 +5,9 @@ forward (:meth:`CanaryManager.before_forward`, :meth:`CanaryManager.after_kv_sto
 request identity (:meth:`~CanaryManager.add_request`, :meth:`~CanaryManager.accept_tokens`,
 :meth:`~CanaryManager.finish_request`); violations read back one step later without syncing the engine's stream.
 
-The manager holds the public calls; each job is a room of its own with its own state: the step state machine
-(``steps.py``), the host-to-device staging (``staging.py``) and the device-to-host mailbox (``mailbox.py``), the
-report decoder (``decode.py``), the token intake (``intake.py``) and the records moved with the KV (``moves.py``).
-"""
+The manager holds the public calls; each job is a room of its own: the step state machine (``steps.py``) and its
+launch stream (``streams.py``), the staging (``staging.py``), the mailbox (``mailbox.py``), the report decoder
+(``decode.py``), the token intake (``intake.py``) and the records moved with the KV (``moves.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +36,8 @@ from .report import SlotViolation
 from .slots import warmup as warmup_slots
 from .staging import DeviceScatter, append_scatter
 from .stats import PrometheusMetrics, Stats
-from .steps import Steps, StreamResolver
+from .steps import Steps
+from .streams import StreamResolver
 from .sweep import Sweeper, check_budget
 from .suppress import ReportedSlots
 from .transfer import open_transfer
@@ -58,7 +58,8 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
       :meth:`canary.VerifyPlan.allocate`; a torch engine passes ``"torch"``). ``backend``: as for the planner.
     - ``on_violation``: ``"log"`` (default: one ``logging`` line per new violation on logger ``kv_canary``,
       at most ``log_limit`` per step, then a summary line), ``"raise"`` (:class:`CanaryViolationError` at the
-      next step boundary) or a callable taking the list of new :class:`SlotViolation` records.
+      next step boundary) or a callable taking a ``Violations`` (a list of the new :class:`SlotViolation`
+      records, with ``dropped`` and ``step``: canary/manager/report.py).
     - ``ring_capacity``: violation rows kept per group per step (more are counted as dropped and reported).
     - ``max_requests``: requests that may hold expected tokens at once (default: ``2 * max_reqs``; a finished
       request's pool row is reused last, so stale reads of it are still checked).
@@ -305,14 +306,15 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
                        kv_indices: Any = None) -> None:
         """Plan and verify the step (before attention reads the KV), on ``stream``.
 
-        ``req_pool_indices``, ``prefix_lens``, ``extend_seq_lens``: ``[bs]`` int32 / int64 (SPEC 2; device arrays
-        on a GPU, rp int64 there; row 0 of ``req_to_token`` = padding). ``request_ids``: host sequence of ``bs`` engine
-        request ids (``None`` for padding rows). ``groups``: names of the groups this forward reads (default:
+        ``req_pool_indices`` (``rp``), ``prefix_lens`` (``P``), ``extend_seq_lens`` (``E``): ``[bs]`` int32 / int64
+        (SPEC 2; device arrays on a GPU, rp int64 there; row 0 = padding). ``request_ids``: host sequence of ``bs``
+        engine request ids (``None`` for padding rows). ``groups``: names of the groups this forward reads (default:
         all; a draft model's forward passes its own group). ``block_table`` / ``kv_indptr`` / ``kv_indices``: the
         step's index arrays in place of a group's bound ones (SPEC 3.8; an engine that rebuilds them each step): an
         array for every planned group bound with that form, or ``{group name: array}``; checked on the host like the
-        bound ones. Reports of earlier steps that have reached the
-        host are handled first: logged, raised (:class:`CanaryViolationError`) or passed to the callback;
+        bound ones. ``ValueError`` for a request id listed twice and, with host arrays, an out-of-range ``rp`` or
+        ``P`` or a negative ``E`` (docs/integration.md 3). Reports of earlier steps that have reached the host are
+        handled first: logged, raised (:class:`CanaryViolationError`) or passed to the callback;
         :class:`CanaryHealthError` when the kernels stopped running. While ``stream`` is capturing a CUDA graph
         only the launches are recorded: call :meth:`begin_step` before each replay and :meth:`end_step` after.
         Never syncs the engine's stream. A call that raises leaves no step open: the engine may call it again,
@@ -324,19 +326,10 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
         bs = self._steps.batch_size(req_pool_indices, self.max_batch_size)  # before the step opens, as every check
         index = step_arrays(sel, block_table=block_table, kv_indptr=kv_indptr, kv_indices=kv_indices)
         if not capturing:
-            if isinstance(request_ids, (str, bytes, bytearray)):
-                raise fail(TypeError, f"request_ids: expected a sequence of request ids, got "
-                                      f"{type(request_ids).__name__} {request_ids!r}")
-            check_bound(sel)  # a rebuilt buffer the manager would still read: refused, naming rebind
-            self._steps.check_lengths(req_pool_indices, extend_seq_lens)  # host arrays: a negative E refused
-            try:
-                n_ids = 0 if request_ids is None else len(request_ids)
-            except TypeError:
-                raise fail(TypeError, f"request_ids: expected a list of bs = {bs} request ids (None for padding "
-                                      f"rows), got {type(request_ids).__name__}") from None
-            if n_ids != bs:
-                raise fail(ValueError, f"request_ids: expected one id per batch row (bs = {bs}), got {n_ids}")
             steps = self._steps
+            steps.check_request_ids(request_ids, bs)
+            check_bound(sel)  # a rebuilt buffer the manager would still read: refused, naming rebind
+            steps.check_lengths(sel, req_pool_indices, prefix_lens, extend_seq_lens)  # host arrays
             steps.begin(request_ids, groups, handle, self._poll_ready, self._eager is not None, index)
             try:
                 if not steps.prepared:

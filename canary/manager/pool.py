@@ -204,7 +204,12 @@ class RequestPool:
                 rows[i] = req.row
             real = rows[rows > 0]
             if len(set(real.tolist())) != len(real):
-                raise fail(ValueError, "request_ids: expected distinct requests, got one listed twice")
+                at = np.flatnonzero(rows > 0)
+                _, idx, n = np.unique(real, return_index=True, return_counts=True)
+                j = int(at[idx[n > 1][0]])  # the first request listed twice, and where it is again
+                k = int(at[np.flatnonzero(real == rows[j])[1]])
+                raise fail(ValueError, f"request_ids[{k}]: expected distinct requests (None for padding rows), got "
+                                       f"{request_ids[k]!r} again (request_ids[{j}])")
             pad = None if len(real) == len(rows) else rows == 0
             held = same_rows(request_ids) if same_rows is not None else None
             if held is not None and np.array_equal(held, rows):

@@ -203,28 +203,35 @@ class CudaStaging:
     def stage_device_append(self, q: np.ndarray, one, stream: int, synced: bool, defer: bool = False
                             ) -> tuple | None:
         """A decode batch's tokens for exactly the rows ``q`` (``one``: a :class:`RowTokens`): ``canary_append_tokens``
-        writes each row's token at column ``valid[r]`` and advances ``valid[r]`` on the device, so no copy at all
-        when the device area already holds ``q`` and the lengths before this update (``synced``); else those are
-        copied first. The tokens are read where they are: the engine's device array (``one.device``), or host
-        ints written into a pinned staging buffer, which the kernel reads over the bus (pinned memory is mapped
-        into the device's address space, as the report kernel's mailbox is), one buffer of the rotation a step.
-        ``defer`` as in :meth:`stage_append` (then :meth:`deferred_launched` records the buffer's release)."""
+        writes each row's token at column ``valid[r]`` and advances ``valid[r]`` on the device, so the rows and
+        lengths are copied only when the device area does not already hold ``q`` and the lengths before this
+        update (``synced``). The tokens are read where they are: the engine's device array (``one.device``), or,
+        host ints, from the start of the device area's ``upd``, copied there with the rows and lengths (one copy
+        when the area is merged). The copy is launched here, directly, never deferred: the append then reads
+        fixed device addresses, so an eager step's graph (canary/manager/eager.py) is one per batch size, not one
+        per staging buffer and copy size. ``defer`` as in :meth:`stage_append`."""
         n, b = len(q), self.b_cap
-        copy = None
-        if one.device is None or not synced:
-            # A staging buffer: host ints for the append to read, and / or the rows and lengths to copy first.
-            # Either way it is in use until the launch has read it (launch_deferred, then deferred_launched).
-            i = self._next_stage
+        host = one.device is None
+        if host or not synced:
             buf = self._stage_buf()
             w = buf.words
-            nbytes = 0
             if not synced:
                 w[:n], w[b:b + n] = q, one.cols
-                nbytes = 8 * (b + n)
-            copy = (i, nbytes)
-        if one.device is None:
-            w[2 * b:2 * b + n] = one.tokens
-            ptr, dtype, obj = buf.ptr + 16 * b, _INT64, buf
+            if host:
+                w[2 * b:2 * b + n] = one.tokens
+            rt = self.rt
+            with OnDevice(rt, self.ordinal):
+                if host and not synced and self.merged:  # upd follows qv: rows, lengths and tokens at once
+                    rt.memcpy_async(self.qv_ptr, buf.ptr, 8 * (2 * b + n), H2D, stream)
+                else:
+                    if not synced:
+                        rt.memcpy_async(self.qv_ptr, buf.ptr, 8 * (b + n), H2D, stream)
+                    if host:
+                        rt.memcpy_async(self.upd_ptr, buf.ptr + 16 * b, 8 * n, H2D, stream)
+            # free once this step's report has run (it follows the copy on the stream): no event to record
+            self._used(buf, stream, evented=False)
+        if host:
+            ptr, dtype, obj = self.upd_ptr, _INT64, None
         else:
             view, obj = one.device
             ptr, dtype = view.ptr, view.dtype
@@ -236,7 +243,7 @@ class CudaStaging:
             if len(self._append_calls) >= 8:  # a graph keyed by an evicted call keeps it (and its array) alive
                 self._append_calls.pop(next(iter(self._append_calls)))
             call = self._append_calls[key] = _AppendCall(self.device_append, ptr, dtype, obj)
-        return self._launch_unless(defer, (call, n, n, copy), stream)
+        return self._launch_unless(defer, (call, n, n, None), stream)
 
     def _launch_unless(self, defer: bool, deferred: tuple, stream: int) -> tuple | None:
         # The tail of stage_append and stage_device_append: left to the caller (defer), or launched here.

@@ -5,11 +5,10 @@
 tokens (through the staging, canary/manager/staging.py, the update it took queued again if never launched),
 launches each group's plan, verify and write (or replays them as one CUDA graph, canary/manager/eager.py), and
 closes the step by queueing its report (the mailbox, canary/manager/mailbox.py) in ``pending``, which the
-decoder (canary/manager/decode.py) reads. :class:`StreamResolver` resolves a call's launch stream.
+decoder (canary/manager/decode.py) reads.
 """
 from __future__ import annotations
 
-import sys
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -18,10 +17,9 @@ import numpy as np
 from ..errors import fail
 from ..interop.adapter import INT_WIDTHS, as_view
 from ..interop.cudart import D2D, OnDevice, runtime
-from ..interop.streams import LaunchStream, current_stream, is_capturing, launch_stream, library_of, stream_handle
 from .eager import MISS
 from .groups import BoundGroup
-from .index import form_of, open_pages
+from .index import form_of, index_shape, open_pages
 from .layers import verify_layers, write_layers
 from .pool import RowTokens
 from .slots import translate as translate_slots
@@ -42,72 +40,6 @@ class StepRecord:
     def __init__(self, index: int, request_ids: tuple, groups: tuple, bs: int):
         self.index, self.request_ids, self.groups, self.bs, self.sweep = index, request_ids, groups, bs, None
         self.tokens: int | None = None
-
-
-class StreamResolver:
-    """A call's launch stream on CUDA device ``ordinal`` (``None``: host arrays), for arrays like ``pool_array``."""
-
-    def __init__(self, ordinal: int | None, pool_array: Any):
-        self.ordinal, self.pool_array = ordinal, pool_array
-        self._streams: dict[tuple, LaunchStream] = {}  # (handle, ordered library) -> its LaunchStream
-        # resolve's common case: arrays of CuPy's, no stream given (cupy.cuda.get_current_stream)
-        self._cupy_current = (sys.modules["cupy"].cuda.get_current_stream
-                              if ordinal is not None and library_of(pool_array) == "cupy" else None)
-        self._lib = library_of(pool_array) if ordinal is not None else None
-        self._event = None  # the explicit-stream handshake's event (transfer.Event), made at the first one
-        self.handshakes = 0  # explicit-stream calls that ordered the library's current stream before theirs
-
-    def _explicit(self, stream: Any) -> tuple[int, str | None]:
-        """An explicit ``stream`` (torch, CuPy, cuda.core, Numba, ``__cuda_stream__`` or a raw handle): the arrays
-        of the manager's library (``library=``, the engine's) are then ordered on it once per call, not once per
-        array: when that library's current stream is another one, an event recorded there and waited for on
-        ``stream`` (what DLPack's handshake does for each array, about 2 us of host time in all); inside a graph
-        capture the graph's own dependencies order them (no event: it would invalidate the capture). Their views
-        and the eager graphs then take the fast path, as with no stream given."""
-        handle = stream_handle(stream)
-        lib = self._lib
-        if lib not in ("cupy", "torch") or lib not in sys.modules:
-            return handle, None
-        current = current_stream(self.pool_array, self.ordinal)
-        if current != handle and not is_capturing(handle):
-            if self._event is None:
-                from .transfer import Event
-
-                self._event = Event()
-            rt = runtime()
-            rt.event_record(self._event.ev, current)
-            rt.stream_wait_event(handle, self._event.ev)
-            self.handshakes += 1
-        return handle, lib
-
-    def close(self) -> None:
-        if self._event is not None:
-            self._event.free()
-            self._event = None
-
-    def resolve(self, stream: Any) -> tuple[int, Any]:
-        """The launch stream, resolved once per call: ``(raw handle, what the planner and records take as their
-        stream)``; host arrays: ``(0, None)``."""
-        if self.ordinal is None:
-            if stream is not None:
-                raise fail(ValueError, "stream: expected None for a manager on device='cpu' (host arrays take no "
-                                       f"stream), got {type(stream).__name__}")
-            return 0, None
-        cupy_current = self._cupy_current
-        if stream is None and cupy_current is not None and "torch" not in sys.modules:
-            # launch_stream's answer for CuPy-owned arrays when no other library could be capturing: the current
-            # CuPy stream, ordered for CuPy arrays (the common eager call, without its generic checks)
-            handle, lib = cupy_current(self.ordinal).ptr, "cupy"
-        elif stream is not None and type(stream) is not LaunchStream:
-            handle, lib = self._explicit(stream)
-        else:
-            handle, lib = launch_stream(self.ordinal, stream, self.pool_array)
-        st = self._streams.get((handle, lib))
-        if st is None:  # one per stream seen (a handful), not one per call
-            st = LaunchStream(handle, lib)
-            if len(self._streams) < 64:
-                self._streams[(handle, lib)] = st
-        return handle, st
 
 
 class Steps:
@@ -262,11 +194,14 @@ class Steps:
 
     def eager_plan_and_verify(self, sel, req_pool_indices, prefix_lens, extend_seq_lens, bs: int, st,
                               index: dict | None = None) -> None:
-        # The staging's last expected-token scatter (its row and token counts in the key) joins the graph, and so
-        # does an append's copy (its staging buffer and size in the key: a graph per buffer). It stays in
+        # A decode batch's device append joins the graph (its call, a fixed address, and row count in the key; its
+        # copy, if any, already launched by the staging); the general scatter does not. Either stays in
         # self.deferred until launched, so that a call that raises first still launches it. A step's own index
         # arrays (index.step_arrays) are objects of the call like the step arrays: a graph replays only for them.
         scatter = self.deferred
+        if scatter is not None and scatter[0] is self.staging.scatter:
+            # its row and token counts change with nearly every batch: ahead of the graph, keyed by the batch alone
+            scatter = self._launch_deferred(scatter, st.handle)
         objs = (req_pool_indices, prefix_lens, extend_seq_lens)
         if index:
             objs += tuple(a for name in sorted(index) for _, a in sorted(index[name].items()))
@@ -282,9 +217,7 @@ class Steps:
             self.inputs = got
             return
         if scatter is not None:
-            self.staging.launch_deferred(scatter, st.handle)
-            self.deferred = self.taken = None
-            self.staging.deferred_launched(scatter, st.handle)
+            self._launch_deferred(scatter, st.handle)
         self.plan_and_verify(sel, req_pool_indices, prefix_lens, extend_seq_lens, bs, st, index)
 
         def body(stream):
@@ -294,6 +227,11 @@ class Steps:
             return self.inputs
 
         self.eager.observe("before", key, objs, st, self.pool_array, body)
+
+    def _launch_deferred(self, scatter: tuple, handle: int) -> None:
+        self.staging.launch_deferred(scatter, handle)
+        self.deferred = self.taken = None  # launched: never again (the device append is not idempotent)
+        self.staging.deferred_launched(scatter, handle)
 
     def requeue(self) -> None:
         # Taken updates that never launched (a staging that raised, or the launch left to before_forward,
@@ -380,19 +318,44 @@ class Steps:
         return bs
 
     @staticmethod
-    def check_lengths(req_pool_indices: Any, extend_seq_lens: Any) -> None:
-        """A host manager's (device="cpu") refusal of a negative ``extend_seq_lens`` on an active row, before the
-        step opens: the plan would flag it (BAD_EXTEND_LEN) one step late, after the engine's write of that step had
-        put records at positions the engine never meant (false violations naming real requests)."""
-        if not (isinstance(req_pool_indices, np.ndarray) and isinstance(extend_seq_lens, np.ndarray)):
-            return  # another library's host arrays: the plan's status bit reports it
-        rows, ext = req_pool_indices.reshape(-1), extend_seq_lens.reshape(-1)
-        n = min(rows.shape[0], ext.shape[0])
-        bad = np.flatnonzero((rows[:n] != 0) & (ext[:n] < 0))
-        if bad.size:
-            i = int(bad[0])
-            raise fail(ValueError, f"extend_seq_lens[{i}]: expected >= 0 new tokens for an active row "
-                                   f"(req_pool_indices[{i}] = {int(rows[i])}), got {int(ext[i])}")
+    def check_request_ids(request_ids: Any, bs: int) -> None:
+        """``request_ids``: a sequence (not a str) of one id per batch row."""
+        if isinstance(request_ids, (str, bytes, bytearray)):
+            raise fail(TypeError, f"request_ids: expected a sequence of request ids, got "
+                                  f"{type(request_ids).__name__} {request_ids!r}")
+        try:
+            n_ids = 0 if request_ids is None else len(request_ids)
+        except TypeError:
+            raise fail(TypeError, f"request_ids: expected a list of bs = {bs} request ids (None for padding "
+                                  f"rows), got {type(request_ids).__name__}") from None
+        if n_ids != bs:
+            raise fail(ValueError, f"request_ids: expected one id per batch row (bs = {bs}), got {n_ids}")
+
+    @staticmethod
+    def check_lengths(sel, req_pool_indices: Any, prefix_lens: Any, extend_seq_lens: Any) -> None:
+        """A host manager's (device="cpu") refusal, before the step opens, of what the plan would flag for an active
+        row (SPEC 3.4 bits 2, 4, 32) one step late, after the engine's write of that step had put records the plan
+        could not chain (false violations naming real requests): ``req_pool_indices`` outside ``[0, max_reqs)``,
+        ``prefix_lens`` outside ``[0, max_seq_len]``, a negative ``extend_seq_lens`` (the bounds: the smallest
+        of the groups ``sel``)."""
+        arrays = (req_pool_indices, prefix_lens, extend_seq_lens)
+        if not all(isinstance(a, np.ndarray) for a in arrays):
+            return  # another library's host arrays: the plan's status bits report them
+        rows, pre, ext = (a.reshape(-1) for a in arrays)
+        n = min(rows.shape[0], pre.shape[0], ext.shape[0])
+        rows, pre, ext = rows[:n], pre[:n], ext[:n]
+        max_reqs, max_seq = (min(b) for b in zip(*(index_shape(g.spec) for g in sel)))
+        active = rows != 0
+        for name, values, bad, want in (
+                ("req_pool_indices", rows, (rows < 0) | (rows >= max_reqs), f"a row in [0, max_reqs = {max_reqs})"),
+                ("prefix_lens", pre, active & ((pre < 0) | (pre > max_seq)),
+                 f"a prefix length in [0, max_seq_len = {max_seq}] for an active row"),
+                ("extend_seq_lens", ext, active & (ext < 0), ">= 0 new tokens for an active row")):
+            at = np.flatnonzero(bad)
+            if at.size:
+                i = int(at[0])
+                raise fail(ValueError, f"{name}[{i}]: expected {want} (req_pool_indices[{i}] = {int(rows[i])}), "
+                                       f"got {int(values[i])}")
 
     @staticmethod
     def check_tokens(step: StepRecord, out_cache_loc, input_ids, positions) -> None:

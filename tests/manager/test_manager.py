@@ -255,7 +255,8 @@ def test_accept_tokens_batch_refuses_bad_batches_and_accepts_nothing():
     before = m.requests.counts.copy()
     for ids, toks, exc, words in [
         (["a", "x"], [4, 5], KeyError, "request_ids[1]"),
-        (["a", "a"], [4, 5], ValueError, "listed twice"),
+        (["a", "a"], [4, 5], ValueError, "request_ids[1]: expected distinct requests (None for padding rows), got "
+                                         "'a' again (request_ids[0])"),
         (["a", "b"], [4], ValueError, "token_ids: expected one token per request ([2])"),
         (["a", "b"], [[4], [5]], ValueError, "token_ids"),
         (["a", "b"], [4.0, 5.0], TypeError, "token_ids: expected integer"),

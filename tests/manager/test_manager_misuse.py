@@ -234,3 +234,20 @@ def test_padding_rows_allow_trailing_padding_tokens_but_not_fewer():
     m.after_kv_store(out_cache_loc=i64(slots + [-1]), input_ids=i64([1, 2, 0]), positions=i64([0, 1, 0]))
     m.flush()
     assert _found(got) == []
+
+
+@pytest.mark.parametrize("where", ["real_kv_sources", "layer_sources"])
+def test_num_slots_past_a_kv_source_is_refused_naming_the_group(where):
+    """A group's num_slots larger than a real-KV source holds (or a layer's source): refused at the constructor
+    in the group's words (its num_slots and the source), not the records' internal buffer's."""
+    from canary import CanaryManager, KVGroup
+
+    r2t = np.arange(4 * 8, dtype=np.int32).reshape(4, 8)
+    k, small = np.zeros((4, 16, 64), np.uint8), np.zeros((2, 16, 64), np.uint8)
+    kw = (dict(real_kv_sources=[(k, 16, 64), (small, 16, 64)]) if where == "real_kv_sources"
+          else dict(layer_sources=[[(k, 16, 64)], [(small, 16, 64)]], real_kv_sources=[(k, 16, 64)]))
+    want = (r"kv-canary: groups\[0\]\.num_slots: expected at most the slots of groups\[0\]\."
+            + (r"real_kv_sources\[1\]" if where == "real_kv_sources" else r"layer_sources\[1\]\[0\]")
+            + r" \(rows \* page_size = 2 \* 16 = 32\), got 64")
+    with pytest.raises(ValueError, match=want):
+        CanaryManager(KVGroup(name="f", req_to_token=r2t, num_slots=64, verify_capacity=32, **kw), max_batch_size=4)

@@ -196,7 +196,7 @@ cols = {rid: int(m.requests.counts[m.requests.live[rid].row]) for rid in ("c", "
 general = m._transfer.scatter
 calls = []
 m._transfer.scatter = lambda k, t, stream: (calls.append(("general", k, t)), general(k, t, stream))
-replays = m._eager.replays
+replays, captures = m._eager.replays, m._eager.captures
 copies, seen = [], []
 for t in range(10):
     m.accept_tokens_batch(["c", "d"], np.array([70 + t, 80 + t]))
@@ -207,11 +207,14 @@ for t in range(10):
     seen.append(len(calls))
     assert m._qv.get()[4:6].tolist() == [cols["c"] + t + 1, cols["d"] + t + 1]  # the plan's valid lengths
 # A new batch's first step stages through the general scatter (accept_batch looked its rows up first); from then on
-# canary_append_tokens reads the host ints from a pinned staging buffer and advances the valid lengths on the device:
-# no copy, no scatter; each buffer's graph captured at its second sighting, then replayed.
+# the host ints are copied into the device area (one copy, launched directly) and canary_append_tokens reads them
+# there and advances the valid lengths on the device: no scatter, and one before-graph for the batch with its
+# append, not one per staging buffer: captured at its second sighting, then replayed. The first step's general
+# scatter is launched ahead of the graph of these very arrays (captured above): a replay too, as is every
+# after_kv_store.
 assert [c[0] for c in calls] == ["general"] * len(calls) and seen[-1] == seen[0], (calls, seen)
-assert copies[1:] == [0] * 9, copies
-assert m._eager.replays >= replays + 2 * 3, (replays, m._eager.replays)
+assert copies[1:] == [1] * 9, copies
+assert m._eager.captures == captures + 1 and m._eager.replays == replays + 1 + 7 + 10, (captures, replays, m.stats())
 # Without the device append (a Numba-backend manager): the append scatter, which reads its rows and columns from
 # the plan's staging, one copy of rows, lengths and tokens a step, inside the before-graph once captured.
 device_append, m._transfer.device_append = m._transfer.device_append, None
