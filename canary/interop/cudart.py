@@ -42,6 +42,11 @@ class _CupyRuntime:
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
         self._call("cudaMemcpyAsync", self._rt.memcpyAsync, dst, src, nbytes, kind, stream)
 
+    def memcpy2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int,
+                       stream: int) -> None:
+        self._call("cudaMemcpy2DAsync", self._rt.memcpy2DAsync, dst, dpitch, src, spitch, width, height, kind,
+                   stream)
+
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         self._call("cudaMemsetAsync", self._rt.memsetAsync, ptr, value, nbytes, stream)
 
@@ -139,6 +144,12 @@ class _BindingsRuntime:
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
         self._check(self._rt.cudaMemcpyAsync(dst, src, nbytes, self._kinds[kind], stream)[0], "cudaMemcpyAsync")
+
+    def memcpy2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int,
+                       stream: int) -> None:
+        """``height`` rows of ``width`` bytes, ``spitch`` apart in ``src``, ``dpitch`` apart in ``dst``."""
+        self._check(self._rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, self._kinds[kind],
+                                               stream)[0], "cudaMemcpy2DAsync")
 
     def memset_async(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         self._check(self._rt.cudaMemsetAsync(ptr, value, nbytes, stream)[0], "cudaMemsetAsync")

@@ -119,6 +119,8 @@ class ReportDecoder:
                 got = transfer.read(token)
             pending.popleft()
             words, rpi = got
+            if rpi is not None and rec.narrow:  # int32 rows in the low halves of the words (Steps.snapshot_rows)
+                rpi = rpi.view(np.int32)[::2].astype(np.int64)
             try:
                 found, lost = self.decode(rec, words, rpi)
                 if agreement is not None:

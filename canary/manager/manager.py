@@ -307,7 +307,7 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
         """Plan and verify the step (before attention reads the KV), on ``stream``.
 
         ``req_pool_indices`` (``rp``), ``prefix_lens`` (``P``), ``extend_seq_lens`` (``E``): ``[bs]`` int32 / int64
-        (SPEC 2; device arrays on a GPU, rp int64 there; row 0 = padding). ``request_ids``: host sequence of ``bs``
+        (SPEC 2; device arrays on a GPU; row 0 = padding). ``request_ids``: host sequence of ``bs``
         engine request ids (``None`` for padding rows). ``groups``: names of the groups this forward reads (default:
         all; a draft model's forward passes its own group). ``block_table`` / ``kv_indptr`` / ``kv_indices``: the
         step's index arrays in place of a group's bound ones (SPEC 3.8; an engine that rebuilds them each step): an

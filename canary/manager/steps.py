@@ -35,11 +35,12 @@ class StepRecord:
     has padding rows, whose tokens may follow; ``None``: only the device knows). A slotted class: one is made
     every step."""
 
-    __slots__ = ("index", "request_ids", "groups", "bs", "sweep", "tokens")
+    __slots__ = ("index", "request_ids", "groups", "bs", "sweep", "tokens", "narrow")
 
     def __init__(self, index: int, request_ids: tuple, groups: tuple, bs: int):
         self.index, self.request_ids, self.groups, self.bs, self.sweep = index, request_ids, groups, bs, None
         self.tokens: int | None = None
+        self.narrow = False  # its report's req_pool_indices words hold int32 rows in their low halves
 
 
 class Steps:
@@ -52,8 +53,8 @@ class Steps:
     before_forward (on its stream, graph-capturable): the report names the rows the step planned, whatever the
     engine writes into its own buffer before after_kv_store.
 
-    ``step``: the open step's record (``None``: none open); ``inputs``: ``(view of rpi_snap[:bs], bs)`` the step's
-    report copies; ``pending``: ``(record, mailbox token)`` of each queued report, oldest first."""
+    ``step``: the open step's record (``None``: none open); ``inputs``: ``(view of rpi_snap[:bs], bs, narrow)``
+    the step's report copies (:meth:`snapshot_rows`); ``pending``: ``(record, mailbox token)`` of each queued report, oldest first."""
 
     def __init__(self, groups: list[BoundGroup], *, ordinal: int | None, pool_array: Any, q: Any, valid: Any,
                  rows: Callable, requests, staging, mailbox, eager, sweep, stats_, rpi_snap: Any):
@@ -268,8 +269,8 @@ class Steps:
         # planner's view of them): an engine that refills its buffer before after_kv_store changes nothing.
         last = sel[0].planner.last_step if sel else None
         rpi = last.req_pool_indices if last is not None else as_view(req_pool_indices, "req_pool_indices")
-        snap = self.snapshot_rows(rpi, bs, st)
-        self.inputs = (snap, bs)
+        snap, narrow = self.snapshot_rows(rpi, bs, st)
+        self.inputs = (snap, bs, narrow)
         if self.ordinal is None and self.step is not None and last is not None:
             # Host arrays: the step's token count is known here. A padding row (row 0) plans no tokens (its
             # extend_seq_lens is anything) and padding tokens may follow the active rows': at least the count then.
@@ -280,41 +281,42 @@ class Steps:
             else:
                 self.step.tokens = (int(ext.sum()), True) if active.all() else (int(ext[active].sum()), False)
 
-    def snapshot_rows(self, rpi, bs: int, st: Any):
-        """Copy ``bs`` rows of ``rpi`` into ``rpi_snap`` on ``st``; returns the copy's view. ``rpi``: int32 or
-        int64 on the host (widened by the assignment), int64 on a device (:meth:`batch_size` refused others)."""
+    def snapshot_rows(self, rpi, bs: int, st: Any) -> tuple[Any, bool]:
+        """Copy ``bs`` rows of ``rpi`` (int32 or int64) into ``rpi_snap`` (int64 words) on ``st``; returns the
+        copy's view and whether its words hold int32 rows in their low halves (``narrow``: a device's int32
+        ``rpi``, copied with a stride of 8 bytes, as the report's copies take 8-byte words; the decoder reads the
+        low halves). On the host the assignment widens."""
         snap = self.rpi_views.get(bs)
         if snap is None:
             snap = self.rpi_views[bs] = as_view(self.rpi_snap[:bs], "req_pool_indices")
+        narrow = self.ordinal is not None and rpi.dtype.itemsize == 4
         if bs:
             if self.ordinal is None:
                 snap.host[...] = rpi.host[:bs]
             else:  # a device-to-device copy on the launch stream: recorded too while capturing
                 with OnDevice(self.rt, self.ordinal):
-                    self.rt.memcpy_async(snap.ptr, rpi.ptr, 8 * bs, D2D, st.handle)
-        return snap
+                    if narrow:
+                        self.rt.memcpy2d_async(snap.ptr, 8, rpi.ptr, 4, 4, bs, D2D, st.handle)
+                    else:
+                        self.rt.memcpy_async(snap.ptr, rpi.ptr, 8 * bs, D2D, st.handle)
+        return snap, narrow
 
     def batch_size(self, req_pool_indices: Any, max_batch_size: int) -> int:
         """before_forward's ``bs`` from ``req_pool_indices``' shape (an attribute read: no DLPack export inside a
         capture), checked before the step opens: a refused call leaves no step behind (a retry, or an
-        after_kv_store that writes with the last step's plan, would otherwise follow). A device manager takes
-        int64 ``req_pool_indices`` only: the report's copy of them (``rpi_snap``, a device-to-device copy on the
-        step's stream) is int64 words, and a copy cannot widen int32 ones (the planner itself, a host manager
-        and every other step array take int32 too, SPEC 2 (*))."""
+        after_kv_store that writes with the last step's plan, would otherwise follow)."""
         try:
             shape = req_pool_indices.shape
             bs = int(shape[0])
         except (AttributeError, IndexError, TypeError):
-            raise fail(TypeError, f"req_pool_indices: expected a [bs] int64 array, got {type(req_pool_indices).__name__}"
+            raise fail(TypeError, f"req_pool_indices: expected a [bs] int32 or int64 array, got "
+                                  f"{type(req_pool_indices).__name__}"
                                   f"{' of shape ' + str(tuple(req_pool_indices.shape)) if hasattr(req_pool_indices, 'shape') else ''}"
                        ) from None
         if len(shape) != 1:  # its first extent is no batch size: request_ids would be blamed for it
-            raise fail(ValueError, f"req_pool_indices: expected a [bs] int64 array, got shape {tuple(shape)}")
+            raise fail(ValueError, f"req_pool_indices: expected a [bs] int32 or int64 array, got shape {tuple(shape)}")
         if bs > max_batch_size:
             raise fail(ValueError, f"req_pool_indices: expected bs <= max_batch_size = {max_batch_size}, got {bs}")
-        if self.ordinal is not None and str(getattr(req_pool_indices, "dtype", "")) not in ("int64", "torch.int64"):
-            raise fail(TypeError, f"req_pool_indices: expected int64 on a CUDA manager (its report copies them as "
-                                  f"int64 words), got dtype {getattr(req_pool_indices, 'dtype', None)}")
         return bs
 
     @staticmethod
@@ -436,7 +438,7 @@ class Steps:
             raise fail(RuntimeError, "after_kv_store: expected a step opened by before_forward / begin_step, got none")
         if self.sweep:
             self.run_sweep(self.step, handle, st)
-        rpi, bs = self.inputs if self.inputs is not None else (None, 0)
+        rpi, bs, self.step.narrow = self.inputs if self.inputs is not None else (None, 0, False)
         if reported:
             token = self.mailbox.report_host(rpi is not None, bs, handle)
         else:

@@ -302,13 +302,18 @@ def _agree(args) -> None:
 
 
 class _Copy:
-    """A copy captured into a graph: the GPU's work when the graph runs (emulated, not timed as host work)."""
+    """A copy captured into a graph: the GPU's work when the graph runs (emulated, not timed as host work);
+    ``rows`` of ``n`` bytes, ``spitch`` / ``dpitch`` apart (a 2-D copy), or one of ``n`` bytes."""
 
-    def __init__(self, dst: int, src: int, n: int):
-        self.dst, self.src, self.n = dst, src, n
+    def __init__(self, dst: int, src: int, n: int, rows: int = 1, dpitch: int = 0, spitch: int = 0):
+        self.dst, self.src, self.n, self.rows, self.dpitch, self.spitch = dst, src, n, rows, dpitch, spitch
 
     def run(self, args) -> None:
-        _emulated(ctypes.memmove, self.dst, self.src, self.n)
+        _emulated(self.copy)
+
+    def copy(self) -> None:
+        for r in range(self.rows):
+            ctypes.memmove(self.dst + r * self.dpitch, self.src + r * self.spitch, self.n)
 
 
 _CAPTURES: dict = {}  # stream handle -> the launches captured on it so far
@@ -443,6 +448,16 @@ class FakeRuntime:
         ctypes.memmove(int(dst), int(src), int(n))
         return (0,)
 
+    def cudaMemcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        copy = _Copy(int(dst), int(src), int(width), int(height), int(dpitch), int(spitch))
+        captured = _CAPTURES.get(int(stream))
+        if captured is not None:
+            captured.append((copy, (None, None)))
+            return (0,)
+        self._count("cudaMemcpy2DAsync" if int(kind) != 3 else "cudaMemcpy2DAsync D2D")
+        copy.copy()
+        return (0,)
+
     def cudaMemsetAsync(self, ptr, value, n, stream):
         self._count("cudaMemsetAsync")
         ctypes.memset(int(ptr), int(value), int(n))
@@ -501,6 +516,8 @@ def _cupy_runtime():
         "cupy_backends.cuda.api.runtime", CUDARuntimeError=CUDARuntimeError,
         memcpyAsync=lambda dst, src, n, kind, stream: rt.cudaMemcpyAsync(dst, src, n, kind, stream) and None,
         memsetAsync=lambda ptr, value, n, stream: rt.cudaMemsetAsync(ptr, value, n, stream) and None,
+        memcpy2DAsync=lambda dst, dp, src, sp, w, h, kind, stream: rt.cudaMemcpy2DAsync(dst, dp, src, sp, w, h, kind,
+                                                                                      stream) and None,
         eventRecord=lambda event, stream: rt.cudaEventRecord(event, stream) and None,
         eventQuery=lambda event: rt.cudaEventQuery(event)[0],
         eventSynchronize=lambda event: rt.cudaEventSynchronize(event) and None,

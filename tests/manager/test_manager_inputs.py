@@ -203,11 +203,11 @@ def test_wrong_kinds_of_step_arguments_are_kv_canary_errors_and_leave_no_step_op
     one = dict(prefix_lens=np.zeros(1, np.int64), extend_seq_lens=np.array([3], np.int64))
     calls = [
         (lambda: m.before_forward(req_pool_indices=[1], request_ids=["A"], **one),
-         r"req_pool_indices: expected a \[bs\] int64 array, got list"),
+         r"req_pool_indices: expected a \[bs\] int32 or int64 array, got list"),
         (lambda: m.before_forward(req_pool_indices=None, request_ids=["A"], **one),
-         r"req_pool_indices: expected a \[bs\] int64 array, got NoneType"),
+         r"req_pool_indices: expected a \[bs\] int32 or int64 array, got NoneType"),
         (lambda: m.before_forward(req_pool_indices=np.array(1), request_ids=["A"], **one),
-         r"req_pool_indices: expected a \[bs\] int64 array, got ndarray of shape \(\)"),
+         r"req_pool_indices: expected a \[bs\] int32 or int64 array, got ndarray of shape \(\)"),
         (lambda: m.before_forward(req_pool_indices=np.array([1]), request_ids=[["A"]], **one),
          r"request_ids\[0\]: expected a hashable request id \(or None\), got list"),
         (lambda: m.before_forward(req_pool_indices=np.array([1]), request_ids=(x for x in ["A"]), **one),

@@ -211,8 +211,8 @@ def test_str_message_quotes_the_value():
 def test_2d_req_pool_indices_is_blamed_on_req_pool_indices(shape):
     eng, _ = _engine()
     rpi = np.ones(shape, np.int64)
-    with pytest.raises(ValueError, match=rf"^kv-canary: req_pool_indices: expected a \[bs\] int64 array, got shape "
-                                         rf"\({shape[0]}, {shape[1]}\)$"):
+    with pytest.raises(ValueError, match=rf"^kv-canary: req_pool_indices: expected a \[bs\] int32 or int64 array, "
+                                         rf"got shape \({shape[0]}, {shape[1]}\)$"):
         eng.manager.before_forward(req_pool_indices=rpi, prefix_lens=i64([0] * shape[0]),
                                    extend_seq_lens=i64([0] * shape[0]), request_ids=[None] * shape[0])
     assert eng.manager._step is None

@@ -1,7 +1,7 @@
 """SPEC 2 (*) through the manager: an engine's int32 step and token arrays (NumPy, torch CPU tensors) give the
 reports, records and stats int64 arrays give: no cast on the host, the kernels widen (reference backend here;
-the GPU suites run the planner's and the write's twins). A device manager takes int64 req_pool_indices only (its
-report's snapshot is an int64 device copy): refused by name before the step opens."""
+the GPU suites run the planner's and the write's twins). A device manager takes int32 req_pool_indices too (its
+report's snapshot strides them into 8-byte words)."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,9 +17,9 @@ def _summary(got):
             for vs in got]
 
 
-def _scenario(widths, xp=np, groups=("full", "swa", "draft")):
+def _scenario(widths, xp=np, groups=("full", "swa", "draft"), **kw):
     got = []
-    e = ToyEngine(xp=xp, groups=groups, on_violation=got.append, widths=widths)
+    e = ToyEngine(xp=xp, groups=groups, on_violation=got.append, widths=widths, **kw)
     e.add("a", [5, 6, 7, 8])
     e.add("b", [9, 10])
     for _ in range(2):
@@ -33,9 +33,13 @@ def _scenario(widths, xp=np, groups=("full", "swa", "draft")):
     e.forward([(None, 0), ("a", 1), ("b", 1)])  # a padding row too
     e.manager.flush()
     stats = e.manager.stats()
-    records = {g.name: np.array(g.records.state.canary_buffer, copy=True) for g in e.manager.groups}
+    records = {g.name: _host(g.records.state.canary_buffer) for g in e.manager.groups}
     e.manager.close()
     return _summary(got), stats, records
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else np.array(a, copy=True)  # CuPy refuses np.array
 
 
 def _same(a, b):
@@ -70,14 +74,29 @@ def test_torch_cpu_int32_tensors():
     _same(_scenario(ALL32, T, groups=("full", "swa")), want)
 
 
-def test_a_device_manager_refuses_int32_req_pool_indices_before_the_step_opens():
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cupy", "numba"])
+def test_int32_arrays_on_a_gpu_report_what_int64_arrays_report(backend):
+    """A device manager: int32 req_pool_indices too (the report's strided snapshot), each array alone and all."""
+    cupy = pytest.importorskip("cupy")
+    if backend == "numba":
+        pytest.importorskip("numba.cuda")
+    want = _scenario({}, cupy, device=0, backend=backend)
+    _same(_scenario(ALL32, cupy, device=0, backend=backend), want)
+    _same(_scenario({"rpi": np.int32}, cupy, device=0, backend=backend), want)
+
+
+def test_a_device_manager_takes_int32_req_pool_indices_too():
+    """Its report's copy strides int32 rows into 8-byte words (Steps.snapshot_rows; the fake-CUDA transfer test
+    and the GPU suite check what the reports name); only the shape and the batch size are refused here."""
     from canary.manager.steps import Steps
 
     steps = Steps.__new__(Steps)
     steps.ordinal = 0  # the check reads the manager's device only
-    with pytest.raises(TypeError, match=r"^kv-canary: req_pool_indices: expected int64 on a CUDA manager .*got "
-                                        r"dtype int32$"):
-        steps.batch_size(np.zeros(2, np.int32), 4)
-    assert steps.batch_size(np.zeros(2, np.int64), 4) == 2
+    for dtype in (np.int32, np.int64):
+        assert steps.batch_size(np.zeros(2, dtype), 4) == 2
+    with pytest.raises(ValueError, match=r"^kv-canary: req_pool_indices: expected a \[bs\] int32 or int64 array, "
+                                         r"got shape \(2, 1\)$"):
+        steps.batch_size(np.zeros((2, 1), np.int32), 4)
     steps.ordinal = None
     assert steps.batch_size(np.zeros(3, np.int32), 4) == 3

@@ -410,6 +410,28 @@ for rid, want in (("e", 160), ("f", 170)):
 m._transfer.scatter = general
 decoded = m.stats()["decoded_steps"]
 
+# int32 req_pool_indices on a device manager (issue 26): the report's copy strides them into its 8-byte words (one
+# 2-D device-to-device copy, in the before-graph once captured) and the decoder reads the low halves: a violation is
+# named exactly as with int64 rows, by a direct step and by a replayed one; stale high halves change nothing.
+m.flush()
+m._steps.rpi_snap[:] = cupy.asarray(np.full(m.max_batch_size, 7 << 40, dtype=np.int64))  # high halves: garbage
+before32 = {k: a(v.get().astype(np.int32)) for k, v in before.items()}
+f_row = int(before["req_pool_indices"].get()[1])
+for t in range(5):
+    if t in (0, 4):  # the first step launches directly, the last one replays its graph
+        viol = np.array([[encode_tag(KernelTag.VERIFY, draft.verify_tag), f_row * SEQ + 5 + t, 5 + t, 1, 2, 0, 0,
+                          int(FailReason.VERIFY_TOKEN)]])
+        append_rows(state.ring._a, state.ring_write_index._a, viol)
+    fakecuda.COUNTS.clear()
+    m.before_forward(request_ids=["e", "f"], **before32)
+    m.after_kv_store(**after)
+    assert fakecuda.COUNTS.get("cuda.cudaMemcpy2DAsync D2D", 0) == (1 if t < 2 else 0), dict(fakecuda.COUNTS)
+m.flush()
+named = {v.slot: v.requests for vs in got for v in vs if v.slot in (f_row * SEQ + 5, f_row * SEQ + 9)}
+assert named == {f_row * SEQ + 5: (("f", 5),), f_row * SEQ + 9: (("f", 9),)}, named
+assert m.stats()["graph_replays"] > 0
+decoded = m.stats()["decoded_steps"]
+
 # Far ahead of the GPU: more steps than report slots with no report read in between (as if none had landed):
 # the oldest is copied out of its slot when the slots run out, and nothing is lost.
 m._poll_ready = lambda: None
