@@ -23,6 +23,7 @@ from ..contract.ring import FailReason, KernelTag, decode
 from .block import ReportBlock
 from .groups import BoundGroup
 from .index import NOT_HELD, host_index
+from .pool import RowTokens
 from .report import CanaryHealthError, CanaryViolationError, Deduplicator, SlotViolation, Violations, kernel_name, \
     kind_of, log, log_violations, overflow_line, sightings
 from .stats import Stats
@@ -301,14 +302,38 @@ class ReportDecoder:
             if exp is not None and exp != v.position and 0 <= exp < index.max_seq_len:
                 column = rows.column(exp)
                 hit = tuple((rid, exp) for rid, key in candidates if (rid, exp) not in owners
-                            and index.has(key) and column[key] == slot)
+                            and index.has(key) and column[key] == slot and self.holds(g, rid, exp))
                 if hit:
                     return hit
         out: list[tuple[Hashable, int]] = []
         for rid, q in rows.mapping(candidates, slot):
-            if q != v.position and (rid, q) not in owners and (rid, q) not in out:
+            if q != v.position and (rid, q) not in owners and (rid, q) not in out and self.holds(g, rid, q):
                 out.append((rid, q))
         return tuple(out)
+
+    def holds(self, g: BoundGroup, rid: Hashable, position: int) -> bool:
+        """Whether request ``rid``'s KV in group ``g`` may hold ``position`` (an attribution's test): when the
+        engine reports accepted tokens, only a position whose token a step has planned with
+        (``position + kv_token_id_vs_position_offset`` below the request's expected-token count less the tokens
+        queued since its last step: a KV entry is computed from its token, and a token accepted since has no KV
+        yet). A reused row keeps its previous request's slots past the new request's length (no engine clears a
+        freed row): a report must not name a request through them. No bound when the engine never accepts
+        tokens (its counts stay at the prompts) or for an id never added. Reads the queue: the error path only."""
+        pool = self.requests
+        if not pool.accepting:
+            return True
+        req = pool.lookup(rid)
+        if req is None:
+            return True
+        row, n = req.row, int(pool.counts[req.row])
+        for u in pool.updates:  # queued since the last step's staging: each update's first column is its start
+            if type(u) is RowTokens:
+                at = np.flatnonzero(u.rows == row)
+                if at.size:
+                    n = min(n, int(u.cols[at[0]]))
+            elif u[0] == row:
+                n = min(n, int(u[1]))
+        return position + g.spec.kv_token_id_vs_position_offset < n
 
     def candidates(self, rec, rpi: np.ndarray | None, live: bool = True, index=None) -> list[tuple[Hashable, int]]:
         """``(request_id, key)`` of the requests an attribution looks at, in order: the step's batch rows, then
@@ -363,7 +388,7 @@ class ReportDecoder:
         before = rows.raw_column(p - 1) if missing and prev >= (0 if pad == -1 else 1) and p > 0 else None
         out = []
         for rid, key in candidates:
-            if not index.has(key):
+            if not index.has(key) or not self.holds(g, rid, p):
                 continue
             raw = int(column[key])
             if raw == NOT_HELD:  # a page row that does not hold the position

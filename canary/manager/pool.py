@@ -102,6 +102,9 @@ class RequestPool:
         # (pool row, first column, tokens: int64 array or int list), or a RowTokens
         self.updates: list[Any] = []
         self.counts = np.zeros(rows, dtype=np.int64)
+        # the engine reports accepted tokens (any accept so far): a request's count then bounds the positions its
+        # KV holds (the reports' attributions read no column past it: a reused row's stale tail)
+        self.accepting = False
         self.version = 0
         self.members = 0
         self._batch: tuple | None = None  # (ids, members, rows, padding mask or None) of the last accept_batch
@@ -141,6 +144,7 @@ class RequestPool:
         if req is None:
             raise fail(KeyError, f"request_id: expected a running request (add_request first), got {request_id!r}")
         self._append(request_id, req, self._host_tokens(tokens, "token_ids"), "token_ids")
+        self.accepting = True
 
     def finish(self, request_id: Hashable) -> None:
         _check_id(request_id)
@@ -234,6 +238,7 @@ class RequestPool:
         self.version += 1
         self._batch_state = (self.version, rows, ends, top + 1)
         self.updates.append(RowTokens(rows, cols, tokens, ends, device, self.version - 1))
+        self.accepting = True
 
     def _cached_batch(self, request_ids: tuple) -> tuple | None:
         last = self._batch

@@ -3,7 +3,8 @@ clear a freed row, nor does the replay's scheduler). Those columns are not the r
 writes them. A report that names a request through them (``SlotViolation.requests`` / ``writers``, hence
 ``request_ids``, the requests docs/integration.md 4 tells the engine to evict or abort) blames an innocent
 request. Found by the replay sweep (``--max-requests 40 --max-batch-size 16 --inject position@250``: the
-violation of request 24 also names requests 26 and 36 through their rows' stale tails)."""
+violation of request 24 also named requests 26 and 36 through their rows' stale tails); the decoder now reads
+no column at or past a request's planned length (``ReportDecoder.holds``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,11 +14,6 @@ from helpers.manager_engine import ToyEngine
 import canary.replay.replay_manager as rm
 from canary.replay import cli
 
-STALE_TAIL = ("the manager names requests through req_to_token columns past their length (a reused row's stale "
-              "tail): an innocent request in writers / requests / request_ids")
-
-
-@pytest.mark.xfail(strict=True, reason=STALE_TAIL)
 @pytest.mark.parametrize("same_position", [False, True], ids=["writers", "requests"])
 def test_a_flipped_byte_names_no_request_through_a_stale_row_tail(same_position):
     got: list = []
@@ -43,7 +39,6 @@ def test_a_flipped_byte_names_no_request_through_a_stale_row_tail(same_position)
     assert v.requests == (("a", pos),) and v.writers == () and v.request_ids == ("a",), v.line()
 
 
-@pytest.mark.xfail(strict=True, reason=STALE_TAIL)
 def test_replay_names_no_request_past_its_length(monkeypatch, tmp_path):
     seen = []
     collect = rm.ManagerReplay._collect
