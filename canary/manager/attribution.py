@@ -13,7 +13,7 @@ from ..interop.adapter import as_view
 from ..interop.hostcopy import to_host
 from .groups import BoundGroup
 from .index import NOT_HELD, host_index
-from .pool import RequestPool, RowTokens
+from .pool import RequestPool
 
 
 class Attribution:
@@ -55,27 +55,22 @@ class Attribution:
 
     def holds(self, g: BoundGroup, rid: Hashable, position: int) -> bool:
         """Whether request ``rid``'s KV in group ``g`` may hold ``position`` (an attribution's test): when the
-        engine reports accepted tokens, only a position whose token a step has planned with
-        (``position + kv_token_id_vs_position_offset`` below the request's expected-token count less the tokens
-        queued since its last step: a KV entry is computed from its token, and a token accepted since has no KV
-        yet). A reused row keeps its previous request's slots past the new request's length (no engine clears a
-        freed row): a report must not name a request through them. No bound when the engine never accepts
-        tokens (its counts stay at the prompts) or for an id never added. Reads the queue: the error path only."""
+        engine reports accepted tokens, only a position its last step could have written: one whose token the step
+        planned with (``position + kv_token_id_vs_position_offset`` below the request's expected-token count at
+        that step: a KV entry is computed from its token) and, with host arrays, below that step's
+        ``prefix_lens + extend_seq_lens`` (a chunked prefill's part). A reused row keeps its previous request's
+        slots past the new request's length (no engine clears a freed row): a report must not name a request
+        through them. No bound when the engine never accepts tokens (its counts stay at the prompts) or for an id
+        never added."""
         pool = self.requests
         if not pool.accepting:
             return True
         req = pool.lookup(rid)
         if req is None:
             return True
-        row, n = req.row, int(pool.counts[req.row])
-        for u in pool.updates:  # queued since the last step's staging: each update's first column is its start
-            if type(u) is RowTokens:
-                at = np.flatnonzero(u.rows == row)
-                if at.size:
-                    n = min(n, int(u.cols[at[0]]))
-            elif u[0] == row:
-                n = min(n, int(u[1]))
-        return position + g.spec.kv_token_id_vs_position_offset < n
+        written = int(pool.written[req.row])
+        return position + g.spec.kv_token_id_vs_position_offset < int(pool.planned[req.row]) and (
+            written < 0 or position < written)
 
     def candidates(self, rec, rpi: np.ndarray | None, live: bool = True, index=None) -> list[tuple[Hashable, int]]:
         """``(request_id, key)`` of the requests an attribution looks at, in order: the step's batch rows, then

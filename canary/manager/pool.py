@@ -102,9 +102,11 @@ class RequestPool:
         # (pool row, first column, tokens: int64 array or int list), or a RowTokens
         self.updates: list[Any] = []
         self.counts = np.zeros(rows, dtype=np.int64)
-        # the engine reports accepted tokens (any accept so far): a request's count then bounds the positions its
-        # KV holds (the reports' attributions read no column past it: a reused row's stale tail)
+        # the engine reports accepted tokens (any accept so far): a request's count at its last step then bounds
+        # the positions its KV holds (the reports' attributions read no column past it: a reused row's stale tail)
         self.accepting = False
+        self.planned = np.zeros(rows, dtype=np.int64)  # each pool row's count at its request's last step
+        self.written = np.full(rows, -1, dtype=np.int64)  # host arrays: its prefix + extend then (-1: unknown)
         self.version = 0
         self.members = 0
         self._batch: tuple | None = None  # (ids, members, rows, padding mask or None) of the last accept_batch
@@ -130,7 +132,8 @@ class RequestPool:
             self.retired.pop(old, None)
         self.retired.pop(request_id, None)
         req = self.live[request_id] = _Request(row)
-        self.counts[row] = 0
+        self.counts[row] = self.planned[row] = 0  # no step has planned it yet: it holds nothing
+        self.written[row] = -1
         self.version += 1
         self.members += 1
         self._append(request_id, req, tokens, "prompt_token_ids")

@@ -160,6 +160,7 @@ class Steps:
                 raise
             self.taken = taken if self.deferred is not None else None
             self.last_staged = (q, pool.version, handle)
+            pool.planned[q] = pool.counts[q]  # the tokens this step's rows may write below (attribution.py)
         names = self.all_names if groups is None else tuple(g.name for g in self.select(groups))
         self.step = StepRecord(self.stats_.steps, ids, names, bs)
         self.stats_.steps += 1
@@ -276,6 +277,9 @@ class Steps:
             # extend_seq_lens is anything) and padding tokens may follow the active rows': at least the count then.
             active = snap.host != 0
             ext = last.extend_seq_lens.host
+            rows = self.q[:bs][active]  # the prefix + extend the rows wrote up to (a chunked prefill's part)
+            self.requests.written[rows] = last.prefix_lens.host[active] + ext[active]
+            self.requests.written[0] = -1
             if (ext[active] < 0).any():  # the plan's BAD_EXTEND_LEN reports it as an input error: no count to hold
                 self.step.tokens = None
             else:

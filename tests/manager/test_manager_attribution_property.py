@@ -288,18 +288,12 @@ def check(sched: Schedule) -> Driver:
     allowed = d.allowed()
     for v in found:
         bad = (set(v.requests) | set(v.writers)) - allowed
-        # KNOWN_GAP (the strict xfails below): a request named at a column at or past its written length, its row
-        # mapping the slot only through a stale or just-allocated column. Told apart so that the property still
-        # catches every other misattribution; drop this once those xfails pass.
+        # KNOWN_GAP (the strict xfail below): a request of the step that finished before its report was decoded,
+        # its row reused since. Told apart so that the property still catches every other misattribution.
         t = v.first_step
-        gap = {(r, q) for r, q in bad if q >= d.written[t].get(r, 0)}
+        gap = {(r, q) for r, q in bad if r not in d.live_at[t]}
         if gap:
-            event("known gap: named past its written length")
-        # KNOWN_GAP: a request of the step that finished before its report was decoded, its row reused since
-        left = {(r, q) for r, q in bad - gap if r not in d.live_at[t]}
-        if left:
             event("known gap: a finished request's reused row read")
-        gap |= left
         assert not bad - gap, f"named {sorted(bad - gap)} outside {sorted(allowed)}: {v.line()}"
     event(f"fault {d.fault[0]}")
     rid, pos, slot = d.target
@@ -335,8 +329,9 @@ def test_a_clean_schedule_reports_nothing(sched):
     check(sched)
 
 
-# Minimal cases the property found (shrunk by hand), kept as strict xfails until the library names them right. Each
-# runs through the same driver; ``Schedule`` ops as above, the fault's victim and position given.
+# Minimal cases the property found (shrunk by hand): the first two named a request through its reused row's columns
+# it had not written (fixed: attribution.py holds), the last is a known gap kept as a strict xfail. Each runs
+# through the same driver; ``Schedule`` ops as above, the fault's victim and position given.
 
 def _run(ops: list, fault: tuple) -> list:
     d = Driver(Schedule(ops=ops, fault=fault))
@@ -344,10 +339,6 @@ def _run(ops: list, fault: tuple) -> list:
     return [(v.slot, v.position, v.requests, v.writers) for v in d.found()]
 
 
-@pytest.mark.xfail(strict=True, reason="decode.py holds() bounds a request by its expected-token count less the "
-                   "tokens queued since the LAST STEP's staging, not since ITS last step: request 2 accepted token 8 "
-                   "(column 1) after its step, a step without it staged that, so column 1 of its reused row (a stale "
-                   "slot, now request 3's) counts as held and writers() names 2@1")
 def test_a_request_not_in_the_batch_is_not_named_through_its_unwritten_column():
     flip = ("flip", None, None, (3, 0), False)
     got = _run([("join", 1, [1, 2]), ("step", [(1, 2)], {1: [5]}, None, None), ("leave", 1, True),
@@ -357,9 +348,6 @@ def test_a_request_not_in_the_batch_is_not_named_through_its_unwritten_column():
     assert got == [(2, 0, ((3, 0),), ())], got
 
 
-@pytest.mark.xfail(strict=True, reason="decode.py holds() bounds a request by its expected-token count, which counts "
-                   "the whole prompt from add_request: a chunked prefill that has written 2 of its 6 prompt tokens "
-                   "holds columns 2..5 of its reused row (stale slots, one now request 3's) and writers() names 2@3")
 def test_a_chunked_prefill_is_not_named_through_its_unwritten_prompt_columns():
     flip = ("flip", None, None, (3, 2), False)
     got = _run([("join", 3, [9]), ("step", [(3, 1)], {3: [10]}, None, None),
