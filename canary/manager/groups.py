@@ -279,6 +279,7 @@ def rebound(g: BoundGroup, spec: KVGroup, *, pool: Any, max_batch_size: int) -> 
     if new != old:
         raise fail(ValueError, f"groups[{g.index}].req_to_token: expected the bound shape {old} (the plans and the "
                                f"expected-token pool are sized by it), got shape {new}")
+    _check_covers(spec, g.index)  # a rebuilt, smaller KV pool: in the group's words, as at binding
     planner = CanaryPlanner(
         verify_plan_out=g.verify_plan, write_plan_out=g.write_plan, **planner_index(spec),
         swa_window_size=spec.swa_window_size, full_to_swa_index_mapping=spec.full_to_swa_index_mapping,

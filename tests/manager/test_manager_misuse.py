@@ -251,3 +251,23 @@ def test_num_slots_past_a_kv_source_is_refused_naming_the_group(where):
             + r" \(rows \* page_size = 2 \* 16 = 32\), got 64")
     with pytest.raises(ValueError, match=want):
         CanaryManager(KVGroup(name="f", req_to_token=r2t, num_slots=64, verify_capacity=32, **kw), max_batch_size=4)
+
+
+@pytest.mark.parametrize("where", ["real_kv_sources", "layer_sources"])
+def test_rebind_to_a_kv_source_smaller_than_num_slots_is_refused_naming_the_group(where):
+    """rebind's KV pool checked as the constructor's: a rebuilt source of fewer slots than the group's num_slots is
+    refused in the group's words (not the records' internal canary buffer's), and nothing is rebound."""
+    eng, _ = _engine(num_layers=2)
+    m = eng.manager
+    g = m.groups[0]
+    small = np.zeros((10, BYTES), np.uint8)
+    k, v = eng.kv["full"]
+    kw = (dict(real_kv_sources=[(small, 1, BYTES), (v, 1, BYTES)]) if where == "real_kv_sources"
+          else dict(layer_sources=[[(k, 1, BYTES), (v, 1, BYTES)], [(small, 1, BYTES)]]))
+    want = (r"^kv-canary: groups\[0\]\.num_slots: expected at most the slots of groups\[0\]\."
+            + (r"real_kv_sources\[0\]" if where == "real_kv_sources" else r"layer_sources\[1\]\[0\]")
+            + r" \(rows \* page_size = 10 \* 1 = 10\), got 256$")
+    records = g.records
+    with pytest.raises(ValueError, match=want):
+        m.rebind("full", **kw)
+    assert g.records is records
