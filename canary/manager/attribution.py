@@ -68,8 +68,8 @@ class Attribution:
         req = pool.lookup(rid)
         if req is None:
             return True
-        written = int(pool.written[req.row])
-        return position + g.spec.kv_token_id_vs_position_offset < int(pool.planned[req.row]) and (
+        written = int(pool.written[g.index, req.row])
+        return position + g.spec.kv_token_id_vs_position_offset < int(pool.planned[g.index, req.row]) and (
             written < 0 or position < written)
 
     def candidates(self, rec, rpi: np.ndarray | None, live: bool = True, index=None) -> list[tuple[Hashable, int]]:

@@ -112,7 +112,8 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
         max_reqs, max_seq_len = index_shape(specs[0])
         rows = (2 * max_reqs if max_requests is None else int(max_requests)) + 1
         cols = max_seq_len + 1  # + 1: a draft group reads column position + 1
-        self.pool_array, self.requests = empty(rows * cols, np.int32).reshape(rows, cols), RequestPool(rows, cols)
+        self.pool_array = empty(rows * cols, np.int32).reshape(rows, cols)
+        self.requests = RequestPool(rows, cols, len(specs))
         b = self.max_batch_size
         step_tokens = int(max_step_tokens or max(4096, max_seq_len))
         u = max(64, 2 * self.max_batch_size)

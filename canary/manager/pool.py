@@ -93,7 +93,7 @@ class RequestPool:
     requests' rows (a request added, finished or its row reused): what the manager's per-batch caches key on.
     """
 
-    def __init__(self, rows: int, cols: int):
+    def __init__(self, rows: int, cols: int, groups: int = 1):
         self.rows, self.cols = rows, cols
         self.live: dict[Hashable, _Request] = {}
         self.retired: dict[Hashable, _Request] = {}  # finished, row not yet reused
@@ -105,8 +105,9 @@ class RequestPool:
         # the engine reports accepted tokens (any accept so far): a request's count at its last step then bounds
         # the positions its KV holds (the reports' attributions read no column past it: a reused row's stale tail)
         self.accepting = False
-        self.planned = np.zeros(rows, dtype=np.int64)  # each pool row's count at its request's last step
-        self.written = np.full(rows, -1, dtype=np.int64)  # host arrays: its prefix + extend then (-1: unknown)
+        # per group (a KV group is written by its own steps: a draft's may cover fewer positions than the target's)
+        self.planned = np.zeros((groups, rows), dtype=np.int64)  # each pool row's count at the group's last step
+        self.written = np.full((groups, rows), -1, dtype=np.int64)  # host arrays: its prefix + extend (-1: unknown)
         self.version = 0
         self.members = 0
         self._batch: tuple | None = None  # (ids, members, rows, padding mask or None) of the last accept_batch
@@ -132,8 +133,9 @@ class RequestPool:
             self.retired.pop(old, None)
         self.retired.pop(request_id, None)
         req = self.live[request_id] = _Request(row)
-        self.counts[row] = self.planned[row] = 0  # no step has planned it yet: it holds nothing
-        self.written[row] = -1
+        self.counts[row] = 0
+        self.planned[:, row] = 0  # no step has planned it yet: it holds nothing
+        self.written[:, row] = -1
         self.version += 1
         self.members += 1
         self._append(request_id, req, tokens, "prompt_token_ids")

@@ -62,6 +62,8 @@ class Steps:
         self.rows, self.requests, self.staging, self.mailbox = rows, requests, staging, mailbox
         self.eager, self.sweep, self.stats_ = eager, sweep, stats_
         self.by_name = {g.name: g for g in groups}
+        self.group_at: dict[tuple, np.ndarray] = {}  # step group names -> [k, 1] their indices (the pool's per group)
+        self.last_planned: tuple | None = None  # (group names, pool rows, pool version) of the last planned counts
         self.all_names = tuple(g.name for g in groups)
         self.step_inputs: dict[int, tuple] = {}  # bs -> (q[:bs], valid[:bs]): the same objects every step
         # An eager step's report joins its after_kv_store graph: written by the report kernel, and no sweep between
@@ -160,8 +162,16 @@ class Steps:
                 raise
             self.taken = taken if self.deferred is not None else None
             self.last_staged = (q, pool.version, handle)
-            pool.planned[q] = pool.counts[q]  # the tokens this step's rows may write below (attribution.py)
         names = self.all_names if groups is None else tuple(g.name for g in self.select(groups))
+        # the tokens this step's rows may write below, in the step's groups (attribution.py): every step, staged or
+        # not (the last staging of these rows may have been another group's step)
+        lp = self.last_planned
+        if lp is None or lp[0] is not names or lp[1] is not q or lp[2] != pool.version:  # else: as they are
+            at = self.group_at.get(names)
+            if at is None:
+                at = self.group_at[names] = np.array([self.by_name[n].index for n in names], np.int64)[:, None]
+            pool.planned[at, q] = pool.counts[q]
+            self.last_planned = (names, q, pool.version)
         self.step = StepRecord(self.stats_.steps, ids, names, bs)
         self.stats_.steps += 1
 
@@ -277,9 +287,10 @@ class Steps:
             # extend_seq_lens is anything) and padding tokens may follow the active rows': at least the count then.
             active = snap.host != 0
             ext = last.extend_seq_lens.host
-            rows = self.q[:bs][active]  # the prefix + extend the rows wrote up to (a chunked prefill's part)
-            self.requests.written[rows] = last.prefix_lens.host[active] + ext[active]
-            self.requests.written[0] = -1
+            rows = self.q[:bs][active]  # the prefix + extend the rows wrote up to (a chunked prefill's part), per group
+            at = np.array([g.index for g in sel], np.int64)[:, None]
+            self.requests.written[at, rows] = last.prefix_lens.host[active] + ext[active]
+            self.requests.written[:, 0] = -1
             if (ext[active] < 0).any():  # the plan's BAD_EXTEND_LEN reports it as an input error: no count to hold
                 self.step.tokens = None
             else:

@@ -148,3 +148,25 @@ def test_clean_runs_padding_and_a_flip_name_no_writer():
     found = _found(got)
     assert [(v.position, v.reasons, v.requests, v.writers) for v in found] == [(3, FailReason.REAL_KV, (("a", 3),), ())]
     assert " writers=" not in found[0].line()
+
+
+def test_a_draft_step_covering_fewer_positions_leaves_the_target_groups_holders_named():
+    """A request's bound is its last step in the violated group: a draft forward (groups=["draft"]) that wrote
+    fewer positions than the target's KV holds (a lagging or chunked draft extend) does not unname the request
+    in the target group. x's position 4 is shared with y (a prefix hit): the flip there names both."""
+    got: list = []
+    e = ToyEngine(groups=("full", "draft"), on_violation=got.append)
+    px = [11, 12, 13, 14, 15, 16]
+    e.add("x", px)
+    e.forward([("x", 6)])
+    e.accept("x", [17])
+    e.draft_forward([("x", 3)])  # the draft's positions 0..2 only
+    e.add("y", px[:5] + [99])
+    xrow, yrow = e.reqs["x"]["row"], e.reqs["y"]["row"]
+    e.r2t_host[yrow, :5] = e.r2t_host[xrow, :5]
+    e.req_to_token[yrow, :5] = e.r2t_host[yrow, :5]
+    e.reqs["y"]["kv_len"] = 5
+    e.flip("full", e.slot_of("x", 4))
+    e.forward([("y", 1)], group_names=["full"])
+    e.manager.flush()
+    assert [(v.group, v.position, v.requests) for v in _found(got)] == [("full", 4, (("y", 4), ("x", 4)))]
