@@ -170,3 +170,21 @@ def test_a_draft_step_covering_fewer_positions_leaves_the_target_groups_holders_
     e.forward([("y", 1)], group_names=["full"])
     e.manager.flush()
     assert [(v.group, v.position, v.requests) for v in _found(got)] == [("full", 4, (("y", 4), ("x", 4)))]
+
+
+def test_a_draft_step_after_an_accept_does_not_extend_the_target_groups_bound():
+    """Without host lengths (a device manager's bound: the counts alone, emulated here by forgetting the host's
+    prefix + extend), the target group's bound is the count at the target's last step: a draft step after the
+    accept of token 6 plans 7 tokens, but the target's KV holds positions 0..5 only (position 6 is a reused row's
+    stale column until the target's next step writes it)."""
+    e = ToyEngine(groups=("full", "draft"), on_violation=lambda v: None)
+    e.add("x", [11, 12, 13, 14, 15, 16])
+    e.forward([("x", 6)])
+    e.accept("x", [17])
+    e.draft_forward([("x", 6)])
+    m = e.manager
+    m.requests.written[:] = -1
+    full, draft = m.groups
+    holds = m._decoder.names.holds
+    assert [holds(full, "x", p) for p in (5, 6)] == [True, False]
+    assert [holds(draft, "x", p) for p in (5, 6)] == [True, False]  # position 5's draft KV holds token 6
