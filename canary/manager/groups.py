@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import check_keywords, fail
-from ..interop.adapter import identity
+from ..interop.adapter import as_view, identity
 from ..plan.planner import CanaryPlanner
 from ..contract.plans import VerifyPlan, WritePlan, check_padding_slot
 from ..records.api import CanaryRecords
@@ -142,11 +142,29 @@ def check_groups(groups: Any) -> list[KVGroup]:
         check_padding_slot(g.padding_slot, f"groups[{i}].padding_slot")
         max_cols.add(check_index(g, i)[1])
         _check_covers(g, i)
+        _check_lut(g, i)
     if len(max_cols) > 1:
         raise fail(ValueError, f"groups: expected every req_to_token to have the same max_seq_len (the "
                                f"expected-token pool is shared; a block table's max_blocks * page_size), got "
                                f"{sorted(max_cols)}")
     return groups
+
+
+def _check_lut(g: KVGroup, i: int) -> None:
+    """An SWA group's ``full_to_swa_index_mapping`` (``[lut_len]`` int64), refused in the group's words: the
+    planner would name the bare argument, and with several groups not whose."""
+    lut, window = g.full_to_swa_index_mapping, g.swa_window_size
+    name = f"groups[{i}].full_to_swa_index_mapping"
+    if lut is None:
+        if isinstance(window, (int, np.integer)) and window > 0:
+            raise fail(ValueError, f"{name}: expected a [lut_len] int64 array with swa_window_size = {int(window)}, "
+                                   f"got None")
+        return
+    v = as_view(lut, name)
+    if np.dtype(v.dtype) != np.dtype(np.int64):
+        raise fail(TypeError, f"{name}: expected dtype int64, got {np.dtype(v.dtype).name}")
+    if len(v.shape) != 1:
+        raise fail(ValueError, f"{name}: expected a [lut_len] int64 array, got shape {tuple(v.shape)}")
 
 
 def _check_covers(g: KVGroup, i: int) -> None:
@@ -279,7 +297,8 @@ def rebound(g: BoundGroup, spec: KVGroup, *, pool: Any, max_batch_size: int) -> 
     if new != old:
         raise fail(ValueError, f"groups[{g.index}].req_to_token: expected the bound shape {old} (the plans and the "
                                f"expected-token pool are sized by it), got shape {new}")
-    _check_covers(spec, g.index)  # a rebuilt, smaller KV pool: in the group's words, as at binding
+    _check_covers(spec, g.index)  # a rebuilt, smaller KV pool (or mapping): in the group's words, as at binding
+    _check_lut(spec, g.index)
     planner = CanaryPlanner(
         verify_plan_out=g.verify_plan, write_plan_out=g.write_plan, **planner_index(spec),
         swa_window_size=spec.swa_window_size, full_to_swa_index_mapping=spec.full_to_swa_index_mapping,

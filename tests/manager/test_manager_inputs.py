@@ -276,3 +276,25 @@ def test_wrong_constructor_arguments_are_kv_canary_errors_naming_them():
     with pytest.raises(TypeError, match=r"^kv-canary: metrics: expected None, True \(the default registry\) or a "
                                         r"prometheus_client CollectorRegistry, got int"):
         CanaryManager(g, max_batch_size=8, metrics=5)
+
+
+@pytest.mark.parametrize("lut, exc, words", [
+    (np.zeros(64, np.int32), TypeError, r"expected dtype int64, got int32$"),
+    (np.zeros((8, 8), np.int64), ValueError, r"expected a \[lut_len\] int64 array, got shape \(8, 8\)$"),
+    (None, ValueError, r"expected a \[lut_len\] int64 array with swa_window_size = 4, got None$"),
+])
+def test_an_swa_groups_mapping_is_refused_in_the_groups_words(lut, exc, words):
+    """full_to_swa_index_mapping is refused naming the group (the second here), at the constructor and at rebind:
+    the planner's bare argument name would not say which of several groups it is."""
+    full = KVGroup(name="f", req_to_token=R2T, num_slots=64, verify_capacity=8)
+    swa = KVGroup(name="s", req_to_token=R2T, num_slots=64, verify_capacity=8, swa_window_size=4,
+                  full_to_swa_index_mapping=lut)
+    want = r"^kv-canary: groups\[1\]\.full_to_swa_index_mapping: " + words
+    with pytest.raises(exc, match=want):
+        CanaryManager([full, swa], max_batch_size=8)
+    m = CanaryManager([full, KVGroup(name="s", req_to_token=R2T, num_slots=64, verify_capacity=8, swa_window_size=4,
+                                     full_to_swa_index_mapping=np.arange(64, dtype=np.int64))], max_batch_size=8)
+    planner = m.groups[1].planner
+    with pytest.raises(exc, match=want):
+        m.rebind("s", full_to_swa_index_mapping=lut)
+    assert m.groups[1].planner is planner
