@@ -313,9 +313,9 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
         all; a draft model's forward passes its own group). ``block_table`` / ``kv_indptr`` / ``kv_indices``: the
         step's index arrays in place of a group's bound ones (SPEC 3.8; an engine that rebuilds them each step): an
         array for every planned group bound with that form, or ``{group name: array}``; checked on the host like the
-        bound ones. ``ValueError`` for a request id listed twice and, with host arrays, an out-of-range ``rp`` or
-        ``P`` or a negative ``E`` (docs/integration.md 3). Reports of earlier steps that have reached the host are
-        handled first: logged, raised (:class:`CanaryViolationError`) or passed to the callback;
+        bound ones. ``ValueError`` for a request id listed twice and, with host arrays, an out-of-range ``rp``,
+        ``P`` or ``E`` (docs/integration.md 3). Reports of earlier steps that have reached the host are handled
+        first: logged, raised (:class:`CanaryViolationError`) or passed to the callback;
         :class:`CanaryHealthError` when the kernels stopped running. While ``stream`` is capturing a CUDA graph
         only the launches are recorded: call :meth:`begin_step` before each replay and :meth:`end_step` after.
         Never syncs the engine's stream. A call that raises leaves no step open: the engine may call it again,

@@ -367,10 +367,15 @@ class Steps:
                 ("req_pool_indices", rows, (rows < 0) | (rows >= max_reqs), f"a row in [0, max_reqs = {max_reqs})"),
                 ("prefix_lens", pre, active & ((pre < 0) | (pre > max_seq)),
                  f"a prefix length in [0, max_seq_len = {max_seq}] for an active row"),
-                ("extend_seq_lens", ext, active & (ext < 0), ">= 0 new tokens for an active row")):
+                ("extend_seq_lens", ext, active & (ext < 0), ">= 0 new tokens for an active row"),
+                # new tokens past the row (bit 32 too): the write plan drops the row's, so the next rows' records
+                # land in its entries' slots (false violations naming them). The prefix is in range here.
+                ("extend_seq_lens", ext, active & (ext > max_seq - pre),
+                 "at most max_seq_len - prefix_lens = {room} new tokens for an active row")):
             at = np.flatnonzero(bad)
             if at.size:
                 i = int(at[0])
+                want = want.format(room=max_seq - int(pre[i])) if "{room}" in want else want
                 raise fail(ValueError, f"{name}[{i}]: expected {want} (req_pool_indices[{i}] = {int(rows[i])}), "
                                        f"got {int(values[i])}")
 

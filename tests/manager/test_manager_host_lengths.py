@@ -136,3 +136,25 @@ def test_zero_extend_on_an_active_row_is_no_error():
     e.manager.flush()
     s = e.manager.stats()
     assert s["input_error_steps"]["full"] == 0 and got == [] and s["violations_by_reason"] == {}
+
+
+def test_new_tokens_past_the_row_on_an_active_row_are_refused_at_the_call():
+    """SPEC 3.4 bit 32's other half, ``prefix_lens + extend_seq_lens > max_seq_len``: the write plan drops the
+    flagged row's tokens, so the next row's records would land in its entries' slots (false CHAIN / REAL_KV /
+    VERIFY_TOKEN naming that next, innocent request). Refused at the call, naming the room left; the tokens that
+    fit exactly are no error."""
+    got: list = []
+    e = _engine(got)
+    e.manager.flush()
+    a, b = e.reqs["a"], e.reqs["b"]
+    max_seq = e.r2t_host.shape[1]
+    room = max_seq - b["kv_len"]
+    want = re.escape(f"kv-canary: extend_seq_lens[0]: expected at most max_seq_len - prefix_lens = {room} new tokens "
+                     f"for an active row (req_pool_indices[0] = {b['row']}), got {room + 1}")
+    with pytest.raises(ValueError, match=f"^{want}$"):
+        e.manager.before_forward(req_pool_indices=e.a([b["row"], a["row"]]), prefix_lens=e.a([b["kv_len"], 0]),
+                                 extend_seq_lens=e.a([room + 1, 1]), request_ids=["b", "a"])
+    assert e.manager._step is None
+    e.manager.before_forward(req_pool_indices=e.a([b["row"], 0]), prefix_lens=e.a([max_seq, 0]),
+                             extend_seq_lens=e.a([0, 0]), request_ids=["b", None])  # a full row, no new token
+    assert e.manager._step is not None
