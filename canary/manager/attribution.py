@@ -29,8 +29,7 @@ class Attribution:
         else any position. A verify row: the batch rows, then running requests by their last row, mapping the slot
         at another position. Reads a column, or the candidates' rows (a sync each, on the error path only)."""
         slot = v.slot
-        first = 0 if g.spec.padding_slot == -1 else 1  # slot 0 is real when the engine says so (SPEC 3.2)
-        if not first <= slot < g.spec.num_slots or v.reasons & (FailReason.MISSING | FailReason.SLOT_RANGE):
+        if not rows.first_slot <= slot < g.spec.num_slots or v.reasons & (FailReason.MISSING | FailReason.SLOT_RANGE):
             return ()  # no real slot: nothing maps it (slot 0, the padding slot, is in every unwritten entry)
         index = rows.index
         if index is None:

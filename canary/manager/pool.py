@@ -213,12 +213,10 @@ class RequestPool:
                 rows[i] = req.row
             real = rows[rows > 0]
             if len(set(real.tolist())) != len(real):
-                at = np.flatnonzero(rows > 0)
-                _, idx, n = np.unique(real, return_index=True, return_counts=True)
-                j = int(at[idx[n > 1][0]])  # the first request listed twice, and where it is again
-                k = int(at[np.flatnonzero(real == rows[j])[1]])
+                first: dict = {}  # where each request is first, to name the one listed again
+                k = next(k for k, rid in enumerate(request_ids) if rid is not None and first.setdefault(rid, k) != k)
                 raise fail(ValueError, f"request_ids[{k}]: expected distinct requests (None for padding rows), got "
-                                       f"{request_ids[k]!r} again (request_ids[{j}])")
+                                       f"{request_ids[k]!r} again (request_ids[{first[request_ids[k]]}])")
             pad = None if len(real) == len(rows) else rows == 0
             held = same_rows(request_ids) if same_rows is not None else None
             if held is not None and np.array_equal(held, rows):
