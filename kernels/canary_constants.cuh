@@ -75,7 +75,7 @@ typedef unsigned long long u64;
 // Canary kernel block sizes and limits (canary/contract/records_layout.py, layers_layout.py).
 #define MAX_SOURCES 4
 #define WRITE_THREADS 256                 // entries per tile of a write segment: one block-wide scan per tile
-#define WRITE_MAX_SEGMENTS 32             // a request's entries split into at most this many segments, one block each
+#define WRITE_MAX_SEGMENTS 128            // a request's entries split into at most this many segments, one block each
 #define VERIFY_THREADS 256
 #define SCATTER_THREADS 128
 #define LAYER_THREADS 256

@@ -190,14 +190,207 @@ __device__ __forceinline__ i64 segment_len(i64 len) {
     return (per + WRITE_THREADS - 1) / WRITE_THREADS * WRITE_THREADS;
 }
 
+// Slots of one tile, hashed: a slot's entry is stored only by its last occurrence in the tile (the highest
+// thread). An open-addressing table at twice the tile keeps probes short; keys are claimed with atomicCAS and
+// the owner is the atomicMax of the threads inserting that key, so the result does not depend on timing.
+#define DEDUP_SIZE (2 * WRITE_THREADS)
+#define DEDUP_EMPTY (-1LL)
+
 struct WriteShared {
-    i64 slot[WRITE_THREADS];
+    i64 key[DEDUP_SIZE];
+    int owner[DEDUP_SIZE];
     ChainElem warp[WRITE_WARPS];
 };
 
+__device__ __forceinline__ int dedup_home(i64 slot) {
+    return (int)(((u64)slot * 0x9E3779B97F4A7C15ULL) >> 55) & (DEDUP_SIZE - 1);  // Fibonacci hashing, 9 bits
+}
+
+__device__ __forceinline__ void dedup_insert(WriteShared& sh, i64 slot, int tid) {
+    for (int b = dedup_home(slot);; b = (b + 1) & (DEDUP_SIZE - 1)) {
+        const i64 old = (i64)atomicCAS(reinterpret_cast<unsigned long long*>(&sh.key[b]), (unsigned long long)DEDUP_EMPTY,
+                                       (unsigned long long)slot);
+        if (old == DEDUP_EMPTY || old == slot) {
+            atomicMax(&sh.owner[b], tid);
+            return;
+        }
+    }
+}
+
+__device__ __forceinline__ bool dedup_last(const WriteShared& sh, i64 slot, int tid) {
+    int b = dedup_home(slot);
+    while (sh.key[b] != slot) b = (b + 1) & (DEDUP_SIZE - 1);
+    return sh.owner[b] == tid;
+}
+
+// a^e mod P by squaring (e: a count of entries).
+__device__ __forceinline__ u64 powmod_p(u64 a, i64 e) {
+    u64 r = 1;
+    for (; e > 0; e >>= 1) {
+        if (e & 1) r = mulmod_p(r, a);
+        a = mulmod_p(a, a);
+    }
+    return r;
+}
+
+// The chain map of entries [i0, i1) of the write, composed by one thread: two interleaved halves, each an
+// independent serial chain b -> A b + g (the multiplier A is the same for every advancing entry, so a run's map
+// is (A^count, b) and only b is serial), joined at the end. Every input is loaded whatever the slot (the
+// indices are in bounds) and out-of-range entries are masked after: loads behind a branch on the slot waited
+// for it, one L2 round trip after another (run 134: 60 us of a 32k-token prefill's 70).
+__device__ ChainElem compose_run(const WriteParams& p, i64 i0, i64 i1) {
+    const i64 half = (i1 - i0 + 1) >> 1;
+    const i64 num_slots = p.st.num_slots;
+    const i64 w = p.entry_wide;
+    u64 b0 = 0, b1 = 0, pos0 = 0, pos1 = 0;
+    i64 c0 = 0, c1 = 0;
+#pragma unroll 4
+    for (i64 j = 0; j < half; ++j) {
+        const i64 ia = i0 + j, ib = i0 + half + j < i1 ? i0 + half + j : i0 + j;
+        const i64 sa = load_int(p.out_cache_loc, w & ENTRY_WIDE_OUT_CACHE_LOC, ia);
+        const i64 sb = load_int(p.out_cache_loc, w & ENTRY_WIDE_OUT_CACHE_LOC, ib);
+        const u64 pa = (u64)load_int(p.positions, w & ENTRY_WIDE_POSITIONS, ia);
+        const u64 pb = (u64)load_int(p.positions, w & ENTRY_WIDE_POSITIONS, ib);
+        const u64 ta = (u64)load_int(p.input_ids, w & ENTRY_WIDE_INPUT_IDS, ia);
+        const u64 tb = (u64)load_int(p.input_ids, w & ENTRY_WIDE_INPUT_IDS, ib);
+        const bool ka = sa >= 0 && sa < num_slots;
+        const bool kb = i0 + half + j < i1 && sb >= 0 && sb < num_slots;
+        const u64 ga = chain_g(ta, pa), gb = chain_g(tb, pb);
+        const u64 na = addmod_p(mulmod_p(CHAIN_MUL, b0), ga), nb = addmod_p(mulmod_p(CHAIN_MUL, b1), gb);
+        b0 = ka ? na : b0;
+        b1 = kb ? nb : b1;
+        pos0 = ka ? pa : pos0;
+        pos1 = kb ? pb : pos1;
+        c0 += ka;
+        c1 += kb;
+    }
+    ChainElem run = chain_identity();
+    if (c0 + c1 > 0) {
+        run.a = powmod_p(CHAIN_MUL, c0 + c1);
+        run.b = addmod_p(mulmod_p(powmod_p(CHAIN_MUL, c1), b0), b1);
+        run.pos = c1 > 0 ? pos1 : pos0;
+        run.has = 1;
+    }
+    return run;
+}
+
+// The chain before a segment when every entry of [start, lo) advances it (its slot in range: the usual case),
+// with coalesced loads: thread t takes entries start + t + 256 j. Every advancing entry multiplies by the same
+// A, so entry i adds g_i A^(lo - 1 - i): each thread runs Horner over its entries with A^256, scales the result
+// by A^(lo - 1 - its last entry), and one block scan sums the terms. False (nothing changed) when some entry
+// does not advance: the caller composes contiguous runs then (compose_run). The contiguous runs alone read
+// each warp's 32 entries 8 bytes per 32-byte sector, 256 threads apart: a 32k-token prefill's segments moved
+// 4x the bytes of their inputs through L2 (runs 134-135).
+__device__ bool compose_strided(const WriteParams& p, i64 start, i64 lo, WriteShared& sh, u64* h, u64* prev_pos) {
+    const int tid = threadIdx.x;
+    const i64 w = p.entry_wide, num_slots = p.st.num_slots;
+    const u64 step = powmod_p(CHAIN_MUL, WRITE_THREADS);
+    u64 b = 0;
+    i64 last = -1;
+    int all = 1;
+#pragma unroll 4
+    for (i64 i = start + tid; i < lo; i += WRITE_THREADS) {
+        const i64 slot = load_int(p.out_cache_loc, w & ENTRY_WIDE_OUT_CACHE_LOC, i);
+        const u64 pos = (u64)load_int(p.positions, w & ENTRY_WIDE_POSITIONS, i);
+        const u64 tok = (u64)load_int(p.input_ids, w & ENTRY_WIDE_INPUT_IDS, i);
+        all &= slot >= 0 && slot < num_slots;
+        b = addmod_p(mulmod_p(step, b), chain_g(tok, pos));
+        last = i;
+    }
+    if (!__syncthreads_and(all)) return false;
+    const u64 term = last >= 0 ? mulmod_p(b, powmod_p(CHAIN_MUL, lo - 1 - last)) : 0;
+    ChainElem total;
+    block_scan(ChainElem{1ULL, term, 0ULL, 0}, &total, sh.warp);  // maps h -> h + term: the scan sums them
+    *h = addmod_p(mulmod_p(powmod_p(CHAIN_MUL, lo - start), *h), total.b);
+    *prev_pos = (u64)load_int(p.positions, w & ENTRY_WIDE_POSITIONS, lo - 1);
+    return true;
+}
+
+// One write entry's inputs; *e gets its chain map (identity unless its slot is in range).
+struct WriteEntry {
+    i64 slot;
+    u64 tok, pos, et, ep, kvh;
+};
+
+__device__ __forceinline__ WriteEntry load_entry(const WriteParams& p, i64 i, i64 hi, ChainElem* e) {
+    WriteEntry x{-1, 0, 0, ~0ULL, ~0ULL, 0};
+    *e = chain_identity();
+    if (i < hi) {
+        x.slot = load_int(p.out_cache_loc, p.entry_wide & ENTRY_WIDE_OUT_CACHE_LOC, i);
+        x.tok = (u64)load_int(p.input_ids, p.entry_wide & ENTRY_WIDE_INPUT_IDS, i);
+        x.pos = (u64)load_int(p.positions, p.entry_wide & ENTRY_WIDE_POSITIONS, i);
+        if (p.expected_input_ids)
+            x.et = (u64)load_int(p.expected_input_ids, p.entry_wide & ENTRY_WIDE_EXPECTED_INPUT_IDS, i);
+        if (p.expected_positions)
+            x.ep = (u64)load_int(p.expected_positions, p.entry_wide & ENTRY_WIDE_EXPECTED_POSITIONS, i);
+        if (x.slot >= 0 && x.slot < p.st.num_slots) {  // out-of-range entries neither store nor advance the chain
+            x.kvh = fold_slot(p.kv, x.slot);
+            *e = ChainElem{CHAIN_MUL, chain_g(x.tok, x.pos), x.pos, 1};
+        }
+    }
+    return x;
+}
+
+// Checks, reports and (when `last`) stores one entry of slot >= 0, given its exclusive chain prefix `ex` within
+// the tile and the running hash h / last position before the tile.
+__device__ __forceinline__ void finish_entry(const StateParams& st, const WriteEntry& x, const ChainElem& ex, u64 h,
+                                             bool valid, u64 prev_pos, bool chain_on, bool last) {
+    const bool stored = x.slot < st.num_slots;
+    const u64 run = valid ? CHAIN_TAG | addmod_p(mulmod_p(ex.a, h), ex.b) : NOT_A_LINK;
+    const u64 chain_exp = (ex.has ? ex.pos : prev_pos) + 1;
+    u64 bits = stored ? 0 : FAIL_SLOT_RANGE;
+    if (x.et != ~0ULL && x.tok != x.et) bits |= FAIL_WRITE_TOKEN;
+    const bool arr_fail = x.ep != ~0ULL && x.pos != x.ep;
+    const bool chain_fail = chain_on && x.pos != chain_exp;
+    if (arr_fail || chain_fail) bits |= FAIL_WRITE_POSITION;
+    const u64 aux = arr_fail ? x.ep : chain_fail ? chain_exp : x.ep != ~0ULL ? x.ep : chain_on ? chain_exp : ~0ULL;
+    if (bits) append_row(st, (u64)x.slot, x.pos, x.tok, x.et, run, aux, bits);
+    if (last) {
+        u64* rec = reinterpret_cast<u64*>(st.canary + x.slot * st.slot_stride);
+        rec[0] = x.tok;
+        rec[1] = x.pos;
+        rec[2] = run;
+        rec[3] = x.kvh;
+    }
+}
+
+// A request of at most 32 entries by warp 0 alone: no barrier, no shared memory. The warp's shuffles scan the
+// chain maps; __match_any_sync finds a slot's last occurrence. The seed is read before the __syncwarp that
+// orders it ahead of every lane's store.
+__device__ void write_warp(const WriteParams& p, i64 r, i64 lo, i64 hi, bool chain_on, unsigned long long& processed) {
+    const StateParams& st = p.st;
+    const int lane = threadIdx.x;
+    u64 h = ANCHOR_LINK & FIELD_P;
+    bool valid = true;
+    u64 prev_pos = ~0ULL;
+    const i64 seed = p.write_seed_slot_indices[r];
+    if (seed >= 0 && seed < st.num_slots) {
+        const u64* rec = slot_record(st, seed);
+        valid = chain_field(chain_link(rec[2], rec[0], rec[1]), &h);
+        prev_pos = rec[1];
+    }
+    const i64 i = lo + lane;
+    ChainElem e;
+    const WriteEntry x = load_entry(p, i, hi, &e);
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const ChainElem o = shfl_up_elem(e, d);
+        if (lane >= d) e = combine(o, e);
+    }
+    const ChainElem up = shfl_up_elem(e, 1);
+    const ChainElem ex = lane > 0 ? up : chain_identity();
+    const unsigned int same = __match_any_sync(0xffffffffu, x.slot);
+    __syncwarp();
+    if (i < hi && x.slot >= 0) {
+        ++processed;
+        const bool last = x.slot < st.num_slots && (same >> lane >> 1) == 0;
+        finish_entry(st, x, ex, h, valid, prev_pos, chain_on, last);
+    }
+}
+
 // Segment k of request r, by the whole block. The running hash before the segment is link(seed) carried
-// through every chain-advancing entry before it: each thread composes a contiguous run of those entries
-// serially, one block scan joins the runs. Then per tile of WRITE_THREADS entries: every thread stages its
+// through every chain-advancing entry before it (compose_strided, or contiguous runs joined by one block scan
+// when some entry does not advance). Then per tile of WRITE_THREADS entries: every thread stages its
 // entry (loads, real-KV fold), one block scan gives each entry its running hash and expected chain position,
 // and every thread checks, reports and stores its own entry. A slot that appears again later in the same tile
 // is stored only by its last occurrence; tiles are ordered by barriers.
@@ -211,6 +404,10 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& s
     const i64 lo = start + k * L;
     const i64 hi = lo + L < end ? lo + L : end;
     const bool chain_on = (*st.check_flags & CHECK_WRITE_POSITION_CHAIN) != 0;
+    if (lo == start && hi - lo <= 32) {  // block-uniform: a request of one warp's entries (decode) takes warp 0
+        if (tid < 32) write_warp(p, r, lo, hi, chain_on, processed);
+        return;
+    }
 
     // The seed, read by every thread before any store of this segment (the first scan's barrier orders them).
     u64 h = ANCHOR_LINK & FIELD_P;
@@ -222,23 +419,11 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& s
         valid = chain_field(chain_link(rec[2], rec[0], rec[1]), &h);
         prev_pos = rec[1];
     }
-    if (lo > start) {
+    if (lo > start && !compose_strided(p, start, lo, sh, &h, &prev_pos)) {  // block-uniform
         const i64 per = (lo - start + WRITE_THREADS - 1) / WRITE_THREADS;
         const i64 i0 = start + tid * per;
         const i64 i1 = i0 + per < lo ? i0 + per : lo;
-        ChainElem run = chain_identity();
-#pragma unroll 4  // batches the loads: only run.b's mulmod is serial
-        for (i64 i = i0; i < i1; ++i) {
-            const i64 slot = load_int(p.out_cache_loc, p.entry_wide & ENTRY_WIDE_OUT_CACHE_LOC, i);
-            if (slot >= 0 && slot < st.num_slots) {
-                const u64 pos = (u64)load_int(p.positions, p.entry_wide & ENTRY_WIDE_POSITIONS, i);
-                run.b = addmod_p(mulmod_p(CHAIN_MUL, run.b),
-                                 chain_g((u64)load_int(p.input_ids, p.entry_wide & ENTRY_WIDE_INPUT_IDS, i), pos));
-                run.a = mulmod_p(CHAIN_MUL, run.a);
-                run.pos = pos;
-                run.has = 1;
-            }
-        }
+        const ChainElem run = compose_run(p, i0, i1);
         ChainElem total;
         block_scan(run, &total, sh.warp);
         h = addmod_p(mulmod_p(total.a, h), total.b);
@@ -246,51 +431,27 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& s
     }
     for (i64 base = lo; base < hi; base += WRITE_THREADS) {
         const i64 i = base + tid;
-        const int m = (int)(hi - base < WRITE_THREADS ? hi - base : WRITE_THREADS);
-        i64 slot = -1;
-        u64 tok = 0, pos = 0, et = ~0ULL, ep = ~0ULL, kvh = 0;
-        ChainElem e = chain_identity();
-        if (i < hi) {
-            slot = load_int(p.out_cache_loc, p.entry_wide & ENTRY_WIDE_OUT_CACHE_LOC, i);
-            tok = (u64)load_int(p.input_ids, p.entry_wide & ENTRY_WIDE_INPUT_IDS, i);
-            pos = (u64)load_int(p.positions, p.entry_wide & ENTRY_WIDE_POSITIONS, i);
-            if (p.expected_input_ids)
-                et = (u64)load_int(p.expected_input_ids, p.entry_wide & ENTRY_WIDE_EXPECTED_INPUT_IDS, i);
-            if (p.expected_positions)
-                ep = (u64)load_int(p.expected_positions, p.entry_wide & ENTRY_WIDE_EXPECTED_POSITIONS, i);
-            if (slot >= 0 && slot < st.num_slots) {  // out-of-range entries neither store nor advance the chain
-                kvh = fold_slot(p.kv, slot);
-                e = ChainElem{CHAIN_MUL, chain_g(tok, pos), pos, 1};
-            }
+        const bool dedup = hi - base > 1;  // block-uniform
+        if (dedup) {  // the previous tile's lookups are behind the loop's closing barrier
+            sh.key[tid] = sh.key[tid + WRITE_THREADS] = DEDUP_EMPTY;
+            sh.owner[tid] = sh.owner[tid + WRITE_THREADS] = -1;
         }
-        sh.slot[tid] = slot;
+        ChainElem e;
+        const WriteEntry x = load_entry(p, i, hi, &e);
+        if (dedup) {
+            __syncthreads();  // the table is clear
+            if (x.slot >= 0 && x.slot < st.num_slots) dedup_insert(sh, x.slot, tid);
+        }
         ChainElem total;
-        const ChainElem ex = block_scan(e, &total, sh.warp);  // its barriers publish sh.slot too
-        if (i < hi && slot >= 0) {
+        const ChainElem ex = block_scan(e, &total, sh.warp);  // its barriers publish the table too
+        if (i < hi && x.slot >= 0) {
             ++processed;
-            const bool stored = slot < st.num_slots;
-            const u64 run = valid ? CHAIN_TAG | addmod_p(mulmod_p(ex.a, h), ex.b) : NOT_A_LINK;
-            const u64 chain_exp = (ex.has ? ex.pos : prev_pos) + 1;
-            u64 bits = stored ? 0 : FAIL_SLOT_RANGE;
-            if (et != ~0ULL && tok != et) bits |= FAIL_WRITE_TOKEN;
-            const bool arr_fail = ep != ~0ULL && pos != ep;
-            const bool chain_fail = chain_on && pos != chain_exp;
-            if (arr_fail || chain_fail) bits |= FAIL_WRITE_POSITION;
-            const u64 aux = arr_fail ? ep : chain_fail ? chain_exp : ep != ~0ULL ? ep : chain_on ? chain_exp : ~0ULL;
-            if (bits) append_row(st, (u64)slot, pos, tok, et, run, aux, bits);
-            bool last = stored;
-            for (int q = tid + 1; last && q < m; ++q) last = sh.slot[q] != slot;
-            if (last) {
-                u64* rec = reinterpret_cast<u64*>(st.canary + slot * st.slot_stride);
-                rec[0] = tok;
-                rec[1] = pos;
-                rec[2] = run;
-                rec[3] = kvh;
-            }
+            const bool last = x.slot < st.num_slots && (!dedup || dedup_last(sh, x.slot, tid));
+            finish_entry(st, x, ex, h, valid, prev_pos, chain_on, last);
         }
         h = addmod_p(mulmod_p(total.a, h), total.b);
         if (total.has) prev_pos = total.pos;
-        __syncthreads();  // the next tile reuses sh.slot
+        __syncthreads();  // the next tile reuses the table
     }
 }
 
@@ -299,7 +460,8 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& s
 // seeded CANARY_SKIP_SEED, k below its segment count) are queued in shared memory and run one after the other. Items
 // are independent: a long request spreads over up to WRITE_MAX_SEGMENTS blocks (SMs), and its real-KV folds
 // with it. Segment k recomputes the chain of segments < k instead of waiting for them: no scratch memory, no
-// inter-block wait, at most WRITE_MAX_SEGMENTS / 2 extra reads of a request's inputs on average.
+// inter-block wait; the price is quadratic: a 32k-token request's last segment reads 127 x 256 entries
+// (docs/performance.md: the look-back that would remove it).
 extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const WriteParams p) {
     __shared__ WriteShared sh;
     __shared__ i64 s_items[WRITE_THREADS];

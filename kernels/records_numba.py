@@ -21,6 +21,10 @@ Deliberate differences from records.cu (argument passing only; the outputs are t
   vector loads, and the fold is not the bottleneck of this kernel.
 - Block sizes are the constants ``canary_kernels`` closes over (the simulator, one Python thread per CUDA
   thread, runs the same code with small blocks).
+- The write's speed paths are records.cu's only: a request of at most 32 entries by one warp (``write_warp``:
+  shuffles, which the simulator lacks) and the strided composition before a segment (``compose_strided``,
+  taken when every entry before it advances). Here every request takes the tile path and the composition is
+  always the contiguous runs; the values are the same field arithmetic, so the bytes are the same.
 - The write's block scan runs through shared memory (a Hillis-Steele scan; records.cu scans each warp with
   shuffles first, which the simulator lacks), and ``mulmod_p`` multiplies 32-bit limbs (records.cu:
   ``__umul64hi``): the same field arithmetic, exact either way.
@@ -64,6 +68,8 @@ NOT_A_LINK = np.uint64(_K.NOT_A_LINK)
 ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)  # -1 as u64: "no expectation" / "no predecessor"
 U0 = np.uint64(0)
 U1 = np.uint64(1)
+FIB_HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing of the write's dedup table
+DEDUP_EMPTY = np.int64(-1)  # a free bucket (slots < 0 are never inserted)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S27 = np.uint64(27)
@@ -166,6 +172,18 @@ def chain_g(tok, pos):
     x = splitmix64(splitmix64(G_KEY ^ tok) ^ pos)
     x = (x & FIELD_P) + (x >> _S61)
     return x - FIELD_P if x >= FIELD_P else x
+
+
+@cuda.jit(device=True)
+def powmod_p(a, e):
+    """``a ** e mod P`` by squaring (records.cu ``powmod_p``; ``e`` a count of entries)."""
+    r = U1
+    while e > 0:
+        if e & 1:
+            r = mulmod_p(r, a)
+        a = mulmod_p(a, a)
+        e >>= 1
+    return r
 
 
 @cuda.jit(device=True)
@@ -342,6 +360,32 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
 
         return block_scan
 
+    WT2 = 2 * WT  # noqa: N806 - the dedup table's size (records.cu DEDUP_SIZE: two tiles), a constant to Numba
+    DMASK = WT2 - 1  # noqa: N806
+
+    @cuda.jit(device=True)
+    def dedup_home(slot):
+        return int64((uint64(slot) * FIB_HASH) >> _S32) & DMASK
+
+    @cuda.jit(device=True)
+    def dedup_insert(key, owner, slot, tid):
+        """records.cu's ``dedup_insert``: claim the slot's bucket (open addressing), keep the highest thread."""
+        b = dedup_home(slot)
+        while True:
+            old = cuda.atomic.cas(key, b, DEDUP_EMPTY, slot)
+            if old == DEDUP_EMPTY or old == slot:
+                cuda.atomic.max(owner, b, int32(tid))
+                return
+            b = (b + 1) & DMASK
+
+    @cuda.jit(device=True)
+    def dedup_last(key, owner, slot, tid):
+        """Whether thread ``tid`` is the last occurrence of ``slot`` in the tile (records.cu ``dedup_last``)."""
+        b = dedup_home(slot)
+        while key[b] != slot:
+            b = (b + 1) & DMASK
+        return owner[b] == tid
+
     write_block_count = make_block_count(WT)
     block_scan = make_block_scan(WT)
     K = WRITE_MAX_SEGMENTS
@@ -361,7 +405,8 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
         """Any grid, block WT: work items (request, segment) taken in turn (records.cu's canary_write)."""
         s_items = cuda.shared.array(WT, int64)
         s_nitems = cuda.shared.array(1, int32)
-        s_slot = cuda.shared.array(WT, int64)
+        s_key = cuda.shared.array(WT2, int64)  # records.cu's dedup table: slot -> its last thread
+        s_owner = cuda.shared.array(WT2, int32)
         tid = cuda.threadIdx.x
         if cuda.blockIdx.x == 0 and tid == 0:
             cuda.atomic.add(kernel_run_counter, COUNTER_WRITE, U1)
@@ -411,19 +456,19 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                     per = (lo - start + WT - 1) // WT
                     i0 = start + tid * per
                     i1 = min(i0 + per, lo)
-                    ra = U1
                     rb = U0
                     rp = U0
-                    rh = 0
-                    for i in range(i0, i1):
+                    rc = int64(0)
+                    for i in range(i0, i1):  # only b is serial: the multiplier is A^count (records.cu compose_run)
                         sl = load_int(out_cache_loc, entry_wide & ENTRY_WIDE_OUT_CACHE_LOC, i)
                         if sl >= 0 and sl < num_slots:
                             pi = uint64(load_int(positions, entry_wide & ENTRY_WIDE_POSITIONS, i))
                             rb = addmod_p(mulmod_p(CHAIN_MUL, rb),
                                           chain_g(uint64(load_int(input_ids, entry_wide & ENTRY_WIDE_INPUT_IDS, i)), pi))
-                            ra = mulmod_p(CHAIN_MUL, ra)
                             rp = pi
-                            rh = 1
+                            rc += 1
+                    ra = powmod_p(CHAIN_MUL, rc)
+                    rh = 1 if rc > 0 else 0
                     _, _, _, _, ta, tb, tp, th = block_scan(ra, rb, rp, rh)
                     h = addmod_p(mulmod_p(ta, h), tb)
                     if th != 0:
@@ -431,7 +476,12 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                 base = lo
                 while base < hi:
                     i = base + tid
-                    m = min(hi - base, int64(WT))
+                    dedup = hi - base > 1  # block-uniform
+                    if dedup:  # the previous tile's lookups are behind the loop's closing barrier
+                        s_key[tid] = DEDUP_EMPTY
+                        s_key[tid + WT] = DEDUP_EMPTY
+                        s_owner[tid] = -1
+                        s_owner[tid + WT] = -1
                     slot = int64(-1)
                     tok = U0
                     pos = U0
@@ -454,8 +504,11 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                             ea = CHAIN_MUL
                             eb = chain_g(tok, pos)
                             eh = 1
-                    s_slot[tid] = slot
-                    xa, xb, xp, xh, ta, tb, tp, th = block_scan(ea, eb, pos, eh)  # its barriers publish s_slot
+                    if dedup:
+                        cuda.syncthreads()  # the table is clear
+                        if slot >= 0 and slot < num_slots:
+                            dedup_insert(s_key, s_owner, slot, tid)
+                    xa, xb, xp, xh, ta, tb, tp, th = block_scan(ea, eb, pos, eh)  # its barriers publish the table
                     if i < hi and slot >= 0:
                         processed += U1
                         stored = slot < num_slots
@@ -484,10 +537,8 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                             append_row(ring, ring_row_stride, ring_capacity, ring_write_index, tag, uint64(slot), pos,
                                        tok, et, run, aux, uint64(bits))
                         last = stored
-                        kk = tid + 1
-                        while last and kk < m:
-                            last = s_slot[kk] != slot
-                            kk += 1
+                        if last and dedup:
+                            last = dedup_last(s_key, s_owner, slot, tid)
                         if last:
                             at = slot * slot_stride_words
                             canary[at] = tok
@@ -497,7 +548,7 @@ def kernel_functions(write_threads: int = WRITE_THREADS, verify_threads: int = V
                     h = addmod_p(mulmod_p(ta, h), tb)
                     if th != 0:
                         prev_pos = tp
-                    cuda.syncthreads()  # the next tile reuses s_slot
+                    cuda.syncthreads()  # the next tile reuses the table
                     base += WT
             cuda.syncthreads()  # s_items and s_nitems are rewritten next round
             c += WT

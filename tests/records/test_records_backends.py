@@ -123,8 +123,9 @@ def test_large_launches(backend):
 @pytest.mark.parametrize("shape", ["bs1_32k", "bs8_2k", "mixed"])
 @pytest.mark.parametrize("mode", [RealKVMode.NONE, RealKVMode.ALL])
 def test_long_requests_split_across_blocks(backend, shape, mode):
-    """The write scan at the GPU's sizes: one 32,768-token request (32 segments of 1,024 entries, 4 tiles each),
-    8 x 2,048 (8 segments of 256 each), and a mix of long and one-token requests with skips and SKIP_SEED rows,
+    """The write scan at the GPU's sizes: one 32,768-token request (128 segments of 256 entries: the strided
+    composition before each), 8 x 2,048 (8 segments of 256 each), and a mix of long and one-token requests (the
+    warp path) with skips (the contiguous composition: some entries do not advance the chain) and SKIP_SEED rows,
     seeded from chained records; then a verify of everything written (clean)."""
     rng = np.random.default_rng(11)
     lens = {"bs1_32k": [32768], "bs8_2k": [2048] * 8, "mixed": [1, 9000, 1, 1, 257, 0, 3000, 1]}[shape]
