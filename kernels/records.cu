@@ -236,8 +236,9 @@ __device__ __forceinline__ u64 powmod_p(u64 a, i64 e) {
 // The chain map of entries [i0, i1) of the write, composed by one thread: two interleaved halves, each an
 // independent serial chain b -> A b + g (the multiplier A is the same for every advancing entry, so a run's map
 // is (A^count, b) and only b is serial), joined at the end. Every input is loaded whatever the slot (the
-// indices are in bounds) and out-of-range entries are masked after: loads behind a branch on the slot waited
-// for it, one L2 round trip after another (run 134: 60 us of a 32k-token prefill's 70).
+// indices are in bounds) and out-of-range entries are masked after. Measured: no gain over one serial run
+// with its loads behind the slot's branch (run 135: the runs' loads are uncoalesced whichever way, which
+// compose_strided fixes); kept as run 136 verified it. Now only a prefix with an out-of-range slot takes it.
 __device__ ChainElem compose_run(const WriteParams& p, i64 i0, i64 i1) {
     const i64 half = (i1 - i0 + 1) >> 1;
     const i64 num_slots = p.st.num_slots;

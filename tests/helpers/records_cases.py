@@ -286,6 +286,14 @@ def hand_cases() -> list[CanaryCase]:
         verify_launch(_a(2, 3), _a(1, 4), _a(0, 1), _a(-1, 2))])
     add("slot_written_twice_in_one_request", [write_launch([0, 4], [-1], _a(5, 6, 5, 7), _a(1, 2, 3, 4), _a(0, 1, 2, 3)),
                                                verify_launch(_a(5, 6, 7), _a(3, 2, 4), _a(2, 1, 3), _a(6, -1, 5))])
+    # More entries than a warp, so the GPU's tile path with its hashed last-occurrence table (the case above is the
+    # warp path's): slot 4 three times and slot 8 twice, all in the simulator's first 32-entry tile; the last
+    # write of each is kept on every backend.
+    dup = np.arange(1, 41)
+    dup[[10, 20]] = dup[3]
+    dup[25] = dup[7]
+    add("slot_repeated_in_a_tile", [write_launch([0, 40], [-1], dup, np.arange(100, 140), np.arange(40)),
+                                    verify_launch(_a(4, 8), _a(120, 125), _a(20, 25), _a(20, 25))], num_slots=64)
     add("own_seed_rewritten", [write_launch([0, 2], [4], _a(4, 5), _a(1, 2), _a(3, 4))],
         records=np.tile(_a(1, 2, 3, 4), (S, 1)))
     add("write_asserts", [write_launch([0, 6], [-1], _a(1, 2, 3, 4, 5, 6), _a(10, 11, 12, 13, 14, 15),

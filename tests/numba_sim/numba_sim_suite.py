@@ -300,7 +300,7 @@ def test_canary_token_array_widths_random(seed):
 
 
 @pytest.mark.parametrize("name", ["long_request_many_chunks", "verify_by_hand", "real_kv_pt_all",
-                                  "scan_long_runs_split_into_segments"])
+                                  "scan_long_runs_split_into_segments", "slot_repeated_in_a_tile"])
 def test_canary_gpu_block_sizes(name):
     """The GPU's block sizes (256-entry write tiles, 256-thread verify blocks) on a few cases."""
     _twin(next(c for c in cc.hand_cases() if c.name == name), LaunchConfig(simulator_threads="gpu"))
