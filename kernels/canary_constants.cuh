@@ -76,6 +76,9 @@ typedef unsigned long long u64;
 #define MAX_SOURCES 4
 #define WRITE_THREADS 256                 // entries per tile of a write segment: one block-wide scan per tile
 #define WRITE_MAX_SEGMENTS 128            // a request's entries split into at most this many segments, one block each
+// LOOKBACK_ITEM_WORDS: a write look-back item: flag, own map (a, b, position), inclusive map (a, b, position), done
+// counter
+#define LOOKBACK_ITEM_WORDS 8
 #define VERIFY_THREADS 256
 #define SCATTER_THREADS 128
 #define LAYER_THREADS 256
@@ -257,6 +260,10 @@ struct WriteParams {
     const void* expected_input_ids;      // null: not given
     const void* expected_positions;      // null: not given
     i64 entry_wide;                      // bit ENTRY_WIDE_*: that token array holds int64 (else int32)
+    // [lookback_items, LOOKBACK_ITEM_WORDS] zeroed scratch, all zero again after each launch; null: every segment
+    // composes the entries before it
+    unsigned long long* lookback;
+    i64 lookback_items;
 };
 
 struct VerifyParams {

@@ -200,6 +200,9 @@ struct WriteShared {
     i64 key[DEDUP_SIZE];
     int owner[DEDUP_SIZE];
     ChainElem warp[WRITE_WARPS];
+    ChainElem lb;  // look_back's result, from warp 0 to the block
+    i64 lb_end;
+    int lb_last;
 };
 
 __device__ __forceinline__ int dedup_home(i64 slot) {
@@ -238,7 +241,7 @@ __device__ __forceinline__ u64 powmod_p(u64 a, i64 e) {
 // is (A^count, b) and only b is serial), joined at the end. Every input is loaded whatever the slot (the
 // indices are in bounds) and out-of-range entries are masked after. Measured: no gain over one serial run
 // with its loads behind the slot's branch (run 135: the runs' loads are uncoalesced whichever way, which
-// compose_strided fixes); kept as run 136 verified it. Now only a prefix with an out-of-range slot takes it.
+// compose_range's strided loads fix); kept as run 136 verified it. Now only a range with an out-of-range slot takes it.
 __device__ ChainElem compose_run(const WriteParams& p, i64 i0, i64 i1) {
     const i64 half = (i1 - i0 + 1) >> 1;
     const i64 num_slots = p.st.num_slots;
@@ -275,14 +278,14 @@ __device__ ChainElem compose_run(const WriteParams& p, i64 i0, i64 i1) {
     return run;
 }
 
-// The chain before a segment when every entry of [start, lo) advances it (its slot in range: the usual case),
-// with coalesced loads: thread t takes entries start + t + 256 j. Every advancing entry multiplies by the same
-// A, so entry i adds g_i A^(lo - 1 - i): each thread runs Horner over its entries with A^256, scales the result
-// by A^(lo - 1 - its last entry), and one block scan sums the terms. False (nothing changed) when some entry
-// does not advance: the caller composes contiguous runs then (compose_run). The contiguous runs alone read
-// each warp's 32 entries 8 bytes per 32-byte sector, 256 threads apart: a 32k-token prefill's segments moved
-// 4x the bytes of their inputs through L2 (runs 134-135).
-__device__ bool compose_strided(const WriteParams& p, i64 start, i64 lo, WriteShared& sh, u64* h, u64* prev_pos) {
+// The chain map of entries [i0, i1) of the write, composed by the whole block (every thread calls it). When every
+// entry advances the chain (its slot in range: the usual case) the loads are coalesced: thread t takes entries
+// i0 + t + 256 j. Every advancing entry multiplies by the same A, so entry i adds g_i A^(i1 - 1 - i): each thread
+// runs Horner over its entries with A^256, scales the result by A^(i1 - 1 - its last entry), and one block scan
+// sums the terms. When some entry does not advance, each thread composes a contiguous run (compose_run) and one
+// block scan joins the runs. The contiguous runs alone read each warp's 32 entries 8 bytes per 32-byte sector,
+// 256 threads apart: a 32k-token prefill's segments moved 4x the bytes of their inputs through L2 (runs 134-135).
+__device__ ChainElem compose_range(const WriteParams& p, i64 i0, i64 i1, WriteShared& sh) {
     const int tid = threadIdx.x;
     const i64 w = p.entry_wide, num_slots = p.st.num_slots;
     const u64 step = powmod_p(CHAIN_MUL, WRITE_THREADS);
@@ -290,7 +293,7 @@ __device__ bool compose_strided(const WriteParams& p, i64 start, i64 lo, WriteSh
     i64 last = -1;
     int all = 1;
 #pragma unroll 4
-    for (i64 i = start + tid; i < lo; i += WRITE_THREADS) {
+    for (i64 i = i0 + tid; i < i1; i += WRITE_THREADS) {
         const i64 slot = load_int(p.out_cache_loc, w & ENTRY_WIDE_OUT_CACHE_LOC, i);
         const u64 pos = (u64)load_int(p.positions, w & ENTRY_WIDE_POSITIONS, i);
         const u64 tok = (u64)load_int(p.input_ids, w & ENTRY_WIDE_INPUT_IDS, i);
@@ -298,22 +301,116 @@ __device__ bool compose_strided(const WriteParams& p, i64 start, i64 lo, WriteSh
         b = addmod_p(mulmod_p(step, b), chain_g(tok, pos));
         last = i;
     }
-    if (!__syncthreads_and(all)) return false;
-    const u64 term = last >= 0 ? mulmod_p(b, powmod_p(CHAIN_MUL, lo - 1 - last)) : 0;
     ChainElem total;
-    block_scan(ChainElem{1ULL, term, 0ULL, 0}, &total, sh.warp);  // maps h -> h + term: the scan sums them
-    *h = addmod_p(mulmod_p(powmod_p(CHAIN_MUL, lo - start), *h), total.b);
-    *prev_pos = (u64)load_int(p.positions, w & ENTRY_WIDE_POSITIONS, lo - 1);
-    return true;
+    if (__syncthreads_and(all)) {  // block-uniform
+        const u64 term = last >= 0 ? mulmod_p(b, powmod_p(CHAIN_MUL, i1 - 1 - last)) : 0;
+        block_scan(ChainElem{1ULL, term, 0ULL, 0}, &total, sh.warp);  // maps h -> h + term: the scan sums them
+        if (i1 <= i0) return chain_identity();
+        return ChainElem{powmod_p(CHAIN_MUL, i1 - i0), total.b,
+                         (u64)load_int(p.positions, w & ENTRY_WIDE_POSITIONS, i1 - 1), 1};
+    }
+    const i64 per = (i1 - i0 + WRITE_THREADS - 1) / WRITE_THREADS;
+    const i64 j0 = i0 + tid * per < i1 ? i0 + tid * per : i1;
+    const i64 j1 = j0 + per < i1 ? j0 + per : i1;
+    block_scan(compose_run(p, j0, j1), &total, sh.warp);
+    return total;
 }
 
-// One write entry's inputs; *e gets its chain map (identity unless its slot is in range).
+// ---- The write's decoupled look-back (docs/records.md 8). Segment k of a request of several segments publishes
+// its own chain map (AGG) as soon as it knows it, and the map of segments 0..k (INCL) once it has looked back;
+// segment k then needs only its predecessors' maps, newest first, up to the first INCL: no segment composes the
+// entries before it (the quadratic work of run 136: a 32k-token request's last segment read 127 x 256 entries).
+// An item is LOOKBACK_ITEM_WORDS words: [0] flag, [1..3] AGG a, b, pos, [4..6] INCL a, b, pos, [7] the request's
+// done counter (segment 0's item only). The flag is written last, after a fence; a reader that sees it fences
+// before reading the values. The last segment of a request to finish clears its request's flags and counter, so
+// the scratch is zero between launches with no epoch and no work for single-segment (decode) requests.
+// A predecessor that does not publish within LOOKBACK_POLLS polls (not resident, beyond lookback_items) is
+// composed from its entries instead (compose_range): the result never depends on timing, only the time does.
+#define LB_AGG 1ULL
+#define LB_INCL 2ULL
+#define LB_HAS 4ULL
+#define LOOKBACK_POLLS 64
+
+__device__ __forceinline__ void lookback_publish(u64* item, const ChainElem& e, bool incl) {
+    volatile u64* v = item;
+    const int o = incl ? 4 : 1;
+    v[o] = e.a;
+    v[o + 1] = e.b;
+    v[o + 2] = e.pos;
+    __threadfence();
+    v[0] = (incl ? LB_INCL : LB_AGG) | (e.has ? LB_HAS : 0ULL);
+}
+
+__device__ __forceinline__ ChainElem shfl_down_elem(const ChainElem& e, int d) {
+    return ChainElem{__shfl_down_sync(0xffffffffu, e.a, d), __shfl_down_sync(0xffffffffu, e.b, d),
+                     __shfl_down_sync(0xffffffffu, e.pos, d), __shfl_down_sync(0xffffffffu, e.has, d)};
+}
+
+// The map of segments 0..k-1 of request r (segments of L entries from `start`), for the whole block (every thread
+// calls it). Warp 0 reads 32 predecessors at a time, lane l taking segment j - l; the AGGs before the first INCL
+// (or unavailable item) are joined by a shuffle reduction, the older lanes first.
+__device__ ChainElem look_back(const WriteParams& p, i64 r, i64 k, i64 nreq, i64 start, i64 L, WriteShared& sh) {
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        ChainElem acc = chain_identity();  // segments j + 1 .. k - 1
+        i64 fallback_end = -1;
+        for (i64 j = k - 1;; j -= 32) {
+            const i64 idx = j - lane;
+            u64 f = LB_INCL;  // before segment 0: the identity, never reached (segment 0 is INCL or unavailable)
+            ChainElem v = chain_identity();
+            if (idx >= 0) {
+                const i64 w = idx * nreq + r;
+                f = 0;
+                if (w < p.lookback_items) {
+                    const volatile u64* it = p.lookback + w * LOOKBACK_ITEM_WORDS;
+                    f = it[0];
+                    for (int t = 0; f == 0 && t < LOOKBACK_POLLS; ++t) {
+                        __nanosleep(32);
+                        f = it[0];
+                    }
+                    if (f) {
+                        __threadfence();
+                        const int o = (f & LB_INCL) ? 4 : 1;
+                        v = ChainElem{it[o], it[o + 1], it[o + 2], (f & LB_HAS) ? 1 : 0};
+                    }
+                }
+            }
+            const unsigned int stop = __ballot_sync(0xffffffffu, (f & LB_AGG) == 0);  // INCL, or unavailable
+            const int s = stop ? __ffs(stop) - 1 : 32;
+            if (lane > s || (lane == s && (f & LB_INCL) == 0)) v = chain_identity();
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const ChainElem o = shfl_down_elem(v, d);  // lane + d is the older segment
+                if (lane + d < 32) v = combine(o, v);
+            }
+            v = ChainElem{__shfl_sync(0xffffffffu, v.a, 0), __shfl_sync(0xffffffffu, v.b, 0),
+                          __shfl_sync(0xffffffffu, v.pos, 0), __shfl_sync(0xffffffffu, v.has, 0)};
+            acc = combine(v, acc);
+            if (s < 32) {
+                if ((__shfl_sync(0xffffffffu, f, s) & LB_INCL) == 0) fallback_end = start + (j - s + 1) * L;
+                break;
+            }
+        }
+        if (lane == 0) {
+            sh.lb = acc;
+            sh.lb_end = fallback_end;
+        }
+    }
+    __syncthreads();
+    ChainElem acc = sh.lb;
+    const i64 fallback_end = sh.lb_end;
+    if (fallback_end >= 0) acc = combine(compose_range(p, start, fallback_end, sh), acc);  // block-uniform
+    return acc;
+}
+
+// One write entry's inputs; *e gets its chain map (identity unless its slot is in range). The real-KV fold is
+// left to the caller when `fold` is false (a segment that publishes its map first: the fold is most of its time).
 struct WriteEntry {
     i64 slot;
     u64 tok, pos, et, ep, kvh;
 };
 
-__device__ __forceinline__ WriteEntry load_entry(const WriteParams& p, i64 i, i64 hi, ChainElem* e) {
+__device__ __forceinline__ WriteEntry load_entry(const WriteParams& p, i64 i, i64 hi, ChainElem* e, bool fold) {
     WriteEntry x{-1, 0, 0, ~0ULL, ~0ULL, 0};
     *e = chain_identity();
     if (i < hi) {
@@ -325,7 +422,7 @@ __device__ __forceinline__ WriteEntry load_entry(const WriteParams& p, i64 i, i6
         if (p.expected_positions)
             x.ep = (u64)load_int(p.expected_positions, p.entry_wide & ENTRY_WIDE_EXPECTED_POSITIONS, i);
         if (x.slot >= 0 && x.slot < p.st.num_slots) {  // out-of-range entries neither store nor advance the chain
-            x.kvh = fold_slot(p.kv, x.slot);
+            if (fold) x.kvh = fold_slot(p.kv, x.slot);
             *e = ChainElem{CHAIN_MUL, chain_g(x.tok, x.pos), x.pos, 1};
         }
     }
@@ -355,24 +452,33 @@ __device__ __forceinline__ void finish_entry(const StateParams& st, const WriteE
     }
 }
 
+// The running hash and last position before a request's first entry: link(seed) and the seed's position, or the
+// anchor and "none" (-1, so that position 0 is expected first) without a seed. `valid` is false when the seed's
+// record holds no chain value.
+__device__ __forceinline__ void read_seed(const WriteParams& p, i64 r, u64* h, bool* valid, u64* prev_pos) {
+    *h = ANCHOR_LINK & FIELD_P;
+    *valid = true;
+    *prev_pos = ~0ULL;
+    const i64 seed = p.write_seed_slot_indices[r];
+    if (seed >= 0 && seed < p.st.num_slots) {
+        const u64* rec = slot_record(p.st, seed);
+        *valid = chain_field(chain_link(rec[2], rec[0], rec[1]), h);
+        *prev_pos = rec[1];
+    }
+}
+
 // A request of at most 32 entries by warp 0 alone: no barrier, no shared memory. The warp's shuffles scan the
 // chain maps; __match_any_sync finds a slot's last occurrence. The seed is read before the __syncwarp that
 // orders it ahead of every lane's store.
 __device__ void write_warp(const WriteParams& p, i64 r, i64 lo, i64 hi, bool chain_on, unsigned long long& processed) {
     const StateParams& st = p.st;
     const int lane = threadIdx.x;
-    u64 h = ANCHOR_LINK & FIELD_P;
-    bool valid = true;
-    u64 prev_pos = ~0ULL;
-    const i64 seed = p.write_seed_slot_indices[r];
-    if (seed >= 0 && seed < st.num_slots) {
-        const u64* rec = slot_record(st, seed);
-        valid = chain_field(chain_link(rec[2], rec[0], rec[1]), &h);
-        prev_pos = rec[1];
-    }
+    u64 h, prev_pos;
+    bool valid;
+    read_seed(p, r, &h, &valid, &prev_pos);
     const i64 i = lo + lane;
     ChainElem e;
-    const WriteEntry x = load_entry(p, i, hi, &e);
+    const WriteEntry x = load_entry(p, i, hi, &e, true);
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
         const ChainElem o = shfl_up_elem(e, d);
@@ -389,13 +495,15 @@ __device__ void write_warp(const WriteParams& p, i64 r, i64 lo, i64 hi, bool cha
     }
 }
 
-// Segment k of request r, by the whole block. The running hash before the segment is link(seed) carried
-// through every chain-advancing entry before it (compose_strided, or contiguous runs joined by one block scan
-// when some entry does not advance). Then per tile of WRITE_THREADS entries: every thread stages its
-// entry (loads, real-KV fold), one block scan gives each entry its running hash and expected chain position,
-// and every thread checks, reports and stores its own entry. A slot that appears again later in the same tile
-// is stored only by its last occurrence; tiles are ordered by barriers.
-__device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& sh, unsigned long long& processed) {
+// Segment k of request r (nreq requests), by the whole block. The running hash before the segment is link(seed)
+// carried through the map of segments 0..k-1: read from the look-back scratch, or composed from their entries
+// (compose_range) without one. Per tile of WRITE_THREADS entries: every thread stages its entry, one block scan
+// gives each entry its running hash and expected chain position, and every thread checks, reports and stores its
+// own entry. A slot that appears again later in the same tile is stored only by its last occurrence; tiles are
+// ordered by barriers. A one-tile segment publishes its map from that tile's scan, before its real-KV folds and
+// before it waits for its predecessors; a longer one composes its own entries first.
+__device__ void write_segment(const WriteParams& p, i64 r, i64 k, i64 nreq, WriteShared& sh,
+                              unsigned long long& processed) {
     const StateParams& st = p.st;
     const int tid = threadIdx.x;
     const i64 n = p.num_entries;
@@ -409,42 +517,54 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& s
         if (tid < 32) write_warp(p, r, lo, hi, chain_on, processed);
         return;
     }
+    // Everything below is block-uniform. Items exist for requests r < lookback_items (segment 0's item holds the
+    // done counter); a segment beyond lookback_items still looks back, and its successors compose it.
+    const i64 nseg = (end - start + L - 1) / L;
+    const bool lb_on = p.lookback != nullptr && nseg > 1 && r < p.lookback_items;
+    const i64 w = k * nreq + r;
+    u64* const item = lb_on && k + 1 < nseg && w < p.lookback_items ? p.lookback + w * LOOKBACK_ITEM_WORDS : nullptr;
+    const bool one_tile = hi - lo <= WRITE_THREADS;
 
-    // The seed, read by every thread before any store of this segment (the first scan's barrier orders them).
-    u64 h = ANCHOR_LINK & FIELD_P;
-    bool valid = true;
-    u64 prev_pos = ~0ULL;  // -1: no predecessor, so position 0 is expected first
-    const i64 seed = p.write_seed_slot_indices[r];
-    if (seed >= 0 && seed < st.num_slots) {
-        const u64* rec = slot_record(st, seed);
-        valid = chain_field(chain_link(rec[2], rec[0], rec[1]), &h);
-        prev_pos = rec[1];
-    }
-    if (lo > start && !compose_strided(p, start, lo, sh, &h, &prev_pos)) {  // block-uniform
-        const i64 per = (lo - start + WRITE_THREADS - 1) / WRITE_THREADS;
-        const i64 i0 = start + tid * per;
-        const i64 i1 = i0 + per < lo ? i0 + per : lo;
-        const ChainElem run = compose_run(p, i0, i1);
-        ChainElem total;
-        block_scan(run, &total, sh.warp);
-        h = addmod_p(mulmod_p(total.a, h), total.b);
-        if (total.has) prev_pos = total.pos;
+    u64 h, prev_pos;  // read by every thread before any store of this segment (the first scan's barrier orders them)
+    bool valid;
+    read_seed(p, r, &h, &valid, &prev_pos);
+    bool pending = k > 0;  // the map of segments 0..k-1 is still to be applied to h
+    ChainElem own = chain_identity();
+    if (!one_tile) {
+        if (item) own = compose_range(p, lo, hi, sh);
+        if (item && tid == 0) lookback_publish(item, own, k == 0);
     }
     for (i64 base = lo; base < hi; base += WRITE_THREADS) {
+        if (pending && !one_tile) {
+            const ChainElem pre = lb_on ? look_back(p, r, k, nreq, start, L, sh) : compose_range(p, start, lo, sh);
+            if (item && tid == 0) lookback_publish(item, combine(pre, own), true);
+            h = addmod_p(mulmod_p(pre.a, h), pre.b);
+            if (pre.has) prev_pos = pre.pos;
+            pending = false;
+        }
         const i64 i = base + tid;
-        const bool dedup = hi - base > 1;  // block-uniform
+        const bool dedup = hi - base > 1;
         if (dedup) {  // the previous tile's lookups are behind the loop's closing barrier
             sh.key[tid] = sh.key[tid + WRITE_THREADS] = DEDUP_EMPTY;
             sh.owner[tid] = sh.owner[tid + WRITE_THREADS] = -1;
         }
         ChainElem e;
-        const WriteEntry x = load_entry(p, i, hi, &e);
+        WriteEntry x = load_entry(p, i, hi, &e, !pending);
         if (dedup) {
             __syncthreads();  // the table is clear
             if (x.slot >= 0 && x.slot < st.num_slots) dedup_insert(sh, x.slot, tid);
         }
         ChainElem total;
         const ChainElem ex = block_scan(e, &total, sh.warp);  // its barriers publish the table too
+        if (item && one_tile && tid == 0) lookback_publish(item, total, k == 0);
+        if (pending) {  // a one-tile segment after the first
+            const ChainElem pre = lb_on ? look_back(p, r, k, nreq, start, L, sh) : compose_range(p, start, lo, sh);
+            if (item && tid == 0) lookback_publish(item, combine(pre, total), true);
+            h = addmod_p(mulmod_p(pre.a, h), pre.b);
+            if (pre.has) prev_pos = pre.pos;
+            pending = false;
+            if (x.slot >= 0 && x.slot < st.num_slots) x.kvh = fold_slot(p.kv, x.slot);
+        }
         if (i < hi && x.slot >= 0) {
             ++processed;
             const bool last = x.slot < st.num_slots && (!dedup || dedup_last(sh, x.slot, tid));
@@ -454,22 +574,36 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, WriteShared& s
         if (total.has) prev_pos = total.pos;
         __syncthreads();  // the next tile reuses the table
     }
+    if (lb_on) {  // this segment's reads and publications are done: count it; the request's last one clears
+        if (tid == 0) {
+            __threadfence();
+            u64* done = p.lookback + r * LOOKBACK_ITEM_WORDS + 7;
+            sh.lb_last = atomicAdd(reinterpret_cast<unsigned long long*>(done), 1ULL) == (unsigned long long)(nseg - 1);
+        }
+        __syncthreads();
+        if (sh.lb_last) {
+            for (i64 q = tid; q < nseg; q += WRITE_THREADS)
+                if (q * nreq + r < p.lookback_items) p.lookback[(q * nreq + r) * LOOKBACK_ITEM_WORDS] = 0;
+            if (tid == 0) p.lookback[r * LOOKBACK_ITEM_WORDS + 7] = 0;
+        }
+        __syncthreads();  // sh.lb_last is rewritten by the next segment
+    }
 }
 
-// Work items w = r * WRITE_MAX_SEGMENTS + k (segment k of request r), over a grid of any size: block b takes
-// the items w = b (mod gridDim.x), WRITE_THREADS candidates at a time; the non-empty ones (a request not
-// seeded CANARY_SKIP_SEED, k below its segment count) are queued in shared memory and run one after the other. Items
-// are independent: a long request spreads over up to WRITE_MAX_SEGMENTS blocks (SMs), and its real-KV folds
-// with it. Segment k recomputes the chain of segments < k instead of waiting for them: no scratch memory, no
-// inter-block wait; the price is quadratic: a 32k-token request's last segment reads 127 x 256 entries
-// (docs/performance.md: the look-back that would remove it).
+// Work items w = k * nreq + r (segment k of request r), over a grid of any size: block b takes the items
+// w = b (mod gridDim.x), WRITE_THREADS candidates at a time; the non-empty ones (a request not seeded
+// CANARY_SKIP_SEED, k below its segment count) are queued in shared memory in increasing w and run one after the
+// other. A long request spreads over up to WRITE_MAX_SEGMENTS blocks (SMs), and its real-KV folds with it.
+// Segment-major order (every request's first segment first) spreads decode's one-segment requests over the blocks
+// (request-major put 32 of them on each 32nd block, serially: run 46); increasing w in every block means a
+// segment's predecessors were started before it wherever the grid is resident, so look-back waits end.
 extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const WriteParams p) {
     __shared__ WriteShared sh;
     __shared__ i64 s_items[WRITE_THREADS];
-    __shared__ int s_nitems;
+    __shared__ int s_count[WRITE_WARPS];
     __shared__ unsigned long long s_processed;
     const StateParams& st = p.st;
-    const int tid = threadIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (blockIdx.x == 0 && tid == 0) atomicAdd(&st.kernel_run_counter[COUNTER_WRITE], 1ULL);
     if (tid == 0) s_processed = 0;
     const i64 nreq = clamp64((i64)*p.write_num_valid_reqs, 0, p.write_req_capacity);
@@ -478,25 +612,31 @@ extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const W
     const i64 grid = gridDim.x;
     unsigned long long processed = 0;
     for (i64 c = 0; c * grid + blockIdx.x < items; c += WRITE_THREADS) {  // block-uniform
-        if (tid == 0) s_nitems = 0;
-        __syncthreads();
         const i64 w = (c + tid) * grid + blockIdx.x;
+        bool want = false;
         if (w < items) {
-            // Segment-major (w = k * nreq + r): every request's first segment comes first, so decode's one-segment
-            // requests spread over the blocks (request-major put 32 of them on each 32nd block, serially: run 46).
             const i64 r = w % nreq, k = w / nreq;
             if (p.write_seed_slot_indices[r] != CANARY_SKIP_SEED) {  // a padding row's tokens: nothing of them is looked at
                 const i64 len = clamp64(p.write_offsets[r + 1], 0, n) - clamp64(p.write_offsets[r], 0, n);
-                if (len > 0 && k * segment_len(len) < len) s_items[atomicAdd(&s_nitems, 1)] = w;
+                want = len > 0 && k * segment_len(len) < len;
             }
         }
+        const unsigned int mine = __ballot_sync(0xffffffffu, want);
+        if (lane == 0) s_count[warp] = __popc(mine);
         __syncthreads();
-        const int m = s_nitems;
+        int before = 0, m = 0;
+#pragma unroll
+        for (int q = 0; q < WRITE_WARPS; ++q) {
+            before += q < warp ? s_count[q] : 0;
+            m += s_count[q];
+        }
+        if (want) s_items[before + __popc(mine & ((1u << lane) - 1u))] = w;
+        __syncthreads();
         for (int q = 0; q < m; ++q) {
             const i64 w2 = s_items[q];
-            write_segment(p, w2 % nreq, w2 / nreq, sh, processed);
+            write_segment(p, w2 % nreq, w2 / nreq, nreq, sh, processed);
         }
-        __syncthreads();  // s_items and s_nitems are rewritten next round
+        __syncthreads();  // s_items and s_count are rewritten next round
     }
     add_block_count(&s_processed, processed, &st.slot_run_counter[COUNTER_WRITE]);
 }

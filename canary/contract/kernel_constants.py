@@ -145,6 +145,8 @@ RECORDS = [
     _int("WRITE_THREADS", RL.WRITE_THREADS, "entries per tile of a write segment: one block-wide scan per tile"),
     _int("WRITE_MAX_SEGMENTS", RL.WRITE_MAX_SEGMENTS,
          "a request's entries split into at most this many segments, one block each"),
+    _int("LOOKBACK_ITEM_WORDS", RL.LOOKBACK_ITEM_WORDS,
+         "a write look-back item: flag, own map (a, b, position), inclusive map (a, b, position), done counter"),
     _int("VERIFY_THREADS", RL.VERIFY_THREADS),
     _int("SCATTER_THREADS", RL.SCATTER_THREADS),
     _int("LAYER_THREADS", LL.LAYER_THREADS),

@@ -15,6 +15,13 @@ WRITE_THREADS = 256
 WRITE_MAX_SEGMENTS = 128
 VERIFY_THREADS = 256
 SCATTER_THREADS = 128
+# The write's look-back (records.cu look_back, docs/records.md 8): a segment of a long request publishes its chain
+# map in a scratch item of LOOKBACK_ITEM_WORDS words (flag; its own map a, b, position; the map of its request up
+# to and including it; a done counter used by segment 0's item), so later segments read it instead of composing
+# every entry before them. Items are w = k * R + r (segment k of request r); w >= LOOKBACK_ITEMS composes instead
+# (the pre-look-back way). 8192 items = 512 KiB of device memory a canary: 64 requests of 128 segments each.
+LOOKBACK_ITEMS = 8192
+LOOKBACK_ITEM_WORDS = 8
 
 _P64, _I64 = "const i64*", "i64"
 _PINT = "const void*"  # an int32 or int64 array (SPEC 2 (*)), read through load_int
@@ -67,6 +74,10 @@ WRITE_PARAMS = Struct("WriteParams", (
     M(_PINT, "expected_input_ids", "null: not given"),
     M(_PINT, "expected_positions", "null: not given"),
     M(_I64, "entry_wide", "bit ENTRY_WIDE_*: that token array holds int64 (else int32)"),
+    M("unsigned long long*", "lookback",
+      "[lookback_items, LOOKBACK_ITEM_WORDS] zeroed scratch, all zero again after each launch; null: every "
+      "segment composes the entries before it"),
+    M(_I64, "lookback_items"),
 ))
 VERIFY_PARAMS = Struct("VerifyParams", (
     M(STATE_PARAMS, "st"), M(REAL_KV_PARAMS, "kv"),
@@ -110,7 +121,12 @@ VERIFY_FIELDS = VERIFY_PARAMS.fields()
 SCATTER_FIELDS = SCATTER_PARAMS.fields()
 APPEND_FIELDS = APPEND_PARAMS.fields()
 CONSTANTS = {"MAX_SOURCES": MAX_SOURCES, "WRITE_THREADS": WRITE_THREADS, "WRITE_MAX_SEGMENTS": WRITE_MAX_SEGMENTS, "VERIFY_THREADS": VERIFY_THREADS,
-             "SCATTER_THREADS": SCATTER_THREADS}
+             "SCATTER_THREADS": SCATTER_THREADS, "LOOKBACK_ITEM_WORDS": LOOKBACK_ITEM_WORDS}
+
+
+def lookback_words(items: int = LOOKBACK_ITEMS) -> int:
+    """uint64 words of a write's look-back scratch of ``items`` items (``WriteParams.lookback``)."""
+    return int(items) * LOOKBACK_ITEM_WORDS
 
 
 def verify_grid(verify_capacity: int, sms: int, blocks_per_sm: int, threads: int = VERIFY_THREADS) -> int:

@@ -123,8 +123,8 @@ def test_large_launches(backend):
 @pytest.mark.parametrize("shape", ["bs1_32k", "bs8_2k", "mixed"])
 @pytest.mark.parametrize("mode", [RealKVMode.NONE, RealKVMode.ALL])
 def test_long_requests_split_across_blocks(backend, shape, mode):
-    """The write scan at the GPU's sizes: one 32,768-token request (128 segments of 256 entries: the strided
-    composition before each), 8 x 2,048 (8 segments of 256 each), and a mix of long and one-token requests (the
+    """The write scan at the GPU's sizes: one 32,768-token request (128 segments of 256 entries, each reading its
+    predecessors' maps from the look-back scratch), 8 x 2,048 (8 segments of 256 each), and a mix of long and one-token requests (the
     warp path) with skips (the contiguous composition: some entries do not advance the chain) and SKIP_SEED rows,
     seeded from chained records; then a verify of everything written (clean)."""
     rng = np.random.default_rng(11)
@@ -156,6 +156,60 @@ def test_long_requests_split_across_blocks(backend, shape, mode):
     case = cc.CanaryCase(name=f"long_{shape}", num_slots=num_slots, launches=[write, verify], ring_capacity=4096,
                          records=records, sources=srcs, mode=mode, expect=None)
     _twin(case, backend)
+
+
+@pytest.mark.parametrize("items", [None, 0, 3])
+def test_long_writes_chained_on_one_canary(backend, items, monkeypatch):
+    """Four chunked prefills of three requests (3,000, 700 and 1,500 tokens: 12, 3 and 6 segments) on one canary,
+    each chunk seeded by the previous chunk's last slot, then a verify of everything: the look-back scratch is
+    reused by every launch, so a flag one launch left behind would give the next a wrong chain. ``items`` caps
+    the scratch (CuPy: ``LOOKBACK_ITEMS``): None the default, 0 none (every segment composes its predecessors),
+    3 only the first items (segments beyond them look back and are composed by their successors). The scratch is
+    all zero after the run."""
+    bounds = []
+    if backend == "cupy":
+        import canary.backends.cupy.records as cr
+
+        if items is not None:
+            monkeypatch.setattr(cr, "LOOKBACK_ITEMS", items)
+        init = cr.Bound.__init__
+
+        def spy(self, *a, **kw):
+            init(self, *a, **kw)
+            bounds.append(self)
+
+        monkeypatch.setattr(cr.Bound, "__init__", spy)
+    elif items is not None:
+        pytest.skip("the look-back scratch is the CuPy kernel's (Numba composes every segment's predecessors)")
+    rng = np.random.default_rng(23)
+    lens = np.array([3000, 700, 1500])
+    chunks = 4
+    num_slots = int(lens.sum()) * chunks + 100
+    slots = 1 + rng.permutation(num_slots - 1)
+    launches, used = [], 0
+    last = np.full(lens.size, -1)
+    v_slots, v_ids, v_pos, v_prev = [], [], [], []
+    for c in range(chunks):
+        loc = slots[used:used + int(lens.sum())]
+        used += loc.size
+        offsets = np.concatenate([[0], np.cumsum(lens)])
+        pos = np.concatenate([np.arange(m) + c * m for m in lens])
+        ids = rng.integers(0, 1 << 40, size=loc.size)
+        launches.append(cc.write_launch(offsets, last.copy(), loc, ids, pos))
+        for r in range(lens.size):
+            seg = slice(offsets[r], offsets[r + 1])
+            v_slots.append(loc[seg]), v_ids.append(ids[seg]), v_pos.append(pos[seg])
+            v_prev.append(np.concatenate([[last[r]], loc[seg][:-1]]))
+            last[r] = loc[seg][-1]
+    launches.append(cc.verify_launch(*(np.concatenate(v) for v in (v_slots, v_ids, v_pos, v_prev))))
+    case = cc.CanaryCase(name=f"chained_{items}", num_slots=num_slots, launches=launches, ring_capacity=256,
+                         records=np.zeros((num_slots, 4), np.int64), expect=None)
+    want = _reference(case)
+    assert all(w0 == w1 for _, w0, w1, _ in want.launches), "the reference reports a violation: the case is wrong"
+    place, to_host, sync = _placement("cupy")
+    cc.assert_twin(case, cc.run_case(case, backend, place, to_host, sync=sync), want)
+    for b in bounds:
+        assert not to_host(b._lookback).any(), "the look-back scratch is not zero after the launches"
 
 
 def test_side_stream_without_device_sync(backend):

@@ -15,7 +15,7 @@ from ...contract.state import StateViews
 from ..args import DEFAULT_LAUNCH, LaunchConfig, RecordVerifyArgs, RecordWriteArgs, ScatterArgs
 from ...contract.records_layout import (
     APPEND_FIELDS, MAX_SOURCES, REAL_KV_FIELDS, SCATTER_FIELDS, SCATTER_THREADS, VERIFY_FIELDS, VERIFY_THREADS,
-    WRITE_FIELDS, WRITE_THREADS, verify_grid, write_grid,
+    LOOKBACK_ITEMS, WRITE_FIELDS, WRITE_THREADS, lookback_words, verify_grid, write_grid,
 )
 from . import OnDevice, Params, Streams, cupy, load_functions, raw_module
 
@@ -70,7 +70,12 @@ class Bound:
         self.real_kv = real_kv  # keeps the sources alive while their pointers sit in the params
         self.device_id = state.device_id
         fixed = self._fixed = {**state_words(state), **real_kv_words(real_kv)}
-        self._write = Params(WRITE_FIELDS, fixed)
+        # The write's look-back scratch (records.cu look_back): zero now and again after every launch. One a
+        # canary, so its writes must not run concurrently on two streams (they share the records anyway).
+        with cupy.cuda.Device(self.device_id):
+            self._lookback = cupy.zeros(lookback_words(LOOKBACK_ITEMS), dtype=np.uint64)
+        self._write_fixed = {**fixed, "lookback": self._lookback.data.ptr, "lookback_items": LOOKBACK_ITEMS}
+        self._write = Params(WRITE_FIELDS, self._write_fixed)
         self._verify = Params(VERIFY_FIELDS, fixed)
         self._streams = Streams()
         self._fns = None
@@ -131,7 +136,7 @@ class Bound:
     def prepare_write(self, a: RecordWriteArgs) -> tuple:
         if self._fns is None:
             self.warmup()
-        params = Params(WRITE_FIELDS, {**self._fixed, **self._write_words(a)})
+        params = Params(WRITE_FIELDS, {**self._write_fixed, **self._write_words(a)})
         grid = write_grid(a.plan.write_seed_slot_indices.shape[0], self._sms, self._write_blocks_per_sm)
         return self._fns[0], (grid,), (WRITE_THREADS,), params.args, params
 
