@@ -24,6 +24,8 @@ prof verify_bs256_all canary_verify 2 1 records bs256_decode_ctx1k ALL
 prof verify_bs256_all_numba canary_verify 2 1 records bs256_decode_ctx1k ALL numba
 prof write_32k canary_write 2 1 records bs1_prefill_32k NONE
 prof write_bs1 canary_write 2 1 records bs1_decode_ctx4k NONE
+prof write_bs32 canary_write 2 1 records bs32_prefill NONE
+prof write_bs256 canary_write 2 1 records bs256_decode_ctx1k NONE
 for kind in sampled full; do  # a sampled step against the full plan of its capacity: the fourth call's launches
   prof "sampled_bs4096_$kind" canary_plan 6 2 sampled bs4096 "$kind"
   prof "sampled_bs256_$kind" canary_plan 3 1 sampled bs256_decode "$kind"
