@@ -248,7 +248,7 @@ __device__ ChainElem compose_run(const WriteParams& p, i64 i0, i64 i1) {
     const i64 w = p.entry_wide;
     u64 b0 = 0, b1 = 0, pos0 = 0, pos1 = 0;
     i64 c0 = 0, c1 = 0;
-#pragma unroll 4
+#pragma unroll 1  // the rare path (a range with a skipped entry); unrolled, it made the kernel spill
     for (i64 j = 0; j < half; ++j) {
         const i64 ia = i0 + j, ib = i0 + half + j < i1 ? i0 + half + j : i0 + j;
         const i64 sa = load_int(p.out_cache_loc, w & ENTRY_WIDE_OUT_CACHE_LOC, ia);
