@@ -22,9 +22,10 @@ Deliberate differences from records.cu (argument passing only; the outputs are t
 - Block sizes are the constants ``canary_kernels`` closes over (the simulator, one Python thread per CUDA
   thread, runs the same code with small blocks).
 - The write's speed paths are records.cu's only: a request of at most 32 entries by one warp (``write_warp``:
-  shuffles, which the simulator lacks) and the strided composition before a segment (``compose_strided``,
-  taken when every entry before it advances). Here every request takes the tile path and the composition is
-  always the contiguous runs; the values are the same field arithmetic, so the bytes are the same.
+  shuffles, which the simulator lacks), the decoupled look-back across a request's segments (``look_back``:
+  the simulator runs one block at a time, so a segment could never wait for another) and the strided
+  composition (``compose_range``). Here every request takes the tile path and every segment composes the
+  entries before it as contiguous runs; the maps compose associatively in the field, so the bytes are the same.
 - The write's block scan runs through shared memory (a Hillis-Steele scan; records.cu scans each warp with
   shuffles first, which the simulator lacks), and ``mulmod_p`` multiplies 32-bit limbs (records.cu:
   ``__umul64hi``): the same field arithmetic, exact either way.
@@ -45,7 +46,7 @@ from canary.contract.kernel_constants import (
     ENTRY_WIDE_EXPECTED_POSITIONS, ENTRY_WIDE_INPUT_IDS, ENTRY_WIDE_OUT_CACHE_LOC, ENTRY_WIDE_POSITIONS, FAIL_CHAIN,
     FAIL_MISSING,
     FAIL_POSITION, FAIL_REAL_KV, FAIL_SLOT_RANGE, FAIL_VERIFY_TOKEN, FAIL_WRITE_POSITION, FAIL_WRITE_TOKEN,
-    LAYER_KIND_SHIFT, LAYER_THREADS, MAX_SOURCES, SCATTER_THREADS, VERIFY_THREADS, WRITE_MAX_SEGMENTS, WRITE_THREADS,
+    LAYER_KIND_SHIFT, LAYER_THREADS, SCATTER_THREADS, VERIFY_THREADS, WRITE_MAX_SEGMENTS, WRITE_THREADS,
 )
 
 # A request whose seed is CANARY_SKIP_SEED (INT64_MIN) writes nothing: a padding row whose tokens sit among the
