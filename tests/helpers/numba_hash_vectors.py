@@ -6,6 +6,7 @@ from numba import cuda  # a module global: the simulator swaps it for its fake i
 from helpers.hash_vectors import CHAIN_LINK_VECTORS, FOLD_SLOT, MIX3_VECTORS, MULMOD_VECTORS, REAL_KV_FOLD_VECTORS, SPLITMIX64_VECTORS, fold_vector_sources
 
 from canary.backends.sources import numba_kernels
+from canary.contract.records_layout import MAX_SOURCES
 
 cn = numba_kernels("records_numba")
 
@@ -60,14 +61,14 @@ def check_numba_folds() -> None:
     got = []
     for sources, _ in REAL_KV_FOLD_VECTORS:
         arrays = fold_vector_sources(sources)
-        kvp = np.zeros(cn.MAX_SOURCES * cn.KV_FIELDS, dtype=np.int64)
+        kvp = np.zeros(MAX_SOURCES * cn.KV_FIELDS, dtype=np.int64)
         for k, arr in enumerate(arrays):
             n = arr.size // 2
             kvp[k * cn.KV_FIELDS + cn.KV_ROW_STRIDE_WORDS] = n
             kvp[k * cn.KV_FIELDS + cn.KV_PAGE_SIZE] = 1
             kvp[k * cn.KV_FIELDS + cn.KV_WORDS_PER_TOKEN] = n
             kvp[k * cn.KV_FIELDS + cn.KV_READ_WORDS] = n
-        arrays += [np.zeros(1, dtype=np.uint64)] * (cn.MAX_SOURCES - len(arrays))  # absent: never read
+        arrays += [np.zeros(1, dtype=np.uint64)] * (MAX_SOURCES - len(arrays))  # absent: never read
         out = cuda.to_device(np.full(1, 0xDEAD, dtype=np.uint64))
         fold_vector[1, 1](*(cuda.to_device(a) for a in arrays), cuda.to_device(kvp), np.int64(len(sources)),
                           np.int64(FOLD_SLOT), out)
