@@ -57,9 +57,10 @@ typedef unsigned long long u64;
 #define ROW_BATCH 2
 #define SIDE_BATCH 1                      // rows a thread of a side block owns (2 spilled in the rows kernel)
 #define SIDE_ROWS (ROWS_THREADS * SIDE_BATCH)  // rows of one side block's tile
-// Scratch words (int64, owned by the planner, zeroed once at bind, re-armed by every launch).
-#define SCRATCH_DONE 0                    // blocks finished (the last one finalizes)
-#define SCRATCH_BAD_SLOT 1                // BAD_SLOT bits from entries and seeds
+// Scratch words (int64, owned by the planner, zeroed once at bind, re-armed by every launch). SCRATCH_DONE: blocks
+// finished (low 32 bits; the last one finalizes) and blocks that found a BAD_SLOT (high 32 bits)
+#define SCRATCH_DONE 0
+#define SCRATCH_BAD_SLOT 1                // the Numba twin's BAD_SLOT bits; unused by plan.cu (SCRATCH_DONE)
 #define SCRATCH_ROW_FLAGS 2               // two-pass only: row checks of the rows kernel
 #define SCRATCH_TOTAL 3                   // two-pass only: verify entries in all
 #define SCRATCH_READERS 4                 // fused, sampled steps: emitting blocks done reading the cursors
