@@ -261,8 +261,8 @@ struct WriteParams {
     const void* expected_input_ids;      // null: not given
     const void* expected_positions;      // null: not given
     i64 entry_wide;                      // bit ENTRY_WIDE_*: that token array holds int64 (else int32)
-    // [lookback_items, LOOKBACK_ITEM_WORDS] zeroed scratch, all zero again after each launch; null: every segment
-    // composes the entries before it
+    // [lookback_items, LOOKBACK_ITEM_WORDS] zeroed scratch; every flag and counter zero again after each launch
+    // (values stay behind cleared flags); null: every segment composes the entries before it
     unsigned long long* lookback;
     i64 lookback_items;
 };

@@ -63,12 +63,16 @@ __device__ __forceinline__ void fused_sampled(const PlanParams& p, RowTable t, i
     if (blockIdx.x == emitters) {
         if (threadIdx.x == 0) {
             while (atomicAdd(readers, 0ull) < (unsigned long long)emitters) __nanosleep(32);
+            __threadfence();  // acquire: the emitters' cursor reads precede this block's cursor stores
             *readers = 0;  // every other block has been counted: re-armed for the next launch
         }
         __syncthreads();
         update_cursors(p, t, requests);
     } else {
-        if (threadIdx.x == 0) atomicAdd(readers, 1ull);
+        if (threadIdx.x == 0) {
+            __threadfence();  // release: this block's cursor reads (ordered by sample_rows_at_once's last barrier)
+            atomicAdd(readers, 1ull);
+        }
         bad |= emit_entries<HAS_LUT, HAS_POOL, true, FORM>(p, t, RowSamples{nullptr, 0, 0}, p.verify_capacity,
                                                            emitters);
     }

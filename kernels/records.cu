@@ -582,6 +582,7 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, i64 nreq, Writ
         }
         __syncthreads();
         if (sh.lb_last) {
+            __threadfence();  // acquire: every segment's flag stores (before its fenced increment) precede the clear
             for (i64 q = tid; q < nseg; q += WRITE_THREADS)
                 if (q * nreq + r < p.lookback_items) p.lookback[(q * nreq + r) * LOOKBACK_ITEM_WORDS] = 0;
             if (tid == 0) p.lookback[r * LOOKBACK_ITEM_WORDS + 7] = 0;

@@ -75,8 +75,8 @@ WRITE_PARAMS = Struct("WriteParams", (
     M(_PINT, "expected_positions", "null: not given"),
     M(_I64, "entry_wide", "bit ENTRY_WIDE_*: that token array holds int64 (else int32)"),
     M("unsigned long long*", "lookback",
-      "[lookback_items, LOOKBACK_ITEM_WORDS] zeroed scratch, all zero again after each launch; null: every "
-      "segment composes the entries before it"),
+      "[lookback_items, LOOKBACK_ITEM_WORDS] zeroed scratch; every flag and counter zero again after each "
+      "launch (values stay behind cleared flags); null: every segment composes the entries before it"),
     M(_I64, "lookback_items"),
 ))
 VERIFY_PARAMS = Struct("VerifyParams", (
