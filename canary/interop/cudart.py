@@ -224,7 +224,8 @@ _CHOSEN: dict[str, object] = {}
 
 def runtime():
     """The binding for this process: CuPy's runtime module when CuPy is imported, else ``cuda.bindings``
-    (decided once, at the first call that finds CuPy imported or at the first call at all)."""
+    (decided once, at the first call: a CUDA :class:`~canary.manager.CanaryManager` resolves its backend, which
+    imports CuPy for the CuPy backend, before it makes one)."""
     rt = _CHOSEN.get("rt")
     if rt is None:
         rt = _CupyRuntime() if "cupy" in sys.modules else _BindingsRuntime()

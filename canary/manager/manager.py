@@ -108,6 +108,12 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
             raise fail(ValueError, f"on_violation: expected 'log', 'raise' or a callable taking a list of "
                                    f"SlotViolation, got {on_violation!r}")
         self.max_batch_size, self.ordinal = int(max_batch_size), cuda_ordinal(device)
+        if self.ordinal is not None:
+            # The backend's library before anything else: the per-step runtime calls' binding is chosen at their
+            # first use (canary/interop/cudart.py runtime), here by the marks' pinned buffers below, and it is
+            # CuPy's, the cheaper, only if CuPy is imported by then (the GPU profile of run 139 found the
+            # transformers integration on cuda.bindings: 12 enum objects a step)
+            backends.resolve(backend, self.ordinal, "records")
         empty = allocator(device, library)
         max_reqs, max_seq_len = index_shape(specs[0])
         rows = (2 * max_reqs if max_requests is None else int(max_requests)) + 1
