@@ -323,7 +323,7 @@ __device__ ChainElem compose_range(const WriteParams& p, i64 i0, i64 i1, WriteSh
 // An item is LOOKBACK_ITEM_WORDS words: [0] flag, [1..3] AGG a, b, pos, [4..6] INCL a, b, pos, [7] the request's
 // done counter (segment 0's item only). The flag is written last, after a fence; a reader that sees it fences
 // before reading the values. The last segment of a request to finish clears its request's flags and counter, so
-// the scratch is zero between launches with no epoch and no work for single-segment (decode) requests.
+// every flag and counter is zero between launches with no epoch and no work for single-segment (decode) requests.
 // A predecessor that does not publish within LOOKBACK_POLLS polls (not resident, beyond lookback_items) is
 // composed from its entries instead (compose_range): the result never depends on timing, only the time does.
 #define LB_AGG 1ULL
