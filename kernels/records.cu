@@ -495,6 +495,18 @@ __device__ void write_warp(const WriteParams& p, i64 r, i64 lo, i64 hi, bool cha
     }
 }
 
+// Segment k's prefix, the map of segments 0..k-1 (from the look-back, or composed from their entries [start, lo)
+// without one), applied to the running hash h and the last position; published as the segment's INCL, with its
+// own map `own` after it, when the segment has an item. Every thread calls it.
+__device__ __forceinline__ void take_prefix(const WriteParams& p, i64 r, i64 k, i64 nreq, i64 start, i64 lo, i64 L,
+                                            bool lb_on, u64* item, const ChainElem& own, WriteShared& sh, u64& h,
+                                            u64& prev_pos) {
+    const ChainElem pre = lb_on ? look_back(p, r, k, nreq, start, L, sh) : compose_range(p, start, lo, sh);
+    if (item && threadIdx.x == 0) lookback_publish(item, combine(pre, own), true);
+    h = addmod_p(mulmod_p(pre.a, h), pre.b);
+    if (pre.has) prev_pos = pre.pos;
+}
+
 // Segment k of request r (nreq requests), by the whole block. The running hash before the segment is link(seed)
 // carried through the map of segments 0..k-1: read from the look-back scratch, or composed from their entries
 // (compose_range) without one. Per tile of WRITE_THREADS entries: every thread stages its entry, one block scan
@@ -529,19 +541,14 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, i64 nreq, Writ
     bool valid;
     read_seed(p, r, &h, &valid, &prev_pos);
     bool pending = k > 0;  // the map of segments 0..k-1 is still to be applied to h
-    ChainElem own = chain_identity();
     if (!one_tile) {
+        ChainElem own = chain_identity();
         if (item) own = compose_range(p, lo, hi, sh);
         if (item && tid == 0) lookback_publish(item, own, k == 0);
+        if (pending) take_prefix(p, r, k, nreq, start, lo, L, lb_on, item, own, sh, h, prev_pos);
+        pending = false;
     }
     for (i64 base = lo; base < hi; base += WRITE_THREADS) {
-        if (pending && !one_tile) {
-            const ChainElem pre = lb_on ? look_back(p, r, k, nreq, start, L, sh) : compose_range(p, start, lo, sh);
-            if (item && tid == 0) lookback_publish(item, combine(pre, own), true);
-            h = addmod_p(mulmod_p(pre.a, h), pre.b);
-            if (pre.has) prev_pos = pre.pos;
-            pending = false;
-        }
         const i64 i = base + tid;
         const bool dedup = hi - base > 1;
         if (dedup) {  // the previous tile's lookups are behind the loop's closing barrier
@@ -558,10 +565,7 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, i64 nreq, Writ
         const ChainElem ex = block_scan(e, &total, sh.warp);  // its barriers publish the table too
         if (item && one_tile && tid == 0) lookback_publish(item, total, k == 0);
         if (pending) {  // a one-tile segment after the first
-            const ChainElem pre = lb_on ? look_back(p, r, k, nreq, start, L, sh) : compose_range(p, start, lo, sh);
-            if (item && tid == 0) lookback_publish(item, combine(pre, total), true);
-            h = addmod_p(mulmod_p(pre.a, h), pre.b);
-            if (pre.has) prev_pos = pre.pos;
+            take_prefix(p, r, k, nreq, start, lo, L, lb_on, item, total, sh, h, prev_pos);
             pending = false;
             if (x.slot >= 0 && x.slot < st.num_slots) x.kvh = fold_slot(p.kv, x.slot);
         }
