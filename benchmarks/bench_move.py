@@ -118,7 +118,7 @@ def run(bench: harness.Bench, name: str, backend: str, a) -> None:
                   ("scatter device", lambda s: m.scatter(dst, dev_rows, stream=s), lambda: scattered(dev_rows), "d2d"),
                   ("scatter pinned", lambda s: m.scatter(dst, host_rows, stream=s), lambda: scattered(host_rows),
                    "h2d")]
-    for what, body, ok in ((w, b, o) for w, b, o, _ in calls):
+    for what, body, ok, _ in calls:
         label = f"move {name} {backend} {what}"
         row = bench.attempt(label, lambda: harness.device_time(body, check=ok, dry=bench.dry, rounds=bench.rounds(7),
                                                                replays=a.replays), **info)

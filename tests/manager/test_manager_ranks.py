@@ -4,7 +4,6 @@ naming it, a lost write on one rank is a RANK_DIVERGE naming it; the rank labels
 The communicator adapters and the summary are tested in-process too (no torch needed for those)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.fake_child import needs_cuda_bindings, run_fake_child
 from helpers.manager_engine import ToyEngine
 
 from canary import LocalCommunicator, Ranks, RankViolation
@@ -414,22 +414,9 @@ def test_a_verify_plan_that_differs_is_a_plan_divergence(backend):  # pragma: no
         assert [v for v in res[0] if not isinstance(v, RankViolation)] == []
 
 
-def _has_cuda_bindings() -> bool:
-    try:  # find_spec of a submodule imports its parent, and raises when there is no `cuda` package at all
-        return importlib.util.find_spec("cuda.bindings") is not None
-    except ImportError:
-        return False
-
-
-@pytest.mark.skipif(not _has_cuda_bindings(), reason="needs cuda-bindings (its driver constants); "
-                    "pip install -e '.[sim]'")
+@needs_cuda_bindings
 @pytest.mark.parametrize("report", ["kernel", "copy"])
 def test_a_gpu_managers_agreement_words_on_the_fake_device(report):
     """The device words' plumbing without a GPU (agree_fake_child.py): the launch's packing, direct and inside
     replayed graphs, the words' place in the report block, their reset behind each report, the decoder's read."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    child = Path(__file__).resolve().parent / "agree_fake_child.py"
-    done = subprocess.run([sys.executable, str(child), report], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), (done.stdout + done.stderr)[-4000:]
+    run_fake_child(Path(__file__).resolve().parent / "agree_fake_child.py", report)
