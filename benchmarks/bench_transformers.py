@@ -2,7 +2,8 @@
 
     python benchmarks/bench_transformers.py [--device cpu|cuda] [--requests 96] [--max-batch 32]
                                             [--new-tokens 64] [--layers 4] [--hidden 256] [--rounds 3]
-                                            [--cuda-graphs] [--async-batching] [--dry]
+                                            [--cuda-graphs] [--async-batching] [--profile FILE] [--split FILE]
+                                            [--dry]
 
 A Llama built from its config (``--layers`` layers of ``--hidden`` width, random weights, nothing downloaded)
 serves ``--requests`` prompts of 16 to 64 tokens through a ``ContinuousBatchingManager``, greedy, each with its
@@ -117,6 +118,75 @@ class HookProfile:
             f.write(buf.getvalue())
 
 
+class HookSplit:
+    """``--split FILE``: wall time of the integration's hooks and of the manager calls and internals under them,
+    over the last round's canary-on run (a perf_counter pair around each wrapped function: far less intrusive than
+    a profiler), written as text: calls a decode-or-prefill step, median us a call, mean us a step. A wrapped
+    function's time includes the wrapped functions it calls."""
+
+    TARGETS = (
+        ("canary.integrations.hf_session", "Session", ("begin_step", "end_step", "on_update", "on_free", "_stage",
+                                                        "_admit")),
+        ("canary.manager.manager", "CanaryManager", ("before_forward", "after_kv_store", "accept_tokens_batch",
+                                                      "accept_tokens", "add_request", "finish_request", "_launch",
+                                                      "_note_entries", "_handle_reports")),
+        ("canary.manager.steps", "Steps", ("begin", "eager_plan_and_verify", "eager_write", "end", "plan_and_verify",
+                                           "write", "check_request_ids", "check_lengths", "batch_size")),
+        ("canary.manager.streams", "StreamResolver", ("resolve", "_explicit")),
+        ("canary.manager.eager", "EagerGraphs", ("launch", "observe")),
+        ("canary.manager.intake", "TokenIntake", ("accept_batch", "rows")),
+        ("canary.manager.pool", "RequestPool", ("accept_batch", "add", "finish")),
+        ("canary.manager.decode", "ReportDecoder", ("handle_reports", "decode")),
+        ("canary.manager.staging", "CudaStaging", ("stage", "stage_device_append", "stage_append",
+                                                   "launch_deferred")),
+        ("canary.manager.steps", None, ("open_pages",)),
+        ("canary.manager.manager", None, ("check_bound", "step_arrays")),
+    )
+
+    def __init__(self, path: str):
+        self.path, self.orig, self.times = path, [], {}
+
+    def start(self) -> None:
+        import importlib
+
+        perf = time.perf_counter
+        for mod_name, cls_name, names in self.TARGETS:
+            owner = importlib.import_module(mod_name)
+            if cls_name is not None:
+                owner = getattr(owner, cls_name)
+            for name in names:
+                where = owner
+                if cls_name is not None:  # the class of the MRO that defines it (a mixin's method too)
+                    where = next((c for c in owner.__mro__ if name in c.__dict__), None)
+                fn = None if where is None else where.__dict__.get(name) if cls_name else getattr(owner, name, None)
+                kind = type(fn) if isinstance(fn, (staticmethod, classmethod)) else None
+                inner = fn.__func__ if kind is not None else fn
+                if inner is None or not callable(inner):
+                    continue
+                label = f"{cls_name or mod_name.rsplit('.', 1)[1]}.{name}"
+                got = self.times.setdefault(label, [])
+
+                def timed(*a, _fn=inner, _got=got, **k):
+                    t = perf()
+                    try:
+                        return _fn(*a, **k)
+                    finally:
+                        _got.append(perf() - t)
+                self.orig.append((where, name, fn))
+                setattr(where, name, timed if kind is None else kind(timed))
+
+    def stop(self, steps: int) -> None:
+        for owner, name, fn in reversed(self.orig):
+            setattr(owner, name, fn)
+        lines = [f"{'function':<44} {'calls/step':>10} {'us/call p50':>12} {'us/step':>9}   ({steps} steps)"]
+        for label, got in sorted(self.times.items(), key=lambda kv: -sum(kv[1])):
+            if got:
+                lines.append(f"{label:<44} {len(got) / steps:>10.2f} {np.median(got) * 1e6:>12.2f} "
+                             f"{sum(got) * 1e6 / steps:>9.2f}")
+        with open(self.path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def model_runs(args, bench: harness.Bench) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -167,6 +237,7 @@ def model_runs(args, bench: harness.Bench) -> None:
 
     clock = StepClock(ContinuousBatchProcessor)
     prof = HookProfile(args.profile) if args.profile else None
+    split = HookSplit(args.split) if args.split else None
     rounds = bench.rounds(3)
     host, glue, off, on, last = [], [], [], [], None
     try:
@@ -174,9 +245,13 @@ def model_runs(args, bench: harness.Bench) -> None:
             ref, t_off, _ = once(False)
             if prof is not None and r == rounds:
                 prof.start()
+            if split is not None and r == rounds:
+                split.start()
             got, t_on, stats = once(True)
             if prof is not None and r == rounds:
                 prof.stop()
+            if split is not None and r == rounds:
+                split.stop(stats["host_us_per_step"]["steps"])
             if got != ref:
                 raise harness.CheckFailed("tokens: the canary-on run generated other tokens than the canary-off run")
             if stats["violations"] or stats["errors"]:
@@ -219,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-batching", action="store_true", help="the engine's async batching (GPU)")
     ap.add_argument("--profile", metavar="FILE", help="a cProfile of the integration's hooks over the last round "
                     "(text; the figures are then inflated by the profiler: do not record them)")
+    ap.add_argument("--split", metavar="FILE", help="wall time of the hooks and of the manager's calls and internals "
+                    "under them over the last round (text; a timer pair a call: the figures are inflated a little)")
     ap.add_argument("--name", default="transformers", help="the results file's name: transformers, or transformers-<variant> for another configuration")
     args = ap.parse_args(argv)
     bench = harness.Bench(args.name, args, "host clock: the canary's hooks per decode step (perf_counter around "
