@@ -152,6 +152,7 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
         # canary/interop/cudart.py's runtime
         self._streams = StreamResolver(self.ordinal, self.pool_array)
         self._launch = self._streams.resolve
+        self._launch_capture = self._streams.resolve_capture  # before_forward / after_kv_store: one capture query
         self._is_capturing = runtime().is_capturing if self.ordinal is not None else None
         eager_ok = getattr(backends.load(self.backend, "records"), "EAGER_GRAPHS", False)  # a backend capability
         self._eager = (EagerGraphs(runtime(), self.ordinal)
@@ -328,8 +329,7 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
         and :meth:`after_kv_store` without a successful :meth:`before_forward` raises before writing anything.
         """
         sel = self._select(groups)
-        handle, st = self._launch(stream)
-        capturing = self.ordinal is not None and self._is_capturing(handle)
+        handle, st, capturing = self._launch_capture(stream)
         bs = self._steps.batch_size(req_pool_indices, self.max_batch_size)  # before the step opens, as every check
         index = step_arrays(sel, block_table=block_table, kv_indptr=kv_indptr, kv_indices=kv_indices)
         if not capturing:
@@ -371,8 +371,7 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
         :meth:`before_forward`. Raises ``TypeError`` for arrays that are not int32 or int64.
         """
         sel = self._select(groups)
-        handle, st = self._launch(stream)
-        capturing = self.ordinal is not None and self._is_capturing(handle)
+        handle, st, capturing = self._launch_capture(stream)
         steps = self._steps
         step = steps.step
         if not capturing and step is None:  # before any write: no record is written for a step never opened

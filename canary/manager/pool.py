@@ -96,6 +96,7 @@ class RequestPool:
     def __init__(self, rows: int, cols: int, groups: int = 1):
         self.rows, self.cols = rows, cols
         self.live: dict[Hashable, _Request] = {}
+        self.row_of: dict[Hashable, int] = {None: 0}  # each running request's row (padding rows: None -> 0)
         self.retired: dict[Hashable, _Request] = {}  # finished, row not yet reused
         self._free = deque(range(1, rows))
         self._owner_of_free: dict[int, Hashable] = {}
@@ -133,6 +134,7 @@ class RequestPool:
             self.retired.pop(old, None)
         self.retired.pop(request_id, None)
         req = self.live[request_id] = _Request(row)
+        self.row_of[request_id] = row
         self.counts[row] = 0
         self.planned[:, row] = 0  # no step has planned it yet: it holds nothing
         self.written[:, row] = -1
@@ -156,6 +158,7 @@ class RequestPool:
         req = self.live.pop(request_id, None)
         if req is None:
             raise fail(KeyError, f"request_id: expected a running request, got {request_id!r}")
+        del self.row_of[request_id]
         self.retired[request_id] = req
         self.version += 1
         self.members += 1
@@ -197,27 +200,21 @@ class RequestPool:
         if last is not None:
             rows, pad = last[2], last[3]
         else:
-            live = self.live.get
-            rows = np.zeros(len(request_ids), dtype=np.int64)
-            for i, rid in enumerate(request_ids):
-                if rid is None:  # a padding row: pool row 0, which no update writes
-                    continue
-                try:
-                    req = live(rid)
-                except TypeError:
-                    raise fail(TypeError, f"request_ids[{i}]: expected a hashable request id (or None), got "
-                                          f"{type(rid).__name__}") from None
-                if req is None:
-                    raise fail(KeyError, f"request_ids[{i}]: expected a running request (add_request first), got "
-                                         f"{rid!r}")
-                rows[i] = req.row
-            real = rows[rows > 0]
-            if len(set(real.tolist())) != len(real):
+            try:  # one lookup a row in a comprehension (a batch's hot path), the errors named below
+                got = [self.row_of.get(rid, -1) for rid in request_ids]
+            except TypeError:
+                got = None
+            if got is None or -1 in got:
+                self._refuse_batch(request_ids)
+                raise AssertionError("kv-canary: request_ids: a batch refused without a reason")  # unreachable
+            rows = np.array(got, dtype=np.int64)
+            padding = got.count(0)
+            if len(set(got)) != len(got) - padding + (1 if padding else 0):
                 first: dict = {}  # where each request is first, to name the one listed again
                 k = next(k for k, rid in enumerate(request_ids) if rid is not None and first.setdefault(rid, k) != k)
                 raise fail(ValueError, f"request_ids[{k}]: expected distinct requests (None for padding rows), got "
                                        f"{request_ids[k]!r} again (request_ids[{first[request_ids[k]]}])")
-            pad = None if len(real) == len(rows) else rows == 0
+            pad = None if not padding else rows == 0
             held = same_rows(request_ids) if same_rows is not None else None
             if held is not None and np.array_equal(held, rows):
                 rows = held
@@ -242,6 +239,20 @@ class RequestPool:
         self._batch_state = (self.version, rows, ends, top + 1)
         self.updates.append(RowTokens(rows, cols, tokens, ends, device, self.version - 1))
         self.accepting = True
+
+    def _refuse_batch(self, request_ids: tuple) -> None:
+        live = self.live.get
+        for i, rid in enumerate(request_ids):
+            if rid is None:
+                continue
+            try:
+                req = live(rid)
+            except TypeError:
+                raise fail(TypeError, f"request_ids[{i}]: expected a hashable request id (or None), got "
+                                      f"{type(rid).__name__}") from None
+            if req is None:
+                raise fail(KeyError, f"request_ids[{i}]: expected a running request (add_request first), got "
+                                     f"{rid!r}")
 
     def _cached_batch(self, request_ids: tuple) -> tuple | None:
         last = self._batch

@@ -371,7 +371,8 @@ class DeviceScatter:
 def _chunks(updates, u_cap: int, t_cap: int):
     """Split ``(row, col, tokens)`` updates (tokens: an int64 array or a list of ints) and :class:`RowTokens` into
     scatter launches of at most ``u_cap`` rows and ``t_cap`` tokens: ``(rows, cols, offsets, tokens)`` int64
-    arrays each."""
+    arrays each (a batch's accepted tokens and a new request's prompt usually in one launch: the updates write
+    disjoint columns, in any order)."""
     rows, cols, lens, toks, n = [], [], [], [], 0
 
     def emit():
@@ -384,12 +385,19 @@ def _chunks(updates, u_cap: int, t_cap: int):
         return np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64), offsets, flat
 
     for u in updates:
-        if type(u) is RowTokens:  # one token a row: its own launches, cut by arrays
+        if type(u) is RowTokens:  # one token a row: into the same launch as the others while it fits
             step = min(u_cap, t_cap)
+            host = u.host_tokens()
             for lo in range(0, u.rows.shape[0], step):
                 k = min(step, u.rows.shape[0] - lo)
-                yield (u.rows[lo:lo + k], u.cols[lo:lo + k], np.arange(k + 1, dtype=np.int64),
-                       u.host_tokens()[lo:lo + k])
+                if len(rows) + k > u_cap or n + k > t_cap:
+                    yield emit()
+                    rows, cols, lens, toks, n = [], [], [], [], 0
+                rows.extend(u.rows[lo:lo + k].tolist())
+                cols.extend(u.cols[lo:lo + k].tolist())
+                lens.extend([1] * k)
+                toks.append(host[lo:lo + k])
+                n += k
             continue
         row, col, t = u
         total = len(t)
