@@ -124,7 +124,7 @@ class HookSplit:
     a profiler), written as text: calls a decode-or-prefill step, median us a call, mean us a step. A wrapped
     function's time includes the wrapped functions it calls."""
 
-    TARGETS = (
+    HOOKED = (
         ("canary.integrations.hf_session", "Session", ("begin_step", "end_step", "on_update", "on_free", "_stage",
                                                         "_admit")),
         ("canary.manager.manager", "CanaryManager", ("before_forward", "after_kv_store", "accept_tokens_batch",
@@ -150,7 +150,7 @@ class HookSplit:
         import importlib
 
         perf = time.perf_counter
-        for mod_name, cls_name, names in self.TARGETS:
+        for mod_name, cls_name, names in self.HOOKED:
             owner = importlib.import_module(mod_name)
             if cls_name is not None:
                 owner = getattr(owner, cls_name)
