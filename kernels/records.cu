@@ -602,7 +602,7 @@ __device__ void write_segment(const WriteParams& p, i64 r, i64 k, i64 nreq, Writ
 // Segment-major order (every request's first segment first) spreads decode's one-segment requests over the blocks
 // (request-major put 32 of them on each 32nd block, serially: run 46); increasing w in every block means a
 // segment's predecessors were started before it wherever the grid is resident, so look-back waits end.
-extern "C" __global__ void __launch_bounds__(WRITE_THREADS) canary_write(const WriteParams p) {
+extern "C" __global__ void __launch_bounds__(WRITE_THREADS, WRITE_MIN_BLOCKS) canary_write(const WriteParams p) {
     __shared__ WriteShared sh;
     __shared__ i64 s_items[WRITE_THREADS];
     __shared__ int s_count[WRITE_WARPS];

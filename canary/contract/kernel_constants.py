@@ -144,6 +144,7 @@ RECORDS = [
     _int("MAX_SOURCES", RL.MAX_SOURCES,
          doc="Canary kernel block sizes and limits (canary/contract/records_layout.py, layers_layout.py)."),
     _int("WRITE_THREADS", RL.WRITE_THREADS, "entries per tile of a write segment: one block-wide scan per tile"),
+    _int("WRITE_MIN_BLOCKS", RL.WRITE_MIN_BLOCKS, "canary_write's resident blocks per SM (__launch_bounds__)"),
     _int("WRITE_MAX_SEGMENTS", RL.WRITE_MAX_SEGMENTS,
          "a request's entries split into at most this many segments, one block each"),
     _int("LOOKBACK_ITEM_WORDS", RL.LOOKBACK_ITEM_WORDS,
