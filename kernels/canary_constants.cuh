@@ -76,7 +76,7 @@ typedef unsigned long long u64;
 // Canary kernel block sizes and limits (canary/contract/records_layout.py, layers_layout.py).
 #define MAX_SOURCES 4
 #define WRITE_THREADS 256                 // entries per tile of a write segment: one block-wide scan per tile
-#define WRITE_MIN_BLOCKS 1                // canary_write's resident blocks per SM (__launch_bounds__)
+#define WRITE_MIN_BLOCKS 2                // canary_write's resident blocks per SM (__launch_bounds__)
 #define WRITE_MAX_SEGMENTS 128            // a request's entries split into at most this many segments, one block each
 // LOOKBACK_ITEM_WORDS: a write look-back item: flag, own map (a, b, position), inclusive map (a, b, position), done
 // counter

@@ -12,9 +12,10 @@ from .cstruct import Struct
 
 MAX_SOURCES = 4
 WRITE_THREADS = 256
-# canary_write's __launch_bounds__ minimum resident blocks: 1 leaves ptxas its own register count (180, no spills;
-# 2 caps it at 128, with the look-back's live values spilled under the default bounds: docs/performance.md)
-WRITE_MIN_BLOCKS = 1
+# canary_write's __launch_bounds__ minimum resident blocks: 2 caps ptxas at 128 registers, which it then meets
+# without spilling (the default bounds gave 128 with 120 bytes spilled around the look-back; 1 gives 180 and a
+# slower decode write: run 145, docs/performance.md)
+WRITE_MIN_BLOCKS = 2
 WRITE_MAX_SEGMENTS = 128
 VERIFY_THREADS = 256
 SCATTER_THREADS = 128
