@@ -63,6 +63,12 @@ def run(model, *, inject=None, new_tokens: int = 24, canary: bool = True, cancel
         handle = kvc.enable(manager, **options)
     manager.warmup()  # builds the batch processor here, so that a test can wrap its step
     processor = manager.batch_processor
+    # The engine allocates its KV cache with torch.empty and its attention reads slots no step wrote (the trash
+    # slot, the masked tail of a block): heap bytes an earlier test left there can be NaN, and a sampled run's
+    # multinomial then fails every request ("probability tensor contains either inf, nan ..."; GPU run 132 met
+    # the same). An engine fault the canary has no part in: zeroed here, before any request, for every run alike.
+    for cache in (*processor.cache.key_cache, *processor.cache.value_cache):
+        cache.zero_()
     if inject is not None or cancel is not None:
         inner = processor.model_runner.compute_batch
         count = [0]
@@ -284,12 +290,14 @@ def test_a_block_given_to_a_second_request_is_reported_naming_both(model, how):
     _, handle = run(model, inject=inject)
     assert got and got[0][0] != "req_2", got
     (thief, wrote), = got
-    # the victim reads its block again the step after the thief's first write into it: reported there, naming
-    # the victim as the owner of the position and the thief as the writer of the slot
+    # the canary's step runs behind the forward (hf_patches.py): the victim's verify in the very step of the thief's
+    # first store into its block sees the thief's KV bytes under the victim's record (REAL_KV), and the step after
+    # the thief's record (at the latest): reported there, naming the victim as the owner of the position and the
+    # thief as the writer of the slot
     named = [v for v in handle.violations if "req_2" in {r for r, _ in v.requests} and thief in v.request_ids]
     assert named, [v.line() for v in handle.violations]
     assert all(v.kernel == "verify" and thief in {r for r, _ in v.writers} for v in named)
-    assert wrote < min(v.first_step for v in named) <= wrote + 2
+    assert wrote <= min(v.first_step for v in named) <= wrote + 2
 
 
 def test_cancel_and_soft_reset_keep_the_canary_clean(model):
