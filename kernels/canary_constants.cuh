@@ -41,6 +41,7 @@ typedef unsigned long long u64;
 // ROW_SAMPLES: two-pass: row offsets sampled into shared memory to shorten the row search
 #define ROW_SAMPLES 512
 #define ENTRY_MIN_BLOCKS 4                // resident blocks per SM the register budget must allow (__launch_bounds__)
+#define FUSED_MIN_BLOCKS 3                // the same for canary_plan_fused_* (a larger register budget, fewer spills)
 // The index forms, the planner's FORM specialization (canary/contract/kvindex.py, SPEC 3.8).
 #define CANARY_FORM_TOKENS 0              // req_to_token
 #define CANARY_FORM_BLOCKS 1              // a block table and page_size

@@ -100,20 +100,7 @@ __device__ __forceinline__ void plan_fused(const PlanParams& p) {
     int bad = seed_bad;
     const bool emits = total <= p.verify_capacity && !(row_flags & CANARY_NO_ENTRIES);
     if (emits) bad |= emit_entries<HAS_LUT, HAS_POOL, false, FORM>(p, t, RowSamples{nullptr, 0, 0}, total, gridDim.x);
-    if (!CAN_BAD) return;
-    // A plan of at most one block's first pass (ENTRY_CHUNK entries a warp: decode at small bs) is emitted by block 0
-    // alone, which also holds the seeds' finding: it knows the grid's BAD_SLOT and writes the status itself. Every
-    // block knows total (each scanned every row), so all take the same branch; nobody counts into SCRATCH_DONE,
-    // which stays 0. finalize's atomic and its wait for the last block cost the paged forms about 1 us of a 4 us
-    // bs=1 plan (run 142: block table 1.31x, page list 1.40x req_to_token's time).
-    if (!emits || total <= (i64)ENTRY_CHUNK * (blockDim.x >> 5)) {
-        if (blockIdx.x == 0) {
-            const int any_bad = __syncthreads_or(bad);
-            if (threadIdx.x == 0) write_status(p, row_flags | (any_bad ? CANARY_BAD_SLOT : 0), total);
-        }
-        return;
-    }
-    finalize(p, row_flags, total, bad);
+    if (CAN_BAD) finalize_fused(p, row_flags, total, bad, emits);
 }
 
 #include "plan_side.cuh"
@@ -180,7 +167,7 @@ __device__ __forceinline__ void plan_entries(const PlanParams& p) {
 // One module per form (CANARY_PLAN_FORM): req_to_token's kernels keep their names, the other forms' end in
 // _blocks / _pages (canary/backends/cupy/plan.py kernel_name).
 #define CANARY_SPECIALIZE(SUFFIX, HAS_LUT, HAS_POOL, FORM)                                                     \
-    extern "C" __global__ void __launch_bounds__(ENTRY_THREADS, ENTRY_MIN_BLOCKS) canary_plan_fused_##SUFFIX(const PlanParams p) { \
+    extern "C" __global__ void __launch_bounds__(ENTRY_THREADS, FUSED_MIN_BLOCKS) canary_plan_fused_##SUFFIX(const PlanParams p) { \
         plan_fused<HAS_LUT, HAS_POOL, FORM>(p);                                                                \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ROWS_THREADS) canary_plan_rows_##SUFFIX(const PlanParams p) {  \

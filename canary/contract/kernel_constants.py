@@ -109,6 +109,8 @@ PLAN_SHARED = [
          "two-pass: row offsets sampled into shared memory to shorten the row search"),
     _int("ENTRY_MIN_BLOCKS", PL.ENTRY_MIN_BLOCKS,
          "resident blocks per SM the register budget must allow (__launch_bounds__)"),
+    _int("FUSED_MIN_BLOCKS", PL.FUSED_MIN_BLOCKS,
+         "the same for canary_plan_fused_* (a larger register budget, fewer spills)"),
     _int("CANARY_FORM_TOKENS", FORM_TOKENS, "req_to_token",
          doc="The index forms, the planner's FORM specialization (canary/contract/kvindex.py, SPEC 3.8)."),
     _int("CANARY_FORM_BLOCKS", FORM_BLOCKS, "a block table and page_size"),

@@ -24,9 +24,8 @@ def runs(indices: list[int]) -> list[tuple[int, int, int]]:
 
 class KVMoves:
     """Session state it uses: ``canary``, ``cache``, ``processor``, ``offloading``, ``cpu_rows``, ``block_size``,
-    ``live``, ``skipped``, ``sharing``, ``unrecorded``, ``stream``, ``cuda``, ``torch``, ``_fork_moves``, ``_admit``,
-    ``flush_accepts`` (first in each hook: the last update's tokens reach the manager before a move) and the
-    counters; ``_t`` / ``_m`` host time."""
+    ``live``, ``skipped``, ``sharing``, ``unrecorded``, ``stream``, ``cuda``, ``torch``, ``_fork_moves``, ``_admit``
+    and the counters; ``_t`` / ``_m`` host time."""
 
     # -- CPU offload ------------------------------------------------------------------------------------------
     def _slots(self, blocks: list[int]) -> Any:
@@ -40,7 +39,6 @@ class KVMoves:
     def on_offload(self, rids: Any) -> None:
         """After the engine's ``_offload_to_cpu`` queued its copies (``rids``: the requests it copied out, their
         blocks not freed yet): their slots' records gathered into :attr:`cpu_rows` at their CPU blocks' rows."""
-        self.flush_accepts()
         t = time.perf_counter()
         table = self.cache.group_cache_managers[0].block_table
         cpu_of = self.offloading._request_id_to_cpu_blocks
@@ -78,7 +76,6 @@ class KVMoves:
 
     def on_restore(self, plan: list) -> None:
         """After the engine queued its copies back: each request's rows scattered into the slots of its new blocks."""
-        self.flush_accepts()
         t = time.perf_counter()
         bs = self.block_size
         for rec, cpu, gpu in plan:
@@ -106,7 +103,6 @@ class KVMoves:
         """After the engine marked a request's blocks complete (``before``: its block table until then), which
         swaps a block for an existing one with the same tokens: the request reads that one from now on. Its
         records are the canary's unless :attr:`unrecorded`; then the request's own records are moved there."""
-        self.flush_accepts()
         rid = state.request_id
         rec = self.live.get(rid)
         after = self.cache.group_cache_managers[0].block_table.get(rid, [])
@@ -141,7 +137,6 @@ class KVMoves:
         place of the parent's queued for copying with the KV (:meth:`move_fork_records`). The pairs come from the
         two block tables, not from the engine's copy lists: KV copied into other blocks than the child's table
         names is then reported at the child's first read."""
-        self.flush_accepts()
         t = time.perf_counter()
         table = self.cache.group_cache_managers[0].block_table
         active = self.processor.scheduler.active_requests

@@ -32,12 +32,10 @@ PATCHES = (
     ("manager._run_generation_loop", "marks the loop's thread; at its end closes the session's canary on that "
      "thread (the last step's report delivered before stop() returns)",
      "the canary's step calls run on one thread; a session is one loop"),
-    ("processor.model_runner.compute_batch", "after it: before_forward and after_kv_store, on the engine's "
-     "compute stream behind the forward it queued (the canary's host time overlaps the GPU's forward)",
-     "the one call that queues the forward, its KV stores and its CUDA-graph replay or capture; the model's "
-     "attention is inside"),
-    ("processor.update_batch", "after it: collect the tokens the engine appended to the batch's request states "
-     "(accepted at the next hook, behind the next launch)",
+    ("processor.model_runner.compute_batch", "before_forward before the forward, after_kv_store after it, on the "
+     "engine's compute stream", "the one call around the forward, its KV stores and its CUDA-graph replay or "
+     "capture; the model's attention is inside"),
+    ("processor.update_batch", "after it: accept the tokens the engine appended to the batch's request states",
      "where sampled tokens become the requests' tokens (after EOS / length handling), as host ints"),
     ("processor.cache.free_blocks", "after it: finish_request, the request's row freed",
      "every exit of a request from the cache goes through it: finished, cancelled, failed, soft reset"),
@@ -150,15 +148,16 @@ class Attachment:
 
     def _compute_batch(self, orig: Callable) -> Callable:
         def compute_batch(model, batch_data):
-            # The canary's step is queued on the compute stream behind the forward it checks, not ahead of it: its
-            # host time then runs while the GPU runs the forward (the engine syncs only later, for the sampled
-            # ids), and its verify reads the same records (the forward writes none) and the same prefix KV (the
-            # forward stores only this step's slots). A forward that raises leaves no canary step to close.
-            orig(model, batch_data)
             session = self.session
             step = None if session is None else session.begin_step()
-            if step is not None:  # else: no session (warm-up, no loop) or no protected row in the batch
-                session.end_step(step)
+            if step is None:  # no session (warm-up, no loop) or no protected row in the batch
+                return orig(model, batch_data)
+            try:
+                orig(model, batch_data)
+            except BaseException:
+                session.abort_step(step)
+                raise
+            session.end_step(step)
         return compute_batch
 
     def _update_batch(self, orig: Callable) -> Callable:

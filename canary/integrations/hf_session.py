@@ -16,27 +16,20 @@ nothing is cast: a bug in the engine's index construction is verified as attenti
 real slot (``padding_slot=-1``: the canary reserves none). With async batching the two IO pairs' arrays are
 passed per step; otherwise the bound ones are read in place.
 
-Per engine step (the hooks are in ``canary/integrations/hf_patches.py``), all of the canary's step queued on the
-compute stream *behind* the engine's forward (``compute_batch`` launches it and returns; the engine syncs only
-later, for the sampled ids), so that the canary's host time runs while the GPU runs the forward rather than
-while it waits for the next launch. The verify reads the same records it would have read before the forward
-(the forward writes none) and the same prefix KV (it stores only the step's own slots): the same reports, and a
-store into another request's prefix is seen one step sooner.
+Per engine step (the hooks are in ``canary/integrations/hf_patches.py``):
 
-- :meth:`Session.begin_step`, once the forward is queued: first the tokens of the last update (below), then the
-  batch the engine prepared (``requests_in_batch``: each request's state and query length; its past length is
-  ``position_offset - query_length``, the engine having advanced it), requests seen for the first time admitted
-  (their prompt is the expected-token row), each protected request's row (a small integer naming it: SPEC 3.8,
-  rows keyed by request), past and query lengths staged, then ``before_forward`` (plan and verify) on the
-  engine's compute stream. The batch is padded to a power of two rows with padding rows, so that the manager's
-  captured calls (canary/manager/eager.py) are replayed while the batch grows and shrinks. Requests the canary
-  cannot protect (no row left, longer than the expected-token pool, or first seen mid-sequence) stay in the
-  batch as padding rows whose tokens the write skips (``padding_rows_carry_tokens=True``).
-- :meth:`Session.end_step`, right after: ``after_kv_store`` over the engine's write index and tokens.
+- :meth:`Session.begin_step`, before the forward: the batch the engine just prepared (``requests_in_batch``: each
+  request's state and query length; its past length is ``position_offset - query_length``, the engine having
+  advanced it), requests seen for the first time admitted (their prompt is the expected-token row), each
+  protected request's row (a small integer naming it: SPEC 3.8, rows keyed by request), past and query lengths
+  staged, then ``before_forward`` (plan and verify) on the engine's compute stream. The batch is padded to a
+  power of two rows with padding rows, so that the manager's captured calls (canary/manager/eager.py) are
+  replayed while the batch grows and shrinks. Requests the canary cannot protect (no row left, longer than the
+  expected-token pool, or first seen mid-sequence) stay in the batch as padding rows whose tokens the write skips
+  (``padding_rows_carry_tokens=True``).
+- :meth:`Session.end_step`, after the forward: ``after_kv_store`` over the engine's write index and tokens.
 - :meth:`Session.on_update`, after the engine appended the sampled tokens to its request states: the tokens it
-  kept, collected as host ints (the engine zeroes its device output buffer before the next forward) and
-  accepted at the next hook (:meth:`Session.flush_accepts`: the next step's, or a free, a move, the close), not
-  between the engine's sync and its next launch, where the GPU idles.
+  kept, accepted as host ints (the engine zeroes its device output buffer before the next forward).
 - :meth:`Session.on_free`, when the engine frees a request's blocks (finished, cancelled, failed, soft reset):
   ``finish_request``, its row freed; not for a request just offloaded to the CPU pool (below).
 
@@ -182,7 +175,6 @@ class Session(KVMoves):
         self.decode_steps: list[bool] = []  # per step: one token a row (a decode step)
         self._t = self._m = 0.0
         self._decode = False
-        self._accepts: tuple | None = None  # on_update's tokens, accepted at the next hook (flush_accepts)
         self._setup_staging(max_batch)
         if self.cuda:
             # Everything above was allocated and filled on this thread's current stream; the steps run on the
@@ -261,7 +253,6 @@ class Session(KVMoves):
             self.unprotected_total += 1
 
     def on_free(self, rid: Hashable) -> None:
-        self.flush_accepts()
         t = time.perf_counter()
         rec = self.live.get(rid)
         if rec is not None and rec.offloaded == 1:  # the free that follows its offload: it waits in the CPU pool
@@ -278,7 +269,6 @@ class Session(KVMoves):
     def on_update(self) -> None:
         """Accept the tokens the engine appended to the states of the batch it just updated (and copy the records of
         the blocks its forks copied, the engine's copy being queued by now)."""
-        self.flush_accepts()
         if self._fork_moves[0]:
             self.move_fork_records()
         t = time.perf_counter()
@@ -313,33 +303,17 @@ class Session(KVMoves):
             pad = bucket(len(rids), self.max_batch) - len(rids)
             rids += [None] * pad
             toks += [0] * pad
-        # Accepted at the next hook, not here: the engine is between its sync on the sampled ids and its next
-        # launch, with the GPU idle, while the next step's hooks run behind that launch (flush_accepts)
-        self._accepts = (rids, toks, more) if one or more else None
-        self._t += time.perf_counter() - t
-
-    def flush_accepts(self) -> None:
-        """The tokens :meth:`on_update` collected, accepted now: first thing in every later hook (the next step's,
-        a free, a move, the close), so that the manager sees them in the order the engine produced them."""
-        acc = self._accepts
-        if acc is None:
-            return
-        self._accepts = None
         m = time.perf_counter()
-        rids, toks, more = acc
-        if any(r is not None for r in rids):
+        if one:
             self.canary.accept_tokens_batch(rids, toks)
         for rid, tokens in more:
             self.canary.accept_tokens(rid, tokens)
-        d = time.perf_counter() - m
-        self._m += d
-        self._t += d
+        self._m += time.perf_counter() - m
+        self._t += time.perf_counter() - t
 
     # -- steps ------------------------------------------------------------------------------------------------
     def begin_step(self) -> tuple | None:
-        """Plan and verify the batch the engine prepared (its forward already queued); ``None`` when no row of it
-        is protected (no step)."""
-        self.flush_accepts()
+        """Plan and verify the batch the engine prepared; ``None`` when no row of it is protected (no step)."""
         if self._fork_moves[0]:  # a fork outside update_batch (not in 5.17): its records before this verify
             self.move_fork_records()
         t = time.perf_counter()
@@ -420,6 +394,14 @@ class Session(KVMoves):
         self._t += time.perf_counter() - t
         self._close_step()
 
+    def abort_step(self, step: tuple) -> None:
+        """The forward raised: close the canary's step anyway (the engine fails the batch's requests, which frees
+        their blocks; records written for them are rewritten by the next owners before anything reads them)."""
+        try:
+            self.end_step(step)
+        except Exception:  # noqa: BLE001 - the engine's exception is the one to raise
+            pass
+
     def _close_step(self) -> None:
         self.host_s.append(self._t)
         self.glue_s.append(self._t - self._m)
@@ -476,10 +458,7 @@ class Session(KVMoves):
             return self.final
         self.closed = True
         try:
-            try:
-                self.flush_accepts()
-            finally:
-                self.canary.close()
+            self.canary.close()
         finally:
             self.live.clear()
             self.skipped.clear()
