@@ -17,8 +17,8 @@ ITEMS = 4
 ENTRY_CHUNK = ITEMS * 32
 ROW_SAMPLES = 512
 ENTRY_MIN_BLOCKS = 4
-# canary_plan_fused_*: 3, i.e. up to 85 registers: at 4 (64) every variant spilled 8-228 bytes, at 3 the fused
-# req_to_token variants spill none and the paged ones at most 28 bytes (ptxas -v); run 152: the bs=256 decode plan
+# canary_plan_fused_*: 3, i.e. up to 85 registers: at 4 (64) every variant spilled 4-228 bytes, at 3 seven of the
+# twelve spill none and the others at most 28 bytes (the LUT with the pool; ptxas -v); run 152: the bs=256 decode plan
 # 11.29 -> 10.75 us, bs=1 and the trace mix unchanged. Its grid comes from the occupancy query, so the sampled
 # fused launch's co-residency holds at any value.
 FUSED_MIN_BLOCKS = 3
