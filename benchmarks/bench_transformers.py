@@ -18,6 +18,9 @@ batch row one token):
 - ``canary host time / decode step``: what the canary's hooks cost the engine's thread per decode step (the
   CanaryManager's calls included), from ``handle.stats()["host_us_per_decode_step"]``;
 - ``glue host time / decode step``: of which outside the CanaryManager's calls (the integration's own);
+- ``exposed host time / decode step``: of which with no forward queued on the GPU (before the forward's launch,
+  after the engine's sync on it: ``exposed_us_per_decode_step``), the part a step's wall clock pays when the
+  forward outlasts the rest;
 - ``decode step, canary off`` / ``on``: the engine loop's period on decode steps (``ContinuousBatchProcessor.
   _generation_step`` entry to entry, timed by this benchmark: the step, its output transfer, the host's
   scheduling and the canary's hooks), and ``decode step overhead``: on / off - 1, in percent;
@@ -125,8 +128,8 @@ class HookSplit:
     function's time includes the wrapped functions it calls."""
 
     HOOKED = (
-        ("canary.integrations.hf_session", "Session", ("begin_step", "end_step", "on_update", "on_free", "_stage",
-                                                        "_admit")),
+        ("canary.integrations.hf_session", "Session", ("begin_step", "end_step", "on_update", "accept_kept", "on_free",
+                                                        "_stage", "_admit")),
         ("canary.manager.manager", "CanaryManager", ("before_forward", "after_kv_store", "accept_tokens_batch",
                                                       "accept_tokens", "add_request", "finish_request", "_launch",
                                                       "_note_entries", "_handle_reports")),
@@ -239,7 +242,7 @@ def model_runs(args, bench: harness.Bench) -> None:
     prof = HookProfile(args.profile) if args.profile else None
     split = HookSplit(args.split) if args.split else None
     rounds = bench.rounds(3)
-    host, glue, off, on, last = [], [], [], [], None
+    host, glue, exposed, off, on, last = [], [], [], [], [], None
     try:
         for r in range(rounds + 1):  # the first round warms up: not recorded
             ref, t_off, _ = once(False)
@@ -259,6 +262,7 @@ def model_runs(args, bench: harness.Bench) -> None:
                                           f"errors {stats['errors']}")
             host.append(stats["host_us_per_decode_step"]["p50"])
             glue.append(stats["glue_us_per_decode_step"]["p50"])
+            exposed.append(stats["exposed_us_per_decode_step"]["p50"])
             off.append(t_off)
             on.append(t_on)
             last = stats
@@ -271,6 +275,8 @@ def model_runs(args, bench: harness.Bench) -> None:
                  **shape)
     bench.figure("glue host time / decode step", harness.Timing.of(glue[1:]), key="transformers.glue_per_step",
                  **shape)
+    bench.figure("exposed host time / decode step", harness.Timing.of(exposed[1:]),
+                 key="transformers.exposed_per_step", **shape)
     bench.figure("decode step, canary off", harness.Timing.of(off[1:]), **shape)
     bench.figure("decode step, canary on", harness.Timing.of(on[1:]), **shape)
     ratios = [100.0 * (b / a - 1.0) for a, b in zip(off[1:], on[1:])]

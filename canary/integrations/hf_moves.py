@@ -24,8 +24,8 @@ def runs(indices: list[int]) -> list[tuple[int, int, int]]:
 
 class KVMoves:
     """Session state it uses: ``canary``, ``cache``, ``processor``, ``offloading``, ``cpu_rows``, ``block_size``,
-    ``live``, ``skipped``, ``sharing``, ``unrecorded``, ``stream``, ``cuda``, ``torch``, ``_fork_moves``, ``_admit``
-    and the counters; ``_t`` / ``_m`` host time."""
+    ``live``, ``skipped``, ``sharing``, ``unrecorded``, ``stream``, ``cuda``, ``torch``, ``_fork_moves``, ``_admit``,
+    ``accept_kept`` and the counters; ``_t`` / ``_m`` host time."""
 
     # -- CPU offload ------------------------------------------------------------------------------------------
     def _slots(self, blocks: list[int]) -> Any:
@@ -39,6 +39,7 @@ class KVMoves:
     def on_offload(self, rids: Any) -> None:
         """After the engine's ``_offload_to_cpu`` queued its copies (``rids``: the requests it copied out, their
         blocks not freed yet): their slots' records gathered into :attr:`cpu_rows` at their CPU blocks' rows."""
+        self.accept_kept()  # a kept batch's tokens before its requests move
         t = time.perf_counter()
         table = self.cache.group_cache_managers[0].block_table
         cpu_of = self.offloading._request_id_to_cpu_blocks
@@ -60,6 +61,7 @@ class KVMoves:
     def before_restore(self, requests_in_batch: list) -> list:
         """Before the engine's ``restore_scheduled_requests`` (which forgets the CPU blocks): for each protected
         request it restores, (request, its CPU blocks, the blocks it restores them into)."""
+        self.accept_kept()  # a kept batch's tokens before its requests move
         plan = []
         table = self.cache.group_cache_managers[0].block_table
         cpu_of, counts = self.offloading._request_id_to_cpu_blocks, self.offloading._request_id_to_group_block_counts
@@ -103,6 +105,7 @@ class KVMoves:
         """After the engine marked a request's blocks complete (``before``: its block table until then), which
         swaps a block for an existing one with the same tokens: the request reads that one from now on. Its
         records are the canary's unless :attr:`unrecorded`; then the request's own records are moved there."""
+        self.accept_kept()  # a kept batch's tokens before its requests move
         rid = state.request_id
         rec = self.live.get(rid)
         after = self.cache.group_cache_managers[0].block_table.get(rid, [])
@@ -137,6 +140,7 @@ class KVMoves:
         place of the parent's queued for copying with the KV (:meth:`move_fork_records`). The pairs come from the
         two block tables, not from the engine's copy lists: KV copied into other blocks than the child's table
         names is then reported at the child's first read."""
+        self.accept_kept()  # a kept batch's tokens before its requests move
         t = time.perf_counter()
         table = self.cache.group_cache_managers[0].block_table
         active = self.processor.scheduler.active_requests

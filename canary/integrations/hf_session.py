@@ -29,7 +29,11 @@ Per engine step (the hooks are in ``canary/integrations/hf_patches.py``):
   (``padding_rows_carry_tokens=True``).
 - :meth:`Session.end_step`, after the forward: ``after_kv_store`` over the engine's write index and tokens.
 - :meth:`Session.on_update`, after the engine appended the sampled tokens to its request states: the tokens it
-  kept, accepted as host ints (the engine zeroes its device output buffer before the next forward).
+  kept, accepted as host ints (the engine zeroes its device output buffer before the next forward). With sync
+  batching the batch is only kept there, and its tokens are accepted in the next ``end_step``, after
+  ``after_kv_store``: the host work then runs while the GPU runs the next forward, not while it waits for the
+  host (the next verify does not read them: :meth:`Session.accept_kept`). Every hook that ends or moves a
+  request (``on_free``, offload, restore, prefix swaps, forks, the session's close) accepts a kept batch first.
 - :meth:`Session.on_free`, when the engine frees a request's blocks (finished, cancelled, failed, soft reset):
   ``finish_request``, its row freed; not for a request just offloaded to the CPU pool (below).
 
@@ -58,6 +62,7 @@ import numpy as np
 
 from canary import CanaryManager, KVGroup
 
+from .hf_accept import Accepts, bucket
 from .hf_moves import KVMoves
 from .hf_ranks import distributed
 
@@ -66,12 +71,6 @@ STAGING_BUFFERS = 4  # pinned host buffers in rotation: async batching runs the 
 
 def kv_fail(exc: type, message: str) -> Exception:
     return exc(f"kv-canary: {message}")
-
-
-def bucket(n: int, cap: int) -> int:
-    """The power of two at or above ``n`` (at most ``cap``, at least 1): the padded size of a batch dimension,
-    so that a batch that changes size every few steps reuses a handful of shapes (and the manager's graphs)."""
-    return min(cap, 1 << max(0, n - 1).bit_length())
 
 
 @dataclass
@@ -88,6 +87,9 @@ class Options:
     # Tests only: run a CPU engine through the device path (pinned-style staging buffers and their device
     # copies, on CPU tensors), so that CI exercises its bookkeeping where no GPU is.
     device_path: bool = False
+    # Tests only: False accepts a batch's tokens in update_batch (as async batching does), not behind the next
+    # forward's launch.
+    accept_behind_forward: bool = True
 
 
 @dataclass
@@ -98,7 +100,7 @@ class _Live:
     offloaded: int = 0  # 1: copied to the engine's CPU pool, its blocks about to be freed; 2: waiting there
 
 
-class Session(KVMoves):
+class Session(Accepts, KVMoves):
     """The canary of one generation loop over one ``ContinuousBatchProcessor`` (transformers 5.17)."""
 
     def __init__(self, processor: Any, opts: Options, deliver: Callable, torch: Any):
@@ -173,7 +175,14 @@ class Session(KVMoves):
         self.host_s: list[float] = []  # host seconds the canary added, per step (bounded)
         self.glue_s: list[float] = []  # of which outside the CanaryManager's calls (this glue's own)
         self.decode_steps: list[bool] = []  # per step: one token a row (a decode step)
-        self._t = self._m = 0.0
+        # of host_s, what ran with no forward of the engine's queued behind it: begin_step (ahead of the forward's
+        # launch) and on_update (after the engine synced on it); end_step runs while the GPU runs the forward
+        self.exposed_s: list[float] = []
+        self._t = self._m = self._x = 0.0
+        # Sync batching: a batch's accepted tokens wait for the next end_step (on_update, accept_kept). Async
+        # batching runs the host a step ahead of the GPU: there the host is the critical path, and nothing waits.
+        self.defer_accept = not self.is_async and opts.accept_behind_forward
+        self._kept: list | None = None
         self._decode = False
         self._setup_staging(max_batch)
         if self.cuda:
@@ -253,6 +262,7 @@ class Session(KVMoves):
             self.unprotected_total += 1
 
     def on_free(self, rid: Hashable) -> None:
+        self.accept_kept()  # before the request ends (in the engine's order there is none kept here)
         t = time.perf_counter()
         rec = self.live.get(rid)
         if rec is not None and rec.offloaded == 1:  # the free that follows its offload: it waits in the CPU pool
@@ -264,51 +274,6 @@ class Session(KVMoves):
         if rec is not None:
             self.canary.finish_request(rid)
             self.free_rows.append(rec.row)
-        self._t += time.perf_counter() - t
-
-    def on_update(self) -> None:
-        """Accept the tokens the engine appended to the states of the batch it just updated (and copy the records of
-        the blocks its forks copied, the engine's copy being queued by now)."""
-        if self._fork_moves[0]:
-            self.move_fork_records()
-        t = time.perf_counter()
-        host_io, _ = self._ios()
-        # One token a row, in the batch's row order and padded as its step was (None: a row that took none here):
-        # the next step over the same batch appends them on the device, and every accept of a batch size has the
-        # same shape (the manager's graphs hold its scatter)
-        rids, toks, more, one = [], [], [], False
-        room = self.cols + 1  # the expected-token pool's columns
-        live = self.live
-        for fs in host_io.requests_in_batch:
-            st = fs.state
-            rid = st.request_id
-            rec = live.get(rid)
-            rids.append(None)
-            toks.append(0)
-            if rec is None or rec.state is not st:
-                continue
-            gen = st.generated_tokens
-            k = len(gen) - rec.generated
-            if k and len(st.initial_tokens) + len(gen) > room:  # no max_new_tokens, past the pool: unprotected
-                self._drop(rid)
-                continue
-            if k == 1:
-                rids[-1] = rid
-                toks[-1] = gen[-1]
-                one = True
-            elif k > 1:
-                more.append((rid, gen[rec.generated:]))
-            rec.generated = len(gen)
-        if self.staged:
-            pad = bucket(len(rids), self.max_batch) - len(rids)
-            rids += [None] * pad
-            toks += [0] * pad
-        m = time.perf_counter()
-        if one:
-            self.canary.accept_tokens_batch(rids, toks)
-        for rid, tokens in more:
-            self.canary.accept_tokens(rid, tokens)
-        self._m += time.perf_counter() - m
         self._t += time.perf_counter() - t
 
     # -- steps ------------------------------------------------------------------------------------------------
@@ -345,6 +310,7 @@ class Session(KVMoves):
             exts.append(q)
         if not protected:
             self._t += time.perf_counter() - t
+            self._x += time.perf_counter() - t
             return None
         n = len(rows)
         tokens = sum(exts)
@@ -376,6 +342,7 @@ class Session(KVMoves):
             ev.record(self.stream)
             self._recording = None
         self._t += time.perf_counter() - t
+        self._x += time.perf_counter() - t
         return dev_io, size
 
     def end_step(self, step: tuple) -> None:
@@ -392,6 +359,7 @@ class Session(KVMoves):
                                    stream=self.stream)
         self._m += time.perf_counter() - m
         self._t += time.perf_counter() - t
+        self.accept_kept()  # the last update's tokens, while the GPU runs this forward (on_update)
         self._close_step()
 
     def abort_step(self, step: tuple) -> None:
@@ -405,10 +373,11 @@ class Session(KVMoves):
     def _close_step(self) -> None:
         self.host_s.append(self._t)
         self.glue_s.append(self._t - self._m)
+        self.exposed_s.append(self._x)
         self.decode_steps.append(self._decode)
         if len(self.host_s) > 65536:
-            del self.host_s[:32768], self.glue_s[:32768], self.decode_steps[:32768]
-        self._t = self._m = 0.0
+            del self.host_s[:32768], self.glue_s[:32768], self.exposed_s[:32768], self.decode_steps[:32768]
+        self._t = self._m = self._x = 0.0
 
     def _stage(self, rows: list, pres: list, exts: list, n: int, b: int) -> tuple:
         """One copy of [rows | past | query] (``b`` rows each, padding rows zero) to the device, on the compute
@@ -458,7 +427,10 @@ class Session(KVMoves):
             return self.final
         self.closed = True
         try:
-            self.canary.close()
+            try:
+                self.accept_kept()  # the last update's tokens: the manager's close reads every report
+            finally:
+                self.canary.close()
         finally:
             self.live.clear()
             self.skipped.clear()

@@ -105,6 +105,7 @@ class CanaryHandle:
         self._retired: dict[str, Any] = {}
         self._host_s: list[float] = []
         self._glue_s: list[float] = []
+        self._exposed_s: list[float] = []
         self._decode: list[bool] = []
         self._attachments: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._model_patches = PatchSet()
@@ -180,7 +181,7 @@ class CanaryHandle:
         if final is not None:
             self._retired = _merged(self._retired, final)
         for mine, theirs in ((self._host_s, session.host_s), (self._glue_s, session.glue_s),
-                             (self._decode, session.decode_steps)):
+                             (self._exposed_s, session.exposed_s), (self._decode, session.decode_steps)):
             mine.extend(theirs)
             del mine[:max(0, len(mine) - 65536)]
 
@@ -194,26 +195,33 @@ class CanaryHandle:
         ``swapped_blocks`` (prefix block sharing), ``forked_requests`` (fork children protected from their fork)
         / ``copied_blocks`` (blocks whose records were copied with a fork's KV), ``host_us_per_step`` (host time
         the canary adds per engine step: ``mean``, ``p50``, ``p99``, ``steps``), ``glue_us_per_step`` (of which
-        outside the CanaryManager's calls: this integration's own), ``host_us_per_decode_step`` /
-        ``glue_us_per_decode_step`` (the same over decode steps: one token every batch row), the manager's
+        outside the CanaryManager's calls: this integration's own), ``exposed_us_per_step`` (of which with no
+        forward queued on the GPU: before the forward's launch and after the engine's sync on it, the time a
+        step's wall clock pays for; the rest runs while the GPU runs the forward), ``host_us_per_decode_step`` /
+        ``glue_us_per_decode_step`` / ``exposed_us_per_decode_step`` (the same over decode steps: one token
+        every batch row), the manager's
         ``graph_replays`` / ``graph_captures`` / ``direct_calls`` (how its step calls launched), ``errors`` and
         ``transformers`` (the version)."""
         total = dict(self._retired)
-        host, glue, decode = list(self._host_s), list(self._glue_s), list(self._decode)
+        host, glue, exposed = list(self._host_s), list(self._glue_s), list(self._exposed_s)
+        decode = list(self._decode)
         for att in list(self._attachments.values()):
             session = att.session
             if session is not None and not session.closed:
                 total = _merged(total, session.stats())
-                n = min(len(session.host_s), len(session.glue_s), len(session.decode_steps))
+                n = min(len(session.host_s), len(session.glue_s), len(session.exposed_s), len(session.decode_steps))
                 host += session.host_s[:n]
                 glue += session.glue_s[:n]
+                exposed += session.exposed_s[:n]
                 decode += session.decode_steps[:n]
         flags = np.asarray(decode, dtype=bool)
         total.update(sessions=self.sessions, violations=len(self.violations), transformers=self.version,
                      errors=[repr(e) for e in self.errors], host_us_per_step=_summary(host),
                      glue_us_per_step=_summary(glue),
                      host_us_per_decode_step=_summary(np.asarray(host)[flags] if flags.size else []),
-                     glue_us_per_decode_step=_summary(np.asarray(glue)[flags] if flags.size else []))
+                     glue_us_per_decode_step=_summary(np.asarray(glue)[flags] if flags.size else []),
+                     exposed_us_per_step=_summary(exposed),
+                     exposed_us_per_decode_step=_summary(np.asarray(exposed)[flags] if flags.size else []))
         return total
 
     def close(self) -> None:

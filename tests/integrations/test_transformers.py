@@ -50,17 +50,20 @@ def tokens(results) -> dict:
 
 
 def run(model, *, inject=None, new_tokens: int = 24, canary: bool = True, cancel: str | None = None,
-        callback=None, expect: int | None = None, options: dict | None = None, prompts=None, forks: int = 1, **cb):
+        callback=None, expect: int | None = None, options: dict | None = None, prompts=None, forks: int = 1,
+        internal: dict | None = None, **cb):
     """One session through the manager API; ``inject(step, processor)`` runs before each engine step's canary,
     ``callback(manager)`` makes the canary's ``on_violation``; ``forks``: ``num_return_sequences`` (sampled, the
-    requests queued before the loop starts so that the batches, hence the samples, are the same every run).
-    Returns (results by request id, handle or None)."""
+    requests queued before the loop starts so that the batches, hence the samples, are the same every run);
+    ``internal``: the handle's test-only options (hf_session.Options) set after enable. Returns (results by request id, handle or None)."""
     gen, cbc = configs(new_tokens, forks, **cb)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cbc)
     handle = None
     if canary:
         options = dict(options or {}, **({} if callback is None else {"on_violation": callback(manager)}))
         handle = kvc.enable(manager, **options)
+        for k, v in (internal or {}).items():
+            setattr(handle.options, k, v)
     manager.warmup()  # builds the batch processor here, so that a test can wrap its step
     processor = manager.batch_processor
     # The engine allocates its KV cache with torch.empty and its attention reads slots no step wrote (the trash
@@ -133,6 +136,9 @@ def test_clean_run_reports_nothing_and_changes_no_token(model, reference):
     # every token fed to the model has its record: the prompts, then the generated tokens but the last
     assert st["written_entries"]["kv"] == sum(map(len, PROMPTS)) + 4 * 23
     assert st["verified_entries"]["kv"] > 0 and st["steps"] > 20 and st["host_us_per_step"]["steps"] == st["steps"]
+    # sync batching: the accept runs in end_step, behind the forward, so part of the host time is not exposed
+    assert st["exposed_us_per_step"]["steps"] == st["steps"]
+    assert 0 < st["exposed_us_per_step"]["mean"] < st["host_us_per_step"]["mean"]
 
 
 def test_requests_past_max_requests_run_unprotected_and_unharmed(model, reference):
@@ -230,6 +236,37 @@ def test_a_wrong_slot_in_the_engines_read_index_is_reported(model):
     # whose index maps the slot when it is read, a step later: req_1, its owner, once the index is right again)
     assert "VERIFY_TOKEN" in named[0].reason_names and "CHAIN" in named[0].reason_names
     assert (named[0].expected_token, named[0].stored_token) == (PROMPTS[0][2], PROMPTS[1][2])
+
+
+@pytest.mark.parametrize("behind", [True, False], ids=["accept-behind-forward", "accept-in-update"])
+def test_a_token_the_model_reads_but_did_not_sample_is_reported(model, behind):
+    # The engine's input for req_0 in one decode step is not the token it sampled (a stale or overwritten
+    # input_ids slot). The write records what the model read; the next step's verify holds it against the token
+    # the engine accepted, which with sync batching is accepted only behind the next forward (Session.
+    # accept_kept): it must still be there for that verify, one step after the bad write.
+    at, seen = 10, []
+
+    def inject(step, processor):
+        if step != at:
+            return
+        io = processor.inputs_and_outputs
+        batch = [fs.state.request_id for fs in io.requests_in_batch]
+        q = [fs.query_length for fs in io.requests_in_batch]
+        if "req_0" not in batch or q[batch.index("req_0")] != 1:
+            return
+        i = sum(q[:batch.index("req_0")])
+        sampled = int(io.input_ids[i])
+        io.input_ids[i] = (sampled % 127) + 1 if sampled != 127 else 1
+        seen.append((int(io.position_ids[i]), sampled, int(io.input_ids[i])))
+
+    _, handle = run(model, inject=inject, internal={"accept_behind_forward": behind})
+    assert seen, "req_0 was not decoding at step 10"
+    position, sampled, read = seen[0]
+    named = [v for v in handle.violations if v.position == position and v.request_ids == ("req_0",)]
+    assert named, [v.line() for v in handle.violations]
+    v = named[0]
+    assert "VERIFY_TOKEN" in v.reason_names and (v.expected_token, v.stored_token) == (sampled, read)
+    assert v.first_step == at + 1
 
 
 def test_a_callback_can_cancel_the_requests_it_names(model, reference):
