@@ -40,19 +40,21 @@ class Accepts:
         self._t += time.perf_counter() - t
         self._x += time.perf_counter() - t
 
-    def accept_kept(self) -> None:
+    def accept_kept(self, fed: bool = False) -> None:
         """Accept the tokens of the batch :meth:`on_update` kept (none kept: nothing). Why the next step's verify
         does not need them (SPEC 3.2): a step verifies positions below its ``prefix_lens``, whose tokens were
         sampled two steps or more before it; the token sampled by step N is read back (as an expected token) by
-        step N + 2's verify, which comes after step N + 1's ``end_step``. A report's attribution reads the pool
-        counts of the step verified, which hold every position written before it (canary/manager/attribution.py)."""
+        step N + 2's verify, which comes after step N + 1's ``end_step``. ``fed`` (end_step, right after the
+        ``after_kv_store`` of the step that read them as inputs): ``fed_to_last_step``, so that this step's
+        report names the requests for the positions it wrote, as when they were accepted before it (attribution
+        counts a request's positions by the tokens its step planned with: canary/manager/attribution.py)."""
         batch, self._kept = self._kept, None
         if batch is not None:
             t = time.perf_counter()
-            self._accept(batch)
+            self._accept(batch, fed)
             self._t += time.perf_counter() - t
 
-    def _accept(self, batch: list) -> None:
+    def _accept(self, batch: list, fed: bool = False) -> None:
         # One token a row, in the batch's row order and padded as its step was (None: a row that took none here):
         # the next step over the same batch appends them on the device, and every accept of a batch size has the
         # same shape (the manager's graphs hold its scatter)
@@ -85,7 +87,7 @@ class Accepts:
             toks += [0] * pad
         m = time.perf_counter()
         if one:
-            self.canary.accept_tokens_batch(rids, toks)
+            self.canary.accept_tokens_batch(rids, toks, fed_to_last_step=fed)
         for rid, tokens in more:
             self.canary.accept_tokens(rid, tokens)
         self._m += time.perf_counter() - m

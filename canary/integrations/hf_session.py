@@ -233,8 +233,10 @@ class Session(Accepts, KVMoves):
     def _admit(self, rid: Hashable, state: Any, past: int, forked: bool = False) -> _Live | None:
         """Give ``rid`` a row and its expected tokens (``forked``: a fork child, whose first ``past`` tokens are its
         parent's, in blocks whose records followed them: :meth:`on_fork`); ``None`` when it runs unprotected."""
-        old = self.live.pop(rid, None)
+        old = self.live.get(rid)
         if old is not None:  # a new state under a known id: the old one ended without its blocks being freed
+            self.accept_kept()  # its last tokens (and the kept batch's others) first
+            self.live.pop(rid, None)
             self.canary.finish_request(rid)
             self.free_rows.append(old.row)
         limit = state.max_new_tokens
@@ -254,6 +256,7 @@ class Session(Accepts, KVMoves):
         return rec
 
     def _drop(self, rid: Hashable) -> None:
+        self.accept_kept()  # its last tokens first (none kept inside _accept, which calls this)
         rec = self.live.pop(rid, None)
         if rec is not None:
             self.canary.finish_request(rid)
@@ -359,7 +362,7 @@ class Session(Accepts, KVMoves):
                                    stream=self.stream)
         self._m += time.perf_counter() - m
         self._t += time.perf_counter() - t
-        self.accept_kept()  # the last update's tokens, while the GPU runs this forward (on_update)
+        self.accept_kept(fed=True)  # the last update's tokens, the inputs of this step, while the GPU runs its forward
         self._close_step()
 
     def abort_step(self, step: tuple) -> None:

@@ -4,10 +4,12 @@ rows a step's batch reads them from (canary/manager/pool.py holds them).
 One :class:`TokenIntake` per manager: ``accept_tokens_batch``'s host ints or device token ids (queued zero-copy
 when the staging appends on the device, canary/manager/staging.py), request ids turned into one tuple object per
 repeated batch (the caches downstream compare by identity), and each step's pool rows (:meth:`TokenIntake.rows`).
+:class:`RequestCalls`: the manager's public calls that feed it (``add_request``, ``accept_tokens``,
+``accept_tokens_batch``, ``finish_request``).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
@@ -15,6 +17,7 @@ from ..errors import fail
 from ..interop.adapter import HOST, as_view, identity
 from ..interop.hostcopy import to_host
 from ..interop.streams import launch_stream
+from .guard import request_call
 from .pool import RequestPool, host_token_array
 
 
@@ -29,16 +32,16 @@ class TokenIntake:
         self._ids_cache: tuple | None = None  # (type, snapshot, tuple) of the last request ids (ids)
         self.rows_cache: tuple | None = None  # (request ids, pool members version, pool rows) of rows
 
-    def accept_batch(self, request_ids: Any, token_ids: Any, stream: Any = None) -> None:
+    def accept_batch(self, request_ids: Any, token_ids: Any, stream: Any = None, fed: Any = None) -> None:
         """The manager's :meth:`~canary.CanaryManager.accept_tokens_batch` (its docstring; the device path's rule:
         canary/manager/accepted.py). ``stream``: where a device array's copy runs (default: the current stream
-        of its library)."""
+        of its library). ``fed(ids, rows, ends)``: called once the tokens are accepted (``fed_to_last_step``)."""
         ids = self.ids(request_ids)
         if token_ids is None:
             raise fail(TypeError, f"token_ids: expected one token id per request ([{len(ids)}] host ints or a device "
                                   f"array), got None")
         if type(token_ids) not in (list, tuple, np.ndarray):
-            token_ids = self._device_tokens(ids, token_ids, stream)
+            token_ids = self._device_tokens(ids, token_ids, stream, fed)
             if token_ids is None:
                 return
         toks = host_token_array(token_ids, "token_ids")
@@ -46,9 +49,11 @@ class TokenIntake:
             raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
                                    f"{tuple(np.shape(token_ids))}")
         if len(ids):
-            self.requests.accept_batch(ids, toks.astype(np.int64, copy=True), self._batch_rows)
+            rows, ends = self.requests.accept_batch(ids, toks.astype(np.int64, copy=True), self._batch_rows)
+            if fed is not None:
+                fed(ids, rows, ends)
 
-    def _device_tokens(self, ids: tuple, token_ids: Any, stream: Any = None) -> Any:
+    def _device_tokens(self, ids: tuple, token_ids: Any, stream: Any = None, fed: Any = None) -> Any:
         """accept_tokens_batch's arrays that are not NumPy's: device token ids are copied on ``stream`` into the
         manager's ring when this manager appends on the device (returns ``None``; canary/manager/accepted.py);
         otherwise returns host values for the host path (a device array copied to the host: a sync, e.g. a
@@ -84,11 +89,13 @@ class TokenIntake:
             raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
                                    f"{tuple(view.shape)}")
         if len(ids):
-            self.requests.accept_batch(ids, None, self._batch_rows, device=(view, token_ids))
+            rows, ends = self.requests.accept_batch(ids, None, self._batch_rows, device=(view, token_ids))
             ring = self.staging.accept
             if ring is not None:  # copied now, on the accepting stream: the engine may reuse its buffer at once
                 update = self.requests.updates[-1]
                 update.device = ring.hold(view, launch_stream(self.ordinal, stream, token_ids)[0], update)
+            if fed is not None:
+                fed(ids, rows, ends)
         return None
 
     def ids(self, request_ids: Any) -> tuple:
@@ -159,3 +166,88 @@ class TokenIntake:
             q = held
         self.rows_cache = (ids, pool.members, q)
         return ids, q
+
+
+class RequestCalls:
+    """The manager's request calls (a mixin of :class:`~canary.CanaryManager`): expected tokens kept by request
+    identity. Manager state it uses: ``requests`` (the pool), ``_intake``, ``_steps``, ``_decoder``, ``_marks``."""
+
+    @request_call
+    def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int] | np.ndarray) -> None:
+        """Start tracking a request: its own expected-token pool row, holding its prompt (``[P]`` int token ids,
+        host). Raises ``ValueError`` for a request already running, ``None`` as an id, a prompt longer than
+        ``max_seq_len + 1``; ``RuntimeError`` when every pool row is taken (raise ``max_requests``)."""
+        self.requests.add(request_id, prompt_token_ids)
+        self._decoder.last_rows = None  # a new request under an old id is noted
+
+    @request_call
+    def accept_tokens(self, request_id: Hashable, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Append a step's accepted tokens (host ints: the sampled token, or a speculative step's accepted drafts
+        and bonus token; never rejected drafts). They reach the device at the next :meth:`before_forward`.
+        Raises ``KeyError`` for a request not running, ``ValueError`` past ``max_seq_len + 1`` tokens."""
+        self.requests.accept(request_id, token_ids)
+
+    @request_call
+    def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any, *, stream: Any = None,
+                            fed_to_last_step: bool = False) -> None:
+        """:meth:`accept_tokens` for a whole decode batch at once: ``token_ids[i]`` is the one token request
+        ``request_ids[i]`` accepted this step (a plain decode step's sampled tokens). Requests must be running and
+        distinct; ``None`` marks a padding row (a batch padded to a graph size), whose token is ignored. One update
+        for the batch instead of one per request: the host cost of a step that accepts a token for each of 256
+        requests drops from about 1 us a request to a few numpy calls (docs/performance.md). For several tokens a
+        request (speculative decoding), call :meth:`accept_tokens` per request.
+
+        ``token_ids``: ``[bs]`` host ints (a list, a NumPy array, a CPU tensor), or the engine's device array of
+        sampled token ids (int64 or int32, contiguous, on this manager's device; DLPack / CUDA array interface). A
+        device array is copied here, on ``stream`` (default: its library's current stream), into the manager's own
+        device ring (CuPy backend; canary/manager/accepted.py): the engine may reuse or zero its buffer at once, and
+        each accept before a step keeps its tokens. Numba-backend or CPU manager: copied to the host (a sync).
+
+        ``fed_to_last_step``: these tokens were already the inputs of the step that just closed: the engine accepts
+        a step's sampled tokens one step late, behind the next step's forward (docs/integration.md 2; the
+        transformers integration does, canary/integrations/hf_accept.py). Then the requests of that step count
+        them as planned by it, as if accepted before its ``before_forward``, so that its report names them for the
+        positions it wrote (canary/manager/attribution.py ``holds``); requests not in that step, or any request
+        when one joined or left since that step began, are not counted so. Detection needs nothing of it: a step
+        verifies only positions below its ``prefix_lens``, so a token sampled at step N is first verified at
+        N + 2.
+
+        Raises ``KeyError`` for a request not running; ``ValueError`` for a request listed twice, a length
+        mismatch, a request past ``max_seq_len + 1`` tokens (nothing is accepted then), a device array on another
+        device or not contiguous; ``TypeError`` for token ids that are not integers; ``RuntimeError`` for
+        ``fed_to_last_step=True`` with a step open (before its ``after_kv_store``: nothing is accepted)."""
+        fed = None
+        if fed_to_last_step:
+            steps = self._steps
+            if steps.step is not None:
+                raise fail(RuntimeError, f"accept_tokens_batch: expected fed_to_last_step=True after the step's "
+                                         f"after_kv_store, got step {steps.step.index} still open")
+            fed = self._count_fed
+        self._intake.accept_batch(request_ids, token_ids, stream, fed)
+
+    @request_call
+    def finish_request(self, request_id: Hashable) -> None:
+        """Stop tracking a request. Its pool row keeps its tokens until every other free row was reused, so a
+        stale forward naming it is still checked. Raises ``KeyError`` for a request not running."""
+        self.requests.finish(request_id)
+        self._decoder.last_rows = None
+        self._marks.release_request(request_id)
+
+    def _count_fed(self, request_ids: tuple, rows: np.ndarray, ends: np.ndarray) -> None:
+        # accept_tokens_batch(fed_to_last_step=True): the accepted tokens (``rows``, their new counts ``ends``)
+        # counted as planned by the last closed step for the requests it held (attribution.py holds); none when a
+        # request joined or left since that step began (its rows may be another request's now)
+        steps, pool = self._steps, self.requests
+        if steps.closed is None:
+            return
+        rec, _, members = steps.closed
+        if pool.members != members:
+            return
+        at = steps.group_at[rec.groups]
+        if request_ids is rec.request_ids or request_ids == rec.request_ids:
+            pool.planned[at, rows] = ends  # padding rows: row 0, count 0
+            return
+        held = set(rec.request_ids)
+        keep = [k for k, rid in enumerate(request_ids) if rid is not None and rid in held]
+        if keep:
+            pool.planned[at, rows[keep]] = ends[keep]

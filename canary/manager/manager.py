@@ -7,7 +7,7 @@ request identity (:meth:`~CanaryManager.add_request`, :meth:`~CanaryManager.acce
 
 The manager holds the public calls; each job is a room of its own: the step state machine (``steps.py``) and its
 launch stream (``streams.py``), the staging (``staging.py``), the mailbox (``mailbox.py``), the report decoder
-(``decode.py``), the token intake (``intake.py``) and the records moved with the KV (``moves.py``)."""
+(``decode.py``), the token intake and the request calls (``intake.py``) and the records moved with the KV (``moves.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,7 +29,7 @@ from .eager import EagerGraphs
 from .groups import BOUND_ATTRS, BoundGroup, KVGroup, bind_group, bound_of, check_bound, check_groups, rebound
 from .guard import Guarded, request_call, step_call
 from .index import index_shape, step_arrays
-from .intake import TokenIntake
+from .intake import RequestCalls, TokenIntake
 from .moves import RecordMoves
 from .pool import RequestPool
 from .report import SlotViolation
@@ -45,7 +45,7 @@ from .transfer import open_transfer
 MODES = ("log", "raise")
 
 
-class CanaryManager(Guarded, RecordMoves, DistributedManager):
+class CanaryManager(Guarded, RequestCalls, RecordMoves, DistributedManager):
     """Detect KV-cache corruption around an engine's forward: plan, verify, write, report; move the records with
     KV that moves (:meth:`gather_records`, :meth:`scatter_records`, :meth:`move_records`: SPEC 4.1).
 
@@ -261,50 +261,6 @@ class CanaryManager(Guarded, RecordMoves, DistributedManager):
     def _append_scatter(self, empty, upd) -> DeviceScatter:
         # What a manager without the backend's device append builds (staging.append_scatter; tests build it too)
         return append_scatter(empty, self.pool_array, self._qv, upd, self.ordinal, self.backend)
-
-    # -- expected tokens -----------------------------------------------------------------------------------------
-    @request_call
-    def add_request(self, request_id: Hashable, prompt_token_ids: Sequence[int] | np.ndarray) -> None:
-        """Start tracking a request: its own expected-token pool row, holding its prompt (``[P]`` int token ids,
-        host). Raises ``ValueError`` for a request already running, ``None`` as an id, a prompt longer than
-        ``max_seq_len + 1``; ``RuntimeError`` when every pool row is taken (raise ``max_requests``)."""
-        self.requests.add(request_id, prompt_token_ids)
-        self._decoder.last_rows = None  # a new request under an old id is noted
-
-    @request_call
-    def accept_tokens(self, request_id: Hashable, token_ids: Sequence[int] | np.ndarray) -> None:
-        """Append a step's accepted tokens (host ints: the sampled token, or a speculative step's accepted drafts
-        and bonus token; never rejected drafts). They reach the device at the next :meth:`before_forward`.
-        Raises ``KeyError`` for a request not running, ``ValueError`` past ``max_seq_len + 1`` tokens."""
-        self.requests.accept(request_id, token_ids)
-
-    @request_call
-    def accept_tokens_batch(self, request_ids: Sequence[Hashable], token_ids: Any, *, stream: Any = None) -> None:
-        """:meth:`accept_tokens` for a whole decode batch at once: ``token_ids[i]`` is the one token request
-        ``request_ids[i]`` accepted this step (a plain decode step's sampled tokens). Requests must be running and
-        distinct; ``None`` marks a padding row (a batch padded to a graph size), whose token is ignored. One update
-        for the batch instead of one per request: the host cost of a step that accepts a token for each of 256
-        requests drops from about 1 us a request to a few numpy calls (docs/performance.md). For several tokens a
-        request (speculative decoding), call :meth:`accept_tokens` per request.
-
-        ``token_ids``: ``[bs]`` host ints (a list, a NumPy array, a CPU tensor), or the engine's device array of
-        sampled token ids (int64 or int32, contiguous, on this manager's device; DLPack / CUDA array interface). A
-        device array is copied here, on ``stream`` (default: its library's current stream), into the manager's own
-        device ring (CuPy backend; canary/manager/accepted.py): the engine may reuse or zero its buffer at once, and
-        each accept before a step keeps its tokens. Numba-backend or CPU manager: copied to the host (a sync).
-
-        Raises ``KeyError`` for a request not running; ``ValueError`` for a request listed twice, a length
-        mismatch, a request past ``max_seq_len + 1`` tokens (nothing is accepted then), a device array on another
-        device or not contiguous; ``TypeError`` for token ids that are not integers."""
-        self._intake.accept_batch(request_ids, token_ids, stream)
-
-    @request_call
-    def finish_request(self, request_id: Hashable) -> None:
-        """Stop tracking a request. Its pool row keeps its tokens until every other free row was reused, so a
-        stale forward naming it is still checked. Raises ``KeyError`` for a request not running."""
-        self.requests.finish(request_id)
-        self._decoder.last_rows = None
-        self._marks.release_request(request_id)
 
     # -- per step ------------------------------------------------------------------------------------------------
     @step_call()

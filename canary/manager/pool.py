@@ -189,13 +189,15 @@ class RequestPool:
             self.counts[req.row] = start + n
             self.updates.append((req.row, start, toks))
 
-    def accept_batch(self, request_ids: tuple, tokens: np.ndarray | None, same_rows=None, device=None) -> None:
+    def accept_batch(self, request_ids: tuple, tokens: np.ndarray | None, same_rows=None,
+                     device=None) -> tuple[np.ndarray, np.ndarray]:
         """One token for each running request of ``request_ids`` (distinct; ``None``: a padding row, its token
         ignored), ``tokens`` ``[k]`` int64 (or
         ``None`` and ``device`` = ``(view, array)`` of device token ids, see :class:`RowTokens`): one update for
         the batch. The ids' rows are looked up once per batch (reused while no request is added or finished),
         the counts checked and advanced together. ``same_rows(request_ids)``: an array of these rows the caller
-        already holds (or ``None``), adopted when equal, so that the caller can tell its batch by identity."""
+        already holds (or ``None``), adopted when equal, so that the caller can tell its batch by identity.
+        Returns ``(rows, ends)``: each id's pool row (0 for padding) and its new count."""
         last = self._cached_batch(request_ids)
         if last is not None:
             rows, pad = last[2], last[3]
@@ -239,6 +241,7 @@ class RequestPool:
         self._batch_state = (self.version, rows, ends, top + 1)
         self.updates.append(RowTokens(rows, cols, tokens, ends, device, self.version - 1))
         self.accepting = True
+        return rows, ends
 
     def _refuse_batch(self, request_ids: tuple) -> None:
         live = self.live.get

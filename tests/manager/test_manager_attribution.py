@@ -188,3 +188,61 @@ def test_a_draft_step_after_an_accept_does_not_extend_the_target_groups_bound():
     holds = m._decoder.names.holds
     assert [holds(full, "x", p) for p in (5, 6)] == [True, False]
     assert [holds(draft, "x", p) for p in (5, 6)] == [True, False]  # position 5's draft KV holds token 6
+
+
+def _late_steps(e: ToyEngine, rids: list, n: int, kept: tuple | None, fed: bool, before_last=None) -> tuple:
+    """``n`` decode steps of an engine that accepts a step's sampled tokens one step late, after the next step's
+    after_kv_store (``fed``: with ``fed_to_last_step=True``); ``before_last()`` runs before the last forward.
+    Returns the tokens still kept."""
+    for i in range(n):
+        if before_last is not None and i == n - 1:
+            before_last()
+        e.forward([(rid, len(e.reqs[rid]["tokens"]) - e.reqs[rid]["kv_len"]) for rid in rids])
+        if kept is not None:
+            e.manager.accept_tokens_batch(*kept, fed_to_last_step=fed)
+        toks = [1000 + len(e.reqs[rid]["tokens"]) for rid in rids]
+        for rid, t in zip(rids, toks):
+            e.reqs[rid]["tokens"].append(t)  # the engine knows them now; the canary after the next forward
+        kept = (list(rids), np.array(toks, dtype=np.int64))
+    return kept
+
+
+@pytest.mark.parametrize("fed", [True, False])
+def test_tokens_accepted_one_step_late_still_name_the_writer(fed):
+    # An engine that accepts a step's tokens behind the next forward (the transformers integration's order):
+    # the step that wrote position pb was planned before b's token there was accepted. fed_to_last_step counts it
+    # as planned by that step, so the write row names b as when the accept came first; without it, nobody.
+    got: list = []
+    e = _engine(got)
+    kept = _late_steps(e, ["a", "b"], 2, None, fed)
+    e.manager.flush()
+    assert got == []
+    pb = e.reqs["b"]["kv_len"]
+    kept = _late_steps(e, ["a", "b"], 1, kept, fed, before_last=lambda: _shift_position(e, 1, 5))
+    e.manager.accept_tokens_batch(*kept, fed_to_last_step=fed)
+    e.manager.flush()
+    (w,) = [v for v in _found(got) if v.kernel == "write"]
+    assert w.reasons == FailReason.WRITE_POSITION and (w.slot, w.position) == (e.slot_of("b", pb), pb + 5)
+    assert w.writers == ((("b", pb),) if fed else ())
+
+
+def test_fed_to_last_step_refuses_an_open_step_and_skips_a_changed_batch():
+    got: list = []
+    e = _engine(got)
+    kept = _late_steps(e, ["a", "b"], 2, None, True)
+    m = e.manager
+    m.before_forward(req_pool_indices=e.a([e.reqs["a"]["row"]], name="rpi1"), prefix_lens=e.a([0], name="p1"),
+                     extend_seq_lens=e.a([0], name="x1"), request_ids=["a"])
+    counts = m.requests.counts.copy()
+    with pytest.raises(RuntimeError, match=r"^kv-canary: accept_tokens_batch: expected fed_to_last_step=True after "
+                                           r"the step's after_kv_store, got step \d+ still open"):
+        m.accept_tokens_batch(*kept, fed_to_last_step=True)
+    assert (m.requests.counts == counts).all()  # nothing accepted
+    m.after_kv_store(out_cache_loc=e.a([], name="l1"), input_ids=e.a([], name="t1"), positions=e.a([], name="q1"))
+    # a request joined since the step began: its row may be one the step read for another; nothing is counted
+    e.add("c", [3, 4])
+    planned = m.requests.planned.copy()
+    m.accept_tokens_batch(*kept, fed_to_last_step=True)
+    assert (m.requests.planned == planned).all()
+    m.flush()
+    assert got == []
