@@ -23,22 +23,20 @@ class Accepts:
         forward's launch (:meth:`accept_kept`)."""
         if self._fork_moves[0]:
             self.move_fork_records()
-        if self._kept is not None:  # the last batch's (no end_step since: a step without a protected row)
-            t = time.perf_counter()
-            self.accept_kept()
-            self._x += time.perf_counter() - t
         t = time.perf_counter()
+        kept, self._kept = self._kept, None
+        if kept is not None:  # the last batch's (no end_step since: a step without a protected row)
+            self._accept(kept)
         batch = self._ios()[0].requests_in_batch
         if self.defer_accept:
             # The states hold these tokens until the engine's next update_batch, which comes after the next
             # end_step; every hook that could end or move a request first accepts them (accept_kept).
             self._kept = list(batch)
-            self._t += time.perf_counter() - t
-            self._x += time.perf_counter() - t
-            return
-        self._accept(batch)
-        self._t += time.perf_counter() - t
-        self._x += time.perf_counter() - t
+        else:
+            self._accept(batch)
+        took = time.perf_counter() - t
+        self._t += took
+        self._x += took
 
     def accept_kept(self, fed: bool = False) -> None:
         """Accept the tokens of the batch :meth:`on_update` kept (none kept: nothing). Why the next step's verify

@@ -33,8 +33,9 @@ PATCHES = (
      "thread (the last step's report delivered before stop() returns)",
      "the canary's step calls run on one thread; a session is one loop"),
     ("processor.model_runner.compute_batch", "before_forward before the forward, after_kv_store after it, on the "
-     "engine's compute stream; with sync batching, then the last update_batch's tokens accepted", "the one call around the forward, its KV stores and its CUDA-graph replay or "
-     "capture; the model's attention is inside"),
+     "engine's compute stream; with sync batching, then the last update_batch's tokens accepted",
+     "the one call around the forward, its KV stores and its CUDA-graph replay or capture; the model's attention "
+     "is inside"),
     ("processor.update_batch", "after it: accept the tokens the engine appended to the batch's request states "
      "(sync batching: keep the batch, accepted in the next compute_batch behind its forward)",
      "where sampled tokens become the requests' tokens (after EOS / length handling), as host ints"),

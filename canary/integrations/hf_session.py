@@ -233,10 +233,10 @@ class Session(Accepts, KVMoves):
     def _admit(self, rid: Hashable, state: Any, past: int, forked: bool = False) -> _Live | None:
         """Give ``rid`` a row and its expected tokens (``forked``: a fork child, whose first ``past`` tokens are its
         parent's, in blocks whose records followed them: :meth:`on_fork`); ``None`` when it runs unprotected."""
-        old = self.live.get(rid)
-        if old is not None:  # a new state under a known id: the old one ended without its blocks being freed
-            self.accept_kept()  # its last tokens (and the kept batch's others) first
-            self.live.pop(rid, None)
+        if rid in self.live:  # a new state under a known id: the old one ended without its blocks being freed
+            self.accept_kept()  # its last tokens (and the kept batch's others) first; that may drop it
+        old = self.live.pop(rid, None)
+        if old is not None:
             self.canary.finish_request(rid)
             self.free_rows.append(old.row)
         limit = state.max_new_tokens

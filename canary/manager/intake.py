@@ -32,16 +32,16 @@ class TokenIntake:
         self._ids_cache: tuple | None = None  # (type, snapshot, tuple) of the last request ids (ids)
         self.rows_cache: tuple | None = None  # (request ids, pool members version, pool rows) of rows
 
-    def accept_batch(self, request_ids: Any, token_ids: Any, stream: Any = None, fed: Any = None) -> None:
+    def accept_batch(self, request_ids: Any, token_ids: Any, stream: Any = None) -> None:
         """The manager's :meth:`~canary.CanaryManager.accept_tokens_batch` (its docstring; the device path's rule:
         canary/manager/accepted.py). ``stream``: where a device array's copy runs (default: the current stream
-        of its library). ``fed(ids, rows, ends)``: called once the tokens are accepted (``fed_to_last_step``)."""
+        of its library)."""
         ids = self.ids(request_ids)
         if token_ids is None:
             raise fail(TypeError, f"token_ids: expected one token id per request ([{len(ids)}] host ints or a device "
                                   f"array), got None")
         if type(token_ids) not in (list, tuple, np.ndarray):
-            token_ids = self._device_tokens(ids, token_ids, stream, fed)
+            token_ids = self._device_tokens(ids, token_ids, stream)
             if token_ids is None:
                 return
         toks = host_token_array(token_ids, "token_ids")
@@ -49,11 +49,9 @@ class TokenIntake:
             raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
                                    f"{tuple(np.shape(token_ids))}")
         if len(ids):
-            rows, ends = self.requests.accept_batch(ids, toks.astype(np.int64, copy=True), self._batch_rows)
-            if fed is not None:
-                fed(ids, rows, ends)
+            self.requests.accept_batch(ids, toks.astype(np.int64, copy=True), self._batch_rows)
 
-    def _device_tokens(self, ids: tuple, token_ids: Any, stream: Any = None, fed: Any = None) -> Any:
+    def _device_tokens(self, ids: tuple, token_ids: Any, stream: Any = None) -> Any:
         """accept_tokens_batch's arrays that are not NumPy's: device token ids are copied on ``stream`` into the
         manager's ring when this manager appends on the device (returns ``None``; canary/manager/accepted.py);
         otherwise returns host values for the host path (a device array copied to the host: a sync, e.g. a
@@ -89,13 +87,11 @@ class TokenIntake:
             raise fail(ValueError, f"token_ids: expected one token per request ([{len(ids)}]), got shape "
                                    f"{tuple(view.shape)}")
         if len(ids):
-            rows, ends = self.requests.accept_batch(ids, None, self._batch_rows, device=(view, token_ids))
+            self.requests.accept_batch(ids, None, self._batch_rows, device=(view, token_ids))
             ring = self.staging.accept
             if ring is not None:  # copied now, on the accepting stream: the engine may reuse its buffer at once
                 update = self.requests.updates[-1]
                 update.device = ring.hold(view, launch_stream(self.ordinal, stream, token_ids)[0], update)
-            if fed is not None:
-                fed(ids, rows, ends)
         return None
 
     def ids(self, request_ids: Any) -> tuple:
@@ -216,14 +212,13 @@ class RequestCalls:
         mismatch, a request past ``max_seq_len + 1`` tokens (nothing is accepted then), a device array on another
         device or not contiguous; ``TypeError`` for token ids that are not integers; ``RuntimeError`` for
         ``fed_to_last_step=True`` with a step open (before its ``after_kv_store``: nothing is accepted)."""
-        fed = None
-        if fed_to_last_step:
-            steps = self._steps
-            if steps.step is not None:
-                raise fail(RuntimeError, f"accept_tokens_batch: expected fed_to_last_step=True after the step's "
-                                         f"after_kv_store, got step {steps.step.index} still open")
-            fed = self._count_fed
-        self._intake.accept_batch(request_ids, token_ids, stream, fed)
+        if fed_to_last_step and self._steps.step is not None:
+            raise fail(RuntimeError, f"accept_tokens_batch: expected fed_to_last_step=True after the step's "
+                                     f"after_kv_store, got step {self._steps.step.index} still open")
+        version = self.requests.version
+        self._intake.accept_batch(request_ids, token_ids, stream)
+        if fed_to_last_step and self.requests.version != version:  # accepted (none for an empty batch)
+            self._count_fed()
 
     @request_call
     def finish_request(self, request_id: Hashable) -> None:
@@ -233,16 +228,17 @@ class RequestCalls:
         self._decoder.last_rows = None
         self._marks.release_request(request_id)
 
-    def _count_fed(self, request_ids: tuple, rows: np.ndarray, ends: np.ndarray) -> None:
-        # accept_tokens_batch(fed_to_last_step=True): the accepted tokens (``rows``, their new counts ``ends``)
-        # counted as planned by the last closed step for the requests it held (attribution.py holds); none when a
-        # request joined or left since that step began (its rows may be another request's now)
+    def _count_fed(self) -> None:
+        # accept_tokens_batch(fed_to_last_step=True): the batch just accepted counted as planned by the last closed
+        # step for the requests it held (attribution.py holds); none when a request joined or left since that step
+        # began (its rows may be another request's now)
         steps, pool = self._steps, self.requests
         if steps.closed is None:
             return
-        rec, _, members = steps.closed
+        rec, members = steps.closed
         if pool.members != members:
             return
+        request_ids, rows, ends = pool.last_accepted()
         at = steps.group_at[rec.groups]
         if request_ids is rec.request_ids or request_ids == rec.request_ids:
             pool.planned[at, rows] = ends  # padding rows: row 0, count 0

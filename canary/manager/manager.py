@@ -7,7 +7,8 @@ request identity (:meth:`~CanaryManager.add_request`, :meth:`~CanaryManager.acce
 
 The manager holds the public calls; each job is a room of its own: the step state machine (``steps.py``) and its
 launch stream (``streams.py``), the staging (``staging.py``), the mailbox (``mailbox.py``), the report decoder
-(``decode.py``), the token intake and the request calls (``intake.py``) and the records moved with the KV (``moves.py``)."""
+(``decode.py``), the token intake and the request calls (``intake.py``) and the records moved with the KV
+(``moves.py``)."""
 from __future__ import annotations
 
 import dataclasses

@@ -189,15 +189,13 @@ class RequestPool:
             self.counts[req.row] = start + n
             self.updates.append((req.row, start, toks))
 
-    def accept_batch(self, request_ids: tuple, tokens: np.ndarray | None, same_rows=None,
-                     device=None) -> tuple[np.ndarray, np.ndarray]:
+    def accept_batch(self, request_ids: tuple, tokens: np.ndarray | None, same_rows=None, device=None) -> None:
         """One token for each running request of ``request_ids`` (distinct; ``None``: a padding row, its token
         ignored), ``tokens`` ``[k]`` int64 (or
         ``None`` and ``device`` = ``(view, array)`` of device token ids, see :class:`RowTokens`): one update for
         the batch. The ids' rows are looked up once per batch (reused while no request is added or finished),
         the counts checked and advanced together. ``same_rows(request_ids)``: an array of these rows the caller
-        already holds (or ``None``), adopted when equal, so that the caller can tell its batch by identity.
-        Returns ``(rows, ends)``: each id's pool row (0 for padding) and its new count."""
+        already holds (or ``None``), adopted when equal, so that the caller can tell its batch by identity."""
         last = self._cached_batch(request_ids)
         if last is not None:
             rows, pad = last[2], last[3]
@@ -241,7 +239,10 @@ class RequestPool:
         self._batch_state = (self.version, rows, ends, top + 1)
         self.updates.append(RowTokens(rows, cols, tokens, ends, device, self.version - 1))
         self.accepting = True
-        return rows, ends
+
+    def last_accepted(self) -> tuple[tuple, np.ndarray, np.ndarray]:
+        """``(request ids, pool rows, new counts)`` of the last :meth:`accept_batch` (row 0, count 0: padding)."""
+        return self._batch[0], self._batch_state[1], self._batch_state[2]
 
     def _refuse_batch(self, request_ids: tuple) -> None:
         live = self.live.get

@@ -71,9 +71,8 @@ class Steps:
         self.pending: deque = deque()
         self.prepared = False  # prepare_verifies ran
         self.step: StepRecord | None = None
-        # (record, pool rows, pool members) of the step at its begin, then of the last closed one (closed)
-        self.step_rows: tuple | None = None
-        self.closed: tuple | None = None
+        self.step_members = 0  # the pool's members version when the open step began
+        self.closed: tuple | None = None  # (record, its step_members) of the last closed step
         self.inputs: tuple | None = None
         self.last_staged: tuple | None = None  # (pool rows, pool version, stream) of the last staging
         self.deferred: tuple | None = None  # (scatter, rows, tokens, copy): the staging left to before_forward
@@ -176,7 +175,7 @@ class Steps:
             pool.planned[at, q] = pool.counts[q]
             self.last_planned = (names, q, pool.version)
         self.step = StepRecord(self.stats_.steps, ids, names, bs)
-        self.step_rows = (q, pool.members)
+        self.step_members = pool.members
         self.stats_.steps += 1
 
     def recover(self, handle: int) -> None:
@@ -469,7 +468,7 @@ class Steps:
             self.free_report_slot()
             token = self.mailbox.snapshot(rpi, bs, handle)
         self.pending.append((self.step, token))
-        self.closed = (self.step, *self.step_rows)
+        self.closed = (self.step, self.step_members)
         self.step = None
 
     def free_report_slot(self) -> None:
