@@ -156,7 +156,7 @@ def test_the_device_path_on_cpu_tensors(model, reference):
     def inject(step, processor):
         if step == 8:
             s = _first_block(processor, "req_0") * BLOCK + 2
-            processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+            flip_k_byte(processor, s)
 
     for fault in (None, inject):
         gen, cbc = configs()
@@ -196,13 +196,42 @@ def _first_block(processor, rid):
     return processor.cache.group_cache_managers[0].block_table[rid][0]
 
 
+def flip_k_byte(processor, slot: int) -> None:
+    """One bit of layer 0's K bytes of ``slot`` flipped (what a stray write does)."""
+    processor.cache.key_cache[0].view(torch.uint8)[slot].view(-1)[5] ^= 0x10
+
+
+def misread(processor) -> int | None:
+    """This step's read index made to read req_1's slot of position 2 for req_0's position 2 (an engine's index
+    construction gone wrong for one step); returns that slot, or None when the step reads no cache or misses
+    either request."""
+    io = processor.inputs_and_outputs
+    batch = [fs.state.request_id for fs in io.requests_in_batch]
+    if io.max_kv_read == 0 or not {"req_0", "req_1"} <= set(batch):
+        return None
+    starts = io.cumulative_seqlens_k["full_attention"]
+    a, b = (int(starts[batch.index(r)]) + 2 for r in ("req_0", "req_1"))
+    io.read_index_storage[0, a] = io.read_index_storage[0, b]
+    return int(io.read_index_storage[0, b])
+
+
+def decoding(io, rid: str) -> tuple[int, int] | None:
+    """``(batch row, token index)`` of ``rid`` when it decodes in this step (one query token), else None."""
+    batch = [fs.state.request_id for fs in io.requests_in_batch]
+    if rid not in batch:
+        return None
+    r = batch.index(rid)
+    q = [fs.query_length for fs in io.requests_in_batch]
+    return (r, sum(q[:r])) if q[r] == 1 else None
+
+
 def test_a_flipped_k_byte_is_reported_on_its_slot_and_request(model):
     at, slot = 8, []
 
     def inject(step, processor):
         if step == at:
             s = _first_block(processor, "req_0") * BLOCK + 2  # req_0's position 2
-            processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+            flip_k_byte(processor, s)
             slot.append(s)
 
     _, handle = run(model, inject=inject)
@@ -217,16 +246,9 @@ def test_a_wrong_slot_in_the_engines_read_index_is_reported(model):
     seen = []
 
     def inject(step, processor):
-        if step != 8:
-            return
-        io = processor.inputs_and_outputs
-        batch = [fs.state.request_id for fs in io.requests_in_batch]
-        if io.max_kv_read == 0 or not {"req_0", "req_1"} <= set(batch):
-            return
-        starts = io.cumulative_seqlens_k["full_attention"]
-        a, b = (int(starts[batch.index(r)]) + 2 for r in ("req_0", "req_1"))
-        io.read_index_storage[0, a] = io.read_index_storage[0, b]
-        seen.append(int(io.read_index_storage[0, b]))
+        slot = misread(processor) if step == 8 else None
+        if slot is not None:
+            seen.append(slot)
 
     _, handle = run(model, inject=inject)
     assert seen, "step 8 read no cache"
@@ -247,14 +269,11 @@ def test_a_token_the_model_reads_but_did_not_sample_is_reported(model, behind):
     at, seen = 10, []
 
     def inject(step, processor):
-        if step != at:
-            return
         io = processor.inputs_and_outputs
-        batch = [fs.state.request_id for fs in io.requests_in_batch]
-        q = [fs.query_length for fs in io.requests_in_batch]
-        if "req_0" not in batch or q[batch.index("req_0")] != 1:
+        row = decoding(io, "req_0") if step == at else None
+        if row is None:
             return
-        i = sum(q[:batch.index("req_0")])
+        i = row[1]
         sampled = int(io.input_ids[i])
         io.input_ids[i] = (sampled % 127) + 1 if sampled != 127 else 1
         seen.append((int(io.position_ids[i]), sampled, int(io.input_ids[i])))
@@ -541,7 +560,7 @@ def test_a_corrupted_shared_block_is_reported_for_its_readers(model):
             holders = [r for r, b in table.items() if b and b[0] == table.get("req_0", [None])[0]]
             if len(holders) >= 2:
                 s = table["req_0"][0] * BLOCK + 2  # position 2 of the shared prefix
-                processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+                flip_k_byte(processor, s)
                 hit.append(s)
         if hit:
             readers.update(fs.state.request_id for fs in processor.inputs_and_outputs.requests_in_batch
@@ -626,7 +645,7 @@ def test_a_flipped_k_byte_a_fork_child_reads_is_reported_naming_its_readers(mode
         table = processor.cache.group_cache_managers[0].block_table
         if not hit and "req_2__child#1" in table:
             s = table[rid][0] * BLOCK + 2
-            processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+            flip_k_byte(processor, s)
             hit.append(s)
         if hit:
             readers.update(fs.state.request_id for fs in processor.inputs_and_outputs.requests_in_batch
@@ -748,7 +767,7 @@ def test_cuda_graphs_clean_and_flipped(use_async):
         if step == 8:  # on the compute stream: ordered behind the last forward and before the next
             s = _first_block(processor, "req_0") * BLOCK + 2
             with torch.cuda.stream(processor.inputs_and_outputs.compute_stream):
-                processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+                flip_k_byte(processor, s)
             slot.append(s)
 
     _, handle = run(gpu, inject=inject, **opts)
@@ -785,7 +804,7 @@ def test_cuda_graphs_forks_clean_and_flipped(use_async, request):
         if not slot and "req_2__child#0" in table:  # on the compute stream, as in test_cuda_graphs_clean_and_flipped
             s = table["req_2__child#0"][0] * BLOCK + 2
             with torch.cuda.stream(processor.inputs_and_outputs.compute_stream):
-                processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+                flip_k_byte(processor, s)
             slot.append(s)
 
     _, handle = run(gpu, inject=inject, allow_block_sharing=False, **opts)

@@ -21,21 +21,17 @@ def test_a_decode_write_row_names_its_writer(model, behind):
     at, seen = 10, []
 
     def inject(step, processor):
-        if step != at:
-            return
         io = processor.inputs_and_outputs
+        row = T.decoding(io, "req_0") if step == at else None
         batch = [fs.state.request_id for fs in io.requests_in_batch]
-        q = [fs.query_length for fs in io.requests_in_batch]
-        if not {"req_0", "req_1"} <= set(batch) or q[batch.index("req_0")] != 1:
+        if row is None or "req_1" not in batch:
             return
-        r0 = batch.index("req_0")
-        st = io.requests_in_batch[r0].state
-        past = st.position_offset - 1
+        (r0, i), r1 = row, batch.index("req_1")
+        past = io.requests_in_batch[r0].state.position_offset - 1
         starts = io.cumulative_seqlens_k["full_attention"]
         a = int(starts[r0]) + past - 1  # req_0's last cached position: the write's seed
-        b = int(starts[batch.index("req_1")]) + 2  # req_1's position 2
+        b = int(starts[r1]) + 2  # req_1's position 2
         io.read_index_storage[0, a] = io.read_index_storage[0, b]
-        i = sum(q[:r0])
         seen.append((past, int(io.write_index_storage[0, i])))
 
     _, handle = run(model, inject=inject, internal={"accept_behind_forward": behind})
@@ -64,20 +60,12 @@ def test_every_row_of_the_victim_names_the_thief(model, behind, how):
 
 def flip(step, processor):
     if step == 8:
-        s = T._first_block(processor, "req_0") * BLOCK + 2
-        processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+        T.flip_k_byte(processor, T._first_block(processor, "req_0") * BLOCK + 2)
 
 
 def wrong_slot(step, processor):
-    if step != 8:
-        return
-    io = processor.inputs_and_outputs
-    batch = [fs.state.request_id for fs in io.requests_in_batch]
-    if io.max_kv_read == 0 or not {"req_0", "req_1"} <= set(batch):
-        return
-    starts = io.cumulative_seqlens_k["full_attention"]
-    a, b = (int(starts[batch.index(r)]) + 2 for r in ("req_0", "req_1"))
-    io.read_index_storage[0, a] = io.read_index_storage[0, b]
+    if step == 8:
+        T.misread(processor)
 
 
 def stale_input(step, processor):
@@ -118,25 +106,39 @@ SCENARIOS = {
 }
 
 
-def go(model, name, behind):
+def both_ways(model, make, summary=None) -> list:
+    """``run(model, **make())`` with the accept in update_batch, then behind the next forward (``make`` is called
+    for each run: fresh injectors); ``summary(results, handle)`` of each, by default :func:`outcome`."""
+    out = []
+    for behind in (False, True):
+        kw = make()
+        internal = dict(kw.pop("internal", {}), accept_behind_forward=behind)
+        out.append((summary or outcome)(*run(model, internal=internal, **kw)))
+    return out
+
+
+def outcome(results, handle) -> tuple:
+    """Tokens, report lines, errors and the protection counts of a run."""
+    st = handle.stats()
+    return (T.tokens(results), [v.line() for v in handle.violations], st["errors"], st["protected_tokens"],
+            st["protected_requests"], st["unprotected_requests"])
+
+
+def scenario(name: str) -> dict:
     kw = dict(SCENARIOS[name])
-    h = kw.pop("hijack", None)
-    if h:
-        kw["inject"] = T._hijack("req_2", h)[0]
+    how = kw.pop("hijack", None)
+    if how:
+        kw["inject"] = T._hijack("req_2", how)[0]
     if kw.get("prompts") == "SHARED":
         kw["prompts"] = T.SHARED
-    internal = dict(kw.pop("internal", {}), accept_behind_forward=behind)
-    results, handle = T.run(model, internal=internal, **kw)
-    return T.tokens(results), [v.line() for v in handle.violations], handle.stats()["errors"]
+    return kw
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_same_reports_either_way(model, name):
-    a = go(model, name, False)
-    b = go(model, name, True)
+    a, b = both_ways(model, lambda: scenario(name))
     assert a[2] == [] and b[2] == []
-    assert a[0] == b[0]
-    assert a[1] == b[1], "\n".join(["update:"] + a[1] + ["behind:"] + b[1])
+    assert a == b, "\n".join(["update:"] + a[1] + ["behind:"] + b[1])
 
 
 def cpu_flip():
@@ -160,7 +162,7 @@ def shared_flip(where):
         table = processor.cache.group_cache_managers[0].block_table
         if not hit and "req_2__child#1" in table:
             s = table[rid][0] * BLOCK + 2
-            processor.cache.key_cache[0].view(torch.uint8)[s].view(-1)[5] ^= 0x10
+            T.flip_k_byte(processor, s)
             hit.append(s)
     return inject
 
@@ -171,7 +173,7 @@ MOVES = {
     "forks3_starved_shared": lambda: dict(forks=3, num_blocks=8, allow_block_sharing=True),
     "forks3_starved_offload": lambda: dict(forks=3, num_blocks=8, cpu_offload_space=0.001),
     "offload": lambda: dict(num_blocks=8, cpu_offload_space=0.001),
-    "offload_cancel": lambda: dict(num_blocks=8, cpu_offload_space=0.001, cancel="req_2"),
+    "offload_cancel": lambda: dict(num_blocks=8, cpu_offload_space=0.001, cancel="req_2", expect=3),
     "offload_cpu_flip": lambda: dict(num_blocks=8, cpu_offload_space=0.001, inject=cpu_flip()),
     "fork_flip_shared": lambda: dict(forks=3, allow_block_sharing=True, num_blocks=64, inject=shared_flip("shared")),
     "fork_flip_copied": lambda: dict(forks=3, num_blocks=64, inject=shared_flip("copied")),
@@ -180,18 +182,9 @@ MOVES = {
 
 @pytest.mark.parametrize("name", list(MOVES))
 def test_same_reports_either_way_when_kv_moves(model, cpu_pool, name):
-    out = []
-    for behind in (False, True):
-        kw = MOVES[name]()
-        expect = None
-        if kw.get("cancel"):
-            expect = 3
-        results, handle = T.run(model, internal={"accept_behind_forward": behind}, expect=expect, **kw)
-        st = handle.stats()
-        out.append((T.tokens(results), [v.line() for v in handle.violations], st["errors"], st["protected_tokens"],
-                    st["protected_requests"], st["unprotected_requests"]))
-    assert out[0][2] == [] and out[1][2] == []
-    assert out[0] == out[1], "\n".join(["update:"] + out[0][1] + ["behind:"] + out[1][1])
+    a, b = both_ways(model, MOVES[name])
+    assert a[2] == [] and b[2] == []
+    assert a == b, "\n".join(["update:"] + a[1] + ["behind:"] + b[1])
 
 
 def bad_index(step, processor):
@@ -212,28 +205,25 @@ def summary(results, handle):
 
 @pytest.mark.parametrize("case", ["forward_raises", "store_raises", "raise_mode"])
 def test_same_outcome_either_way_when_a_step_fails(model, monkeypatch, case):
-    out = []
-    for behind in (False, True):
-        kw = dict(expect=4)
-        if case == "forward_raises":
-            kw["inject"] = bad_index
-        elif case == "raise_mode":
-            kw.update(inject=flip, options={"on_violation": "raise"})
-        if case == "store_raises":
-            orig = hf_session.Session.end_step
-            n = [0]
+    orig = hf_session.Session.end_step
 
-            def end_step(self, step):
-                n[0] += 1
-                if n[0] == 9:
-                    raise RuntimeError("after_kv_store failed")
-                return orig(self, step)
-            monkeypatch.setattr(hf_session.Session, "end_step", end_step)
-        results, handle = T.run(model, internal={"accept_behind_forward": behind}, **kw)
-        if case == "store_raises":
-            monkeypatch.undo()
-        out.append(summary(results, handle))
-    assert out[0] == out[1]
+    def make() -> dict:
+        if case == "forward_raises":
+            return dict(expect=4, inject=bad_index)
+        if case == "raise_mode":
+            return dict(expect=4, inject=flip, options={"on_violation": "raise"})
+        n = [0]  # store_raises: the ninth end_step of each run
+
+        def end_step(self, step):
+            n[0] += 1
+            if n[0] == 9:
+                raise RuntimeError("after_kv_store failed")
+            return orig(self, step)
+        monkeypatch.setattr(hf_session.Session, "end_step", end_step)
+        return dict(expect=4)
+
+    a, b = both_ways(model, make, summary)
+    assert a == b
 
 
 @pytest.mark.parametrize("cols", [30, 33, 40])
@@ -248,11 +238,6 @@ def test_requests_dropped_past_the_pool_either_way(model, monkeypatch, cols):
             state.max_new_tokens = keep
 
     monkeypatch.setattr(hf_session.Session, "_admit", admit)
-    out = []
-    for behind in (False, True):
-        results, handle = T.run(model, options={"max_seq_len": cols}, internal={"accept_behind_forward": behind})
-        st = handle.stats()
-        out.append((T.tokens(results), [v.line() for v in handle.violations], st["errors"], st["unprotected_requests"],
-                    st["protected_tokens"]))
-    assert out[0][2] == [] and out[1][2] == [] and out[0][1] == [] and out[1][1] == []
-    assert out[0] == out[1]
+    a, b = both_ways(model, lambda: dict(options={"max_seq_len": cols}))
+    assert a[2] == [] and b[2] == [] and a[1] == [] and b[1] == []
+    assert a == b
